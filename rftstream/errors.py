@@ -1,0 +1,70 @@
+"""One exception hierarchy for rftstream.
+
+Every error a user can see derives from :class:`RftError` and says *what* failed
+(config key path, message subject, actor name, registry name) and *why*. NATS
+client errors are translated into :class:`BusError` subclasses at the bus adapter.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class RftError(Exception):
+    """Base of every rftstream error."""
+
+
+class ConfigError(RftError):
+    """A config value is missing, unknown or invalid.
+
+    ``key_path`` is the dotted path (``buffer.explorer_input.taskset.path``),
+    ``value`` the offending value and ``source`` the file it came from, if any.
+    """
+
+    def __init__(
+        self,
+        key_path: str,
+        message: str,
+        *,
+        value: Any = None,
+        source: str | None = None,
+        has_value: bool = False,
+    ) -> None:
+        self.key_path = key_path
+        self.value = value
+        self.source = source
+        where = f"{source}: " if source else ""
+        shown = f" (got {value!r})" if has_value or value is not None else ""
+        super().__init__(f"{where}config key `{key_path}`: {message}{shown}")
+
+
+class RegistryError(RftError):
+    """A name is not registered (or registered twice) in a registry."""
+
+
+class PluginError(RftError):
+    """A plugin module failed to import; names the file or entry point."""
+
+
+class SchemaError(RftError):
+    """A message body does not decode as the expected wire schema."""
+
+
+class BusError(RftError):
+    """A NATS operation failed; the message names subject/stream/consumer."""
+
+
+class PayloadTooLargeError(BusError):
+    """A message (payload + headers) exceeds the server's ``max_payload``."""
+
+
+class ActorError(RftError):
+    """An actor failed; the message names the actor."""
+
+
+class WorkflowError(RftError):
+    """A workflow raised or timed out on a task."""
+
+
+class OperatorError(RftError):
+    """An experience operator raised on a batch."""

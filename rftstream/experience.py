@@ -1,0 +1,482 @@
+"""The ``Experience`` record and its msgspec wire schema.
+
+In memory an :class:`Experience` holds torch tensors (as in Trinity-RFT, so
+``exp.advantages = score * exp.action_mask`` works). On the wire one message
+carries one task's group of experiences as a :class:`ExperienceGroupMsg`
+(msgpack); token and float arrays travel as raw little-endian bytes and are
+decoded zero-copy: ``numpy.frombuffer`` over the message body, wrapped by
+``torch.from_numpy``. No pickle anywhere.
+
+Array shapes follow Trinity-RFT: ``tokens`` is the full sequence (prompt +
+response); ``logprobs``, ``action_mask``, ``advantages``, ``returns`` and
+``token_level_reward`` cover the response part only (``len(tokens) -
+prompt_length``).
+
+This module does no I/O.
+"""
+
+from __future__ import annotations
+
+import math
+import uuid
+import warnings
+from collections import defaultdict
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+import numpy as np
+import torch
+
+from rftstream.errors import PayloadTooLargeError, SchemaError
+
+SCHEMA_NAME = "rft.experience.v1"
+
+# Summary headers, so that `nats stream view` is readable without decoding.
+H_SCHEMA = "Rft-Schema"
+H_TASK = "Rft-Task"
+H_MODEL_VERSION = "Rft-Model-Version"
+H_COUNT = "Rft-Count"
+H_REWARD_MEAN = "Rft-Reward-Mean"
+H_TOKENS = "Rft-Tokens"
+H_ACTOR = "Rft-Actor"
+H_PART = "Rft-Part"
+H_MSG_ID = "Nats-Msg-Id"
+
+
+# ---------------------------------------------------------------------------
+# In-memory record
+# ---------------------------------------------------------------------------
+
+
+@dataclass
+class EID:
+    """Experience id, as in Trinity-RFT.
+
+    ``batch`` is the explorer step (or taskset batch) that produced the task,
+    ``task`` the task's id inside it, ``run`` the rollout index inside the task's
+    group, ``step`` the turn index for multi-step workflows and ``suffix`` a
+    unique tail.
+    """
+
+    batch: int | str = ""
+    task: int | str = ""
+    run: int = 0
+    step: int = 0
+    suffix: str = field(default_factory=lambda: uuid.uuid4().hex[:12])
+
+    @property
+    def tid(self) -> str:
+        """Task id: experiences with the same tid form one group."""
+        return f"{self.batch}/{self.task}"
+
+    @property
+    def rid(self) -> str:
+        """Rollout id: one rollout of a task (all its steps)."""
+        return f"{self.tid}/{self.run}"
+
+    @property
+    def sid(self) -> str:
+        """Step id: one step of one rollout."""
+        return f"{self.rid}/{self.step}"
+
+    @property
+    def uid(self) -> str:
+        """Globally unique id of this experience."""
+        return f"{self.sid}/{self.suffix}"
+
+    def __str__(self) -> str:
+        return self.uid
+
+
+TensorLike = torch.Tensor | np.ndarray | Sequence[float] | Sequence[int]
+
+
+def _as_tensor(value: Any, dtype: torch.dtype, name: str) -> torch.Tensor | None:
+    if value is None:
+        return None
+    if isinstance(value, torch.Tensor):
+        return value if value.dtype == dtype else value.to(dtype)
+    if isinstance(value, np.ndarray):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # read-only views of message bodies
+            t = torch.from_numpy(value)
+        return t if t.dtype == dtype else t.to(dtype)
+    try:
+        return torch.tensor(list(value), dtype=dtype)
+    except (TypeError, ValueError) as exc:
+        raise SchemaError(
+            f"Experience.{name}: cannot convert {type(value).__name__} to a tensor"
+        ) from exc
+
+
+@dataclass(eq=False)
+class Experience:
+    """One trajectory (or one turn of one) with everything a trainer needs.
+
+    Construct it like Trinity-RFT's: ``Experience(tokens=..., prompt_length=...,
+    reward=..., logprobs=...)``. Lists and numpy arrays are converted to tensors;
+    a missing ``action_mask`` means every response token is trained on.
+    """
+
+    tokens: torch.Tensor | Any = None
+    prompt_length: int = 1
+    logprobs: torch.Tensor | Any = None
+    reward: float | None = None
+    token_level_reward: torch.Tensor | Any = None
+    advantages: torch.Tensor | Any = None
+    returns: torch.Tensor | Any = None
+    info: dict[str, Any] = field(default_factory=dict)
+    metrics: dict[str, float] = field(default_factory=dict)
+    response_text: str | None = None
+    prompt_text: str | None = None
+    action_mask: torch.Tensor | Any = None
+    messages: list[dict[str, Any]] | None = None
+    chosen: torch.Tensor | Any = None
+    rejected: torch.Tensor | Any = None
+    chosen_text: str | None = None
+    rejected_text: str | None = None
+    model_version: int = 0
+    eid: EID = field(default_factory=EID)
+
+    def __post_init__(self) -> None:
+        self.tokens = _as_tensor(self.tokens, torch.int32, "tokens")
+        if self.tokens is None:
+            self.tokens = torch.zeros(0, dtype=torch.int32)
+        self.prompt_length = int(self.prompt_length)
+        for name in ("logprobs", "token_level_reward", "advantages", "returns"):
+            setattr(self, name, _as_tensor(getattr(self, name), torch.float32, name))
+        self.chosen = _as_tensor(self.chosen, torch.int32, "chosen")
+        self.rejected = _as_tensor(self.rejected, torch.int32, "rejected")
+        mask = _as_tensor(self.action_mask, torch.bool, "action_mask")
+        if mask is None:
+            mask = torch.ones(self.response_length, dtype=torch.bool)
+        self.action_mask = mask
+        if self.reward is not None:
+            self.reward = float(self.reward)
+        if self.info is None:
+            self.info = {}
+        if self.metrics is None:
+            self.metrics = {}
+
+    @property
+    def response_length(self) -> int:
+        return max(int(self.tokens.numel()) - self.prompt_length, 0)
+
+    @property
+    def response_tokens(self) -> torch.Tensor:
+        return self.tokens[self.prompt_length :]
+
+    @property
+    def group_id(self) -> str:
+        """The id of the group this experience belongs to (``eid.tid``)."""
+        return self.eid.tid
+
+
+def group_by(exps: Iterable[Experience], id_type: str = "task") -> dict[str, list[Experience]]:
+    """Group experiences by ``eid`` part: ``task`` (tid), ``run`` (rid) or ``step`` (sid).
+
+    Preserves first-seen order of groups and of experiences inside a group.
+    """
+    key = {"task": "tid", "run": "rid", "step": "sid"}.get(id_type)
+    if key is None:
+        raise ValueError(f"group_by: id_type must be 'task', 'run' or 'step', got {id_type!r}")
+    groups: dict[str, list[Experience]] = defaultdict(list)
+    for exp in exps:
+        groups[getattr(exp.eid, key)].append(exp)
+    return dict(groups)
+
+
+# ---------------------------------------------------------------------------
+# Wire schema (append-only: new fields go at the end, with defaults)
+# ---------------------------------------------------------------------------
+
+
+class WireEID(msgspec.Struct, array_like=True, frozen=True):
+    batch: int | str
+    task: int | str
+    run: int
+    step: int
+    suffix: str
+
+
+class ExperienceRecord(msgspec.Struct, omit_defaults=True):
+    """One experience on the wire. Arrays are raw little-endian bytes."""
+
+    eid: WireEID
+    tokens: memoryview  # int32
+    prompt_length: int
+    logprobs: memoryview | None = None  # float32, response length
+    reward: float | None = None
+    token_level_reward: memoryview | None = None  # float32
+    advantages: memoryview | None = None  # float32
+    returns: memoryview | None = None  # float32
+    info: dict[str, Any] = {}
+    metrics: dict[str, float] = {}
+    response_text: str | None = None
+    prompt_text: str | None = None
+    action_mask: memoryview | None = None  # uint8 (0/1)
+    messages: list[dict[str, Any]] | None = None
+    chosen: memoryview | None = None  # int32
+    rejected: memoryview | None = None  # int32
+    chosen_text: str | None = None
+    rejected_text: str | None = None
+    model_version: int = 0
+
+
+class ExperienceGroupMsg(msgspec.Struct, omit_defaults=True):
+    """One message: (part of) one task's group of experiences."""
+
+    schema: str
+    group_id: str
+    experiences: list[ExperienceRecord]
+    part: int = 0
+    parts: int = 1
+    producer: str = ""
+
+
+_ENCODER = msgspec.msgpack.Encoder()
+_DECODER = msgspec.msgpack.Decoder(ExperienceGroupMsg)
+
+_LE_I32 = np.dtype("<i4")
+_LE_F32 = np.dtype("<f4")
+
+
+def _to_bytes(t: torch.Tensor | None, np_dtype: np.dtype) -> memoryview | None:
+    if t is None:
+        return None
+    t = _as_tensor(t, torch.int32 if np_dtype == _LE_I32 else torch.float32, "array")
+    assert t is not None
+    arr = t.detach().cpu().contiguous().numpy()
+    if arr.dtype != np_dtype:
+        arr = arr.astype(np_dtype)
+    return memoryview(arr.tobytes())
+
+
+def _from_bytes(
+    buf: memoryview | None, np_dtype: np.dtype, torch_dtype: torch.dtype
+) -> torch.Tensor | None:
+    if buf is None:
+        return None
+    arr = np.frombuffer(buf, dtype=np_dtype)
+    if arr.dtype.byteorder not in ("<", "=", "|") or (arr.dtype.byteorder == "=" and not _little()):
+        arr = arr.astype(arr.dtype.newbyteorder("="))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        t = torch.from_numpy(arr)
+    return t if t.dtype == torch_dtype else t.to(torch_dtype)
+
+
+def _little() -> bool:
+    import sys
+
+    return sys.byteorder == "little"
+
+
+def to_record(exp: Experience) -> ExperienceRecord:
+    """Convert an :class:`Experience` to its wire record."""
+    mask = _as_tensor(exp.action_mask, torch.bool, "action_mask")
+    return ExperienceRecord(
+        eid=WireEID(exp.eid.batch, exp.eid.task, exp.eid.run, exp.eid.step, exp.eid.suffix),
+        tokens=_to_bytes(exp.tokens, _LE_I32),  # type: ignore[arg-type]
+        prompt_length=exp.prompt_length,
+        logprobs=_to_bytes(exp.logprobs, _LE_F32),
+        reward=exp.reward,
+        token_level_reward=_to_bytes(exp.token_level_reward, _LE_F32),
+        advantages=_to_bytes(exp.advantages, _LE_F32),
+        returns=_to_bytes(exp.returns, _LE_F32),
+        info=exp.info or {},
+        metrics=exp.metrics or {},
+        response_text=exp.response_text,
+        prompt_text=exp.prompt_text,
+        action_mask=None if mask is None else memoryview(mask.to(torch.uint8).numpy().tobytes()),
+        messages=exp.messages,
+        chosen=_to_bytes(exp.chosen, _LE_I32),
+        rejected=_to_bytes(exp.rejected, _LE_I32),
+        chosen_text=exp.chosen_text,
+        rejected_text=exp.rejected_text,
+        model_version=exp.model_version,
+    )
+
+
+def from_record(rec: ExperienceRecord) -> Experience:
+    """Convert a wire record to an :class:`Experience`; arrays are zero-copy views."""
+    mask = None
+    if rec.action_mask is not None:
+        mask = _from_bytes(rec.action_mask, np.dtype("u1"), torch.uint8)
+        mask = mask.to(torch.bool) if mask is not None else None
+    return Experience(
+        tokens=_from_bytes(rec.tokens, _LE_I32, torch.int32),
+        prompt_length=rec.prompt_length,
+        logprobs=_from_bytes(rec.logprobs, _LE_F32, torch.float32),
+        reward=rec.reward,
+        token_level_reward=_from_bytes(rec.token_level_reward, _LE_F32, torch.float32),
+        advantages=_from_bytes(rec.advantages, _LE_F32, torch.float32),
+        returns=_from_bytes(rec.returns, _LE_F32, torch.float32),
+        info=dict(rec.info),
+        metrics=dict(rec.metrics),
+        response_text=rec.response_text,
+        prompt_text=rec.prompt_text,
+        action_mask=mask,
+        messages=rec.messages,
+        chosen=_from_bytes(rec.chosen, _LE_I32, torch.int32),
+        rejected=_from_bytes(rec.rejected, _LE_I32, torch.int32),
+        chosen_text=rec.chosen_text,
+        rejected_text=rec.rejected_text,
+        model_version=rec.model_version,
+        eid=EID(rec.eid.batch, rec.eid.task, rec.eid.run, rec.eid.step, rec.eid.suffix),
+    )
+
+
+def encode_group(
+    exps: Sequence[Experience],
+    *,
+    group_id: str | None = None,
+    producer: str = "",
+    part: int = 0,
+    parts: int = 1,
+) -> bytes:
+    """Encode experiences as one :class:`ExperienceGroupMsg` body.
+
+    Raises :class:`SchemaError` naming the experience and field that cannot be
+    encoded (e.g. a tensor left in ``info``).
+    """
+    gid = group_id if group_id is not None else (exps[0].group_id if exps else "")
+    records = []
+    for exp in exps:
+        rec = to_record(exp)
+        records.append(rec)
+    msg = ExperienceGroupMsg(
+        schema=SCHEMA_NAME,
+        group_id=gid,
+        experiences=records,
+        part=part,
+        parts=parts,
+        producer=producer,
+    )
+    try:
+        return _ENCODER.encode(msg)
+    except (TypeError, msgspec.EncodeError) as exc:
+        for exp, rec in zip(exps, records):
+            for name in ("info", "metrics", "messages"):
+                try:
+                    _ENCODER.encode(getattr(rec, name))
+                except (TypeError, msgspec.EncodeError) as inner:
+                    raise SchemaError(
+                        f"experience {exp.eid.uid}: field `{name}` is not encodable: {inner}"
+                    ) from exc
+        raise SchemaError(f"cannot encode experience group {gid!r}: {exc}") from exc
+
+
+def decode_group_msg(data: bytes | memoryview) -> ExperienceGroupMsg:
+    """Decode a message body into its :class:`ExperienceGroupMsg` (no tensor conversion)."""
+    try:
+        msg = _DECODER.decode(data)
+    except msgspec.DecodeError as exc:
+        raise SchemaError(f"not a {SCHEMA_NAME} message: {exc}") from exc
+    if msg.schema != SCHEMA_NAME:
+        raise SchemaError(f"unsupported schema {msg.schema!r}; expected {SCHEMA_NAME!r}")
+    return msg
+
+
+def decode_group(data: bytes | memoryview) -> list[Experience]:
+    """Decode a message body into experiences; arrays are zero-copy views of ``data``.
+
+    Raises :class:`SchemaError` if the body is not an experience group.
+    """
+    msg = decode_group_msg(data)
+    try:
+        return [from_record(rec) for rec in msg.experiences]
+    except (ValueError, TypeError) as exc:
+        raise SchemaError(f"group {msg.group_id!r}: malformed array field: {exc}") from exc
+
+
+def summary_headers(
+    exps: Sequence[Experience],
+    *,
+    actor: str,
+    msg_id: str,
+    group_id: str | None = None,
+    part: int = 0,
+    parts: int = 1,
+) -> dict[str, str]:
+    """Headers that summarise a group, readable in ``nats stream view``."""
+    rewards = [e.reward for e in exps if e.reward is not None and not math.isnan(e.reward)]
+    versions = [e.model_version for e in exps]
+    tokens = sum(int(e.tokens.numel()) for e in exps)
+    headers = {
+        H_SCHEMA: SCHEMA_NAME,
+        H_TASK: group_id if group_id is not None else (exps[0].group_id if exps else ""),
+        H_MODEL_VERSION: str(min(versions) if versions else 0),
+        H_COUNT: str(len(exps)),
+        H_REWARD_MEAN: f"{(sum(rewards) / len(rewards)):.4f}" if rewards else "nan",
+        H_TOKENS: str(tokens),
+        H_ACTOR: actor,
+        H_MSG_ID: msg_id,
+    }
+    if parts > 1:
+        headers[H_PART] = f"{part + 1}/{parts}"
+    return headers
+
+
+def headers_size(headers: dict[str, str]) -> int:
+    """Bytes the headers take on the wire (``NATS/1.0\\r\\n`` + ``k: v\\r\\n``... + ``\\r\\n``)."""
+    return 12 + sum(len(k.encode()) + len(v.encode()) + 4 for k, v in headers.items()) + 2
+
+
+@dataclass
+class EncodedMessage:
+    """One ready-to-publish message: body, headers and dedup id."""
+
+    data: bytes
+    headers: dict[str, str]
+    msg_id: str
+    count: int
+
+
+def pack_group(
+    exps: Sequence[Experience],
+    *,
+    actor: str,
+    msg_id_prefix: str,
+    max_payload: int,
+    group_id: str | None = None,
+) -> list[EncodedMessage]:
+    """Encode one group as one message, split into parts if it exceeds ``max_payload``.
+
+    ``max_payload`` bounds payload + headers together (the server counts both).
+    Part ``i`` gets ``Nats-Msg-Id = f"{msg_id_prefix}#{i}"`` when split, else
+    ``msg_id_prefix``; deterministic, so a retried publish is deduplicated.
+    Raises :class:`PayloadTooLargeError` if one experience alone does not fit.
+    """
+    gid = group_id if group_id is not None else (exps[0].group_id if exps else "")
+    chunks: list[list[Experience]] = [list(exps)]
+    while True:
+        out: list[EncodedMessage] = []
+        too_big = False
+        for i, chunk in enumerate(chunks):
+            mid = msg_id_prefix if len(chunks) == 1 else f"{msg_id_prefix}#{i}"
+            headers = summary_headers(
+                chunk, actor=actor, msg_id=mid, group_id=gid, part=i, parts=len(chunks)
+            )
+            data = encode_group(chunk, group_id=gid, producer=actor, part=i, parts=len(chunks))
+            if len(data) + headers_size(headers) > max_payload:
+                too_big = True
+                break
+            out.append(EncodedMessage(data=data, headers=headers, msg_id=mid, count=len(chunk)))
+        if not too_big:
+            return out
+        if all(len(c) <= 1 for c in chunks):
+            raise PayloadTooLargeError(
+                f"group {gid!r}: a single experience exceeds max_payload={max_payload} bytes"
+            )
+        # split every chunk in two and retry
+        new_chunks: list[list[Experience]] = []
+        for c in chunks:
+            if len(c) > 1:
+                mid_i = len(c) // 2
+                new_chunks.extend([c[:mid_i], c[mid_i:]])
+            else:
+                new_chunks.append(c)
+        chunks = new_chunks

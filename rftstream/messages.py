@@ -1,0 +1,85 @@
+"""Wire schemas of the small messages (tasks, metrics, KV records). Pure, no I/O.
+
+These travel as msgspec JSON so that ``nats stream view`` and ``nats kv get``
+show them readably. Experience groups (large, binary) are in
+:mod:`rftstream.experience`. Schemas evolve append-only.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+from rftstream.errors import SchemaError
+
+TASK_SCHEMA = "rft.task.v1"
+METRICS_SCHEMA = "rft.metrics.v1"
+
+# DLQ headers
+H_DLQ_REASON = "Rft-Dlq-Reason"
+H_DLQ_STAGE = "Rft-Dlq-Stage"
+H_DLQ_ACTOR = "Rft-Dlq-Actor"
+H_DLQ_SUBJECT = "Rft-Dlq-Subject"
+H_DLQ_SEQ = "Rft-Dlq-Stream-Seq"
+H_DLQ_DELIVERIES = "Rft-Dlq-Deliveries"
+
+
+class TaskMsg(msgspec.Struct, kw_only=True):
+    """One task in the task stream: a raw taskset row plus where it came from."""
+
+    taskset: str
+    index: int  # row index in the taskset
+    epoch: int
+    seq: int  # position in the publishing order (epoch * len + shuffled position)
+    raw_task: dict[str, Any]
+    is_eval: bool = False
+    schema: str = TASK_SCHEMA
+
+
+class MetricsMsg(msgspec.Struct, kw_only=True):
+    """Metrics of one actor at one moment (a step, a batch, a heartbeat)."""
+
+    actor: str
+    role: str  # explorer | operator | trainer
+    ts: float
+    step: int
+    values: dict[str, float]
+    schema: str = METRICS_SCHEMA
+
+
+class WeightsPointer(msgspec.Struct, kw_only=True):
+    """KV record ``weights.latest``: where version N of the policy lives."""
+
+    version: int
+    method: str  # checkpoint | memory
+    uri: str  # file path for checkpoint, "memory://<run>/<version>" for memory
+    sha256: str = ""
+    step: int = 0
+    ts: float = 0.0
+
+
+class TasksetRecord(msgspec.Struct, kw_only=True):
+    """KV record ``taskset.published``: the taskset is in the task stream."""
+
+    count: int
+    epochs: int
+    rows: int
+    by: str
+    ts: float
+
+
+_JSON = msgspec.json.Encoder()
+
+
+def encode_json(obj: msgspec.Struct) -> bytes:
+    """Encode a struct as JSON bytes."""
+    return _JSON.encode(obj)
+
+
+def decode_json(data: bytes, typ: type[Any], what: str) -> Any:
+    """Decode JSON bytes as ``typ``; :class:`SchemaError` names ``what`` on failure."""
+    try:
+        return msgspec.json.decode(data, type=typ)
+    except msgspec.DecodeError as exc:
+        raise SchemaError(f"{what}: cannot decode as {typ.__name__}: {exc}") from exc

@@ -1,0 +1,111 @@
+"""Name → class registries, as in Trinity-RFT (``WORKFLOWS.register_module("x")``).
+
+Lookup accepts a registered name, or a dotted path (``pkg.mod.Class`` or
+``pkg.mod:Class``) which is imported on demand, so a user can name their own
+class in a config without registering it. No I/O besides that import.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable, Iterator
+from typing import Any, Generic, TypeVar, overload
+
+from rftstream.errors import RegistryError
+
+T = TypeVar("T")
+
+
+class Registry(Generic[T]):
+    """A named collection of classes (or callables) registered under string keys."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self._modules: dict[str, T] = {}
+
+    def __repr__(self) -> str:
+        return f"Registry({self.name!r}, {sorted(self._modules)})"
+
+    def __contains__(self, name: object) -> bool:
+        return isinstance(name, str) and name in self._modules
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(sorted(self._modules))
+
+    def __len__(self) -> int:
+        return len(self._modules)
+
+    def names(self) -> list[str]:
+        """The registered names, sorted."""
+        return sorted(self._modules)
+
+    @overload
+    def register_module(self, name: str) -> Callable[[T], T]: ...
+
+    @overload
+    def register_module(self, name: str, module: T, *, force: bool = False) -> T: ...
+
+    def register_module(self, name: str, module: T | None = None, *, force: bool = False) -> Any:
+        """Register ``module`` under ``name``; without ``module`` act as a decorator.
+
+        Registering a different object under a taken name raises
+        :class:`RegistryError` unless ``force`` is true. Re-registering the very
+        same object (a module imported twice) is allowed.
+        """
+        if not isinstance(name, str) or not name:
+            raise RegistryError(f"{self.name}: a registered name must be a non-empty string")
+
+        def _register(obj: T) -> T:
+            existing = self._modules.get(name)
+            if existing is not None and existing is not obj and not force:
+                same = getattr(existing, "__qualname__", None) == getattr(
+                    obj, "__qualname__", 0
+                ) and (getattr(existing, "__module__", None) == getattr(obj, "__module__", 0))
+                if not same:
+                    raise RegistryError(
+                        f"{self.name}: name {name!r} is already registered to {existing!r}; "
+                        f"choose another name or pass force=True"
+                    )
+            self._modules[name] = obj
+            return obj
+
+        if module is not None:
+            return _register(module)
+        return _register
+
+    def get(self, name: str) -> T:
+        """Return the object registered as ``name``, or import it by dotted path.
+
+        Raises :class:`RegistryError` naming the registry and the known names.
+        """
+        if name in self._modules:
+            return self._modules[name]
+        if "." in name or ":" in name:
+            return self._import(name)
+        known = ", ".join(self.names()) or "(none)"
+        raise RegistryError(f"{self.name}: no module named {name!r}; registered: {known}")
+
+    def _import(self, path: str) -> T:
+        if ":" in path:
+            module_name, _, attr = path.partition(":")
+        else:
+            module_name, _, attr = path.rpartition(".")
+        if not module_name or not attr:
+            raise RegistryError(
+                f"{self.name}: bad dotted path {path!r}; expected 'pkg.mod.Class' or 'pkg.mod:Class'"
+            )
+        try:
+            module = importlib.import_module(module_name)
+        except Exception as exc:  # ImportError, or anything the module raised while importing
+            raise RegistryError(
+                f"{self.name}: cannot import module {module_name!r} for {path!r}: {exc}"
+            ) from exc
+        obj = module
+        for part in attr.split("."):
+            try:
+                obj = getattr(obj, part)
+            except AttributeError as exc:
+                raise RegistryError(
+                    f"{self.name}: {module_name!r} has no attribute {attr!r}"
+                ) from exc
+        return obj  # type: ignore[return-value]

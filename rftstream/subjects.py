@@ -1,0 +1,128 @@
+"""Names of every stream, subject, consumer and bucket of one run. Pure, no I/O.
+
+One run id scopes everything, so many runs share one NATS deployment::
+
+    RFT_<RUN>_TASKS    rft.<run>.tasks             work queue of tasks
+    RFT_<RUN>_EXP      rft.<run>.exp.<stage>       raw, <stage>..., train
+    RFT_<RUN>_DLQ      rft.<run>.dlq.<stage>       what an actor could not process
+    RFT_<RUN>_METRICS  rft.<run>.metrics.<actor>   metrics of every actor
+    KV rft_<run>_state                             status, steps, weights, heartbeats
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+_STAGE_RE = re.compile(r"^[a-z0-9_-]{1,32}$")
+_RUN_RE = re.compile(r"^[a-z0-9_]{1,16}$")
+
+RAW_STAGE = "raw"
+TRAIN_STAGE = "train"
+
+
+def check_stage(stage: str) -> str:
+    """Validate a pipeline stage name (one subject token: lower-case, digits, ``_``/``-``)."""
+    if not _STAGE_RE.match(stage):
+        raise ValueError(f"stage name {stage!r} must match [a-z0-9_-]{{1,32}}")
+    return stage
+
+
+@dataclass(frozen=True)
+class RunNames:
+    """All names of one run, derived from its run id (``[a-z0-9_]{1,16}``)."""
+
+    run: str
+
+    def __post_init__(self) -> None:
+        if not _RUN_RE.match(self.run):
+            raise ValueError(f"run id {self.run!r} must match [a-z0-9_]{{1,16}}")
+
+    # streams ---------------------------------------------------------------
+    @property
+    def upper(self) -> str:
+        return self.run.upper()
+
+    @property
+    def tasks_stream(self) -> str:
+        return f"RFT_{self.upper}_TASKS"
+
+    @property
+    def exp_stream(self) -> str:
+        return f"RFT_{self.upper}_EXP"
+
+    @property
+    def dlq_stream(self) -> str:
+        return f"RFT_{self.upper}_DLQ"
+
+    @property
+    def metrics_stream(self) -> str:
+        return f"RFT_{self.upper}_METRICS"
+
+    @property
+    def streams(self) -> tuple[str, str, str, str]:
+        return (self.tasks_stream, self.exp_stream, self.dlq_stream, self.metrics_stream)
+
+    # subjects --------------------------------------------------------------
+    @property
+    def tasks_subject(self) -> str:
+        return f"rft.{self.run}.tasks"
+
+    def exp_subject(self, stage: str) -> str:
+        return f"rft.{self.run}.exp.{check_stage(stage)}"
+
+    @property
+    def exp_wildcard(self) -> str:
+        return f"rft.{self.run}.exp.>"
+
+    def dlq_subject(self, stage: str) -> str:
+        return f"rft.{self.run}.dlq.{check_stage(stage)}"
+
+    @property
+    def dlq_wildcard(self) -> str:
+        return f"rft.{self.run}.dlq.>"
+
+    def metrics_subject(self, actor: str) -> str:
+        return f"rft.{self.run}.metrics.{_token(actor)}"
+
+    @property
+    def metrics_wildcard(self) -> str:
+        return f"rft.{self.run}.metrics.>"
+
+    # consumers & buckets ---------------------------------------------------
+    @property
+    def explorer_consumer(self) -> str:
+        return "explorers"
+
+    def stage_consumer(self, from_stage: str, to_stage: str) -> str:
+        """Durable consumer of the operator(s) reading ``from_stage`` for ``to_stage``."""
+        return f"op_{check_stage(from_stage)}_to_{check_stage(to_stage)}".replace("-", "_")
+
+    @property
+    def trainer_consumer(self) -> str:
+        return "trainer"
+
+    @property
+    def kv_bucket(self) -> str:
+        return f"rft_{self.run}_state"
+
+    @property
+    def object_bucket(self) -> str:
+        return f"rft_{self.run}_weights"
+
+
+def _token(name: str) -> str:
+    """Make an actor name usable as one subject token."""
+    out = re.sub(r"[^A-Za-z0-9_-]", "_", name)
+    return out or "_"
+
+
+# KV keys (dots are allowed in KV keys; `nats kv get rft_<run>_state status`)
+KV_STATUS = "status"  # running | finished | failed
+KV_TASKSET = "taskset.published"  # JSON: {"count": N, "epochs": E}
+KV_EXPLORER_STEP = "explorer.{name}.step"
+KV_EXPLORER_DONE = "explorer.{name}.done"
+KV_TRAINER_STEP = "trainer.step"
+KV_TRAINER_DONE = "trainer.done"
+KV_WEIGHTS = "weights.latest"  # JSON: {"version", "method", "uri", "sha256"}
+KV_HEARTBEAT = "heartbeat.{actor}"

@@ -1,0 +1,178 @@
+"""rftstream.registry.Registry: names, decorator form, duplicates, dotted paths."""
+
+from __future__ import annotations
+
+import collections
+import json
+import os.path
+
+import pytest
+
+from rftstream.errors import RegistryError
+from rftstream.registry import Registry
+
+
+class Alpha:
+    pass
+
+
+class Beta:
+    class Inner:
+        pass
+
+
+def test_register_and_get_by_name() -> None:
+    reg: Registry[type] = Registry("things")
+    assert reg.register_module("alpha", Alpha) is Alpha
+    assert reg.get("alpha") is Alpha
+    assert "alpha" in reg
+    assert "beta" not in reg
+    assert 3 not in reg  # type: ignore[operator]
+    assert len(reg) == 1
+    assert list(reg) == ["alpha"]
+    assert reg.names() == ["alpha"]
+    assert "alpha" in repr(reg) and "things" in repr(reg)
+
+
+def test_decorator_form_returns_the_class() -> None:
+    reg: Registry[type] = Registry("workflows")
+
+    @reg.register_module("my_workflow")
+    class MyWorkflow:
+        pass
+
+    assert reg.get("my_workflow") is MyWorkflow
+    assert MyWorkflow.__name__ == "MyWorkflow"
+
+
+def test_register_functions() -> None:
+    reg: Registry = Registry("fns")
+
+    @reg.register_module("double")
+    def double(x: int) -> int:
+        return 2 * x
+
+    assert reg.get("double")(4) == 8
+
+
+def test_names_sorted() -> None:
+    reg: Registry[type] = Registry("things")
+    reg.register_module("zeta", Alpha)
+    reg.register_module("beta", Beta)
+    reg.register_module("alpha", Beta.Inner)
+    assert reg.names() == ["alpha", "beta", "zeta"]
+    assert list(reg) == ["alpha", "beta", "zeta"]
+
+
+def test_duplicate_name_error_and_force() -> None:
+    reg: Registry[type] = Registry("things")
+    reg.register_module("x", Alpha)
+    with pytest.raises(RegistryError) as info:
+        reg.register_module("x", Beta)
+    msg = str(info.value)
+    assert "things" in msg and "'x'" in msg
+    assert reg.get("x") is Alpha  # unchanged after the failed attempt
+    reg.register_module("x", Beta, force=True)
+    assert reg.get("x") is Beta
+
+
+def test_duplicate_name_error_decorator_form() -> None:
+    reg: Registry[type] = Registry("things")
+    reg.register_module("x", Alpha)
+    with pytest.raises(RegistryError):
+
+        @reg.register_module("x")
+        class Other:
+            pass
+
+
+def test_reregistering_same_object_is_allowed() -> None:
+    reg: Registry[type] = Registry("things")
+    reg.register_module("x", Alpha)
+    reg.register_module("x", Alpha)
+    assert reg.get("x") is Alpha
+    assert len(reg) == 1
+
+
+def test_reregistering_same_class_from_reimported_module_is_allowed() -> None:
+    # a module executed twice creates a new class object with the same qualname
+    reg: Registry[type] = Registry("things")
+    first = type("Same", (), {"__module__": "some.mod"})
+    second = type("Same", (), {"__module__": "some.mod"})
+    reg.register_module("same", first)
+    reg.register_module("same", second)
+    assert reg.get("same") is second
+
+
+@pytest.mark.parametrize("bad", ["", None, 3])
+def test_invalid_name_rejected(bad: object) -> None:
+    reg: Registry[type] = Registry("things")
+    with pytest.raises(RegistryError):
+        reg.register_module(bad, Alpha)  # type: ignore[arg-type]
+
+
+def test_get_by_dotted_path() -> None:
+    reg: Registry = Registry("things")
+    assert reg.get("collections.OrderedDict") is collections.OrderedDict
+    assert reg.get("os.path.join") is os.path.join
+    assert reg.get(f"{__name__}.Alpha") is Alpha
+
+
+def test_get_by_colon_path() -> None:
+    reg: Registry = Registry("things")
+    assert reg.get("json:dumps") is json.dumps
+    assert reg.get(f"{__name__}:Beta.Inner") is Beta.Inner
+    assert reg.get("os.path:join") is os.path.join
+
+
+def test_registered_name_wins_over_import() -> None:
+    reg: Registry = Registry("things")
+    reg.register_module("json.dumps", Alpha)
+    assert reg.get("json.dumps") is Alpha
+
+
+def test_unknown_name_lists_known_names() -> None:
+    reg: Registry[type] = Registry("operators")
+    reg.register_module("reward_filter", Alpha)
+    reg.register_module("dedup", Beta)
+    with pytest.raises(RegistryError) as info:
+        reg.get("reward_filtr")
+    msg = str(info.value)
+    assert "operators" in msg
+    assert "'reward_filtr'" in msg
+    assert "dedup, reward_filter" in msg
+
+
+def test_unknown_name_empty_registry() -> None:
+    with pytest.raises(RegistryError) as info:
+        Registry("empty").get("anything")
+    assert "(none)" in str(info.value)
+
+
+@pytest.mark.parametrize(
+    ("path", "fragment"),
+    [
+        ("no_such_module_rft.Thing", "no_such_module_rft"),
+        ("no_such_module_rft:Thing", "no_such_module_rft"),
+        ("collections.NoSuchThing", "NoSuchThing"),
+        ("json:nope", "nope"),
+        (f"{__name__}:Beta.Missing", "Beta.Missing"),
+    ],
+)
+def test_bad_dotted_path(path: str, fragment: str) -> None:
+    reg: Registry = Registry("things")
+    with pytest.raises(RegistryError) as info:
+        reg.get(path)
+    msg = str(info.value)
+    assert "things" in msg
+    assert fragment in msg
+
+
+@pytest.mark.parametrize("path", [".Alpha", ":Alpha"])
+def test_empty_module_in_dotted_path_is_registry_error(path: str) -> None:
+    # importlib raises ValueError("Empty module name") here; the registry must translate it
+    reg: Registry = Registry("things")
+    with pytest.raises(RegistryError) as info:
+        reg.get(path)
+    assert "things" in str(info.value)
+    assert path in str(info.value)
