@@ -358,7 +358,7 @@ def encode_group(
     try:
         return _ENCODER.encode(msg)
     except (TypeError, msgspec.EncodeError) as exc:
-        for exp, rec in zip(exps, records):
+        for exp, rec in zip(exps, records, strict=True):
             for name in ("info", "metrics", "messages"):
                 try:
                     _ENCODER.encode(getattr(rec, name))

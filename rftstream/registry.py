@@ -8,20 +8,44 @@ class in a config without registering it. No I/O besides that import.
 from __future__ import annotations
 
 import importlib
+import logging
+import weakref
 from collections.abc import Callable, Iterator
 from typing import Any, Generic, TypeVar, overload
 
 from rftstream.errors import RegistryError
 
+log = logging.getLogger(__name__)
+
 T = TypeVar("T")
+BUILTIN_PACKAGES = ("rftstream", "operators", "algorithms", "workflows")
+
+
+def _is_builtin(obj: object) -> bool:
+    module = getattr(obj, "__module__", "") or ""
+    return module.split(".")[0] in BUILTIN_PACKAGES
 
 
 class Registry(Generic[T]):
     """A named collection of classes (or callables) registered under string keys."""
 
+    _instances: weakref.WeakSet[Registry[Any]] = weakref.WeakSet()
+
     def __init__(self, name: str) -> None:
         self.name = name
         self._modules: dict[str, T] = {}
+        Registry._instances.add(self)
+
+    @classmethod
+    def snapshot_all(cls) -> dict[Registry[Any], dict[str, Any]]:
+        """The contents of every registry (tests restore them with :meth:`restore_all`)."""
+        return {reg: dict(reg._modules) for reg in list(cls._instances)}
+
+    @classmethod
+    def restore_all(cls, snapshot: dict[Registry[Any], dict[str, Any]]) -> None:
+        """Put every registry back to a :meth:`snapshot_all` state."""
+        for reg, modules in snapshot.items():
+            reg._modules = dict(modules)
 
     def __repr__(self) -> str:
         return f"Registry({self.name!r}, {sorted(self._modules)})"
@@ -49,7 +73,9 @@ class Registry(Generic[T]):
         """Register ``module`` under ``name``; without ``module`` act as a decorator.
 
         Registering a different object under a taken name raises
-        :class:`RegistryError` unless ``force`` is true. Re-registering the very
+        :class:`RegistryError` unless ``force`` is true, or unless the taken
+        name is a built-in (from rftstream's own packages) and the new object
+        is not: a user's plugin may replace a built-in, with a warning. Re-registering the very
         same object (a module imported twice) is allowed.
         """
         if not isinstance(name, str) or not name:
@@ -61,7 +87,15 @@ class Registry(Generic[T]):
                 same = getattr(existing, "__qualname__", None) == getattr(
                     obj, "__qualname__", 0
                 ) and (getattr(existing, "__module__", None) == getattr(obj, "__module__", 0))
-                if not same:
+                if not same and _is_builtin(existing) and not _is_builtin(obj):
+                    log.warning(
+                        "%s: %r from %s replaces the built-in %r",
+                        self.name,
+                        name,
+                        getattr(obj, "__module__", "?"),
+                        existing,
+                    )
+                elif not same:
                     raise RegistryError(
                         f"{self.name}: name {name!r} is already registered to {existing!r}; "
                         f"choose another name or pass force=True"
@@ -72,6 +106,10 @@ class Registry(Generic[T]):
         if module is not None:
             return _register(module)
         return _register
+
+    def unregister(self, name: str) -> T | None:
+        """Remove ``name``; returns what was registered (None if nothing was)."""
+        return self._modules.pop(name, None)
 
     def get(self, name: str) -> T:
         """Return the object registered as ``name``, or import it by dotted path.

@@ -162,7 +162,12 @@ class Bus:
 
     # ------------------------------------------------------------ provisioning
     def _meta(self, role: str, schema: str) -> dict[str, str]:
-        return {"rft.run": self.names.run, "rft.role": role, "rft.schema": schema, "rft.created_by": self.actor}
+        return {
+            "rft.run": self.names.run,
+            "rft.role": role,
+            "rft.schema": schema,
+            "rft.created_by": self.actor,
+        }
 
     async def _ensure_stream(self, cfg: api.StreamConfig) -> None:
         try:
@@ -179,7 +184,14 @@ class Bus:
             log.warning("stream %s exists and could not be updated: %s", cfg.name, exc)
 
     async def ensure_consumer(
-        self, stream: str, durable: str, filter_subject: str, *, description: str, role: str, ack_wait: float | None = None
+        self,
+        stream: str,
+        durable: str,
+        filter_subject: str,
+        *,
+        description: str,
+        role: str,
+        ack_wait: float | None = None,
     ) -> None:
         """Create the durable pull consumer if missing (idempotent)."""
         cfg = api.ConsumerConfig(
@@ -320,7 +332,9 @@ class Bus:
         try:
             sub = await self.js.pull_subscribe_bind(durable=durable, stream=stream)
         except nats.js.errors.NotFoundError as exc:
-            raise BusError(f"consumer {stream}/{durable} does not exist; provision the run first") from exc
+            raise BusError(
+                f"consumer {stream}/{durable} does not exist; provision the run first"
+            ) from exc
         return PullConsumer(sub, stream, durable)
 
     # ------------------------------------------------------------ publishing
@@ -354,15 +368,25 @@ class Bus:
             delay = 0.2
             for attempt in range(retries + 1):
                 try:
-                    return await self.js.publish(subject, data, timeout=timeout, headers=hdrs or None)
-                except (nats.errors.TimeoutError, TimeoutError, nats.js.errors.NoStreamResponseError) as exc:
+                    return await self.js.publish(
+                        subject, data, timeout=timeout, headers=hdrs or None
+                    )
+                except (
+                    nats.errors.TimeoutError,
+                    TimeoutError,
+                    nats.js.errors.NoStreamResponseError,
+                ) as exc:
                     if attempt == retries:
-                        raise BusError(f"{self.actor}: publish to {subject} timed out {retries + 1} times") from exc
+                        raise BusError(
+                            f"{self.actor}: publish to {subject} timed out {retries + 1} times"
+                        ) from exc
                 except nats.js.errors.APIError as exc:
                     if getattr(exc, "code", None) in (429, 503) and attempt < retries:
                         pass
                     else:
-                        raise BusError(f"{self.actor}: publish to {subject} rejected: {exc}") from exc
+                        raise BusError(
+                            f"{self.actor}: publish to {subject} rejected: {exc}"
+                        ) from exc
                 await anyio.sleep(delay)
                 delay = min(delay * 2, 5.0)
             raise AssertionError("unreachable")
@@ -372,11 +396,19 @@ class Bus:
     async def publish_encoded(self, subject: str, msg: EncodedMessage) -> api.PubAck:
         return await self.publish(subject, msg.data, headers=msg.headers, msg_id=msg.msg_id)
 
-    async def publish_group(self, stage: str, exps: Sequence[Experience], *, msg_id: str, group_id: str | None = None) -> int:
+    async def publish_group(
+        self, stage: str, exps: Sequence[Experience], *, msg_id: str, group_id: str | None = None
+    ) -> int:
         """Publish one task group to ``exp.<stage>`` (split under max_payload). Returns messages stored (not dups)."""
         subject = self.names.exp_subject(stage)
         stored = 0
-        for part in pack_group(exps, actor=self.actor, msg_id_prefix=msg_id, max_payload=self.max_payload, group_id=group_id):
+        for part in pack_group(
+            exps,
+            actor=self.actor,
+            msg_id_prefix=msg_id,
+            max_payload=self.max_payload,
+            group_id=group_id,
+        ):
             ack = await self.publish_encoded(subject, part)
             stored += 0 if ack.duplicate else 1
         return stored
@@ -411,7 +443,9 @@ class Bus:
         data = msg.data
         if len(data) + headers_size(hdrs) > self.max_payload:
             data = data[: self.max_payload - headers_size(hdrs) - 1024]
-        await self.publish(self.names.dlq_subject(stage), data, headers=hdrs, msg_id=f"dlq:{stage}:{orig_id}")
+        await self.publish(
+            self.names.dlq_subject(stage), data, headers=hdrs, msg_id=f"dlq:{stage}:{orig_id}"
+        )
         try:
             await msg.term()
         except Exception:  # noqa: BLE001 - not a JetStream message (core publish)
@@ -420,5 +454,7 @@ class Bus:
     async def publish_metrics(self, role: str, step: int, values: dict[str, float]) -> None:
         """Publish one metrics record to ``metrics.<actor>`` (JSON)."""
         clean = {k: float(v) for k, v in values.items() if isinstance(v, (int, float))}
-        body = encode_json(MetricsMsg(actor=self.actor, role=role, ts=time.time(), step=step, values=clean))
+        body = encode_json(
+            MetricsMsg(actor=self.actor, role=role, ts=time.time(), step=step, values=clean)
+        )
         await self.publish(self.names.metrics_subject(self.actor), body)

@@ -37,7 +37,9 @@ class RunState:
         return entry.value
 
     async def put_json(self, key: str, value: Any) -> None:
-        data = encode_json(value) if isinstance(value, msgspec.Struct) else msgspec.json.encode(value)
+        data = (
+            encode_json(value) if isinstance(value, msgspec.Struct) else msgspec.json.encode(value)
+        )
         await self.kv.put(key, data)
 
     async def get_json(self, key: str, typ: type[T] | None = None) -> T | Any | None:
@@ -50,7 +52,9 @@ class RunState:
 
     async def claim(self, key: str, value: Any) -> bool:
         """Atomically create ``key``; False if it already exists (someone else claimed it)."""
-        data = encode_json(value) if isinstance(value, msgspec.Struct) else msgspec.json.encode(value)
+        data = (
+            encode_json(value) if isinstance(value, msgspec.Struct) else msgspec.json.encode(value)
+        )
         try:
             await self.kv.create(key, data)
         except (nats.js.errors.KeyWrongLastSequenceError, nats.js.errors.APIError):
@@ -77,7 +81,10 @@ class RunState:
         return int(await self.get_json(KV_TRAINER_STEP) or 0)
 
     async def heartbeat(self, actor: str, role: str, **info: Any) -> None:
-        await self.put_json(KV_HEARTBEAT.format(actor=actor), {"actor": actor, "role": role, "ts": time.time(), **info})
+        await self.put_json(
+            KV_HEARTBEAT.format(actor=actor),
+            {"actor": actor, "role": role, "ts": time.time(), **info},
+        )
 
     async def all(self) -> dict[str, Any]:
         """Every key and its decoded value (for ``rftstream status``)."""

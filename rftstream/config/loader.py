@@ -317,7 +317,7 @@ def _resolve_wildcards(data: Any, parts: list[PathPart]) -> list[PathPart]:
         bad = []
         for key in candidates:
             try:
-                msgspec.convert(container[key], cls)
+                msgspec.convert(container[key], cls, strict=False)
             except msgspec.ValidationError:
                 bad.append(key)
         candidates = bad or candidates
@@ -356,7 +356,7 @@ def config_from_dict(data: dict[str, Any], source: str | None = None) -> Config:
         )
         raise ConfigError(unknown[0][0], message, source=source)
     try:
-        return msgspec.convert(data, Config)
+        return msgspec.convert(data, Config, strict=False)
     except msgspec.ValidationError as exc:
         text = str(exc)
         m = _MSGSPEC_PATH_RE.match(text)

@@ -195,7 +195,7 @@ class AlgorithmConfig(_Base):
     kl_loss_fn_args: dict[str, Any] | None = None
     entropy_loss_fn: str | None = None
     entropy_loss_fn_args: dict[str, Any] | None = None
-    loss_agg_mode: str = "token-mean"
+    loss_agg_mode: str | None = None  # None: the preset's, else token-mean
     optimizer: OptimizerConfig = msgspec.field(default_factory=OptimizerConfig)
 
 

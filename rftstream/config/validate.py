@@ -131,7 +131,8 @@ def validate_config(cfg: Config, source: str | None = None) -> Config:
     c.at_least("explorer.max_retry_times", cfg.explorer.max_retry_times, 0)
     c.positive("explorer.max_timeout", cfg.explorer.max_timeout)
 
-    c.choice("algorithm.loss_agg_mode", cfg.algorithm.loss_agg_mode, ALGORITHM_LOSS_AGG_MODES)
+    if cfg.algorithm.loss_agg_mode is not None:
+        c.choice("algorithm.loss_agg_mode", cfg.algorithm.loss_agg_mode, ALGORITHM_LOSS_AGG_MODES)
     c.at_least("algorithm.repeat_times", cfg.algorithm.repeat_times, 1, optional=True)
 
     c.choice("monitor.monitor_type", cfg.monitor.monitor_type, MONITOR_TYPES)

@@ -606,3 +606,15 @@ def test_run_id_from_name_rejects(name: str) -> None:
     assert err.key_path == "name"
     assert err.value == name
     assert "config key `name`" in str(err)
+
+
+def test_yaml_1_1_exponent_floats_are_numbers(tmp_path: Path) -> None:
+    """`lr: 5e-3` is a string to YAML 1.1; Trinity users write it anyway."""
+    p = tmp_path / "c.yaml"
+    p.write_text("algorithm:\n  optimizer:\n    lr: 5e-3\nbuffer:\n  batch_size: '4'\n")
+    cfg = load_config(p)
+    assert cfg.algorithm.optimizer.lr == 0.005
+    assert cfg.buffer.batch_size == 4
+    p.write_text("buffer:\n  batch_size: four\n")
+    with pytest.raises(ConfigError, match="buffer.batch_size"):
+        load_config(p)

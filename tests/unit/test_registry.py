@@ -176,3 +176,19 @@ def test_empty_module_in_dotted_path_is_registry_error(path: str) -> None:
         reg.get(path)
     assert "things" in str(info.value)
     assert path in str(info.value)
+
+
+def test_plugin_may_replace_a_builtin_but_not_another_plugin(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    reg: Registry[type] = Registry("ops")
+    builtin = type("RewardFilter", (), {"__module__": "operators.filters"})
+    plugin = type("RewardFilter2", (), {"__module__": "my_plugins.reward"})
+    other = type("RewardFilter3", (), {"__module__": "other_plugins.reward"})
+    reg.register_module("reward_filter", builtin)
+    with caplog.at_level("WARNING"):
+        reg.register_module("reward_filter", plugin)
+    assert reg.get("reward_filter") is plugin
+    assert "replaces the built-in" in caplog.text
+    with pytest.raises(RegistryError, match="already registered"):
+        reg.register_module("reward_filter", other)

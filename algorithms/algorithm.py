@@ -1,0 +1,453 @@
+"""Algorithm presets (``AlgorithmType``) and resolution of the ``algorithm:`` config.
+
+An :class:`AlgorithmType` bundles the components of one algorithm
+(``default_config()``) and the resources it needs (``use_critic``,
+``use_reference``, ...), registered in :data:`ALGORITHM_TYPE` so that
+``algorithm: {algorithm_type: grpo}`` is enough in a config.
+
+:func:`resolve_algorithm` turns an :class:`AlgorithmConfig` into instantiated
+components. Merge order (later wins), as in Trinity-RFT:
+
+1. global defaults: ``repeat_times: 1, sample_strategy: warmup, advantage_fn:
+   ppo, policy_loss_fn: ppo, kl_penalty_fn: none, kl_loss_fn: k2,
+   entropy_loss_fn: default``;
+2. the preset's ``default_config()``;
+3. the user's non-None ``algorithm:`` keys.
+
+Each ``<x>_args`` is the function class's ``default_args()``, updated with the
+preset's ``<x>_args`` (if any), updated with the user's ``<x>_args`` (Trinity
+replaces the defaults wholesale; merging keeps defaults the user did not
+mention). ``algorithm.loss_agg_mode`` (the preset's when the config leaves the
+default ``token-mean``) goes to the policy loss, KL and entropy
+functions unless their user ``_args`` set ``loss_agg_mode`` themselves; a
+class whose constructor does not take ``loss_agg_mode`` gets it as the
+attribute ``loss_agg_mode`` instead. Pure configuration logic, no I/O.
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+
+from algorithms.advantage_fn import ADVANTAGE_FN, AdvantageFn
+from algorithms.entropy_loss_fn import ENTROPY_LOSS_FN, EntropyLossFn
+from algorithms.kl_fn import KL_FN, KLFn
+from algorithms.policy_loss_fn import POLICY_LOSS_FN, PolicyLossFn, check_loss_inputs
+from algorithms.sample_strategy import (
+    SAMPLE_STRATEGY,
+    CustomField,
+    ExperienceSource,
+    SampleStrategy,
+)
+from algorithms.utils import check_loss_agg_mode
+from rftstream.config.schema import AlgorithmConfig, BufferConfig
+from rftstream.errors import ConfigError, RegistryError
+from rftstream.registry import Registry
+
+ALGORITHM_TYPE: Registry[type[AlgorithmType]] = Registry("algorithm")
+
+
+class AlgorithmType:
+    """Describes one algorithm; never instantiated, only its class attributes are read.
+
+    * ``use_critic``: needs a critic (value) model.
+    * ``use_reference``: needs a reference model (KL).
+    * ``compute_advantage_in_trainer``: the trainer calls the advantage fn; if
+      False the experience pipeline already did (group advantages).
+    * ``can_balance_batch``: the trainer may reorder samples when splitting
+      micro-batches.
+    * ``schema``: the experience schema it trains on.
+    """
+
+    use_critic: bool = False
+    use_reference: bool = True
+    compute_advantage_in_trainer: bool = False
+    can_balance_batch: bool = True
+    schema: str = "experience"
+
+    @classmethod
+    def default_config(cls) -> dict:
+        """Algorithm config keys this preset sets (overriding the global defaults).
+
+        Allowed keys: ``repeat_times``, ``loss_agg_mode``, the component names
+        (``advantage_fn``, ``policy_loss_fn``, ...) and their ``<x>_args``.
+        """
+        return {}
+
+    @classmethod
+    def check_config(cls, config: Any) -> None:
+        """Hook to check or adjust the whole run config (Trinity-RFT's); no-op by default.
+
+        Not called by :func:`resolve_algorithm`, which sees only the
+        ``algorithm`` and ``buffer`` sections.
+        """
+        return None
+
+
+@ALGORITHM_TYPE.register_module("grpo")
+class GRPOAlgorithm(AlgorithmType):
+    """GRPO: group-normalised advantages, PPO-clip loss, k2 KL loss."""
+
+    use_critic: bool = False
+    use_reference: bool = True
+    compute_advantage_in_trainer: bool = False
+    can_balance_batch: bool = True
+    schema: str = "experience"
+
+    @classmethod
+    def default_config(cls) -> dict:
+        return {
+            "repeat_times": 2,
+            "advantage_fn": "grpo",
+            "sample_strategy": "warmup",
+            "policy_loss_fn": "ppo",
+            "kl_penalty_fn": "none",
+            "kl_loss_fn": "k2",
+            "entropy_loss_fn": "default",
+        }
+
+
+@ALGORITHM_TYPE.register_module("opmd")
+class OPMDAlgorithm(AlgorithmType):
+    """OPMD algorithm."""
+
+    use_critic: bool = False
+    use_reference: bool = True
+    compute_advantage_in_trainer: bool = False
+    can_balance_batch: bool = True
+    schema: str = "experience"
+
+    @classmethod
+    def default_config(cls) -> dict:
+        return {
+            "repeat_times": 2,
+            "advantage_fn": "opmd",
+            "sample_strategy": "warmup",
+            "policy_loss_fn": "opmd",
+            "kl_penalty_fn": "none",
+            "kl_loss_fn": "k2",
+            "entropy_loss_fn": "default",
+        }
+
+
+@ALGORITHM_TYPE.register_module("mix")
+class MIXAlgorithm(AlgorithmType):
+    """MIX algorithm: GRPO on rollouts plus SFT on expert data."""
+
+    use_critic: bool = False
+    use_reference: bool = True
+    compute_advantage_in_trainer: bool = False
+    can_balance_batch: bool = True
+    schema: str = "experience"
+
+    @classmethod
+    def default_config(cls) -> dict:
+        return {
+            "repeat_times": 8,
+            "advantage_fn": "grpo",
+            "policy_loss_fn": "mix",
+            "sample_strategy": "mix",
+        }
+
+
+@ALGORITHM_TYPE.register_module("sft")
+class SFTAlgorithm(AlgorithmType):
+    """Supervised fine-tuning on the experiences' responses."""
+
+    use_critic: bool = False
+    use_reference: bool = False
+    compute_advantage_in_trainer: bool = False
+    can_balance_batch: bool = True
+    schema: str = "sft"
+
+    @classmethod
+    def default_config(cls) -> dict:
+        return {
+            "sample_strategy": "default",
+            "advantage_fn": "none",
+            "policy_loss_fn": "sft",
+            "kl_penalty_fn": "none",
+            "kl_loss_fn": "none",
+            "entropy_loss_fn": "none",
+        }
+
+
+@ALGORITHM_TYPE.register_module("ppo")
+class PPOAlgorithm(AlgorithmType):
+    """PPO with a critic and GAE advantages computed in the trainer."""
+
+    use_critic: bool = True
+    use_reference: bool = True
+    compute_advantage_in_trainer: bool = True
+    can_balance_batch: bool = True
+    schema: str = "experience"
+
+    @classmethod
+    def default_config(cls) -> dict:
+        return {
+            "repeat_times": 1,
+            "sample_strategy": "warmup",
+            "policy_loss_fn": "ppo",
+            "advantage_fn": "ppo",
+            "kl_penalty_fn": "none",
+            "kl_loss_fn": "k2",
+            "entropy_loss_fn": "default",
+        }
+
+
+GLOBAL_DEFAULTS: dict[str, Any] = {
+    "repeat_times": 1,
+    "sample_strategy": "warmup",
+    "advantage_fn": "ppo",
+    "policy_loss_fn": "ppo",
+    "kl_penalty_fn": "none",
+    "kl_loss_fn": "k2",
+    "entropy_loss_fn": "default",
+}
+
+# component key -> (registry, required base class, receives loss_agg_mode)
+_COMPONENTS: dict[str, tuple[Registry, type, bool]] = {
+    "advantage_fn": (ADVANTAGE_FN, AdvantageFn, False),
+    "policy_loss_fn": (POLICY_LOSS_FN, PolicyLossFn, True),
+    "kl_penalty_fn": (KL_FN, KLFn, True),
+    "kl_loss_fn": (KL_FN, KLFn, True),
+    "entropy_loss_fn": (ENTROPY_LOSS_FN, EntropyLossFn, True),
+    "sample_strategy": (SAMPLE_STRATEGY, SampleStrategy, False),
+}
+
+
+@dataclass
+class ResolvedAlgorithm:
+    """The algorithm of a run, with every component instantiated (except the sample strategy).
+
+    ``config`` is the merged :class:`AlgorithmConfig` with every field filled
+    (``<x>_args`` hold the arguments actually used). The sample strategy needs
+    the trainer's experience source, so it is built by
+    :meth:`create_sample_strategy`.
+    """
+
+    algorithm_type: type[AlgorithmType]
+    name: str
+    config: AlgorithmConfig
+    repeat_times: int
+    advantage_fn: AdvantageFn
+    policy_loss_fn: PolicyLossFn
+    kl_penalty_fn: KLFn
+    kl_loss_fn: KLFn
+    entropy_loss_fn: EntropyLossFn
+    sample_strategy_name: str
+    sample_strategy_args: dict[str, Any]
+    use_reference: bool
+    use_critic: bool
+    compute_advantage_in_trainer: bool
+    sample_strategy_cls: type[SampleStrategy] = field(default=SampleStrategy)
+
+    @property
+    def custom_fields(self) -> tuple[CustomField, ...]:
+        """Extra per-experience batch tensors the sample strategy provides (e.g. ``expert_mask``)."""
+        return tuple(self.sample_strategy_cls.custom_fields)
+
+    def create_sample_strategy(
+        self,
+        buffer_config: BufferConfig,
+        source: ExperienceSource | None = None,
+        **extra: Any,
+    ) -> SampleStrategy:
+        """Instantiate the sample strategy on ``source``.
+
+        Passes ``sample_strategy_args`` plus ``repeat_times`` (unless the args
+        set it) plus ``extra`` (e.g. MIX's ``expert_source``).
+        """
+        args = {"repeat_times": self.repeat_times, **self.sample_strategy_args, **extra}
+        return self.sample_strategy_cls(buffer_config, source, **args)
+
+    def check_loss_inputs(self, available: set[str]) -> list[str]:
+        """:func:`check_loss_inputs` on the policy loss, counting the sample strategy's custom fields."""
+        have = set(available) | {cf.destination_field for cf in self.custom_fields}
+        return check_loss_inputs(self.policy_loss_fn, have)
+
+
+def _lookup(key: str, registry: Registry, base: type, name: str) -> type:
+    try:
+        obj = registry.get(name)
+    except RegistryError as exc:
+        raise ConfigError(
+            f"algorithm.{key}",
+            f"unknown {key} {name!r}; registered: {', '.join(registry.names())} ({exc})",
+            value=name,
+        ) from exc
+    if not (isinstance(obj, type) and issubclass(obj, base)):
+        raise ConfigError(
+            f"algorithm.{key}", f"{name!r} resolves to {obj!r}, not a {base.__name__} subclass"
+        )
+    return obj
+
+
+def _init_params(cls: type) -> tuple[set[str], bool]:
+    """(named constructor parameters, whether it takes **kwargs)."""
+    params = list(inspect.signature(cls.__init__).parameters.values())[1:]
+    names = {
+        p.name
+        for p in params
+        if p.kind not in (inspect.Parameter.VAR_KEYWORD, inspect.Parameter.VAR_POSITIONAL)
+    }
+    return names, any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params)
+
+
+def _merge_args(
+    key: str, cls: type, preset: dict[str, Any], user: dict[str, Any] | None
+) -> dict[str, Any]:
+    args = dict(cls.default_args() or {})
+    preset_args = preset.get(f"{key}_args")
+    if preset_args:
+        args.update(preset_args)
+    if user:
+        args.update(user)
+    return args
+
+
+def _instantiate(
+    key: str, cls: type, args: dict[str, Any], loss_agg_mode: str | None
+) -> tuple[Any, dict[str, Any]]:
+    """Construct ``cls(**args)``; return (instance, args used).
+
+    ``loss_agg_mode`` (None for components without one) is the mode the
+    instance must end up with unless ``args`` already name one. It is passed
+    to the constructor if it takes it (by name or ``**kwargs``), else set as
+    the attribute ``loss_agg_mode`` after construction.
+    """
+    names, var_kw = _init_params(cls)
+    args = dict(args)
+    intended: str | None = None
+    if loss_agg_mode is not None:
+        intended = args.setdefault("loss_agg_mode", loss_agg_mode)
+    call_args = dict(args)
+    if intended is not None:
+        if "loss_agg_mode" not in names and not var_kw:
+            call_args.pop("loss_agg_mode", None)
+    if not var_kw:
+        unknown = [k for k in call_args if k not in names]
+        if unknown:
+            raise ConfigError(
+                f"algorithm.{key}_args",
+                f"{cls.__name__} does not accept argument {unknown[0]!r}; "
+                f"accepted: {sorted(names)}",
+                value=unknown[0],
+            )
+    try:
+        obj = cls(**call_args)
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(
+            f"algorithm.{key}_args", f"{cls.__name__}(**{call_args!r}) failed: {exc}"
+        ) from exc
+    if intended is not None and getattr(obj, "loss_agg_mode", None) != intended:
+        obj.loss_agg_mode = intended
+    return obj, args
+
+
+def _loss_agg_mode(user: str | None, preset: str | None) -> str:
+    """The config's mode, else the preset's, else ``token-mean``.
+
+    The schema defaults ``algorithm.loss_agg_mode`` to ``"token-mean"``, which
+    cannot be told apart from an explicit value, so ``"token-mean"`` yields to a
+    preset that names another mode.
+    """
+    if user is None or (user == "token-mean" and preset):
+        return preset or "token-mean"
+    return user
+
+
+def resolve_algorithm(
+    cfg: AlgorithmConfig, buffer: BufferConfig | None = None
+) -> ResolvedAlgorithm:
+    """Resolve ``cfg`` into a :class:`ResolvedAlgorithm` (see the module docstring for merge order).
+
+    With ``buffer``, the sample strategy is also constructed once (without a
+    source) to validate its arguments against the buffer (e.g. MIX's
+    auxiliary dataset). Raises :class:`ConfigError` naming the key
+    (``algorithm.algorithm_type``, ``algorithm.policy_loss_fn``,
+    ``algorithm.policy_loss_fn_args``, ...).
+    """
+    try:
+        algo_cls = ALGORITHM_TYPE.get(cfg.algorithm_type)
+    except RegistryError as exc:
+        raise ConfigError(
+            "algorithm.algorithm_type",
+            f"unknown algorithm_type {cfg.algorithm_type!r}; registered: "
+            f"{', '.join(ALGORITHM_TYPE.names())}",
+            value=cfg.algorithm_type,
+        ) from exc
+    preset = dict(algo_cls.default_config())
+    allowed = set(GLOBAL_DEFAULTS) | {f"{k}_args" for k in _COMPONENTS} | {"loss_agg_mode"}
+    unknown = sorted(k for k in preset if k not in allowed)
+    if unknown:
+        raise ConfigError(
+            "algorithm.algorithm_type",
+            f"preset {cfg.algorithm_type!r} default_config() has unknown key(s) {unknown}",
+        )
+
+    merged: dict[str, Any] = dict(GLOBAL_DEFAULTS)
+    merged.update({k: v for k, v in preset.items() if not k.endswith("_args")})
+    for k in GLOBAL_DEFAULTS:
+        user_value = getattr(cfg, k)
+        if user_value is not None:
+            merged[k] = user_value
+    repeat_times = int(merged["repeat_times"])
+    if repeat_times < 1:
+        raise ConfigError("algorithm.repeat_times", "must be >= 1", value=repeat_times)
+
+    mode = _loss_agg_mode(cfg.loss_agg_mode, preset.get("loss_agg_mode"))
+    try:
+        check_loss_agg_mode(mode)
+    except ValueError as exc:
+        raise ConfigError("algorithm.loss_agg_mode", str(exc), value=mode) from exc
+    instances: dict[str, Any] = {}
+    filled: dict[str, Any] = {"repeat_times": repeat_times, "loss_agg_mode": mode}
+    classes: dict[str, type] = {}
+    for key, (registry, base, takes_mode) in _COMPONENTS.items():
+        name = merged[key]
+        cls = _lookup(key, registry, base, name)
+        classes[key] = cls
+        user_args = getattr(cfg, f"{key}_args")
+        args = _merge_args(key, cls, preset, user_args)
+        filled[key] = name
+        if key == "sample_strategy":
+            filled[f"{key}_args"] = args
+            continue
+        if takes_mode and not (user_args and "loss_agg_mode" in user_args):
+            args["loss_agg_mode"] = mode  # algorithm.loss_agg_mode beats default_args
+        obj, used = _instantiate(key, cls, args, mode if takes_mode else None)
+        instances[key] = obj
+        filled[f"{key}_args"] = used
+
+    ss_cls = classes["sample_strategy"]
+    if buffer is not None:
+        probe_args = {"repeat_times": repeat_times, **filled["sample_strategy_args"]}
+        try:
+            ss_cls(buffer, None, **probe_args)
+        except (TypeError, ValueError) as exc:
+            raise ConfigError(
+                "algorithm.sample_strategy_args", f"{ss_cls.__name__}: {exc}"
+            ) from exc
+
+    config = msgspec.structs.replace(cfg, **filled)
+    return ResolvedAlgorithm(
+        algorithm_type=algo_cls,
+        name=cfg.algorithm_type,
+        config=config,
+        repeat_times=repeat_times,
+        advantage_fn=instances["advantage_fn"],
+        policy_loss_fn=instances["policy_loss_fn"],
+        kl_penalty_fn=instances["kl_penalty_fn"],
+        kl_loss_fn=instances["kl_loss_fn"],
+        entropy_loss_fn=instances["entropy_loss_fn"],
+        sample_strategy_name=filled["sample_strategy"],
+        sample_strategy_args=filled["sample_strategy_args"],
+        use_reference=bool(algo_cls.use_reference),
+        use_critic=bool(algo_cls.use_critic),
+        compute_advantage_in_trainer=bool(algo_cls.compute_advantage_in_trainer),
+        sample_strategy_cls=ss_cls,
+    )

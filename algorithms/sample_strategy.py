@@ -1,0 +1,268 @@
+"""Sample strategies: how the trainer assembles one step's batch of experiences.
+
+As in Trinity-RFT (``trinity.algorithm.sample_strategy``), except that the
+experience buffer is not opened here: the trainer owns the NATS consumer and
+hands it in as an :class:`ExperienceSource`. A strategy reads from it (and from
+any auxiliary sources, e.g. MIX's expert data) and returns the batch as a
+``list[Experience]``; the trainer pads and collates it.
+
+Fields a strategy adds for the loss functions (MIX's ``expert_mask``) are
+declared in :attr:`SampleStrategy.custom_fields`: each names an ``exp.info``
+key and the ``(batch,)`` tensor the trainer builds from it
+(:func:`gather_custom_fields`).
+
+``sample`` only awaits its sources; it never blocks the event loop and is
+backend-neutral (asyncio or trio). Cancelling it cancels the pending read.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, ClassVar, Protocol, runtime_checkable
+
+import torch
+
+from rftstream.config.schema import BufferConfig
+from rftstream.errors import ConfigError
+from rftstream.experience import Experience
+from rftstream.registry import Registry
+
+SAMPLE_STRATEGY: Registry[type[SampleStrategy]] = Registry("sample_strategy")
+
+
+@runtime_checkable
+class ExperienceSource(Protocol):
+    """Where a sample strategy reads experiences from (the trainer's consumer, a dataset)."""
+
+    async def read(self, n: int) -> list[Experience]:
+        """Return ``n`` experiences, waiting until they are available.
+
+        Returns fewer only when the source is exhausted (then possibly none).
+        """
+        ...
+
+
+@dataclass(frozen=True)
+class CustomField:
+    """A per-experience value the trainer collates into a ``(batch,)`` tensor.
+
+    ``exp.info[source_field]`` becomes the tensor ``destination_field`` of
+    dtype ``data_type`` (Trinity-RFT's ``CustomField``).
+    """
+
+    source_field: str
+    destination_field: str
+    data_type: torch.dtype
+
+
+def gather_custom_fields(
+    exps: Sequence[Experience], custom_fields: Sequence[CustomField]
+) -> dict[str, torch.Tensor]:
+    """Build ``{destination_field: tensor (len(exps),)}`` from ``exp.info``.
+
+    Raises KeyError naming the experience that lacks a source field.
+    """
+    out: dict[str, torch.Tensor] = {}
+    for cf in custom_fields:
+        values = []
+        for exp in exps:
+            if cf.source_field not in exp.info:
+                raise KeyError(f"experience {exp.eid.uid} has no info[{cf.source_field!r}]")
+            values.append(exp.info[cf.source_field])
+        out[cf.destination_field] = torch.tensor(values, dtype=cf.data_type)
+    return out
+
+
+def resolve_train_batch_size(buffer_config: BufferConfig, repeat_times: int | None = None) -> int:
+    """``buffer.train_batch_size``, or ``batch_size * repeat_times`` when it is 0.
+
+    Raises :class:`ConfigError` when it is 0 and ``repeat_times`` is unknown.
+    """
+    if buffer_config.train_batch_size > 0:
+        return buffer_config.train_batch_size
+    if repeat_times:
+        return buffer_config.batch_size * int(repeat_times)
+    raise ConfigError(
+        "buffer.train_batch_size",
+        "is 0 (meaning batch_size * repeat_times) but the sample strategy was not given "
+        "repeat_times; set it or pass sample_strategy_args.repeat_times",
+    )
+
+
+def representative_sample(exps: Sequence[Experience]) -> list[dict[str, Any]]:
+    """Up to two experiences for logging: the lowest- and highest-reward ones.
+
+    Each is ``{"prompt": ..., "response": ..., "reward": ...}``; without rewards,
+    the first experience without ``reward``.
+    """
+    if not exps:
+        return []
+    rewarded = [e for e in exps if e.reward is not None and not math.isnan(e.reward)]
+    if not rewarded:
+        e = exps[0]
+        return [{"prompt": e.prompt_text, "response": e.response_text}]
+    lo = min(rewarded, key=lambda e: e.reward)  # type: ignore[arg-type,return-value]
+    hi = max(rewarded, key=lambda e: e.reward)  # type: ignore[arg-type,return-value]
+    picked = [lo] if lo is hi else [lo, hi]
+    return [
+        {"prompt": e.prompt_text, "response": e.response_text, "reward": e.reward} for e in picked
+    ]
+
+
+class SampleStrategy(ABC):
+    """Reads one training batch per step.
+
+    ``source`` may be given later by assigning :attr:`source`. Extra keyword
+    arguments (``sample_strategy_args``) are accepted as in Trinity-RFT.
+    """
+
+    custom_fields: ClassVar[tuple[CustomField, ...]] = ()
+
+    def __init__(
+        self,
+        buffer_config: BufferConfig,
+        source: ExperienceSource | None = None,
+        **kwargs: Any,
+    ) -> None:
+        self.buffer_config = buffer_config
+        self.source = source
+
+    @classmethod
+    def provided_fields(cls) -> frozenset[str]:
+        """Names of the extra batch tensors this strategy provides (for ``check_loss_inputs``)."""
+        return frozenset(cf.destination_field for cf in cls.custom_fields)
+
+    @abstractmethod
+    async def sample(self, step: int) -> tuple[list[Experience], dict, list]:
+        """Read the batch of trainer step ``step``.
+
+        Returns ``(batch, metrics, representative_samples)``. Waits for the
+        source; the batch is shorter than the train batch size only at the end.
+        """
+
+    def warmup_state(self, step: int) -> tuple[bool, bool]:
+        """``(step is in warmup, warmup finishes at this step)``; no warmup by default."""
+        return False, False
+
+    @classmethod
+    def default_args(cls) -> dict:
+        """Default ``sample_strategy_args``."""
+        return {}
+
+    def _require_source(self) -> ExperienceSource:
+        if self.source is None:
+            raise RuntimeError(
+                f"{type(self).__name__}: no experience source; pass source=... or set .source"
+            )
+        return self.source
+
+
+@SAMPLE_STRATEGY.register_module("default")
+class DefaultSampleStrategy(SampleStrategy):
+    """Reads ``train_batch_size`` experiences from the source.
+
+    Metrics: ``sample/read_time`` (seconds spent waiting) and ``sample/count``.
+    """
+
+    def __init__(
+        self,
+        buffer_config: BufferConfig,
+        source: ExperienceSource | None = None,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(buffer_config, source, **kwargs)
+        self.train_batch_size = resolve_train_batch_size(buffer_config, kwargs.get("repeat_times"))
+
+    async def sample(self, step: int) -> tuple[list[Experience], dict, list]:
+        source = self._require_source()
+        start = time.perf_counter()
+        exps = await source.read(self.train_batch_size)
+        metrics = {
+            "sample/read_time": time.perf_counter() - start,
+            "sample/count": float(len(exps)),
+        }
+        return exps, metrics, representative_sample(exps)
+
+
+@SAMPLE_STRATEGY.register_module("warmup")
+class WarmupSampleStrategy(DefaultSampleStrategy):
+    """Same as ``default`` (Trinity-RFT's SFT warm-up steps are not supported here)."""
+
+
+@SAMPLE_STRATEGY.register_module("mix")
+class MixSampleStrategy(SampleStrategy):
+    """MIX: usual experiences from the source plus expert experiences from ``expert_source``.
+
+    ``expert_batch = ceil(expert_data_ratio * train_batch_size)``, the rest are
+    usual. Every experience gets ``info["is_expert"]`` and ``info["step"]``;
+    expert ones get ``reward = 0`` and zero ``logprobs``/``advantages`` (as in
+    the guide). Custom fields: ``expert_mask`` (bool) and ``step`` (int32).
+
+    The expert data are named by ``buffer.trainer_input.auxiliary_buffers
+    [sft_dataset_name]``; turning that jsonl of chat messages into tokenised
+    experiences needs the tokenizer, so the trainer builds ``expert_source``
+    and passes it in.
+
+    Metrics: ``sample/read_time``, ``sample/count``, ``sample/expert_count``.
+    """
+
+    custom_fields: ClassVar[tuple[CustomField, ...]] = (
+        CustomField("is_expert", "expert_mask", torch.bool),
+        CustomField("step", "step", torch.int32),
+    )
+
+    def __init__(
+        self,
+        buffer_config: BufferConfig,
+        source: ExperienceSource | None = None,
+        expert_source: ExperienceSource | None = None,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(buffer_config, source, **kwargs)
+        self.expert_data_ratio = float(kwargs.get("expert_data_ratio", 0.5))
+        self.sft_dataset_name = kwargs.get("sft_dataset_name", "sft_dataset")
+        if self.sft_dataset_name not in buffer_config.trainer_input.auxiliary_buffers:
+            raise ConfigError(
+                f"buffer.trainer_input.auxiliary_buffers.{self.sft_dataset_name}",
+                "is required by the MIX sample strategy (expert data)",
+            )
+        total = resolve_train_batch_size(buffer_config, kwargs.get("repeat_times"))
+        self.expert_batch_size = math.ceil(self.expert_data_ratio * total)
+        self.usual_batch_size = total - self.expert_batch_size
+        self.expert_source = expert_source
+
+    async def sample(self, step: int) -> tuple[list[Experience], dict, list]:
+        source = self._require_source()
+        if self.expert_source is None:
+            raise RuntimeError("MixSampleStrategy: no expert_source; pass expert_source=...")
+        start = time.perf_counter()
+        usual = await source.read(self.usual_batch_size) if self.usual_batch_size > 0 else []
+        expert = (
+            await self.expert_source.read(self.expert_batch_size)
+            if self.expert_batch_size > 0
+            else []
+        )
+        for exp in usual:
+            exp.info["is_expert"] = False
+            exp.info["step"] = step
+        for exp in expert:
+            exp.reward = 0.0
+            exp.logprobs = torch.zeros(exp.response_length, dtype=torch.float32)
+            exp.advantages = torch.zeros(exp.response_length, dtype=torch.float32)
+            exp.info["is_expert"] = True
+            exp.info["step"] = step
+        exps = usual + expert
+        metrics = {
+            "sample/read_time": time.perf_counter() - start,
+            "sample/count": float(len(exps)),
+            "sample/expert_count": float(len(expert)),
+        }
+        return exps, metrics, representative_sample(exps)
+
+    @classmethod
+    def default_args(cls) -> dict:
+        return {"expert_data_ratio": 0.5, "sft_dataset_name": "sft_dataset"}

@@ -1,0 +1,32 @@
+# rftstream recipes. `just setup` creates .venv and installs everything;
+# the other recipes call it first, so `just up` / `just test` work on a fresh clone.
+
+set shell := ["bash", "-euo", "pipefail", "-c"]
+
+venv := ".venv"
+py := venv + "/bin/python"
+# CPU wheel by default (CI and laptops); GPU users: RFTSTREAM_TORCH='torch' just setup
+torch_spec := env_var_or_default("RFTSTREAM_TORCH", "torch==2.13.0")
+
+# create .venv and install rftstream with its test tools
+setup:
+    test -x {{py}} || python3 -m venv {{venv}}
+    {{py}} -m pip install -q --disable-pip-version-check '{{torch_spec}}'
+    {{py}} -m pip install -q --disable-pip-version-check -e '.[test]'
+
+# the embedded default run: private NATS, tiny model, GRPO on CPU
+up *ARGS: setup
+    {{venv}}/bin/rftstream up {{ARGS}}
+
+# the whole test suite (units, integration against a real nats-server, smoke)
+test *ARGS: setup
+    {{venv}}/bin/pytest -q {{ARGS}}
+
+# ruff lint and format check
+lint: setup
+    {{venv}}/bin/ruff check .
+    {{venv}}/bin/ruff format --check .
+
+# benchmarks: print figures and ratios against a baseline measured in the same run
+bench *ARGS: setup
+    {{py}} benchmarks/run.py {{ARGS}}

@@ -1,0 +1,105 @@
+"""Pieces every actor uses: heartbeats, in-progress ticking, run-end watching.
+
+All of these are long-running coroutines meant to be started in the actor's own
+anyio task group; they return only when cancelled (or, for
+:func:`wait_for_run_end`, when the run ends).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import anyio
+import nats.js.errors
+from nats.aio.msg import Msg
+
+from rftstream.bus.client import Bus
+from rftstream.bus.state import RunState
+
+log = logging.getLogger(__name__)
+
+END_STATUSES = ("finished", "failed", "stopped")
+
+
+async def heartbeat_loop(
+    state: RunState,
+    actor: str,
+    role: str,
+    info: Callable[[], dict[str, Any]],
+    interval: float = 5.0,
+) -> None:
+    """Write ``heartbeat.<actor>`` every ``interval`` s until cancelled. KV errors are logged, not raised."""
+    while True:
+        try:
+            await state.heartbeat(actor, role, **info())
+        except Exception as exc:  # noqa: BLE001 - a missed heartbeat must not kill the actor
+            log.debug("%s: heartbeat failed: %s", actor, exc)
+        await anyio.sleep(interval)
+
+
+async def wait_for_run_end(state: RunState, poll: float = 0.5) -> str:
+    """Return the run status once it is one of :data:`END_STATUSES` (polls KV)."""
+    while True:
+        try:
+            status = await state.status()
+        except Exception:  # noqa: BLE001 - transient KV trouble: retry
+            status = ""
+        if status in END_STATUSES:
+            return status
+        await anyio.sleep(poll)
+
+
+class InProgressTicker:
+    """Keeps held JetStream messages from being redelivered during long work.
+
+    Messages added with :meth:`hold` get ``+WPI`` (``in_progress()``) every
+    ``interval`` seconds until :meth:`release`. Run :meth:`run` in a task group.
+    """
+
+    def __init__(self, interval: float) -> None:
+        self.interval = max(0.5, interval)
+        self._held: dict[int, Msg] = {}
+
+    def hold(self, msg: Msg) -> None:
+        self._held[id(msg)] = msg
+
+    def release(self, msg: Msg) -> None:
+        self._held.pop(id(msg), None)
+
+    @property
+    def held(self) -> int:
+        return len(self._held)
+
+    async def run(self) -> None:
+        while True:
+            await anyio.sleep(self.interval)
+            for msg in list(self._held.values()):
+                try:
+                    await msg.in_progress()
+                except Exception as exc:  # noqa: BLE001 - connection trouble: next tick retries
+                    log.debug("in_progress failed: %s", exc)
+
+
+async def consumer_backlog(bus: Bus, stream: str, exclude: tuple[str, ...] = ()) -> int:
+    """Messages waiting or being worked on across the consumers of ``stream``."""
+    total = 0
+    try:
+        infos = await bus.js.consumers_info(stream)
+    except nats.js.errors.APIError:
+        return 0
+    for info in infos:
+        if info.name in exclude:
+            continue
+        total += int(info.num_pending or 0) + int(info.num_ack_pending or 0)
+    return total
+
+
+async def consumer_drained(bus: Bus, stream: str, durable: str) -> bool:
+    """True if the durable has nothing left to deliver and nothing unacked."""
+    try:
+        info = await bus.js.consumer_info(stream, durable)
+    except nats.js.errors.NotFoundError:
+        return True
+    return int(info.num_pending or 0) == 0 and int(info.num_ack_pending or 0) == 0

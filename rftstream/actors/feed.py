@@ -1,0 +1,125 @@
+"""The trainer's experience source: a durable pull consumer on ``exp.train``.
+
+:class:`ExperienceFeed` implements ``algorithms.sample_strategy.ExperienceSource``:
+:meth:`read` blocks until ``n`` experiences are buffered, or returns fewer
+only once the run's upstream is exhausted (every task done and every stage
+drained).
+
+Acks: a message is held (``in_progress()`` ticks keep it from redelivery during
+long steps) until every experience it carried has been trained; then
+:meth:`commit` acks it. Experiences are deduplicated by ``eid.uid``, so a
+redelivered message is never trained twice. A body that does not decode goes
+to ``dlq.train`` with the reason. Cancelling :meth:`read` loses nothing: held
+messages are simply redelivered after ``ack_wait`` if the process dies.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+
+from nats.aio.msg import Msg
+
+from rftstream.actors.common import InProgressTicker
+from rftstream.bus.client import Bus, PullConsumer
+from rftstream.errors import SchemaError
+from rftstream.experience import Experience, decode_group
+from rftstream.subjects import TRAIN_STAGE
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Held:
+    msg: Msg
+    remaining: int
+
+
+class ExperienceFeed:
+    """Buffered, deduplicating reader of ``exp.train`` for the trainer."""
+
+    def __init__(
+        self,
+        bus: Bus,
+        consumer: PullConsumer,
+        ticker: InProgressTicker,
+        exhausted: Callable[[], Awaitable[bool]],
+        *,
+        fetch_batch: int = 64,
+        fetch_timeout: float = 0.5,
+    ) -> None:
+        self.bus = bus
+        self.consumer = consumer
+        self.ticker = ticker
+        self.exhausted = exhausted
+        self.fetch_batch = fetch_batch
+        self.fetch_timeout = fetch_timeout
+        self._buffer: deque[tuple[Experience, _Held]] = deque()
+        self._taken: list[_Held] = []
+        self._seen: set[str] = set()
+        self.duplicates = 0
+        self.dead_lettered = 0
+        self.received = 0
+        self.wait_time = 0.0
+
+    @property
+    def buffered(self) -> int:
+        return len(self._buffer)
+
+    async def _fill_once(self) -> bool:
+        msgs = await self.consumer.fetch(self.fetch_batch, timeout=self.fetch_timeout)
+        for m in msgs:
+            try:
+                exps = decode_group(m.data)
+            except SchemaError as exc:
+                await self.bus.dead_letter(TRAIN_STAGE, m, f"trainer: {exc}")
+                self.dead_lettered += 1
+                continue
+            fresh = [e for e in exps if e.eid.uid not in self._seen]
+            self.duplicates += len(exps) - len(fresh)
+            if not fresh:
+                await m.ack()
+                continue
+            held = _Held(m, len(fresh))
+            self.ticker.hold(m)
+            for e in fresh:
+                self._seen.add(e.eid.uid)
+                self._buffer.append((e, held))
+            self.received += len(fresh)
+        return bool(msgs)
+
+    async def read(self, n: int) -> list[Experience]:
+        """Take ``n`` experiences (fewer only when the upstream is exhausted). Blocks."""
+        t0 = time.perf_counter()
+        idle = 0
+        while len(self._buffer) < n:
+            if await self._fill_once():
+                idle = 0
+                continue
+            idle += 1
+            if idle % 2 == 0 and await self.exhausted():
+                # one last look: something may have landed after the check
+                if not await self._fill_once():
+                    break
+        self.wait_time += time.perf_counter() - t0
+        out: list[Experience] = []
+        while self._buffer and len(out) < n:
+            exp, held = self._buffer.popleft()
+            out.append(exp)
+            self._taken.append(held)
+        return out
+
+    async def commit(self) -> int:
+        """Ack every message whose experiences have all been trained. Returns acks sent."""
+        acked = 0
+        for held in self._taken:
+            held.remaining -= 1
+            if held.remaining == 0:
+                self.ticker.release(held.msg)
+                await held.msg.ack()
+                acked += 1
+        self._taken.clear()
+        return acked

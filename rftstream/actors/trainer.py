@@ -1,0 +1,327 @@
+"""The Trainer actor: waits for ``train_batch_size`` filtered experiences on
+``exp.train``, trains one DeepSpeed step, publishes metrics and weights.
+
+Per step it records (``metrics.jsonl`` in the run directory, the metrics
+stream, and the ``trainer.step`` KV key): ``step``, ``reward/mean`` (mean
+reward of all *raw* experiences explorers published since the previous
+trainer step, read from the explorers' metrics, so filters cannot inflate it),
+``staleness/mean`` and ``staleness/max`` (trainer version minus the version
+that generated each trained experience), ``time/trainer_wait`` (time spent
+waiting for experience), ``experience/filtered`` and the algorithm's losses.
+
+Weights are published after the steps the sync policy names; an HF-format
+checkpoint is saved every ``trainer.save_interval`` steps and at the end.
+
+Cancelling :meth:`Trainer.run` mid-step loses no data: the batch's messages
+are not acked and are redelivered to the next trainer.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import anyio
+import msgspec
+
+from rftstream.actors.common import InProgressTicker, consumer_drained, heartbeat_loop
+from rftstream.actors.feed import ExperienceFeed
+from rftstream.bus.client import Bus
+from rftstream.bus.state import RunState
+from rftstream.config.schema import Config
+from rftstream.experience import H_COUNT, H_REWARD_MEAN
+from rftstream.messages import MetricsMsg
+from rftstream.subjects import KV_TRAINER_STEP, RAW_STAGE
+from rftstream.sync import SyncPolicy
+from rftstream.weights import save_weights
+
+log = logging.getLogger(__name__)
+
+
+class RawMonitor:
+    """Accumulates what happened upstream between trainer steps.
+
+    Raw rewards come from the summary headers of ``exp.raw`` (a headers-only
+    ordered consumer from the stream's start: every raw group stored, counted
+    once, nothing missed if the trainer starts late); operator and explorer
+    figures (experiences filtered, failed tasks) from the metrics stream.
+    """
+
+    def __init__(self) -> None:
+        self.reward_sum = 0.0
+        self.reward_count = 0.0
+        self.raw_groups = 0.0
+        self.filtered = 0.0
+        self.failed_tasks = 0.0
+        self._subs: list[Any] = []
+
+    def on_raw_headers(self, headers: dict[str, str] | None) -> None:
+        h = headers or {}
+        try:
+            count = int(h.get(H_COUNT, "0"))
+            mean = float(h.get(H_REWARD_MEAN, "nan"))
+        except ValueError:
+            return
+        self.raw_groups += 1
+        if count and math.isfinite(mean):
+            self.reward_sum += mean * count
+            self.reward_count += count
+
+    def on_metrics(self, data: bytes) -> None:
+        try:
+            m = msgspec.json.decode(data, type=MetricsMsg)
+        except msgspec.DecodeError:
+            return
+        if m.role == "explorer":
+            self.failed_tasks += m.values.get("rollout/failed_tasks", 0.0)
+        elif m.role == "operator":
+            self.filtered += m.values.get("operator/experiences_filtered", 0.0)
+
+    async def start(self, bus: Bus) -> None:
+        async def on_raw(msg: Any) -> None:
+            self.on_raw_headers(msg.headers)
+
+        async def on_metric(msg: Any) -> None:
+            self.on_metrics(msg.data)
+
+        n = bus.names
+        self._subs.append(
+            await bus.js.subscribe(
+                n.exp_subject(RAW_STAGE), cb=on_raw, ordered_consumer=True, headers_only=True
+            )
+        )
+        self._subs.append(
+            await bus.js.subscribe(n.metrics_wildcard, cb=on_metric, ordered_consumer=True)
+        )
+
+    def take(self) -> dict[str, float | None]:
+        """The upstream figures since the last call; resets them."""
+        out: dict[str, float | None] = {
+            "reward/mean": self.reward_sum / self.reward_count if self.reward_count else None,
+            "reward/raw_count": self.reward_count,
+            "rollout/groups": self.raw_groups,
+            "experience/filtered": self.filtered,
+            "rollout/failed_tasks": self.failed_tasks,
+        }
+        self.reward_sum = self.reward_count = self.raw_groups = self.filtered = (
+            self.failed_tasks
+        ) = 0.0
+        return out
+
+    async def stop(self) -> None:
+        for sub in self._subs:
+            try:
+                await sub.unsubscribe()
+            except Exception:  # noqa: BLE001
+                pass
+
+
+class Trainer:
+    """The trainer actor. ``on_step`` (if given) receives each step's record."""
+
+    role = "trainer"
+
+    def __init__(
+        self,
+        cfg: Config,
+        bus: Bus,
+        *,
+        model_path: str,
+        algorithm: Any,
+        run_dir: Path,
+        name: str = "trainer",
+        on_step: Callable[[dict[str, Any]], None] | None = None,
+    ) -> None:
+        self.cfg = cfg
+        self.bus = bus
+        self.names = bus.names
+        self.model_path = model_path
+        self.algorithm = algorithm
+        self.run_dir = Path(run_dir)
+        self.name = name
+        self.on_step = on_step
+        self.policy = SyncPolicy.from_config(cfg.synchronizer)
+        self.step = 0
+        self.version = 0
+        self.trained = 0
+        ckpt = cfg.checkpoint_root_dir
+        self.checkpoint_dir = (
+            Path(ckpt) / cfg.project / cfg.name if ckpt else self.run_dir / "checkpoints"
+        )
+        self.metrics_path = self.run_dir / "metrics.jsonl"
+
+    async def _exhausted(self) -> bool:
+        """Every task done, every stage before the trainer drained, nothing left on exp.train."""
+        state = RunState(await self.bus.kv())
+        if await state.taskset() is None:
+            return False
+        n = self.names
+        if not await consumer_drained(self.bus, n.tasks_stream, n.explorer_consumer):
+            return False
+        infos = await self.bus.js.consumers_info(n.exp_stream)
+        for info in infos:
+            pending = int(info.num_pending or 0)
+            unacked = int(info.num_ack_pending or 0)
+            if info.name == n.trainer_consumer:
+                if pending:
+                    return False
+            elif pending or unacked:
+                return False
+        return True
+
+    async def run(self) -> None:
+        """Train until ``buffer.total_steps`` or until the upstream is exhausted. Blocks."""
+        from rftstream.training.engine import PolicyTrainer
+
+        state = RunState(await self.bus.kv())
+        await state.put_json("trainer.started", {"actor": self.name, "ts": time.time()})
+        consumer = await self.bus.pull(self.names.exp_stream, self.names.trainer_consumer)
+        ticker = InProgressTicker(self.cfg.nats.ack_wait / 3)
+        feed = ExperienceFeed(self.bus, consumer, ticker, self._exhausted)
+        monitor = RawMonitor()
+        await monitor.start(self.bus)
+        trainer = await anyio.to_thread.run_sync(
+            lambda: PolicyTrainer(self.cfg, self.model_path, self.algorithm)
+        )
+        strategy = self.algorithm.create_sample_strategy(self.cfg.buffer, feed)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        total = self.cfg.buffer.total_steps
+        status = "failed"
+        try:
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(ticker.run)
+                tg.start_soon(
+                    heartbeat_loop,
+                    state,
+                    self.name,
+                    self.role,
+                    lambda: {"step": self.step, "version": self.version},
+                )
+                while total is None or self.step < total:
+                    step = self.step + 1
+                    t0 = time.perf_counter()
+                    batch, sample_metrics, _samples = await strategy.sample(step)
+                    wait = time.perf_counter() - t0
+                    if not batch:
+                        log.info("%s: upstream exhausted after %d steps", self.name, self.step)
+                        break
+                    staleness = [self.version - int(e.model_version) for e in batch]
+                    train_metrics = await anyio.to_thread.run_sync(trainer.train_step, batch)
+                    await feed.commit()
+                    self.step = step
+                    self.version = step
+                    self.trained += len(batch)
+                    if self.policy.trainer_publishes_after(step) or (
+                        total is not None and step == total
+                    ):
+                        await self._publish_weights(state, trainer, step)
+                    if (
+                        self.cfg.trainer.save_interval
+                        and step % self.cfg.trainer.save_interval == 0
+                    ):
+                        await anyio.to_thread.run_sync(
+                            trainer.save_hf_checkpoint, self.checkpoint_dir / f"global_step_{step}"
+                        )
+                    record = self._record(
+                        step, batch, staleness, wait, train_metrics, sample_metrics, monitor, feed
+                    )
+                    await self._emit(state, record)
+                tg.cancel_scope.cancel()
+            final = await anyio.to_thread.run_sync(
+                trainer.save_hf_checkpoint, self.checkpoint_dir / f"global_step_{self.step}"
+            )
+            log.info("%s: final checkpoint %s", self.name, final)
+            status = "finished"
+        finally:
+            with anyio.CancelScope(shield=True):
+                await monitor.stop()
+                await consumer.unsubscribe()
+                try:
+                    await state.put_json(
+                        "trainer.done", {"step": self.step, "status": status, "ts": time.time()}
+                    )
+                    await state.set_status(status)
+                except Exception as exc:  # noqa: BLE001 - the connection may be gone
+                    log.warning("%s: could not record final status: %s", self.name, exc)
+
+    async def _publish_weights(self, state: RunState, trainer: Any, step: int) -> None:
+        method = self.cfg.synchronizer.sync_method
+        weights_dir = self.checkpoint_dir / "weights"
+
+        def _save() -> Any:
+            return save_weights(
+                method, self.names.run, step, trainer.state_dict(), weights_dir, step=step
+            )
+
+        ptr = await anyio.to_thread.run_sync(_save)
+        await state.set_latest_weights(ptr)
+
+    def _record(
+        self,
+        step: int,
+        batch: list[Any],
+        staleness: list[int],
+        wait: float,
+        train_metrics: dict[str, float],
+        sample_metrics: dict[str, Any],
+        monitor: RawMonitor,
+        feed: ExperienceFeed,
+    ) -> dict[str, Any]:
+        rewards = [
+            float(e.reward)
+            for e in batch
+            if e.reward is not None and not math.isnan(float(e.reward))
+        ]
+        record: dict[str, Any] = {"step": step, "ts": time.time()}
+        record.update(monitor.take())
+        record.update(
+            {
+                "reward/train_mean": sum(rewards) / len(rewards) if rewards else None,
+                "staleness/mean": sum(staleness) / len(staleness) if staleness else 0.0,
+                "staleness/max": max(staleness) if staleness else 0,
+                "time/trainer_wait": wait,
+                "experience/trained": len(batch),
+                "experience/trained_total": self.trained,
+                "experience/duplicates_dropped": feed.duplicates,
+                "experience/dead_lettered": feed.dead_lettered,
+                "weights/version": self.version,
+            }
+        )
+        record.update({k: v for k, v in sample_metrics.items() if isinstance(v, (int, float))})
+        record.update(train_metrics)
+        return record
+
+    async def _emit(self, state: RunState, record: dict[str, Any]) -> None:
+        line = (
+            json.dumps(record, allow_nan=False, default=float)
+            if _finite(record)
+            else json.dumps(_nan_to_none(record))
+        )
+        await anyio.to_thread.run_sync(_append_line, self.metrics_path, line)
+        values = {
+            k: float(v) for k, v in record.items() if isinstance(v, (int, float)) and k != "step"
+        }
+        await self.bus.publish_metrics(self.role, record["step"], values)
+        await state.put_json(KV_TRAINER_STEP, record["step"])
+        if self.on_step is not None:
+            self.on_step(record)
+
+
+def _finite(record: dict[str, Any]) -> bool:
+    return all(not (isinstance(v, float) and not math.isfinite(v)) for v in record.values())
+
+
+def _nan_to_none(record: dict[str, Any]) -> dict[str, Any]:
+    return {
+        k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in record.items()
+    }
+
+
+def _append_line(path: Path, line: str) -> None:
+    with open(path, "a") as f:
+        f.write(line + "\n")

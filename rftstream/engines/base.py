@@ -1,0 +1,113 @@
+"""The rollout-engine interface shared by every engine (transformers, later vLLM / OpenAI).
+
+An engine turns a prompt (token ids) into ``n`` sampled completions with the
+log-probability of every sampled token. Engines are backend-neutral anyio
+objects: the owner starts :meth:`RolloutEngine.run` in its task group (it
+batches requests from concurrent callers) and calls :meth:`RolloutEngine.aclose`
+when done. Nothing here does I/O.
+
+Log-probability convention (the trainer must match it): the logprob of a
+sampled token is ``log_softmax(logits / temperature)[token]``, computed from the
+raw logits divided by the request's temperature, *before* top-k / top-p
+filtering. With ``temperature == 0`` (greedy) the logprob is
+``log_softmax(logits)[token]``.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import torch
+
+FinishReason = Literal["stop", "length"]
+
+
+@dataclass
+class SamplingParams:
+    """Sampling parameters of one request (``n`` completions of one prompt).
+
+    ``max_tokens`` ``None`` means: the engine's default, capped by the model's
+    context. ``top_k <= 0`` and ``top_p >= 1`` disable those filters;
+    ``temperature == 0`` is greedy decoding. ``stop`` strings end a completion
+    once its decoded text contains one (the tokens that produced it are kept).
+    ``seed`` makes the request's samples reproducible independently of what it
+    is batched with.
+    """
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    max_tokens: int | None = None
+    stop: list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.n < 1:
+            raise ValueError(f"SamplingParams.n must be >= 1, got {self.n}")
+        if self.temperature < 0:
+            raise ValueError(f"SamplingParams.temperature must be >= 0, got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"SamplingParams.top_p must be in (0, 1], got {self.top_p}")
+        if self.max_tokens is not None and self.max_tokens < 0:
+            raise ValueError(f"SamplingParams.max_tokens must be >= 0, got {self.max_tokens}")
+
+
+@dataclass
+class Completion:
+    """One sampled completion: response tokens only (eos included when it stopped there).
+
+    ``logprobs[i]`` is the log-probability of ``token_ids[i]`` (see the module
+    docstring for the convention); ``model_version`` is the engine's weight
+    version that generated it.
+    """
+
+    token_ids: list[int]
+    logprobs: list[float]
+    finish_reason: FinishReason
+    model_version: int = 0
+    info: dict[str, Any] = field(default_factory=dict)
+
+
+class RolloutEngine(ABC):
+    """A rollout engine: batched sampling plus weight loading.
+
+    Lifecycle: construct (may block: loads weights), start :meth:`run` in a
+    task group, call :meth:`generate` from any number of tasks, :meth:`aclose`
+    at the end. :meth:`generate` waits until :meth:`run` serves it.
+    """
+
+    @property
+    @abstractmethod
+    def tokenizer(self) -> Any:
+        """The Hugging Face tokenizer of the model."""
+
+    @property
+    @abstractmethod
+    def model_version(self) -> int:
+        """Version of the weights currently loaded (0 = the initial checkpoint)."""
+
+    @abstractmethod
+    async def generate(
+        self, prompt_token_ids: list[int], params: SamplingParams
+    ) -> list[Completion]:
+        """Sample ``params.n`` completions of one prompt.
+
+        Waits until the request has been served; cancelling the caller drops
+        its request without disturbing others batched with it.
+        """
+
+    @abstractmethod
+    async def load_weights(self, state_dict: dict[str, torch.Tensor], version: int) -> None:
+        """Replace the weights between batches and set :attr:`model_version` to ``version``."""
+
+    @abstractmethod
+    async def run(self) -> None:
+        """Serve requests until cancelled or closed (start it in the owner's task group)."""
+
+    @abstractmethod
+    async def aclose(self) -> None:
+        """Stop serving; pending and later :meth:`generate` calls raise ``RftError``."""

@@ -1,0 +1,588 @@
+"""A rollout engine on plain ``transformers`` (CPU or GPU), with request batching.
+
+Concurrent :meth:`TransformersEngine.generate` calls are put on an anyio
+memory object stream; :meth:`TransformersEngine.run` (started by the owner in
+its task group) collects them into one batch (up to ``max_batch_size``
+sequences, waiting at most ``batch_wait_ms`` after the first request), then
+runs ONE sampling loop for the whole batch in a worker thread. The loop is
+written here (no ``model.generate``): left-padded prompts, a KV cache,
+per-sequence temperature / top-p / top-k / max_tokens / stop, and the
+log-probability of every sampled token.
+
+Log-probability convention, which the trainer must reproduce: for a sampled
+token ``t`` at a step with logits ``z`` (float32), ``logprob =
+log_softmax(z / temperature)[t]``: the raw logits divided by the SAME
+temperature the rollout used, before top-k / top-p filtering (greedy,
+``temperature == 0``: ``log_softmax(z)[t]``).
+
+Blocking: model forward passes and weight copies run in worker threads
+(``anyio.to_thread``, with the engine's own capacity limiter of one thread, so
+workflows that occupy the default thread pool can never starve it); the event
+loop only moves requests and sets events. Construction blocks (it loads the
+model): build the engine in a worker thread from async code.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+from collections import deque
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import anyio
+import torch
+from anyio.abc import TaskStatus
+
+from rftstream.engines.base import Completion, RolloutEngine, SamplingParams
+from rftstream.errors import RftError
+
+log = logging.getLogger(__name__)
+
+__all__ = ["SequenceSpec", "TransformersEngine", "quiet_progress_bars", "sample_sequences"]
+
+
+@contextlib.contextmanager
+def quiet_progress_bars() -> Iterator[None]:
+    """Silence transformers' tqdm bars (loading / saving shards) inside the block."""
+    from transformers.utils import logging as hf_logging
+
+    was_enabled = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            hf_logging.enable_progress_bar()
+
+
+@dataclass
+class SequenceSpec:
+    """One sequence of a sampling batch (a request with ``n`` > 1 gives ``n`` of them)."""
+
+    prompt: list[int]
+    max_new_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    generator: torch.Generator | None = None  # None: the batch's shared generator
+    stop: list[str] | None = None
+    stop_token_ids: set[int] = field(default_factory=set)
+
+
+def _filter_logits(scaled: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Mask (with -inf) what top-k, then top-p, removes; rows with neither are untouched."""
+    vocab = scaled.shape[-1]
+    need_k = (top_k > 0) & (top_k < vocab)
+    need_p = top_p < 1.0
+    if not bool(need_k.any()) and not bool(need_p.any()):
+        return scaled
+    sorted_vals, sorted_idx = scaled.sort(dim=-1, descending=True)
+    ranks = torch.arange(vocab, device=scaled.device)[None, :]
+    if bool(need_k.any()):
+        k = torch.where(need_k, top_k, torch.full_like(top_k, vocab))
+        sorted_vals = sorted_vals.masked_fill(ranks >= k[:, None], -math.inf)
+    if bool(need_p.any()):
+        probs = sorted_vals.softmax(dim=-1)
+        cum_before = probs.cumsum(dim=-1) - probs
+        remove = (cum_before >= top_p[:, None]) & need_p[:, None]
+        remove[:, 0] = False
+        sorted_vals = sorted_vals.masked_fill(remove, -math.inf)
+    return torch.empty_like(scaled).scatter_(-1, sorted_idx, sorted_vals)
+
+
+def _sample_step(
+    logits: torch.Tensor,
+    temps: torch.Tensor,
+    top_k: torch.Tensor,
+    top_p: torch.Tensor,
+    generators: list[torch.Generator | None],
+    default_generator: torch.Generator | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sample one token per row; return (tokens [B], logprobs [B]) per the module convention."""
+    greedy = temps <= 0
+    t = torch.where(greedy, torch.ones_like(temps), temps)
+    scaled = logits / t[:, None]
+    logprobs_all = torch.log_softmax(scaled, dim=-1)
+    probs = _filter_logits(scaled, top_k, top_p).softmax(dim=-1)
+    tokens = torch.empty(logits.shape[0], dtype=torch.long, device=logits.device)
+    shared = [i for i, g in enumerate(generators) if g is None and not bool(greedy[i])]
+    if shared:
+        idx = torch.tensor(shared, device=logits.device)
+        tokens[idx] = torch.multinomial(probs[idx], 1, generator=default_generator).squeeze(-1)
+    for i, g in enumerate(generators):
+        if g is not None and not bool(greedy[i]):
+            tokens[i] = torch.multinomial(probs[i : i + 1], 1, generator=g)[0, 0]
+    if bool(greedy.any()):
+        gidx = greedy.nonzero().squeeze(-1)
+        tokens[gidx] = logits[gidx].argmax(dim=-1)
+    chosen = logprobs_all.gather(-1, tokens[:, None]).squeeze(-1)
+    return tokens, chosen
+
+
+def sample_sequences(
+    model: Any,
+    seqs: list[SequenceSpec],
+    *,
+    eos_token_ids: set[int],
+    pad_token_id: int,
+    generator: torch.Generator | None = None,
+    tokenizer: Any = None,
+    stats: dict[str, int] | None = None,
+) -> list[Completion]:
+    """Sample every sequence of ``seqs`` in one batched loop with a KV cache. Blocking.
+
+    Prompts are left-padded; position ids count only real tokens, so a padded
+    row sees exactly what it would see alone. A row ends at an eos / stop token
+    (``"stop"``), when its decoded text contains a stop string (``"stop"``,
+    needs ``tokenizer``) or after ``max_new_tokens`` tokens (``"length"``).
+    Finished rows are dropped from the cache once they are the majority.
+    Runs under ``torch.inference_mode``; call it from a worker thread.
+    """
+    if not seqs:
+        return []
+    device = next(model.parameters()).device
+    out_tokens: list[list[int]] = [[] for _ in seqs]
+    out_logprobs: list[list[float]] = [[] for _ in seqs]
+    reasons: list[str | None] = [None] * len(seqs)
+    for i, s in enumerate(seqs):
+        if s.max_new_tokens <= 0:
+            reasons[i] = "length"
+    live = [i for i, r in enumerate(reasons) if r is None]
+    if not live:
+        return [Completion([], [], "length") for _ in seqs]
+
+    with torch.inference_mode():
+        width = max(len(seqs[i].prompt) for i in live)
+        input_ids = torch.full((len(live), width), pad_token_id, dtype=torch.long)
+        attn = torch.zeros((len(live), width), dtype=torch.long)
+        for row, i in enumerate(live):
+            p = seqs[i].prompt
+            input_ids[row, width - len(p) :] = torch.tensor(p, dtype=torch.long)
+            attn[row, width - len(p) :] = 1
+        input_ids, attn = input_ids.to(device), attn.to(device)
+        positions = (attn.cumsum(-1) - 1).clamp_min(0)
+        rows = list(live)  # row -> sequence index
+        temps = torch.tensor(
+            [seqs[i].temperature for i in rows], dtype=torch.float32, device=device
+        )
+        top_k = torch.tensor([seqs[i].top_k for i in rows], dtype=torch.long, device=device)
+        top_p = torch.tensor([seqs[i].top_p for i in rows], dtype=torch.float32, device=device)
+        out = model(
+            input_ids=input_ids,
+            attention_mask=attn,
+            position_ids=positions,
+            use_cache=True,
+            logits_to_keep=1,
+        )
+        forwards, prunes = 1, 0
+        past = out.past_key_values
+        logits = out.logits[:, -1, :].float()
+        next_pos = positions[:, -1] + 1
+        alive = [True] * len(rows)  # host-side copy of the active mask (no per-row device syncs)
+        while True:
+            gens = [seqs[i].generator for i in rows]
+            tok, lp = _sample_step(logits, temps, top_k, top_p, gens, generator)
+            tok_list, lp_list = tok.tolist(), lp.tolist()
+            for row, i in enumerate(rows):
+                if not alive[row]:
+                    continue
+                t = tok_list[row]
+                out_tokens[i].append(t)
+                out_logprobs[i].append(lp_list[row])
+                spec = seqs[i]
+                if t in eos_token_ids or t in spec.stop_token_ids:
+                    reasons[i] = "stop"
+                elif (
+                    spec.stop
+                    and tokenizer is not None
+                    and _hits_stop(tokenizer, out_tokens[i], spec.stop)
+                ):
+                    reasons[i] = "stop"
+                elif len(out_tokens[i]) >= spec.max_new_tokens:
+                    reasons[i] = "length"
+                if reasons[i] is not None:
+                    alive[row] = False
+            n_active = sum(alive)
+            if n_active == 0:
+                break
+            if n_active * 2 <= len(rows) and len(rows) >= 8:
+                prunes += 1
+                keep_rows = [r for r, a in enumerate(alive) if a]
+                keep = torch.tensor(keep_rows, dtype=torch.long, device=device)
+                past.batch_select_indices(keep)
+                rows = [rows[r] for r in keep_rows]
+                tok, attn, next_pos = tok[keep], attn[keep], next_pos[keep]
+                temps, top_k, top_p = temps[keep], top_k[keep], top_p[keep]
+                alive = [True] * len(rows)
+            active = torch.tensor(alive, dtype=torch.bool, device=device)
+            feed = torch.where(active, tok, torch.full_like(tok, pad_token_id))
+            attn = torch.cat([attn, active.long()[:, None]], dim=1)
+            out = model(
+                input_ids=feed[:, None],
+                attention_mask=attn,
+                position_ids=next_pos[:, None],
+                past_key_values=past,
+                use_cache=True,
+                logits_to_keep=1,
+            )
+            forwards += 1
+            past = out.past_key_values
+            logits = out.logits[:, -1, :].float()
+            next_pos = next_pos + 1
+    if stats is not None:
+        stats["forward_passes"] = stats.get("forward_passes", 0) + forwards
+        stats["cache_prunes"] = stats.get("cache_prunes", 0) + prunes
+        stats["generated_tokens"] = stats.get("generated_tokens", 0) + sum(map(len, out_tokens))
+    return [
+        Completion(
+            token_ids=out_tokens[i], logprobs=out_logprobs[i], finish_reason=reasons[i] or "length"
+        )  # type: ignore[arg-type]
+        for i in range(len(seqs))
+    ]
+
+
+def _hits_stop(tokenizer: Any, tokens: list[int], stop: list[str]) -> bool:
+    window = 2 * max(len(s) for s in stop) + 8
+    text = tokenizer.decode(tokens[-window:], skip_special_tokens=False)
+    return any(s and s in text for s in stop)
+
+
+class _Request:
+    __slots__ = ("prompt", "params", "done", "result", "error", "cancelled")
+
+    def __init__(self, prompt: list[int], params: SamplingParams) -> None:
+        self.prompt = prompt
+        self.params = params
+        self.done = anyio.Event()
+        self.result: list[Completion] | None = None
+        self.error: RftError | None = None
+        self.cancelled = False
+
+    def fail(self, message: str) -> None:
+        if not self.done.is_set():
+            self.error = RftError(message)
+            self.done.set()
+
+
+class TransformersEngine(RolloutEngine):
+    """Batched sampling with a ``transformers`` causal LM (see the module docstring).
+
+    ``stats`` counts ``batches`` (sampling loops run), ``requests``,
+    ``sequences``, ``forward_passes``, ``generated_tokens``, ``cache_prunes``
+    (finished rows dropped from the KV cache) and ``cancelled`` (requests whose
+    caller went away).
+    """
+
+    def __init__(
+        self,
+        model_path: str,
+        *,
+        max_batch_size: int = 64,
+        batch_wait_ms: float = 5.0,
+        dtype: str = "float32",
+        seed: int = 42,
+        device: str = "cpu",
+        torch_threads: int | None = None,
+        default_max_tokens: int = 512,
+    ) -> None:
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        if max_batch_size < 1:
+            raise RftError(
+                f"explorer.rollout_model.max_batch_size must be >= 1, got {max_batch_size}"
+            )
+        if torch_threads is not None:
+            torch.set_num_threads(int(torch_threads))
+        torch_dtype = getattr(torch, dtype, None)
+        if not isinstance(torch_dtype, torch.dtype):
+            raise RftError(f"model.dtype: unknown torch dtype {dtype!r}")
+        self.model_path = str(model_path)
+        self.max_batch_size = int(max_batch_size)
+        self.batch_wait = max(float(batch_wait_ms), 0.0) / 1000.0
+        self.default_max_tokens = int(default_max_tokens)
+        self.device = torch.device(device)
+        try:
+            from rftstream.hf import HF_LOAD_LOCK  # concurrent loads in one process race
+
+            with quiet_progress_bars(), HF_LOAD_LOCK:
+                self._tokenizer = AutoTokenizer.from_pretrained(self.model_path)
+                model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=torch_dtype)
+                model = model.to(self.device)
+        except (OSError, ValueError) as exc:
+            raise RftError(
+                f"model.model_path: cannot load a model from {self.model_path!r}: {exc}"
+            ) from exc
+        self._model = model.to(self.device).eval()
+        cfg = self._model.config
+        self.max_model_len = int(getattr(cfg, "max_position_embeddings", 0) or 1 << 30)
+        eos: set[int] = set()
+        for source in (
+            self._tokenizer.eos_token_id,
+            cfg.eos_token_id,
+            getattr(self._model.generation_config, "eos_token_id", None),
+        ):
+            if isinstance(source, int):
+                eos.add(source)
+            elif isinstance(source, (list, tuple)):
+                eos.update(int(x) for x in source)
+        self.eos_token_ids = eos
+        pad = self._tokenizer.pad_token_id
+        self.pad_token_id = int(pad if pad is not None else (min(eos) if eos else 0))
+        self._generator = torch.Generator(device=self.device).manual_seed(int(seed))
+        self._version = 0
+        self._send, self._recv = anyio.create_memory_object_stream[_Request](
+            max_buffer_size=math.inf
+        )
+        self._lock = anyio.Lock()
+        self._closed = False
+        self._running = False
+        self._inflight: list[_Request] = []
+        self.stats: dict[str, int] = {
+            "batches": 0,
+            "requests": 0,
+            "sequences": 0,
+            "forward_passes": 0,
+            "generated_tokens": 0,
+            "cache_prunes": 0,
+            "cancelled": 0,
+        }
+
+    # ------------------------------------------------------------ properties
+    @property
+    def tokenizer(self) -> Any:
+        return self._tokenizer
+
+    @property
+    def model(self) -> Any:
+        """The underlying ``transformers`` model (do not run it while a batch is in flight)."""
+        return self._model
+
+    @property
+    def model_version(self) -> int:
+        return self._version
+
+    # ------------------------------------------------------------ API
+    async def generate(
+        self, prompt_token_ids: list[int], params: SamplingParams
+    ) -> list[Completion]:
+        """Sample ``params.n`` completions of one prompt; waits for :meth:`run` to serve it.
+
+        Raises :class:`RftError` at once when the prompt does not fit the
+        context or the engine is closed. Cancelling the caller marks its
+        request dropped: it is skipped if not started, and its results are
+        discarded (the rest of the batch is unaffected) if already running.
+        """
+        if self._closed:
+            raise RftError("rollout engine is closed")
+        prompt = [int(t) for t in prompt_token_ids]
+        if not prompt:
+            raise RftError("cannot generate from an empty prompt")
+        if len(prompt) >= self.max_model_len:
+            raise RftError(
+                f"prompt of {len(prompt)} tokens leaves no room in the model context of "
+                f"{self.max_model_len} tokens (see model.max_prompt_tokens)"
+            )
+        req = _Request(prompt, params)
+        try:
+            self._send.send_nowait(req)
+        except (anyio.ClosedResourceError, anyio.BrokenResourceError) as exc:
+            raise RftError("rollout engine is closed") from exc
+        try:
+            await req.done.wait()
+        except BaseException:
+            req.cancelled = True
+            raise
+        if req.error is not None:
+            raise req.error
+        assert req.result is not None
+        return req.result
+
+    async def load_weights(self, state_dict: dict[str, torch.Tensor], version: int) -> None:
+        """Copy ``state_dict`` into the model between batches, then set the version.
+
+        Waits for the batch in flight (the batcher holds the same lock); the
+        copy runs in a worker thread. Accepts DeepSpeed/DDP ``module.`` prefixes
+        and a missing ``lm_head.weight`` with tied embeddings; other missing or
+        unexpected keys raise :class:`RftError` and leave the version unchanged.
+        """
+        async with self._lock:
+            await anyio.to_thread.run_sync(self._load_state_dict, state_dict)
+            self._version = int(version)
+
+    def _load_state_dict(self, state_dict: dict[str, torch.Tensor]) -> None:
+        cleaned = {
+            (k[len("module.") :] if k.startswith("module.") else k): v
+            for k, v in state_dict.items()
+        }
+        own = self._model.state_dict()
+        unexpected = sorted(set(cleaned) - set(own))
+        missing = sorted(set(own) - set(cleaned))
+        tied = bool(getattr(self._model.config, "tie_word_embeddings", False))
+        missing = [k for k in missing if not (tied and k == "lm_head.weight")]
+        if unexpected or missing:
+            raise RftError(
+                f"load_weights: state dict does not match the model at {self.model_path!r}: "
+                f"missing {missing[:5]}, unexpected {unexpected[:5]}"
+            )
+        with torch.no_grad():
+            for k, v in cleaned.items():
+                if own[k].shape != v.shape:
+                    raise RftError(
+                        f"load_weights: {k} has shape {tuple(v.shape)}, expected {tuple(own[k].shape)}"
+                    )
+            self._model.load_state_dict(cleaned, strict=False)
+
+    async def run(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
+        """Batch and serve requests until cancelled or :meth:`aclose` is called.
+
+        Start it with ``tg.start_soon(engine.run)`` (or ``await tg.start(engine.run)``
+        to wait until it serves). On cancel the batch in flight finishes first
+        (forward passes are not interruptible), then every waiting request
+        fails with :class:`RftError`.
+        """
+        if self._running:
+            raise RftError("TransformersEngine.run() is already running")
+        self._running = True
+        limiter = anyio.CapacityLimiter(1)
+        pending: deque[_Request] = deque()
+        task_status.started()
+        try:
+            while True:
+                batch = await self._collect(pending)
+                if batch is None:
+                    return
+                if batch:
+                    await self._serve(batch, limiter)
+        finally:
+            self._running = False
+            for req in [*self._inflight, *pending]:
+                req.fail("rollout engine stopped before serving the request")
+            self._inflight = []
+            while True:
+                try:
+                    self._recv.receive_nowait().fail(
+                        "rollout engine stopped before serving the request"
+                    )
+                except (anyio.WouldBlock, anyio.EndOfStream, anyio.ClosedResourceError):
+                    break
+
+    async def aclose(self) -> None:
+        """Stop accepting requests; :meth:`run` returns after the batch in flight."""
+        self._closed = True
+        self._send.close()
+
+    # ------------------------------------------------------------ batcher
+    async def _collect(self, pending: deque[_Request]) -> list[_Request] | None:
+        """Wait for a first request, then gather more for up to ``batch_wait`` seconds."""
+        if pending:
+            first = pending.popleft()
+        else:
+            try:
+                first = await self._recv.receive()
+            except (anyio.EndOfStream, anyio.ClosedResourceError):
+                return None
+        batch: list[_Request] = []
+        size = 0
+        if not first.cancelled:
+            batch.append(first)
+            size = first.params.n
+        deadline = anyio.current_time() + self.batch_wait
+        while size < self.max_batch_size:
+            try:
+                req = self._recv.receive_nowait()
+            except anyio.WouldBlock:
+                remaining = deadline - anyio.current_time()
+                if remaining <= 0:
+                    break
+                got: _Request | None = None
+                with anyio.move_on_after(remaining):
+                    try:
+                        got = await self._recv.receive()
+                    except (anyio.EndOfStream, anyio.ClosedResourceError):
+                        break
+                if got is None:
+                    break
+                req = got
+            except (anyio.EndOfStream, anyio.ClosedResourceError):
+                break
+            if req.cancelled:
+                self.stats["cancelled"] += 1
+                continue
+            if batch and size + req.params.n > self.max_batch_size:
+                pending.append(req)
+                break
+            batch.append(req)
+            size += req.params.n
+        return batch
+
+    async def _serve(self, batch: list[_Request], limiter: anyio.CapacityLimiter) -> None:
+        async with self._lock:
+            live = [r for r in batch if not r.cancelled]
+            self.stats["cancelled"] += len(batch) - len(live)
+            if not live:
+                return
+            version = self._version
+            self._inflight = live
+            try:
+                results = await anyio.to_thread.run_sync(
+                    self._generate_batch, live, limiter=limiter
+                )
+            except Exception as exc:  # noqa: BLE001 - reported to every caller of the batch
+                log.exception("rollout batch of %d requests failed", len(live))
+                for r in live:
+                    r.fail(f"generation failed: {type(exc).__name__}: {exc}")
+                return
+            finally:
+                self._inflight = []
+            self.stats["batches"] += 1
+            self.stats["requests"] += len(live)
+            self.stats["sequences"] += sum(r.params.n for r in live)
+            for r, comps in zip(live, results, strict=True):
+                for c in comps:
+                    c.model_version = version
+                if r.cancelled:
+                    self.stats["cancelled"] += 1
+                r.result = comps
+                r.done.set()
+
+    def _generate_batch(self, reqs: list[_Request]) -> list[list[Completion]]:
+        """Worker thread: expand requests into sequences and sample them all at once."""
+        seqs: list[SequenceSpec] = []
+        for r in reqs:
+            p = r.params
+            gen = None
+            if p.seed is not None:
+                gen = torch.Generator(device=self.device).manual_seed(int(p.seed))
+            room = self.max_model_len - len(r.prompt)
+            want = p.max_tokens if p.max_tokens is not None else self.default_max_tokens
+            for _ in range(p.n):
+                seqs.append(
+                    SequenceSpec(
+                        prompt=r.prompt,
+                        max_new_tokens=max(0, min(int(want), room)),
+                        temperature=float(p.temperature),
+                        top_p=float(p.top_p),
+                        top_k=int(p.top_k),
+                        generator=gen,
+                        stop=list(p.stop) if p.stop else None,
+                        stop_token_ids=set(p.stop_token_ids or ()),
+                    )
+                )
+        comps = sample_sequences(
+            self._model,
+            seqs,
+            eos_token_ids=self.eos_token_ids,
+            pad_token_id=self.pad_token_id,
+            generator=self._generator,
+            tokenizer=self._tokenizer,
+            stats=self.stats,
+        )
+        out: list[list[Completion]] = []
+        pos = 0
+        for r in reqs:
+            out.append(comps[pos : pos + r.params.n])
+            pos += r.params.n
+        return out

@@ -1,0 +1,52 @@
+"""Loading Hugging Face models safely from several threads of one process.
+
+transformers initialises parameters on the ``meta`` device through process-wide
+context managers while ``from_pretrained`` runs; two loads in concurrent
+threads (an explorer's engine and the trainer, both in ``rftstream up``) can
+leave tied weights on ``meta``. Every load goes through :func:`load_causal_lm`,
+which serialises them. Blocks for the load.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import torch
+
+HF_LOAD_LOCK = threading.Lock()
+
+_DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+}
+
+
+def torch_dtype(name: str | torch.dtype) -> torch.dtype:
+    """``"float32"``/``"bf16"``/... → torch dtype."""
+    if isinstance(name, torch.dtype):
+        return name
+    try:
+        return _DTYPES[name]
+    except KeyError:
+        raise ValueError(f"unknown dtype {name!r}; expected one of {sorted(_DTYPES)}") from None
+
+
+def load_causal_lm(path: str, dtype: str | torch.dtype = "float32", **kwargs: Any) -> Any:
+    """``AutoModelForCausalLM.from_pretrained`` under the process-wide load lock."""
+    from transformers import AutoModelForCausalLM
+
+    with HF_LOAD_LOCK:
+        return AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype(dtype), **kwargs)
+
+
+def load_tokenizer(path: str, **kwargs: Any) -> Any:
+    """``AutoTokenizer.from_pretrained`` under the process-wide load lock."""
+    from transformers import AutoTokenizer
+
+    with HF_LOAD_LOCK:
+        return AutoTokenizer.from_pretrained(path, **kwargs)

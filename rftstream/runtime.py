@@ -1,0 +1,208 @@
+"""Assembling a run: config → algorithm → pipeline → actors.
+
+:func:`prepare_run` resolves everything that needs no NATS (algorithm preset,
+batch sizes, model path, run directory, pipeline) and fails early with a
+:class:`ConfigError` naming the key. :func:`run_actors` connects each actor to
+NATS with its own connection and runs the requested roles in one anyio task
+group (``rftstream up`` runs all three; ``rftstream explorer|operator|trainer``
+runs one). Actors never call each other: they share only the bus.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import anyio
+import msgspec
+
+from rftstream.bus.client import Bus
+from rftstream.config.schema import Config
+from rftstream.config.validate import run_id_from_name, validate_config
+from rftstream.errors import ConfigError
+from rftstream.subjects import RunNames
+
+log = logging.getLogger(__name__)
+
+ROLES = ("explorer", "operator", "trainer")
+
+
+@dataclass
+class PreparedRun:
+    """A config with every derived value filled in, ready for actors."""
+
+    cfg: Config
+    names: RunNames
+    algorithm: Any  # algorithms.ResolvedAlgorithm
+    model_path: str
+    run_dir: Path
+
+    @property
+    def stages(self) -> list[tuple[str, str]]:
+        p = self.cfg.data_processor.experience_pipeline
+        return [(p.input_stage, p.output_stage)]
+
+    def build_pipeline(self) -> Any:
+        """The operator pipeline of ``data_processor.experience_pipeline``, plus the
+        algorithm's group advantage when it is not computed in the trainer."""
+        from operators import ExperiencePipeline, create_operators
+        from operators.advantage import GroupAdvantageOperator
+
+        ops = list(create_operators(self.cfg.data_processor.experience_pipeline.operators))
+        algo = self.algorithm
+        if not algo.compute_advantage_in_trainer and (algo.config.advantage_fn or "none") != "none":
+            ops.append(
+                GroupAdvantageOperator(
+                    algo.config.advantage_fn, **(algo.config.advantage_fn_args or {})
+                )
+            )
+        return ExperiencePipeline(ops)
+
+
+def resolve_model_path(cfg: Config, progress: Callable[[str], None] | None = None) -> str:
+    """``model.model_path``, or the embedded tiny model (built and cached on first use)."""
+    path = cfg.model.model_path
+    if not path or path == "builtin:tiny":
+        from rftstream.engines.tiny import ensure_tiny_model
+
+        return str(ensure_tiny_model(progress=progress))
+    if not Path(path).exists():
+        raise ConfigError(
+            "model.model_path",
+            "no such directory (models are loaded from local paths only)",
+            value=path,
+        )
+    return path
+
+
+def prepare_run(
+    cfg: Config,
+    *,
+    steps: int | None = None,
+    run_dir: str | None = None,
+    nats_url: str | None = None,
+    progress: Callable[[str], None] | None = None,
+    source: str | None = None,
+) -> PreparedRun:
+    """Validate and complete ``cfg``; build (or find) the model. Blocks (model build)."""
+    from algorithms import resolve_algorithm
+
+    cfg = validate_config(cfg, source=source)
+    run = run_id_from_name(cfg.name)
+    algorithm = resolve_algorithm(cfg.algorithm, cfg.buffer)
+    repeat = int(algorithm.repeat_times or 1)
+    buffer = cfg.buffer
+    if steps is not None:
+        buffer = msgspec.structs.replace(buffer, total_steps=steps)
+    if buffer.train_batch_size == 0:
+        buffer = msgspec.structs.replace(buffer, train_batch_size=buffer.batch_size * repeat)
+    rdir = Path(run_dir or cfg.run_dir or os.path.join("runs", cfg.name))
+    nats_cfg = cfg.nats if nats_url is None else msgspec.structs.replace(cfg.nats, url=nats_url)
+    cfg = msgspec.structs.replace(
+        cfg, algorithm=algorithm.config, buffer=buffer, run_dir=str(rdir), nats=nats_cfg
+    )
+    model_path = resolve_model_path(cfg, progress)
+    return PreparedRun(
+        cfg=cfg, names=RunNames(run), algorithm=algorithm, model_path=model_path, run_dir=rdir
+    )
+
+
+async def provision(run: PreparedRun, url: str) -> None:
+    """Create the run's streams, consumers and KV bucket (idempotent)."""
+    async with await Bus.connect(url, run.names, run.cfg.nats, "provisioner") as bus:
+        timeout = run.cfg.explorer.max_timeout * (run.cfg.explorer.max_retry_times + 1) + 60
+        await bus.provision(stages=run.stages, task_ack_wait=min(timeout, 3600.0))
+        from rftstream.bus.state import RunState
+
+        state = RunState(await bus.kv())
+        if not await state.status():
+            await state.set_status("running")
+
+
+async def run_explorer(
+    run: PreparedRun, url: str, name: str = "explorer", engine: Any = None
+) -> None:
+    from rftstream.actors.explorer import Explorer
+
+    async with await Bus.connect(url, run.names, run.cfg.nats, name) as bus:
+        await Explorer(run.cfg, bus, model_path=run.model_path, name=name).run(engine=engine)
+
+
+async def run_operator(
+    run: PreparedRun,
+    url: str,
+    name: str = "operator",
+    *,
+    pipeline: Any = None,
+    from_stage: str | None = None,
+    to_stage: str | None = None,
+) -> None:
+    from rftstream.actors.operator_host import OperatorHost
+
+    p = run.cfg.data_processor.experience_pipeline
+    async with await Bus.connect(url, run.names, run.cfg.nats, name) as bus:
+        host = OperatorHost(
+            bus,
+            pipeline if pipeline is not None else run.build_pipeline(),
+            from_stage=from_stage or p.input_stage,
+            to_stage=to_stage or p.output_stage,
+            name=name,
+            batch_messages=p.batch_messages,
+        )
+        await host.run()
+
+
+async def run_trainer(
+    run: PreparedRun,
+    url: str,
+    name: str = "trainer",
+    on_step: Callable[[dict[str, Any]], None] | None = None,
+) -> None:
+    from rftstream.actors.trainer import Trainer
+
+    async with await Bus.connect(url, run.names, run.cfg.nats, name) as bus:
+        await Trainer(
+            run.cfg,
+            bus,
+            model_path=run.model_path,
+            algorithm=run.algorithm,
+            run_dir=run.run_dir,
+            name=name,
+            on_step=on_step,
+        ).run()
+
+
+async def run_actors(
+    run: PreparedRun,
+    url: str,
+    roles: Sequence[str] = ROLES,
+    *,
+    on_step: Callable[[dict[str, Any]], None] | None = None,
+) -> None:
+    """Provision, then run ``roles`` concurrently until the trainer finishes.
+
+    When the trainer is among the roles, its end (the run's end) cancels the
+    other actors. Without a trainer, actors stop when the run status says so.
+    """
+    unknown = [r for r in roles if r not in ROLES]
+    if unknown:
+        raise ConfigError("roles", f"unknown actor roles {unknown}; expected some of {list(ROLES)}")
+    await provision(run, url)
+    if run.cfg.synchronizer.sync_method == "memory" and len(roles) < len(ROLES):
+        raise ConfigError(
+            "synchronizer.sync_method",
+            "`memory` moves weights inside one process; actors started separately need `checkpoint`",
+            value="memory",
+        )
+    async with anyio.create_task_group() as tg:
+        if "operator" in roles:
+            tg.start_soon(run_operator, run, url)
+        if "explorer" in roles:
+            tg.start_soon(run_explorer, run, url)
+        if "trainer" in roles:
+            await run_trainer(run, url, on_step=on_step)
+            tg.cancel_scope.cancel()

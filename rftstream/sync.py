@@ -1,0 +1,68 @@
+"""Synchronisation policies (DESIGN §4). Pure logic, no I/O.
+
+``SyncPolicy`` answers three questions for the actors:
+
+* :meth:`trainer_publishes_after` — does the trainer publish weights after step N?
+* :meth:`explorer_checks_before` — does the explorer look for new weights before step N?
+* :meth:`explorer_may_run` — may the explorer start another step, given how much
+  experience is waiting upstream of the trainer (``max_staleness``)?
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from rftstream.config.schema import SynchronizerConfig
+
+STYLES = ("fixed", "dynamic_by_explorer", "dynamic_by_trainer", "fully_async")
+ALIASES = {"explorer_driven": "dynamic_by_explorer", "trainer_driven": "dynamic_by_trainer"}
+
+
+@dataclass(frozen=True)
+class SyncPolicy:
+    style: str
+    interval: int
+    offset: int
+    max_staleness: int | None
+
+    @classmethod
+    def from_config(cls, cfg: SynchronizerConfig) -> SyncPolicy:
+        style = ALIASES.get(cfg.sync_style, cfg.sync_style)
+        if style not in STYLES:
+            raise ValueError(f"unknown sync_style {cfg.sync_style!r}")
+        return cls(style, max(1, cfg.sync_interval), max(0, cfg.sync_offset), cfg.max_staleness)
+
+    def trainer_publishes_after(self, step: int) -> bool:
+        """Trainer step ``step`` (1-based) just finished: publish weights now?"""
+        if self.style == "fully_async":
+            return True
+        return step > self.offset and (step - self.offset) % self.interval == 0
+
+    def explorer_checks_before(self, step: int) -> bool:
+        """Explorer is about to run step ``step`` (1-based): look for newer weights?"""
+        if self.style in ("fully_async", "dynamic_by_trainer"):
+            return True
+        return step > 1 and (step - 1 - self.offset) % self.interval == 0
+
+    def explorer_waits_for_version(self, step: int) -> int | None:
+        """``fixed`` style: the weights version the explorer must have before ``step``.
+
+        Explorer and trainer meet every ``sync_interval`` steps: before explorer
+        step ``k*interval + offset + 1`` the trainer must have published version
+        ``k*interval`` (interval 1 is strictly on-policy). Other styles never wait.
+        """
+        if self.style != "fixed" or step <= 1 + self.offset:
+            return None
+        done = step - 1 - self.offset
+        if done % self.interval:
+            return None
+        return done
+
+    def explorer_may_run(self, backlog_experiences: int, train_batch_size: int) -> bool:
+        """``max_staleness``: pause while more than ``max_staleness + 1`` trainer
+        steps' worth of experience waits upstream of the trainer. A starving
+        trainer (backlog below one batch) never pauses the explorer, so filters
+        can never deadlock the run."""
+        if self.max_staleness is None:
+            return True
+        return backlog_experiences <= (self.max_staleness + 1) * train_batch_size

@@ -1,0 +1,150 @@
+"""Collating experiences into padded training tensors. Pure tensor logic, no I/O.
+
+Layout (as verl): prompts left-padded to ``P``, responses right-padded to
+``R``; ``input_ids`` is ``[B, P + R]``. The logits that predict response token
+``j`` sit at column ``P - 1 + j``, the same for every row.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from rftstream.experience import Experience
+
+
+@dataclass
+class TrainBatch:
+    input_ids: torch.Tensor  # [B, P+R] long
+    attention_mask: torch.Tensor  # [B, P+R] long
+    position_ids: torch.Tensor  # [B, P+R] long
+    prompt_width: int  # P
+    response_mask: torch.Tensor  # [B, R] float (action_mask & real token)
+    advantages: torch.Tensor  # [B, R] float
+    returns: torch.Tensor  # [B, R] float
+    rollout_logprobs: torch.Tensor  # [B, R] float (zeros where absent)
+    rewards: torch.Tensor  # [B] float
+    fields: dict[str, torch.Tensor]  # custom per-row fields (e.g. expert_mask)
+
+    @property
+    def size(self) -> int:
+        return int(self.input_ids.shape[0])
+
+    @property
+    def response_width(self) -> int:
+        return int(self.response_mask.shape[1])
+
+    def rows(self, idx: torch.Tensor | slice) -> TrainBatch:
+        """A sub-batch (micro-batch) of the given rows."""
+        return TrainBatch(
+            input_ids=self.input_ids[idx],
+            attention_mask=self.attention_mask[idx],
+            position_ids=self.position_ids[idx],
+            prompt_width=self.prompt_width,
+            response_mask=self.response_mask[idx],
+            advantages=self.advantages[idx],
+            returns=self.returns[idx],
+            rollout_logprobs=self.rollout_logprobs[idx],
+            rewards=self.rewards[idx],
+            fields={k: v[idx] for k, v in self.fields.items()},
+        )
+
+
+def _resp(t: torch.Tensor | None, n: int, width: int, fill: float = 0.0) -> torch.Tensor:
+    out = torch.full((width,), fill, dtype=torch.float32)
+    if t is not None and n:
+        m = min(n, int(t.numel()))
+        out[:m] = t[:m].to(torch.float32)
+    return out
+
+
+def collate(
+    exps: list[Experience],
+    pad_token_id: int,
+    *,
+    max_prompt: int | None = None,
+    max_response: int | None = None,
+) -> TrainBatch:
+    """Pad a list of experiences into a :class:`TrainBatch`.
+
+    Prompts longer than ``max_prompt`` keep their last tokens; responses longer
+    than ``max_response`` are cut (their mask too).
+    """
+    if not exps:
+        raise ValueError("collate: empty batch")
+    prompts = []
+    responses = []
+    for e in exps:
+        p = e.tokens[: e.prompt_length].to(torch.long)
+        r = e.tokens[e.prompt_length :].to(torch.long)
+        if max_prompt is not None and p.numel() > max_prompt:
+            p = p[-max_prompt:]
+        if max_response is not None and r.numel() > max_response:
+            r = r[:max_response]
+        prompts.append(p)
+        responses.append(r)
+    P = max(max(int(p.numel()) for p in prompts), 1)
+    R = max(max(int(r.numel()) for r in responses), 1)
+    B = len(exps)
+    input_ids = torch.full((B, P + R), pad_token_id, dtype=torch.long)
+    attention_mask = torch.zeros((B, P + R), dtype=torch.long)
+    response_mask = torch.zeros((B, R), dtype=torch.float32)
+    advantages = torch.zeros((B, R), dtype=torch.float32)
+    returns = torch.zeros((B, R), dtype=torch.float32)
+    rollout_lp = torch.zeros((B, R), dtype=torch.float32)
+    rewards = torch.zeros(B, dtype=torch.float32)
+    expert = torch.zeros(B, dtype=torch.bool)
+    for i, (e, p, r) in enumerate(zip(exps, prompts, responses, strict=True)):
+        np_, nr = int(p.numel()), int(r.numel())
+        input_ids[i, P - np_ : P] = p
+        attention_mask[i, P - np_ : P] = 1
+        input_ids[i, P : P + nr] = r
+        attention_mask[i, P : P + nr] = 1
+        mask = _resp(e.action_mask.to(torch.float32) if e.action_mask is not None else None, nr, R)
+        if e.action_mask is None:
+            mask[:nr] = 1.0
+        response_mask[i] = mask
+        advantages[i] = _resp(e.advantages, nr, R)
+        returns[i] = _resp(e.returns, nr, R)
+        rollout_lp[i] = _resp(e.logprobs, nr, R)
+        rewards[i] = float(e.reward) if e.reward is not None else 0.0
+        expert[i] = bool(e.info.get("is_expert", False))
+    position_ids = (attention_mask.cumsum(dim=1) - 1).clamp(min=0)
+    return TrainBatch(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        position_ids=position_ids,
+        prompt_width=P,
+        response_mask=response_mask,
+        advantages=advantages,
+        returns=returns,
+        rollout_logprobs=rollout_lp,
+        rewards=rewards,
+        fields={"expert_mask": expert},
+    )
+
+
+def response_logprobs(
+    logits: torch.Tensor,
+    input_ids: torch.Tensor,
+    prompt_width: int,
+    temperature: float,
+    *,
+    with_entropy: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Log-probabilities (and entropy) of the response tokens under ``logits / temperature``.
+
+    Uses the same temperature scaling as the rollout engine, so ratios start at 1.
+    """
+    R = input_ids.shape[1] - prompt_width
+    lg = logits[:, prompt_width - 1 : prompt_width - 1 + R, :].float()
+    if temperature and temperature != 1.0:
+        lg = lg / temperature
+    logp_all = torch.log_softmax(lg, dim=-1)
+    targets = input_ids[:, prompt_width : prompt_width + R]
+    logp = torch.gather(logp_all, -1, targets.unsqueeze(-1)).squeeze(-1)
+    entropy = None
+    if with_entropy:
+        entropy = -(logp_all.exp() * logp_all).sum(-1)
+    return logp, entropy

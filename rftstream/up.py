@@ -1,0 +1,132 @@
+"""``rftstream up``: a private nats-server plus every actor, with a live display.
+
+Blocks until the trainer finishes. SIGINT (Ctrl-C) or SIGTERM cancels the
+actors' task group (each actor's ``finally`` closes its NATS connection), then
+the embedded server is stopped; the whole shutdown takes a few seconds.
+"""
+
+from __future__ import annotations
+
+import signal
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import anyio
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+from rftstream.bus.server import EmbeddedNatsServer
+from rftstream.plot import plot_metrics, read_metrics, window_mean
+from rftstream.runtime import PreparedRun, run_actors
+
+
+class Interrupted(Exception):
+    """Raised when a signal stopped the run."""
+
+
+def run_with_signals(main: Callable[[], Awaitable[None]]) -> int:
+    """Run ``main`` on the asyncio backend; SIGINT/SIGTERM cancel it. Returns an exit code."""
+    stopped: list[int] = []
+
+    async def wrapper() -> None:
+        async with anyio.create_task_group() as tg:
+
+            async def watch() -> None:
+                with anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+                    async for signum in signals:
+                        stopped.append(signum)
+                        tg.cancel_scope.cancel()
+                        return
+
+            tg.start_soon(watch)
+            await main()
+            tg.cancel_scope.cancel()
+
+    anyio.run(wrapper, backend="asyncio")
+    return 130 if stopped else 0
+
+
+def nats_cli_hint(url: str, run: PreparedRun) -> list[str]:
+    n = run.names
+    return [
+        f"nats --server {url} stream ls",
+        f"nats --server {url} stream view {n.exp_stream}",
+        f"nats --server {url} consumer info {n.exp_stream} {n.trainer_consumer}",
+        f"nats --server {url} sub '{n.metrics_wildcard}'",
+        f"nats --server {url} kv ls {n.kv_bucket}",
+    ]
+
+
+def run_up(run: PreparedRun, *, console: Console) -> int:
+    """Start the embedded server (unless ``nats.url`` is set) and all actors; show progress."""
+    cfg = run.cfg
+    server: EmbeddedNatsServer | None = None
+    url = cfg.nats.url
+    if not url:
+        server = EmbeddedNatsServer(run.run_dir / "nats", max_payload=cfg.nats.max_payload)
+        with console.status("starting the embedded nats-server…"):
+            url = server.start()
+        console.print(
+            f"[bold green]NATS[/] listening on [cyan]{url}[/] (JetStream store {server.store_dir})"
+        )
+    else:
+        console.print(f"[bold green]NATS[/] using [cyan]{url}[/]")
+    console.print(
+        f"run [cyan]{run.names.run}[/]  algorithm [cyan]{run.algorithm.name}[/]  model {run.model_path}"
+    )
+    console.print(f"run dir {run.run_dir}  (metrics.jsonl, checkpoints/, logs/)")
+    console.print("inspect the run with the NATS CLI:")
+    for line in nats_cli_hint(url, run):
+        console.print(f"  [dim]$[/] {line}")
+    total = cfg.buffer.total_steps
+    from rftstream.cli import _step_line
+
+    progress = Progress(
+        TextColumn("[bold]trainer"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("{task.fields[info]}"),
+        TimeElapsedColumn(),
+        console=console,
+    )
+    t_start = time.time()
+    code = 0
+    try:
+        with progress:
+            task = progress.add_task("train", total=total, info="waiting for experience…")
+
+            def on_step(record: dict[str, Any]) -> None:
+                progress.console.print(_step_line(record))
+                progress.update(
+                    task,
+                    completed=record["step"],
+                    info=f"reward {record.get('reward/mean') or 0:.3f}",
+                )
+
+            async def main() -> None:
+                await run_actors(run, url, on_step=on_step)
+
+            code = run_with_signals(main)
+    finally:
+        if server is not None:
+            server.stop()
+    elapsed = time.time() - t_start
+    if code:
+        console.print(f"[yellow]stopped by signal after {elapsed:.1f}s[/]; everything shut down")
+        return code
+    metrics_path = run.run_dir / "metrics.jsonl"
+    if metrics_path.exists():
+        records = read_metrics(metrics_path)
+        first, last = (
+            window_mean(records, "reward/mean", True),
+            window_mean(records, "reward/mean", False),
+        )
+        console.print(
+            f"[bold green]done[/] in {elapsed:.0f}s: {len(records)} trainer steps; "
+            f"reward/mean first 20 steps {first if first is None else round(first, 3)} -> last 20 {last if last is None else round(last, 3)}"
+        )
+        if cfg.monitor.plot and records:
+            png = plot_metrics(metrics_path)
+            console.print(f"curves: {png}")
+    return 0

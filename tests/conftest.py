@@ -1,0 +1,51 @@
+"""Shared fixtures: a real nats-server per test, the tiny model once per session."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from rftstream.bus.server import EmbeddedNatsServer
+from rftstream.registry import Registry
+
+
+@pytest.fixture(autouse=True)
+def _isolated_registries() -> Iterator[None]:
+    """Whatever a test (or a plugin it loads) registers is gone after it."""
+    import algorithms  # noqa: F401 - built-ins registered before the snapshot
+    import operators  # noqa: F401
+    import workflows  # noqa: F401
+
+    snapshot = Registry.snapshot_all()
+    try:
+        yield
+    finally:
+        Registry.restore_all(snapshot)
+
+
+@pytest.fixture
+def nats_server(tmp_path: Path) -> Iterator[EmbeddedNatsServer]:
+    """A private JetStream nats-server on a free loopback port, stopped after the test."""
+    server = EmbeddedNatsServer(tmp_path / "nats")
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture
+def nats_url(nats_server: EmbeddedNatsServer) -> str:
+    return nats_server.url
+
+
+@pytest.fixture(scope="session")
+def tiny_model_path(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """The embedded tiny model, built once per test session (shared cache if RFTSTREAM_CACHE is set)."""
+    from rftstream.engines.tiny import ensure_tiny_model
+
+    cache = os.environ.get("RFTSTREAM_CACHE")
+    return str(ensure_tiny_model(cache or tmp_path_factory.mktemp("tiny-model")))

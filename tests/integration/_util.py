@@ -1,0 +1,62 @@
+"""Helpers shared by the integration tests."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import nats
+
+from rftstream.experience import EID, Experience
+
+
+def small_config(tmp_path: Path, tiny_model_path: str, **over: object) -> dict:
+    cfg: dict = {
+        "name": "itest",
+        "model": {"model_path": tiny_model_path, "max_response_tokens": 6},
+        "buffer": {
+            "batch_size": 2,
+            "total_steps": 2,
+            "total_epochs": 5,
+            "explorer_input": {
+                "taskset": {"path": "builtin:arithmetic", "rollout_args": {"max_tokens": 6}}
+            },
+        },
+        "explorer": {"runner_num": 2},
+        "synchronizer": {"sync_method": "checkpoint", "sync_style": "dynamic_by_explorer"},
+        "algorithm": {"algorithm_type": "grpo", "repeat_times": 4, "optimizer": {"lr": 1e-3}},
+        "trainer": {"ppo_micro_batch_size_per_gpu": 4},
+        "run_dir": str(tmp_path / "run"),
+    }
+    for key, value in over.items():
+        section, _, leaf = key.partition("__")
+        cfg.setdefault(section, {})[leaf] = value
+    return cfg
+
+
+async def read_stream(url: str, subject: str) -> list:
+    """Every message on ``subject`` (ordered consumer, from the start)."""
+    nc = await nats.connect(url)
+    js = nc.jetstream()
+    out = []
+    sub = await js.subscribe(subject, ordered_consumer=True)
+    while True:
+        try:
+            out.append(await sub.next_msg(timeout=1.0))
+        except nats.errors.TimeoutError:
+            break
+    await nc.close()
+    return out
+
+
+def _group(task: int, reward: float, n: int = 4) -> list[Experience]:
+    return [
+        Experience(
+            tokens=[5, 6, 7, 8, 9],
+            prompt_length=2,
+            reward=reward,
+            logprobs=[-1.0, -1.0, -1.0],
+            advantages=[reward - 0.5] * 3,
+            eid=EID(0, task, i),
+        )
+        for i in range(n)
+    ]

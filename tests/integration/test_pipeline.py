@@ -1,0 +1,158 @@
+"""Explorer → operator → trainer over a real nats-server with the tiny model."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import anyio
+import pytest
+
+from rftstream.bus.client import Bus
+from rftstream.bus.state import RunState
+from rftstream.config import config_from_dict
+from rftstream.experience import decode_group
+from rftstream.messages import H_DLQ_REASON, H_DLQ_STAGE
+from rftstream.runtime import prepare_run, provision, run_actors, run_operator, run_trainer
+from tests.integration._util import _group, read_stream, small_config
+
+pytestmark = pytest.mark.integration
+
+
+def test_explorer_operator_trainer_steps(
+    tmp_path: Path, tiny_model_path: str, nats_url: str
+) -> None:
+    run = prepare_run(config_from_dict(small_config(tmp_path, tiny_model_path)))
+    steps: list[dict] = []
+
+    async def main() -> None:
+        with anyio.fail_after(240):
+            await run_actors(run, nats_url, on_step=steps.append)
+
+    anyio.run(main, backend="asyncio")
+    assert [r["step"] for r in steps] == [1, 2]
+    lines = [json.loads(x) for x in (run.run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in lines] == [1, 2]
+    for r in lines:
+        assert r["experience/trained"] == 8
+        assert r["reward/raw_count"] >= 0
+        assert "staleness/mean" in r and "time/trainer_wait" in r
+        assert r["actor/pg_loss"] == r["actor/pg_loss"]  # finite, not NaN
+    assert lines[0]["reward/mean"] is not None
+    # the final checkpoint is an HF directory transformers can load
+    from transformers import AutoModelForCausalLM
+
+    ckpt = run.run_dir / "checkpoints" / "global_step_2"
+    assert (ckpt / "model.safetensors").is_file()
+    AutoModelForCausalLM.from_pretrained(ckpt)
+
+    async def inspect() -> None:
+        raw = await read_stream(nats_url, "rft.itest.exp.raw")
+        train = await read_stream(nats_url, "rft.itest.exp.train")
+        assert raw and train
+        h = raw[0].headers
+        for key in (
+            "Rft-Schema",
+            "Rft-Task",
+            "Rft-Model-Version",
+            "Rft-Count",
+            "Rft-Reward-Mean",
+            "Rft-Tokens",
+            "Rft-Actor",
+            "Nats-Msg-Id",
+        ):
+            assert key in h, key
+        assert h["Rft-Count"] == "4"
+        group = decode_group(train[0].data)
+        assert len(group) == 4 and all(e.advantages is not None for e in group)
+        async with await Bus.connect(nats_url, run.names, run.cfg.nats, "inspector") as bus:
+            info = await bus.js.stream_info(run.names.exp_stream)
+            assert "experience" in (info.config.description or "")
+            assert info.config.metadata and info.config.metadata["rft.run"] == "itest"
+            cinfo = await bus.js.consumer_info(run.names.exp_stream, "trainer")
+            assert cinfo.config.metadata["rft.role"] == "trainer"
+            state = RunState(await bus.kv())
+            assert await state.status() == "finished"
+            ptr = await state.latest_weights()
+            assert (
+                ptr is not None and ptr.version == 2 and ptr.method == "checkpoint" and ptr.sha256
+            )
+
+    anyio.run(inspect, backend="asyncio")
+
+
+def test_same_msg_id_is_trained_once(tmp_path: Path, tiny_model_path: str, nats_url: str) -> None:
+    """The same group published twice with one Nats-Msg-Id, and once more under another id
+    (a redelivery), is trained once: stream dedup plus the trainer's eid dedup."""
+    cfg = small_config(tmp_path, tiny_model_path, buffer__train_batch_size=4, buffer__total_steps=2)
+    run = prepare_run(config_from_dict(cfg))
+    steps: list[dict] = []
+
+    async def main() -> None:
+        await provision(run, nats_url)
+        async with await Bus.connect(nats_url, run.names, run.cfg.nats, "producer") as bus:
+            a = _group(1, 1.0)
+            assert await bus.publish_group("train", a, msg_id="dup-a") == 1
+            assert (
+                await bus.publish_group("train", a, msg_id="dup-a") == 0
+            )  # deduplicated by the stream
+            assert (
+                await bus.publish_group("train", a, msg_id="dup-a-again") == 1
+            )  # stored, dropped by the trainer
+            assert await bus.publish_group("train", _group(2, 0.0), msg_id="b") == 1
+        with anyio.fail_after(120):
+            await run_trainer(run, nats_url, on_step=steps.append)
+
+    anyio.run(main, backend="asyncio")
+    assert [r["step"] for r in steps] == [1, 2]
+    assert steps[0]["reward/train_mean"] == 1.0
+    assert steps[1]["reward/train_mean"] == 0.0  # not group A a second time
+    assert steps[1]["experience/duplicates_dropped"] == 4
+    assert steps[1]["experience/trained_total"] == 8
+
+
+def test_malformed_message_is_dead_lettered_and_run_goes_on(
+    tmp_path: Path, tiny_model_path: str, nats_url: str
+) -> None:
+    run = prepare_run(config_from_dict(small_config(tmp_path, tiny_model_path)))
+
+    async def main() -> None:
+        await provision(run, nats_url)
+        async with await Bus.connect(nats_url, run.names, run.cfg.nats, "producer") as bus:
+            await bus.publish(
+                run.names.exp_subject("raw"), b"\x00not msgpack at all", msg_id="garbage-1"
+            )
+            await bus.publish_group("raw", _group(3, 1.0) + _group(3, 0.0)[:2], msg_id="good-1")
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(run_operator, run, nats_url)
+                with anyio.fail_after(60):
+                    while True:
+                        train = await bus.js.stream_info(
+                            run.names.exp_stream, subjects_filter=run.names.exp_subject("train")
+                        )
+                        dlq = await bus.js.stream_info(run.names.dlq_stream)
+                        if dlq.state.messages >= 1 and (train.state.subjects or {}).get(
+                            run.names.exp_subject("train")
+                        ):
+                            break
+                        await anyio.sleep(0.2)
+                tg.cancel_scope.cancel()
+
+    anyio.run(main, backend="asyncio")
+
+    async def check() -> None:
+        dead = await read_stream(nats_url, "rft.itest.dlq.>")
+        assert len(dead) == 1
+        assert dead[0].data == b"\x00not msgpack at all"
+        assert dead[0].subject == "rft.itest.dlq.raw"
+        assert "rft.experience.v1" in dead[0].headers[H_DLQ_REASON]
+        assert dead[0].headers[H_DLQ_STAGE] == "raw"
+        train = await read_stream(nats_url, "rft.itest.exp.train")
+        assert len(train) == 1
+        group = decode_group(train[0].data)
+        assert len(group) == 6
+        # GRPO advantage ran in the operator host: rewards 1,1,1,1,0,0 -> positive for 1s, negative for 0s
+        assert all(float(e.advantages[0]) > 0 for e in group if e.reward == 1.0)
+        assert all(float(e.advantages[0]) < 0 for e in group if e.reward == 0.0)
+
+    anyio.run(check, backend="asyncio")

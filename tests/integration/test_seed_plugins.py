@@ -1,0 +1,157 @@
+"""The seeds' ExampleWorkflow and RewardFilter, adapted only in their imports,
+run as plugins from a --plugin-dir through the real actors and NATS."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import anyio
+import pytest
+
+from rftstream.config import config_from_dict
+from rftstream.experience import decode_group
+from rftstream.plugins import load_plugins
+from rftstream.runtime import prepare_run, run_actors
+from tests.integration._util import read_stream, small_config
+
+pytestmark = pytest.mark.integration
+
+# Seed 004, "Full Code Example", verbatim apart from the imports.
+EXAMPLE_WORKFLOW = """
+from typing import List
+
+from workflows import Workflow, Task, WORKFLOWS, ModelWrapper
+from rftstream import Experience
+
+
+@WORKFLOWS.register_module("example_workflow")
+class ExampleWorkflow(Workflow):
+
+    def __init__(self, model: ModelWrapper, task: Task, auxiliary_models: List):
+        super().__init__(model, task, auxiliary_models)
+        self.question = task.raw_task.get("question")
+        self.answer = task.raw_task.get("answer")
+        self.rollout_args = task.rollout_args
+
+    def calculate_reward(self, response: str, truth: str) -> float:
+        if response == truth:
+            return 1.0
+        else:
+            return 0.0
+
+    def run(self) -> List[Experience]:
+        # call the model to generate multiple responses
+        responses = self.model.chat(
+            [
+                {
+                    "role": "user",
+                    "content": f"Question:\\n{self.question}",
+                }
+            ],
+            n=self.rollout_args.n,
+            temperature=self.rollout_args.temperature,
+        )
+        experiences = []
+        for response in responses:
+            # calulcate reward
+            reward: float = self.calculate_reward(response.response_text, self.answer)
+            # construct Experience
+            experiences.append(
+                Experience(
+                    tokens=response.tokens,
+                    prompt_length=response.prompt_length,
+                    reward=reward,
+                    logprobs=response.logprobs,
+                )
+            )
+        return experiences
+
+    def resettable(self):
+        return True
+
+    def reset(self, task: Task):
+        self.question = task.raw_task.get("question")
+        self.answer = task.raw_task.get("answer")
+"""
+
+# Seed 003, operator section, verbatim apart from the imports.
+REWARD_FILTER = """
+from typing import Dict, List, Tuple
+
+from operators import EXPERIENCE_OPERATORS, ExperienceOperator
+from rftstream import Experience
+
+
+@EXPERIENCE_OPERATORS.register_module("reward_filter")
+class RewardFilter(ExperienceOperator):
+
+    def __init__(self, threshold: float = 0.0) -> None:
+        self.threshold = threshold
+
+    def process(self, exps: List[Experience]) -> Tuple[List[Experience], Dict]:
+        filtered_exps = [exp for exp in exps if exp.reward >= self.threshold]
+        metrics = {"filtered_count": len(exps) - len(filtered_exps)}
+        return filtered_exps, metrics
+"""
+
+
+def test_seed_workflow_and_filter_as_plugins(
+    tmp_path: Path, tiny_model_path: str, nats_url: str
+) -> None:
+    plugin_dir = tmp_path / "plugins"
+    plugin_dir.mkdir()
+    (plugin_dir / "example_workflow.py").write_text(EXAMPLE_WORKFLOW)
+    (plugin_dir / "reward_filter.py").write_text(REWARD_FILTER)
+    from workflows import WORKFLOWS
+
+    WORKFLOWS.unregister("example_workflow")  # the unit tests register the same seed class
+    loaded = load_plugins([plugin_dir])
+    assert len(loaded) == 2
+    from operators import EXPERIENCE_OPERATORS
+
+    assert EXPERIENCE_OPERATORS.get("reward_filter").__module__.endswith("reward_filter")
+    assert "rftstream_plugins" in EXPERIENCE_OPERATORS.get("reward_filter").__module__
+
+    cfg = small_config(tmp_path, tiny_model_path, buffer__train_batch_size=2, buffer__total_steps=2)
+    cfg["buffer"]["explorer_input"]["taskset"]["default_workflow_type"] = "example_workflow"
+    cfg["data_processor"] = {
+        "experience_pipeline": {
+            "operators": [{"name": "reward_filter", "args": {"threshold": 0.5}}]
+        }
+    }
+    cfg["buffer"]["batch_size"] = 8
+    run = prepare_run(config_from_dict(cfg))
+    steps: list[dict] = []
+
+    async def main() -> None:
+        with anyio.fail_after(300):
+            await run_actors(run, nats_url, on_step=steps.append)
+
+    anyio.run(main, backend="asyncio")
+    assert [r["step"] for r in steps] == [1, 2]
+
+    async def check() -> None:
+        raw = [
+            e
+            for m in await read_stream(nats_url, "rft.itest.exp.raw")
+            for e in decode_group(m.data)
+        ]
+        train = [
+            e
+            for m in await read_stream(nats_url, "rft.itest.exp.train")
+            for e in decode_group(m.data)
+        ]
+        assert raw and train
+        # the ExampleWorkflow ran: its prompt format, exact-match rewards
+        from transformers import AutoTokenizer
+
+        tok = AutoTokenizer.from_pretrained(tiny_model_path)
+        assert all("Question:\n" in tok.decode(e.tokens[: e.prompt_length].tolist()) for e in raw)
+        assert {e.reward for e in raw} <= {0.0, 1.0}
+        assert any(e.reward == 0.0 for e in raw)
+        # the RewardFilter ran in the operator host: only rewards >= 0.5 reach the trainer
+        assert all(e.reward >= 0.5 for e in train)
+        passed = {e.eid.uid for e in raw if e.reward >= 0.5}
+        assert {e.eid.uid for e in train} <= passed
+
+    anyio.run(check, backend="asyncio")

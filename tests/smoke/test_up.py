@@ -1,0 +1,81 @@
+"""Smoke: the `rftstream up` command itself, as a user runs it."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+pytestmark = pytest.mark.smoke
+
+RFTSTREAM = [sys.executable, "-m", "rftstream.cli"]
+
+
+def _env(tiny_model_path: str) -> dict[str, str]:
+    # a user's shell: not the torch.distributed variables of this pytest process's own trainers
+    skip = {"MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK"}
+    env = {k: v for k, v in os.environ.items() if k not in skip}
+    env["RFTSTREAM_CACHE"] = str(Path(tiny_model_path).parent)
+    env["PYTHONUNBUFFERED"] = "1"
+    return env
+
+
+def test_up_three_steps(tmp_path: Path, tiny_model_path: str) -> None:
+    run_dir = tmp_path / "run"
+    proc = subprocess.run(
+        [*RFTSTREAM, "up", "--steps", "3", "--run-dir", str(run_dir)],
+        capture_output=True,
+        text=True,
+        timeout=420,
+        env=_env(tiny_model_path),
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    out = proc.stdout
+    assert "NATS" in out and "nats://127.0.0.1:" in out
+    assert "nats --server" in out and "stream ls" in out
+    for step in (1, 2, 3):
+        assert f"step {step:>4}" in out
+    records = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [1, 2, 3]
+    for r in records:
+        for key in ("reward/mean", "staleness/mean", "time/trainer_wait"):
+            assert key in r
+    assert (run_dir / "metrics.png").is_file()
+    assert (run_dir / "checkpoints" / "global_step_3" / "model.safetensors").is_file()
+    assert (run_dir / "nats" / "jetstream").is_dir()
+
+
+def test_up_sigint_stops_everything(tmp_path: Path, tiny_model_path: str) -> None:
+    run_dir = tmp_path / "run"
+    proc = subprocess.Popen(
+        [*RFTSTREAM, "up", "--steps", "1000", "--run-dir", str(run_dir)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=_env(tiny_model_path),
+    )
+    try:
+        deadline = time.time() + 300
+        metrics = run_dir / "metrics.jsonl"
+        while time.time() < deadline and not (metrics.exists() and metrics.read_text().strip()):
+            assert proc.poll() is None, proc.stdout.read() if proc.stdout else ""
+            time.sleep(0.5)
+        assert metrics.exists(), "no trainer step within 300 s"
+        children = psutil.Process(proc.pid).children(recursive=True)
+        assert any("nats-server" in c.name() for c in children)
+        t0 = time.time()
+        proc.send_signal(signal.SIGINT)
+        proc.wait(timeout=10)
+        assert time.time() - t0 < 10
+        gone, alive = psutil.wait_procs(children, timeout=2)
+        assert not alive, f"left running: {alive}"
+    finally:
+        if proc.poll() is None:
+            proc.kill()

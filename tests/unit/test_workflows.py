@@ -1,0 +1,408 @@
+# ruff: noqa: UP006  (the guide's ExampleWorkflow below is kept verbatim, typing.List included)
+"""Workflows: the guides' ExampleWorkflow, math_workflow, rewards, runner retries / timeouts / reuse, tasksets."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any, List  # noqa: UP035 - the guide uses typing.List
+
+import anyio
+import pytest
+
+from rftstream.config.schema import FormatConfig, TasksetConfig
+from rftstream.engines import create_engine
+from rftstream.errors import ConfigError, RftError, WorkflowError
+from workflows import (
+    REWARD_FUNCTIONS,
+    WORKFLOWS,
+    Experience,
+    MathWorkflow,
+    ModelWrapper,
+    Task,
+    Workflow,
+    WorkflowRunner,
+    builtin_arithmetic_tasks,
+    load_taskset,
+    make_task,
+)
+from workflows.rewards import extract_answer
+
+# ---------------------------------------------------------------------------
+# The "Full Code Example" of the developer guide (seed 004), verbatim but for imports.
+# ---------------------------------------------------------------------------
+
+# fmt: off
+
+@WORKFLOWS.register_module("example_workflow")
+class ExampleWorkflow(Workflow):
+
+    def __init__(self, model: ModelWrapper, task: Task, auxiliary_models: List):
+        super().__init__(model, task, auxiliary_models)
+        self.question = task.raw_task.get("question")
+        self.answer = task.raw_task.get("answer")
+        self.rollout_args = task.rollout_args
+
+    def calculate_reward(self, response: str, truth: str) -> float:
+        if response == truth:
+            return 1.0
+        else:
+            return 0.0
+
+    def run(self) -> List[Experience]:
+        # call the model to generate multiple responses
+        responses = self.model.chat(
+            [
+                {
+                    "role": "user",
+                    "content": f"Question:\n{self.question}",
+                }
+            ],
+            n=self.rollout_args.n,
+            temperature=self.rollout_args.temperature,
+        )
+        experiences = []
+        for response in responses:
+            # calulcate reward
+            reward: float = self.calculate_reward(response.response_text, self.answer)
+            # construct Experience
+            experiences.append(
+                Experience(
+                    tokens=response.tokens,
+                    prompt_length=response.prompt_length,
+                    reward=reward,
+                    logprobs=response.logprobs,
+                )
+            )
+        return experiences
+
+    def resettable(self):
+        return True
+
+    def reset(self, task: Task):
+        self.question = task.raw_task.get("question")
+        self.answer = task.raw_task.get("answer")
+# fmt: on
+
+
+# ---------------------------------------------------------------------------
+# helpers
+# ---------------------------------------------------------------------------
+
+
+@asynccontextmanager
+async def wrapper(path: str, **engine_kwargs: Any) -> AsyncIterator[ModelWrapper]:
+    engine = create_engine("transformers", path, batch_wait_ms=5, **engine_kwargs)
+    async with anyio.create_task_group() as tg:
+        await tg.start(engine.run)
+        try:
+            yield ModelWrapper(engine, model_path=path, max_response_tokens=8)
+        finally:
+            await engine.aclose()
+            tg.cancel_scope.cancel()
+
+
+def task_for(
+    row: dict[str, Any],
+    workflow: Any = "math_workflow",
+    repeat: int = 4,
+    task_id: int = 0,
+    **cfg: Any,
+) -> Task:
+    ts = TasksetConfig(
+        default_workflow_type=workflow if isinstance(workflow, str) else "math_workflow", **cfg
+    )
+    task = make_task(
+        row, ts, repeat_times=repeat, batch_id=7, task_id=task_id, index=task_id, epoch=2
+    )
+    if not isinstance(workflow, str):
+        task.workflow = workflow
+    return task
+
+
+# ---------------------------------------------------------------------------
+# workflows on the tiny model
+# ---------------------------------------------------------------------------
+
+
+@pytest.mark.anyio
+async def test_example_workflow_from_the_guide_runs(tiny_model_path: str) -> None:
+    task = task_for({"question": "3+4=", "answer": "7"}, "example_workflow", repeat=4)
+    assert task.rollout_args.n == 4 and task.workflow_cls is ExampleWorkflow
+    async with wrapper(tiny_model_path) as model:
+        runner = WorkflowRunner(model, max_timeout=30, max_retry_times=0)
+        result = await runner.run_task(task)
+        assert result.error is None and result.attempts == 1
+        exps = result.experiences
+        assert len(exps) == 4
+        assert [e.eid.run for e in exps] == [0, 1, 2, 3]
+        for e in exps:
+            assert e.eid.batch == 7 and e.eid.task == 0
+            assert e.info["task_index"] == 0 and e.info["epoch"] == 2
+            assert e.reward in (0.0, 1.0)
+            assert e.logprobs.shape[0] == e.response_length == e.action_mask.shape[0] > 0
+        # the guide's resettable() makes the runner reuse the instance
+        result2 = await runner.run_task(
+            task_for({"question": "1+1=", "answer": "2"}, "example_workflow", task_id=1)
+        )
+        assert result2.error is None and len(result2.experiences) == 4
+        assert len(runner._idle[ExampleWorkflow]) == 1
+
+
+@pytest.mark.anyio
+async def test_guide_constructor_styles(tiny_model_path: str) -> None:
+    task = task_for({"question": "3+4=", "answer": "7"}, "example_workflow")
+    async with wrapper(tiny_model_path) as model:
+        old = ExampleWorkflow(model, task, [])  # the older guide's positional order
+        new = task.to_workflow(model)  # keywords, as the runner does
+        for wf in (old, new):
+            assert wf.model is model and wf.task is task and wf.can_reset and not wf.can_repeat
+
+        class Plain(Workflow):
+            def run(self) -> list[Experience]:
+                return []
+
+        assert Plain(model, task).task is task and Plain(task, model).model is model
+        assert Plain(model, task=task).model is model
+        with pytest.raises(TypeError, match="both"):
+            Plain(model, task, model=model)
+
+        class NoRun(Workflow):
+            pass
+
+        with pytest.raises(TypeError, match="override run"):
+            NoRun(task=task, model=model)
+
+
+@pytest.mark.anyio
+async def test_math_workflow_scores_with_math_reward(tiny_model_path: str) -> None:
+    rows = builtin_arithmetic_tasks()[::10]
+    reward = REWARD_FUNCTIONS.get("math_reward")()
+    async with wrapper(tiny_model_path) as model:
+        runner = WorkflowRunner(model, max_timeout=30, max_retry_times=0)
+        results = [
+            await runner.run_task(task_for(row, repeat=6, task_id=i)) for i, row in enumerate(rows)
+        ]
+        assert len(runner._idle[MathWorkflow]) == 1  # one instance served every task via reset()
+    total = []
+    for row, res in zip(rows, results, strict=True):
+        assert res.error is None and len(res.experiences) == 6
+        for e in res.experiences:
+            assert e.reward == reward(e.response_text, row["answer"])["accuracy"]
+            assert e.metrics["accuracy"] == e.reward
+            assert e.messages[-1] == {"role": "assistant", "content": e.response_text}
+            assert e.info["finish_reason"] in ("stop", "length")
+            total.append(e.reward)
+        assert res.metrics["reward_mean"] == pytest.approx(
+            sum(e.reward for e in res.experiences) / 6
+        )
+        assert res.metrics["attempts"] == 1 and res.metrics["run_time"] > 0
+    assert 0 < sum(total) < len(total)  # the tiny model is sometimes right, mostly wrong
+
+
+@pytest.mark.anyio
+async def test_simple_workflow_format_args_and_sync_run(tiny_model_path: str) -> None:
+    fmt = FormatConfig(prompt_key="q", response_key="a", system_prompt="Add.", reply_prefix="")
+    task = task_for({"q": "2+2=", "a": "4"}, "simple_workflow", repeat=3, format=fmt)
+    async with wrapper(tiny_model_path) as model:
+        wf = task.to_workflow(model)
+        assert wf.format_messages() == [
+            {"role": "system", "content": "Add."},
+            {"role": "user", "content": "2+2="},
+        ]
+        exps = await anyio.to_thread.run_sync(wf.run)  # the blocking form, from a worker thread
+        assert len(exps) == 3 and all(
+            e.reward == float(e.response_text.strip() == "4") for e in exps
+        )
+        assert exps[0].prompt_text.startswith("<|im_start|>system\nAdd.<|im_end|>")
+        with pytest.raises(RftError, match="chat_async"):
+            model.chat([{"role": "user", "content": "1+1="}])  # blocking call on the event loop
+        with pytest.raises(WorkflowError, match="prompt_key"):
+            task_for({"question": "x"}, "simple_workflow", format=fmt).to_workflow(model)
+
+
+@pytest.mark.anyio
+async def test_model_wrapper_generate_and_history(tiny_model_path: str) -> None:
+    async with wrapper(tiny_model_path) as model:
+        model.enable_history = True
+        exps = await model.generate_async(["ab", "cd"], n=2, max_tokens=3)
+        assert [e.prompt_text for e in exps] == ["ab", "ab", "cd", "cd"]
+        assert all(e.response_length <= 3 and e.messages is None for e in exps)
+        assert len(model.extract_experience_from_history()) == 4
+        assert model.extract_experience_from_history() == []
+        with pytest.raises(RftError, match="enable_openai_api"):
+            model.get_openai_client()
+
+
+# ---------------------------------------------------------------------------
+# runner: retries, timeouts, reuse, cancellation (no model needed)
+# ---------------------------------------------------------------------------
+
+
+class Flaky(Workflow):
+    calls = 0
+    fail_times = 2
+
+    async def run_async(self) -> list[Experience]:
+        type(self).calls += 1
+        if type(self).calls <= self.fail_times:
+            raise ValueError(f"boom {type(self).calls}")
+        return [
+            Experience(tokens=[1, 2, 3], prompt_length=2, reward=1.0)
+            for _ in range(self.task.repeat_times)
+        ]
+
+
+class AsyncHang(Workflow):
+    async def run_async(self) -> list[Experience]:
+        await anyio.sleep_forever()
+        return []
+
+
+class SyncHang(Workflow):
+    def run(self) -> list[Experience]:
+        time.sleep(0.5)
+        return []
+
+
+class Counting(Workflow):
+    can_reset = True
+    inits = 0
+    resets = 0
+
+    def __init__(self, *, task: Task, model: Any, auxiliary_models: Any = None) -> None:
+        super().__init__(task=task, model=model, auxiliary_models=auxiliary_models)
+        type(self).inits += 1
+
+    def reset(self, task: Task) -> None:
+        self.task = task
+        type(self).resets += 1
+
+    def run(self) -> list[Experience]:
+        return [
+            Experience(
+                tokens=[1, 2],
+                prompt_length=1,
+                reward=0.5,
+                metrics={"m": 2.0},
+                info={"me": id(self)},
+            )
+        ]
+
+
+@pytest.mark.anyio
+async def test_runner_retries_then_succeeds_or_reports() -> None:
+    Flaky.calls, Flaky.fail_times = 0, 2
+    runner = WorkflowRunner(None, max_timeout=5, max_retry_times=2)
+    res = await runner.run_task(task_for({"question": "q"}, Flaky, repeat=3))
+    assert res.error is None and res.attempts == 3 and len(res.experiences) == 3
+    assert res.metrics["reward_mean"] == 1.0
+
+    Flaky.calls, Flaky.fail_times = 0, 10
+    res = await WorkflowRunner(None, max_timeout=5, max_retry_times=1).run_task(
+        task_for({"question": "q"}, Flaky)
+    )
+    assert res.experiences == [] and res.attempts == 2
+    assert res.error is not None and "ValueError" in res.error and "boom 2" in res.error
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("workflow", [AsyncHang, SyncHang])
+async def test_runner_times_out_hanging_workflows(workflow: type[Workflow]) -> None:
+    runner = WorkflowRunner(None, max_timeout=0.1, max_retry_times=1)
+    t0 = time.perf_counter()
+    res = await runner.run_task(task_for({"question": "q"}, workflow))
+    assert time.perf_counter() - t0 < 0.9  # a waited-for SyncHang would take >= 1.0 s
+    assert res.experiences == [] and res.attempts == 2
+    assert (
+        res.error is not None
+        and "TimeoutError" in res.error
+        and "explorer.max_timeout" in res.error
+    )
+
+
+@pytest.mark.anyio
+async def test_runner_reuses_resettable_instances() -> None:
+    Counting.inits = Counting.resets = 0
+    runner = WorkflowRunner(None, max_timeout=5, max_retry_times=0)
+    a = await runner.run_task(task_for({"question": "q"}, Counting, task_id=1))
+    b = await runner.run_task(task_for({"question": "q"}, Counting, task_id=2))
+    assert a.experiences[0].info["me"] == b.experiences[0].info["me"]
+    assert (Counting.inits, Counting.resets) == (1, 1)
+    assert b.experiences[0].eid.task == 2 and b.metrics["m"] == 2.0
+
+
+@pytest.mark.anyio
+async def test_runner_propagates_cancellation_and_reports_unknown_workflow() -> None:
+    runner = WorkflowRunner(None, max_timeout=10, max_retry_times=3)
+    with anyio.move_on_after(0.05) as scope:
+        await runner.run_task(task_for({"question": "q"}, AsyncHang))
+    assert scope.cancelled_caught
+    res = await runner.run_task(task_for({"question": "q"}, "no_such_workflow"))
+    assert res.error is not None and "no_such_workflow" in res.error and res.experiences == []
+
+
+# ---------------------------------------------------------------------------
+# rewards and tasksets (pure)
+# ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "response,truth,expected",
+    [
+        ("so the result is \\boxed{7}.", "7", 1.0),
+        ("<think>3+4</think><answer>7</answer>", "7", 1.0),
+        ("the answer is 7", "7", 1.0),
+        ("7", "7", 1.0),
+        ("\\boxed{\\frac{1}{2}}", "0.5", 1.0),
+        ("It is 1,000.", "1000", 1.0),
+        ("I think 3+4=8", "7", 0.0),
+        ("\\boxed{8} although 7", "7", 0.0),
+        ("no idea", "7", 0.0),
+        ("", "7", 0.0),
+        ("72 clips", "Natalia sold 48/2 = 24 clips in May.\n#### 72", 1.0),
+    ],
+)
+def test_math_reward(response: str, truth: str, expected: float) -> None:
+    assert REWARD_FUNCTIONS.get("math_reward")()(response=response, truth=truth) == {
+        "accuracy": expected
+    }
+
+
+def test_accuracy_reward_and_extraction() -> None:
+    acc = REWARD_FUNCTIONS.get("accuracy_reward")()
+    assert acc(" 7\n", "7") == {"accuracy": 1.0}
+    assert acc("7.0", "7") == {"accuracy": 0.0}
+    assert extract_answer("a \\boxed{x^{2}} b") == "x^{2}"
+    assert extract_answer("nothing here") is None
+
+
+def test_load_taskset(tmp_path: Path) -> None:
+    assert load_taskset(TasksetConfig()) == builtin_arithmetic_tasks()
+    assert load_taskset(TasksetConfig(path="builtin:arithmetic"))[0] == {
+        "question": "0+0=",
+        "answer": "0",
+    }
+    f = tmp_path / "t.jsonl"
+    f.write_text('{"question": "1+1=", "answer": "2"}\n\n{"question": "2+2=", "answer": "4"}\n')
+    assert [r["answer"] for r in load_taskset(TasksetConfig(path=str(f)))] == ["2", "4"]
+    d = tmp_path / "ds"
+    d.mkdir()
+    (d / "train.jsonl").write_text('{"question": "a"}\n')
+    (d / "test.json").write_text(json.dumps([{"question": "b"}]))
+    assert load_taskset(TasksetConfig(path=str(d))) == [{"question": "a"}]
+    assert load_taskset(TasksetConfig(path=str(d), split="test")) == [{"question": "b"}]
+
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"question": "ok"}\n{not json\n')
+    with pytest.raises(
+        ConfigError, match=r"buffer\.explorer_input\.taskset\.path.*bad\.jsonl, line 2"
+    ):
+        load_taskset(TasksetConfig(path=str(bad)))
+    with pytest.raises(ConfigError, match="no such file"):
+        load_taskset(TasksetConfig(path=str(tmp_path / "missing.jsonl")))
+    with pytest.raises(ConfigError, match="unknown built-in"):
+        load_taskset(TasksetConfig(path="builtin:nope"))

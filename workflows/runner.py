@@ -1,0 +1,202 @@
+"""``WorkflowRunner``: runs one task's workflow with a timeout and retries.
+
+The explorer calls :meth:`WorkflowRunner.run_task` for each task (many at once;
+the runner is safe for concurrent use). A task runs its workflow ONCE and gets
+its whole group back: built-in workflows ask the engine for ``n =
+repeat_times`` completions in one call; workflows from the guides read
+``task.rollout_args.n`` (= ``repeat_times``); ``can_repeat`` workflows are
+also told ``set_repeat_times(repeat_times)``.
+
+Each attempt runs ``workflow.run_async()`` under a ``max_timeout`` deadline
+(``explorer.max_timeout``); an exception or a timeout is retried up to
+``max_retry_times`` (``explorer.max_retry_times``) times. After the last
+failure :class:`TaskResult` carries the error text and no experiences;
+``run_task`` never raises, except on cancellation, which propagates.
+
+Instances are cached per workflow class: a ``can_reset`` workflow that
+finished cleanly is reused for a later task via ``reset(task)``; one that
+raised or timed out is dropped (a timed-out sync workflow may still be running
+in its abandoned thread). Construction and ``reset`` can block, so they run in
+a worker thread.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Any
+
+import anyio
+import anyio.to_thread
+
+from rftstream.errors import WorkflowError
+from rftstream.experience import Experience
+from workflows.workflow import Task, Workflow, _workflow_limiter
+
+log = logging.getLogger(__name__)
+
+__all__ = ["TaskResult", "WorkflowRunner"]
+
+_MAX_IDLE_PER_CLASS = 64
+
+
+@dataclass
+class TaskResult:
+    """What running one task produced.
+
+    ``metrics``: ``run_time`` (seconds, all attempts), ``attempts``,
+    ``num_experiences``, ``reward_mean`` (NaN without rewards) and the mean of
+    every key of the experiences' ``metrics``. ``error`` is ``None`` on success,
+    else ``"<ExceptionType>: <message>"`` of the last attempt.
+    """
+
+    task: Task
+    experiences: list[Experience] = field(default_factory=list)
+    metrics: dict[str, float] = field(default_factory=dict)
+    error: str | None = None
+    attempts: int = 0
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None
+
+
+class WorkflowRunner:
+    """Runs tasks' workflows against one :class:`~rftstream.engines.model_wrapper.ModelWrapper`."""
+
+    def __init__(
+        self,
+        model: Any,
+        *,
+        max_timeout: float,
+        max_retry_times: int,
+        auxiliary_models: list[Any] | None = None,
+    ) -> None:
+        if max_timeout <= 0:
+            raise WorkflowError(f"explorer.max_timeout must be > 0, got {max_timeout}")
+        if max_retry_times < 0:
+            raise WorkflowError(f"explorer.max_retry_times must be >= 0, got {max_retry_times}")
+        self.model = model
+        self.max_timeout = float(max_timeout)
+        self.max_retry_times = int(max_retry_times)
+        self.auxiliary_models = list(auxiliary_models) if auxiliary_models is not None else []
+        self._idle: dict[type, list[Workflow]] = defaultdict(list)
+
+    async def run_task(self, task: Task) -> TaskResult:
+        """Run ``task``'s workflow with timeout and retries; see the module docstring.
+
+        Never raises except on cancellation (then no instance is kept for reuse).
+        """
+        t0 = time.perf_counter()
+        result = TaskResult(task=task)
+        try:
+            cls = task.workflow_cls
+        except WorkflowError as exc:
+            result.error = f"{type(exc).__name__}: {exc}"
+            result.metrics = self._metrics([], 0, time.perf_counter() - t0)
+            return result
+        exps: list[Experience] | None = None
+        for attempt in range(1, self.max_retry_times + 2):
+            result.attempts = attempt
+            version0 = int(getattr(self.model, "model_version", 0) or 0)
+            try:
+                with anyio.move_on_after(self.max_timeout) as scope:
+                    exps = await self._attempt(cls, task)
+                if scope.cancelled_caught:
+                    exps = None
+                    result.error = (
+                        f"TimeoutError: workflow {cls.__name__} did not finish task {task.task_id} "
+                        f"within {self.max_timeout:g} s (explorer.max_timeout)"
+                    )
+            except Exception as exc:  # noqa: BLE001 - a workflow may raise anything; cancellation is BaseException
+                exps = None
+                result.error = f"{type(exc).__name__}: {exc}"
+                log.debug(
+                    "workflow %s raised on task %s", cls.__name__, task.task_id, exc_info=True
+                )
+            if exps is not None:
+                result.error = None
+                self._finish(exps, task, version0)
+                break
+            log.warning(
+                "workflow %s, task %s: attempt %d/%d failed: %s",
+                cls.__name__,
+                task.task_id,
+                attempt,
+                self.max_retry_times + 1,
+                result.error,
+            )
+        result.experiences = exps or []
+        result.metrics = self._metrics(
+            result.experiences, result.attempts, time.perf_counter() - t0
+        )
+        return result
+
+    async def _attempt(self, cls: type[Workflow], task: Task) -> list[Experience]:
+        wf = await self._acquire(cls, task)
+        if _flag(wf, "can_repeat"):
+            wf.set_repeat_times(task.repeat_times, 0)
+        exps = await wf.run_async()
+        if not isinstance(exps, list) or not all(isinstance(e, Experience) for e in exps):
+            raise WorkflowError(
+                f"{cls.__name__}.run() must return a list of Experience, got {type(exps).__name__}"
+            )
+        if _flag(wf, "can_reset"):
+            idle = self._idle[cls]
+            if len(idle) < _MAX_IDLE_PER_CLASS:
+                idle.append(wf)
+        return exps
+
+    async def _acquire(self, cls: type[Workflow], task: Task) -> Workflow:
+        """A cached idle instance reset for ``task``, else a new one (both in a worker thread)."""
+        idle = self._idle.get(cls)
+        if idle:
+            wf = idle.pop()
+            await anyio.to_thread.run_sync(
+                wf.reset, task, abandon_on_cancel=True, limiter=_workflow_limiter()
+            )
+            return wf
+        aux = list(self.auxiliary_models)
+        return await anyio.to_thread.run_sync(
+            lambda: cls(task=task, model=self.model, auxiliary_models=aux),
+            abandon_on_cancel=True,
+            limiter=_workflow_limiter(),
+        )
+
+    @staticmethod
+    def _finish(exps: list[Experience], task: Task, version0: int) -> None:
+        for i, exp in enumerate(exps):
+            exp.eid.batch = task.batch_id
+            exp.eid.task = task.task_id
+            exp.eid.run = i
+            exp.info["task_index"] = task.index
+            exp.info["epoch"] = task.epoch
+            if exp.model_version == 0 and version0 > 0:
+                # rebuilt Experience(...) objects lose the version: use the one at start (a lower bound)
+                exp.model_version = version0
+
+    @staticmethod
+    def _metrics(exps: list[Experience], attempts: int, run_time: float) -> dict[str, float]:
+        rewards = [e.reward for e in exps if e.reward is not None and not math.isnan(e.reward)]
+        metrics: dict[str, float] = {
+            "run_time": run_time,
+            "attempts": float(attempts),
+            "num_experiences": float(len(exps)),
+            "reward_mean": sum(rewards) / len(rewards) if rewards else math.nan,
+        }
+        sums: dict[str, list[float]] = defaultdict(list)
+        for e in exps:
+            for k, v in (e.metrics or {}).items():
+                if isinstance(v, (int, float)):
+                    sums[k].append(float(v))
+        for k, vals in sums.items():
+            metrics.setdefault(k, sum(vals) / len(vals))
+        return metrics
+
+
+def _flag(wf: Any, name: str) -> bool:
+    value = getattr(wf, name, False)
+    return bool(value() if callable(value) else value)

@@ -1,0 +1,302 @@
+"""``Task`` and the ``Workflow`` base class, as in Trinity-RFT's developer guide.
+
+A :class:`Task` is one row of the taskset plus the taskset's settings
+(``buffer.explorer_input.taskset``); a :class:`Workflow` turns it into a list
+of :class:`~rftstream.experience.Experience` by talking to the rollout model.
+Register workflows with ``@WORKFLOWS.register_module("name")`` and select them
+with ``buffer.explorer_input.taskset.default_workflow_type``.
+
+Both constructor styles of the guides work: the current keyword-only
+``__init__(self, *, task, model, auxiliary_models=None)`` and the older
+positional ``__init__(self, model, task, auxiliary_models)``, including
+``super().__init__(model, task, auxiliary_models)``; the runner always
+constructs with keywords. Likewise ``can_reset`` / ``can_repeat`` (class
+attributes) and the older ``resettable()`` / ``repeatable()`` methods are
+equivalent. No I/O here.
+"""
+
+from __future__ import annotations
+
+import inspect
+from abc import ABC
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import anyio
+import anyio.to_thread
+import msgspec
+from anyio.lowlevel import RunVar
+
+from rftstream.config.schema import FormatConfig, GenerationConfig, TasksetConfig
+from rftstream.errors import RegistryError, WorkflowError
+from rftstream.experience import Experience
+from rftstream.registry import Registry
+
+if TYPE_CHECKING:
+    from rftstream.engines.model_wrapper import ModelWrapper
+
+__all__ = ["WORKFLOWS", "Task", "Workflow", "call_reward_fn", "make_task", "resolve_reward_fn"]
+
+WORKFLOWS: Registry[type[Workflow]] = Registry("workflows")
+
+# Sync workflows run in worker threads under their own limiter, so that they
+# can never take every thread of anyio's default pool (which the engine and
+# tokenisation use) and deadlock waiting for the engine.
+_SYNC_WORKFLOW_THREADS = 256
+_limiter_var: RunVar[anyio.CapacityLimiter] = RunVar("rftstream_workflow_limiter")
+
+
+def _workflow_limiter() -> anyio.CapacityLimiter:
+    try:
+        return _limiter_var.get()
+    except LookupError:
+        limiter = anyio.CapacityLimiter(_SYNC_WORKFLOW_THREADS)
+        _limiter_var.set(limiter)
+        return limiter
+
+
+@dataclass
+class Task:
+    """One task: a raw taskset row plus everything needed to build its workflow.
+
+    ``workflow`` is a :class:`Workflow` subclass or a name registered in
+    :data:`WORKFLOWS`; ``reward_fn`` a :class:`~workflows.rewards.RewardFn`
+    subclass, a registered name, or ``None`` (the workflow's default).
+    ``rollout_args.n`` always equals ``repeat_times`` (set on construction).
+    ``batch_id`` / ``task_id`` become the experiences' ``eid.batch`` /
+    ``eid.task``; ``index`` is the row's index in the taskset.
+    """
+
+    workflow: type[Workflow] | str = "math_workflow"
+    repeat_times: int = 1
+    reward_fn: Any = None
+    raw_task: dict[str, Any] = field(default_factory=dict)
+    format_args: FormatConfig = field(default_factory=FormatConfig)
+    rollout_args: GenerationConfig = field(default_factory=GenerationConfig)
+    workflow_args: dict[str, Any] = field(default_factory=dict)
+    reward_fn_args: dict[str, Any] = field(default_factory=dict)
+    is_eval: bool = False
+    batch_id: int | str = 0
+    task_id: int | str = 0
+    index: int = 0
+    epoch: int = 0
+
+    def __post_init__(self) -> None:
+        self.repeat_times = int(self.repeat_times or 1)
+        if self.repeat_times < 1:
+            raise WorkflowError(
+                f"task {self.task_id}: repeat_times must be >= 1, got {self.repeat_times}"
+            )
+        if self.rollout_args.n != self.repeat_times:
+            self.rollout_args = msgspec.structs.replace(self.rollout_args, n=self.repeat_times)
+
+    @property
+    def workflow_cls(self) -> type[Workflow]:
+        """The workflow class (a registered name is looked up in :data:`WORKFLOWS`)."""
+        wf = self.workflow
+        if isinstance(wf, str):
+            try:
+                return WORKFLOWS.get(wf)
+            except RegistryError as exc:
+                raise WorkflowError(
+                    f"buffer.explorer_input.taskset.default_workflow_type: {exc}"
+                ) from exc
+        if not isinstance(wf, type):
+            raise WorkflowError(
+                f"Task.workflow must be a Workflow class or a registered name, got {wf!r}"
+            )
+        return wf
+
+    @property
+    def task_desc(self) -> Any:
+        """The prompt of the task: ``raw_task[format_args.prompt_key]`` (``None`` if absent)."""
+        return self.raw_task.get(self.format_args.prompt_key)
+
+    @property
+    def truth(self) -> Any:
+        """The reference answer: ``raw_task[format_args.response_key]`` (``None`` if absent)."""
+        return self.raw_task.get(self.format_args.response_key)
+
+    def to_workflow(
+        self, model: ModelWrapper, auxiliary_models: list[Any] | None = None
+    ) -> Workflow:
+        """Construct this task's workflow (keywords ``task=, model=, auxiliary_models=``). May block."""
+        aux = list(auxiliary_models) if auxiliary_models is not None else []
+        return self.workflow_cls(task=self, model=model, auxiliary_models=aux)
+
+
+class Workflow(ABC):  # noqa: B024 - ABC so subclasses may declare abstract methods
+    """Base class of workflows: ``run()`` (sync, in a worker thread) or ``run_async()``.
+
+    Override ``run`` (blocking code; the default ``run_async`` executes it in a
+    worker thread, where ``self.model.chat`` blocks that thread, never the event
+    loop) or ``run_async`` (native async, using ``self.model.chat_async``), or
+    both. Set ``can_reset = True`` and implement ``reset(task)`` to be reused
+    for the next task instead of rebuilt; set ``can_repeat = True`` and honour
+    ``set_repeat_times(n)`` / ``self.repeat_times`` to declare that one run
+    yields the task's whole group.
+    """
+
+    def __init__(
+        self,
+        *args: Any,
+        task: Task | None = None,
+        model: ModelWrapper | None = None,
+        auxiliary_models: list[Any] | None = None,
+    ) -> None:
+        if args:
+            if len(args) > 3:
+                raise TypeError(
+                    f"{type(self).__name__}: at most 3 positional arguments (model, task, auxiliary_models)"
+                )
+            # Older guides pass (model, task, auxiliary_models); accept (task, model, ...) too.
+            names = (
+                ("task", "model", "auxiliary_models")
+                if isinstance(args[0], Task)
+                else ("model", "task", "auxiliary_models")
+            )
+            given = {"task": task, "model": model, "auxiliary_models": auxiliary_models}
+            for name, value in zip(names, args, strict=False):
+                if given[name] is not None:
+                    raise TypeError(
+                        f"{type(self).__name__}: got `{name}` both positionally and by keyword"
+                    )
+                given[name] = value
+            task, model, auxiliary_models = given["task"], given["model"], given["auxiliary_models"]
+        if not isinstance(task, Task):
+            raise TypeError(
+                f"{type(self).__name__}: `task` must be a Task, got {type(task).__name__}"
+            )
+        cls = type(self)
+        if cls.run is Workflow.run and cls.run_async is Workflow.run_async:
+            raise TypeError(f"{cls.__name__} must override run() or run_async()")
+        self.task = task
+        self.model = model
+        self.auxiliary_models = auxiliary_models if auxiliary_models is not None else []
+        self.is_eval = task.is_eval
+        self.repeat_times = task.repeat_times
+        self.run_id_base = 0
+
+    # ------------------------------------------------------------ capabilities
+    @property
+    def can_reset(self) -> bool:
+        """True if :meth:`reset` may reuse this instance (also: an overridden ``resettable()``)."""
+        if type(self).resettable is not Workflow.resettable:
+            return _truthy(self.resettable)
+        return False
+
+    @property
+    def can_repeat(self) -> bool:
+        """True if one run yields all ``repeat_times`` rollouts (also: an overridden ``repeatable()``)."""
+        if type(self).repeatable is not Workflow.repeatable:
+            return _truthy(self.repeatable)
+        return False
+
+    def resettable(self) -> bool:
+        """Older spelling of :attr:`can_reset`."""
+        return bool(self.can_reset)
+
+    def repeatable(self) -> bool:
+        """Older spelling of :attr:`can_repeat`."""
+        return bool(self.can_repeat)
+
+    def reset(self, task: Task) -> None:
+        """Prepare this instance for ``task`` (only called when :attr:`can_reset`)."""
+        raise NotImplementedError(f"{type(self).__name__} does not implement reset(task)")
+
+    def set_repeat_times(self, repeat_times: int, run_id_base: int = 0) -> None:
+        """Ask for ``repeat_times`` rollouts from the next run (only called when :attr:`can_repeat`)."""
+        self.repeat_times = int(repeat_times)
+        self.run_id_base = int(run_id_base)
+
+    # ------------------------------------------------------------ running
+    def run(self) -> list[Experience]:
+        """Run the workflow and return its experiences. Blocking; runs in a worker thread."""
+        raise NotImplementedError(f"{type(self).__name__} must override run() or run_async()")
+
+    async def run_async(self) -> list[Experience]:
+        """Run the workflow without blocking the event loop.
+
+        Default: :meth:`run` in a worker thread. On cancel (timeout) the thread
+        is abandoned: it finishes in the background and its result is dropped.
+        """
+        return await anyio.to_thread.run_sync(
+            self.run, abandon_on_cancel=True, limiter=_workflow_limiter()
+        )
+
+
+def _truthy(attr: Any) -> bool:
+    return bool(attr() if callable(attr) else attr)
+
+
+def resolve_reward_fn(spec: Any, args: Mapping[str, Any] | None = None) -> Callable[..., Any]:
+    """Turn a reward-fn spec (registered name, ``RewardFn`` class or instance, or a plain
+    function) into a callable; classes are instantiated with ``args``."""
+    from workflows.rewards import REWARD_FUNCTIONS
+
+    if isinstance(spec, str):
+        try:
+            spec = REWARD_FUNCTIONS.get(spec)
+        except RegistryError as exc:
+            raise WorkflowError(
+                f"buffer.explorer_input.taskset.default_reward_fn_type: {exc}"
+            ) from exc
+    if isinstance(spec, type):
+        try:
+            return spec(**dict(args or {}))
+        except TypeError as exc:
+            raise WorkflowError(
+                f"buffer.explorer_input.taskset.reward_fn_args: cannot build {spec.__name__}: {exc}"
+            ) from exc
+    if callable(spec):
+        return spec
+    raise WorkflowError(
+        f"reward_fn must be a registered name, a RewardFn class or a callable, got {spec!r}"
+    )
+
+
+def call_reward_fn(
+    fn: Callable[..., Any], *, response: str, truth: Any, **extra: Any
+) -> dict[str, float]:
+    """Call ``fn(response=, truth=, **extra)`` passing only the extras it accepts; a bare
+    number becomes ``{"reward": value}``."""
+    try:
+        params = inspect.signature(fn).parameters
+        accepts_all = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+        kwargs = {k: v for k, v in extra.items() if accepts_all or k in params}
+    except (TypeError, ValueError):
+        kwargs = dict(extra)
+    result = fn(response=response, truth=truth, **kwargs)
+    if isinstance(result, Mapping):
+        return {str(k): float(v) for k, v in result.items()}
+    return {"reward": float(result)}
+
+
+def make_task(
+    raw_task: Mapping[str, Any],
+    taskset_cfg: TasksetConfig,
+    *,
+    repeat_times: int,
+    batch_id: int | str,
+    task_id: int | str,
+    index: int,
+    epoch: int,
+    is_eval: bool = False,
+) -> Task:
+    """Build the :class:`Task` of one taskset row (``rollout_args.n = repeat_times``)."""
+    return Task(
+        workflow=taskset_cfg.default_workflow_type,
+        repeat_times=int(repeat_times),
+        reward_fn=taskset_cfg.default_reward_fn_type,
+        raw_task=dict(raw_task),
+        format_args=taskset_cfg.format,
+        rollout_args=msgspec.structs.replace(taskset_cfg.rollout_args, n=int(repeat_times)),
+        workflow_args=dict(taskset_cfg.workflow_args),
+        reward_fn_args=dict(taskset_cfg.reward_fn_args),
+        is_eval=is_eval,
+        batch_id=batch_id,
+        task_id=task_id,
+        index=index,
+        epoch=epoch,
+    )
