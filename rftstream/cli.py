@@ -131,25 +131,13 @@ def cmd_up(args: argparse.Namespace) -> int:
 
 
 def cmd_actor(args: argparse.Namespace) -> int:
+    from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
     from rftstream import runtime
+    from rftstream.up import run_with_signals
 
     run = _prepare(args)
     url = args.nats_url
-
-    async def main() -> None:
-        await runtime.provision(run, url)
-        if args.command == "explorer":
-            await runtime.run_explorer(run, url, name=args.name)
-        elif args.command == "operator":
-            await runtime.run_operator(run, url, name=args.name)
-        else:
-
-            def on_step(r: dict[str, Any]) -> None:
-                console.print(_step_line(r))
-
-            await runtime.run_trainer(run, url, name=args.name, on_step=on_step)
-
     if run.cfg.synchronizer.sync_method == "memory":
         raise RftError(
             "config key `synchronizer.sync_method`: `memory` needs all actors in one process; "
@@ -158,9 +146,45 @@ def cmd_actor(args: argparse.Namespace) -> int:
     console.print(
         f"[bold]{args.command}[/] [cyan]{args.name}[/] of run [cyan]{run.names.run}[/] on {url}"
     )
-    from rftstream.up import run_with_signals
+    progress = Progress(
+        SpinnerColumn(),
+        TextColumn("[bold]{task.description}"),
+        TextColumn("{task.fields[info]}"),
+        TimeElapsedColumn(),
+        console=console,
+    )
+    task = progress.add_task(args.name, total=None, info="starting…")
 
-    return run_with_signals(main)
+    def explorer_progress(info: dict[str, Any]) -> None:
+        mean = info.get("rollout/reward_mean")
+        progress.update(
+            task,
+            info=f"step {info['step']}  groups {info.get('groups', 0)}  failed {info.get('failed_tasks', 0)}  "
+            f"weights v{info.get('model_version', 0)}  reward {_fmt(mean if mean == mean else None)}",
+        )
+
+    def operator_progress(c: dict[str, Any]) -> None:
+        progress.update(
+            task,
+            info=f"in {int(c.get('messages_in', 0))} msgs / {int(c.get('experiences_in', 0))} exps  "
+            f"out {int(c.get('experiences_out', 0))} exps  dead-lettered {int(c.get('dead_lettered_messages', 0))}",
+        )
+
+    def trainer_step(r: dict[str, Any]) -> None:
+        progress.console.print(_step_line(r))
+        progress.update(task, info=f"step {r['step']}/{run.cfg.buffer.total_steps or '?'}")
+
+    async def main() -> None:
+        await runtime.provision(run, url)
+        if args.command == "explorer":
+            await runtime.run_explorer(run, url, name=args.name, on_progress=explorer_progress)
+        elif args.command == "operator":
+            await runtime.run_operator(run, url, name=args.name, on_progress=operator_progress)
+        else:
+            await runtime.run_trainer(run, url, name=args.name, on_step=trainer_step)
+
+    with progress:
+        return run_with_signals(main)
 
 
 def cmd_status(args: argparse.Namespace) -> int:
@@ -210,6 +234,9 @@ def main(argv: list[str] | None = None) -> int:
     except RftError as exc:
         console.print(f"[bold red]error:[/] {exc}")
         return 2
+    except KeyboardInterrupt:  # Ctrl-C before the actors started (model build, config)
+        console.print("[yellow]interrupted[/]")
+        return 130
     return 1
 
 

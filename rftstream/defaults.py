@@ -4,8 +4,8 @@ A tiny Qwen2 model (built locally, briefly trained so that it answers the
 built-in arithmetic tasks in the right format but mostly wrongly) learns
 single-digit addition with GRPO on CPU, in a few minutes. Weights move in
 memory (all actors share one process); the explorer never waits for the
-trainer (``dynamic_by_explorer``) but pauses rather than run more than one
-trainer step ahead (``max_staleness: 1``).
+trainer (``dynamic_by_explorer``) but pauses rather than let the trained
+experience be more than two versions stale (``max_staleness: 2``).
 """
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ DEFAULT_CONFIG: dict[str, Any] = {
     "model": {"model_path": "", "max_prompt_tokens": 64, "max_response_tokens": 6},
     "buffer": {
         "batch_size": 8,
-        "total_epochs": 100,
-        "total_steps": 1500,
+        "total_epochs": 200,
+        "total_steps": 2000,
         "explorer_input": {
             "taskset": {
                 "path": "builtin:arithmetic",
@@ -37,7 +37,7 @@ DEFAULT_CONFIG: dict[str, Any] = {
         "sync_method": "memory",
         "sync_style": "dynamic_by_explorer",
         "sync_interval": 1,
-        "max_staleness": 1,
+        "max_staleness": 2,
     },
     "algorithm": {
         "algorithm_type": "grpo",

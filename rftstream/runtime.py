@@ -124,12 +124,17 @@ async def provision(run: PreparedRun, url: str) -> None:
 
 
 async def run_explorer(
-    run: PreparedRun, url: str, name: str = "explorer", engine: Any = None
+    run: PreparedRun,
+    url: str,
+    name: str = "explorer",
+    engine: Any = None,
+    on_progress: Callable[[dict[str, Any]], None] | None = None,
 ) -> None:
     from rftstream.actors.explorer import Explorer
 
     async with await Bus.connect(url, run.names, run.cfg.nats, name) as bus:
-        await Explorer(run.cfg, bus, model_path=run.model_path, name=name).run(engine=engine)
+        explorer = Explorer(run.cfg, bus, model_path=run.model_path, name=name, on_progress=on_progress)
+        await explorer.run(engine=engine)
 
 
 async def run_operator(
@@ -140,6 +145,7 @@ async def run_operator(
     pipeline: Any = None,
     from_stage: str | None = None,
     to_stage: str | None = None,
+    on_progress: Callable[[dict[str, Any]], None] | None = None,
 ) -> None:
     from rftstream.actors.operator_host import OperatorHost
 
@@ -152,6 +158,7 @@ async def run_operator(
             to_stage=to_stage or p.output_stage,
             name=name,
             batch_messages=p.batch_messages,
+            on_progress=on_progress,
         )
         await host.run()
 

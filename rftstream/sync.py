@@ -5,7 +5,7 @@
 * :meth:`trainer_publishes_after` — does the trainer publish weights after step N?
 * :meth:`explorer_checks_before` — does the explorer look for new weights before step N?
 * :meth:`explorer_may_run` — may the explorer start another step, given how much
-  experience is waiting upstream of the trainer (``max_staleness``)?
+  experience is waiting for the trainer and how old its weights are (``max_staleness``)?
 """
 
 from __future__ import annotations
@@ -58,11 +58,22 @@ class SyncPolicy:
             return None
         return done
 
-    def explorer_may_run(self, backlog_experiences: int, train_batch_size: int) -> bool:
-        """``max_staleness``: pause while more than ``max_staleness + 1`` trainer
-        steps' worth of experience waits upstream of the trainer. A starving
-        trainer (backlog below one batch) never pauses the explorer, so filters
-        can never deadlock the run."""
-        if self.max_staleness is None:
+    def explorer_may_run(
+        self, backlog_experiences: int, train_batch_size: int, version_lag: int = 0
+    ) -> bool:
+        """``max_staleness``: may the explorer generate another batch now?
+
+        A batch generated now with weights ``version_lag`` versions behind the
+        newest is trained after the ``backlog_experiences`` already waiting
+        upstream of (or inside) the trainer, i.e. about ``backlog /
+        train_batch_size`` trainer versions later. The explorer runs only if
+        ``version_lag + backlog / train_batch_size <= max_staleness``. A
+        starving trainer (less than one batch waiting) never pauses the
+        explorer, so filters can never deadlock the run.
+        """
+        if self.max_staleness is None or backlog_experiences < train_batch_size:
             return True
-        return backlog_experiences <= (self.max_staleness + 1) * train_batch_size
+        return (
+            version_lag * train_batch_size + backlog_experiences
+            <= self.max_staleness * train_batch_size
+        )

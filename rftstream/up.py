@@ -96,12 +96,14 @@ def run_up(run: PreparedRun, *, console: Console) -> int:
         with progress:
             task = progress.add_task("train", total=total, info="waiting for experience…")
 
+            last_reward = [0.0]
+
             def on_step(record: dict[str, Any]) -> None:
                 progress.console.print(_step_line(record))
+                if record.get("reward/mean") is not None:
+                    last_reward[0] = record["reward/mean"]
                 progress.update(
-                    task,
-                    completed=record["step"],
-                    info=f"reward {record.get('reward/mean') or 0:.3f}",
+                    task, completed=record["step"], info=f"raw reward {last_reward[0]:.3f}"
                 )
 
             async def main() -> None:

@@ -23,6 +23,7 @@ from __future__ import annotations
 import logging
 import random
 import time
+from collections.abc import Callable
 from typing import Any
 
 import anyio
@@ -53,7 +54,16 @@ class Explorer:
 
     role = "explorer"
 
-    def __init__(self, cfg: Config, bus: Bus, *, model_path: str, name: str = "explorer") -> None:
+    def __init__(
+        self,
+        cfg: Config,
+        bus: Bus,
+        *,
+        model_path: str,
+        name: str = "explorer",
+        on_progress: Callable[[dict[str, Any]], None] | None = None,
+    ) -> None:
+        self.on_progress = on_progress
         self.cfg = cfg
         self.bus = bus
         self.names = bus.names
@@ -186,7 +196,7 @@ class Explorer:
                 return
             next_step = self.step + 1
             t_wait = time.perf_counter()
-            await self._respect_staleness(state)
+            await self._respect_staleness(state, next_step)
             await self._sync_weights(state, next_step)
             wait_sync = time.perf_counter() - t_wait
             msgs: list[Msg] = []
@@ -235,6 +245,8 @@ class Explorer:
             }
             await self.bus.publish_metrics(self.role, self.step, values)
             await state.put_json(f"explorer.{self.name}.step", self.step)
+            if self.on_progress is not None:
+                self.on_progress({"step": self.step, **self._info(), **values})
 
     async def _run_task(
         self,
@@ -323,14 +335,24 @@ class Explorer:
         elif self.policy.explorer_checks_before(step):
             await self._load(state, 0)
 
-    async def _respect_staleness(self, state: RunState) -> None:
+    async def _respect_staleness(self, state: RunState, step: int) -> None:
+        """Pause while a batch generated now would exceed ``max_staleness`` when trained."""
         if self.policy.max_staleness is None:
             return
         tbs = self.cfg.buffer.train_batch_size
+        will_sync = (
+            self.policy.explorer_checks_before(step)
+            or self.policy.explorer_waits_for_version(step) is not None
+        )
         while True:
             backlog = await consumer_backlog(self.bus, self.names.exp_stream)
-            if self.policy.explorer_may_run(backlog * self.repeat_times, tbs):
+            ptr = await state.latest_weights()
+            newest = ptr.version if ptr is not None else 0
+            mine = newest if will_sync else int(getattr(self.engine, "model_version", 0) or 0)
+            if self.policy.explorer_may_run(
+                backlog * self.repeat_times, tbs, version_lag=max(0, newest - mine)
+            ):
                 return
             if await state.status() in ("finished", "failed", "stopped"):
                 return
-            await anyio.sleep(0.1)
+            await anyio.sleep(0.05)

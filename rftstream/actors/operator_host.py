@@ -20,6 +20,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import defaultdict
+from collections.abc import Callable
 from typing import Any
 
 import anyio
@@ -50,7 +51,9 @@ class OperatorHost:
         batch_messages: int = 16,
         max_retries: int = 3,
         fetch_timeout: float = 0.5,
+        on_progress: Callable[[dict[str, Any]], None] | None = None,
     ) -> None:
+        self.on_progress = on_progress
         self.bus = bus
         self.names = bus.names
         self.pipeline = pipeline
@@ -163,6 +166,8 @@ class OperatorHost:
             "time/operator_batch": dt,
         }
         values.update({k: float(v) for k, v in metrics.items() if isinstance(v, (int, float))})
+        if self.on_progress is not None:
+            self.on_progress(dict(self.counters))
         try:
             await self.bus.publish_metrics(self.role, self.batches, values)
         except Exception as exc:  # noqa: BLE001 - metrics must not stop the stage

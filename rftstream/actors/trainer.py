@@ -212,7 +212,6 @@ class Trainer:
                         break
                     staleness = [self.version - int(e.model_version) for e in batch]
                     train_metrics = await anyio.to_thread.run_sync(trainer.train_step, batch)
-                    await feed.commit()
                     self.step = step
                     self.version = step
                     self.trained += len(batch)
@@ -220,6 +219,8 @@ class Trainer:
                         total is not None and step == total
                     ):
                         await self._publish_weights(state, trainer, step)
+                    # ack only now: an explorer that sees the backlog shrink also sees the new weights
+                    await feed.commit()
                     if (
                         self.cfg.trainer.save_interval
                         and step % self.cfg.trainer.save_interval == 0

@@ -79,3 +79,18 @@ def test_up_sigint_stops_everything(tmp_path: Path, tiny_model_path: str) -> Non
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+def test_bad_config_is_one_clear_line(tmp_path: Path) -> None:
+    cfg = tmp_path / "bad.yaml"
+    cfg.write_text(
+        "buffer:\n  batch_size: 4\n  explorer_input:\n    taskset:\n      prompt_kye: q\nsynchronizer:\n  sync_style: sometimes\n"
+    )
+    proc = subprocess.run(
+        [*RFTSTREAM, "up", "--config", str(cfg)], capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 2
+    out = " ".join(proc.stdout.split())
+    assert "bad.yaml" in out
+    assert "buffer.explorer_input.taskset.prompt_kye" in out
+    assert "Traceback" not in proc.stdout + proc.stderr

@@ -41,13 +41,22 @@ def test_aliases_and_fixed_style_meeting_points() -> None:
         policy(sync_style="sometimes")
 
 
-def test_max_staleness_pauses_only_a_fed_trainer() -> None:
+def test_max_staleness_bounds_backlog_plus_version_lag() -> None:
     p = policy(max_staleness=1)
-    assert p.explorer_may_run(backlog_experiences=128, train_batch_size=64)
-    assert not p.explorer_may_run(backlog_experiences=129, train_batch_size=64)
-    # a starving trainer never pauses the explorer
-    assert policy(max_staleness=0).explorer_may_run(backlog_experiences=63, train_batch_size=64)
-    assert policy().explorer_may_run(backlog_experiences=10**9, train_batch_size=1)
+    assert p.explorer_may_run(
+        backlog_experiences=64, train_batch_size=64
+    )  # trained one version later
+    assert not p.explorer_may_run(backlog_experiences=65, train_batch_size=64)
+    assert not p.explorer_may_run(backlog_experiences=64, train_batch_size=64, version_lag=1)
+    p2 = policy(max_staleness=2)
+    assert p2.explorer_may_run(backlog_experiences=64, train_batch_size=64, version_lag=1)
+    assert not p2.explorer_may_run(backlog_experiences=128, train_batch_size=64, version_lag=1)
+    # a starving trainer never pauses the explorer, whatever the bound
+    assert policy(max_staleness=0).explorer_may_run(
+        backlog_experiences=63, train_batch_size=64, version_lag=5
+    )
+    assert not policy(max_staleness=0).explorer_may_run(backlog_experiences=64, train_batch_size=64)
+    assert policy().explorer_may_run(backlog_experiences=10**9, train_batch_size=1, version_lag=99)
 
 
 def test_run_names() -> None:

@@ -1,0 +1,154 @@
+"""Three actor processes plus a separately started nats-server make a working run;
+`rftstream up --nats-url` uses an existing server."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import yaml
+
+from rftstream.bus.server import find_nats_server, free_port
+
+pytestmark = pytest.mark.integration
+
+CLI = [sys.executable, "-m", "rftstream.cli"]
+
+
+@pytest.fixture
+def hand_started_server(tmp_path: Path) -> Iterator[str]:
+    """`nats-server -js` started the way a user would, not through rftstream."""
+    port = free_port()
+    store = tmp_path / "hand-nats"
+    proc = subprocess.Popen(
+        [find_nats_server(), "-js", "-sd", str(store), "-a", "127.0.0.1", "-p", str(port)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    deadline = time.time() + 10
+    while time.time() < deadline:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
+            break
+        except OSError:
+            time.sleep(0.05)
+    time.sleep(0.3)
+    try:
+        yield f"nats://127.0.0.1:{port}"
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
+
+
+def _env(tiny_model_path: str) -> dict[str, str]:
+    skip = {"MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK"}
+    env = {k: v for k, v in os.environ.items() if k not in skip}
+    env["RFTSTREAM_CACHE"] = str(Path(tiny_model_path).parent)
+    env["PYTHONUNBUFFERED"] = "1"
+    return env
+
+
+def _write_config(tmp_path: Path, tiny_model_path: str, name: str, steps: int) -> Path:
+    cfg = {
+        "name": name,
+        "checkpoint_root_dir": str(tmp_path / "shared-ckpt"),
+        "model": {"model_path": tiny_model_path, "max_response_tokens": 6},
+        "buffer": {
+            "batch_size": 2,
+            "total_steps": steps,
+            "total_epochs": 5,
+            "explorer_input": {
+                "taskset": {"path": "builtin:arithmetic", "rollout_args": {"max_tokens": 6}}
+            },
+        },
+        "explorer": {"runner_num": 2},
+        "synchronizer": {"sync_method": "checkpoint", "sync_style": "dynamic_by_explorer"},
+        "algorithm": {"algorithm_type": "grpo", "repeat_times": 4, "optimizer": {"lr": 1e-4}},
+    }
+    path = tmp_path / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return path
+
+
+def test_three_actor_processes_against_a_hand_started_server(
+    tmp_path: Path, tiny_model_path: str, hand_started_server: str
+) -> None:
+    cfg = _write_config(tmp_path, tiny_model_path, "procs", steps=3)
+    env = _env(tiny_model_path)
+    procs = {}
+    for role in ("trainer", "operator", "explorer"):
+        with open(tmp_path / f"{role}.log", "w") as log:
+            procs[role] = subprocess.Popen(
+                [*CLI, role, "--config", str(cfg), "--nats-url", hand_started_server]
+                + ["--run-dir", str(tmp_path / role)],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=env,
+            )
+    logs = {role: tmp_path / f"{role}.log" for role in procs}
+    try:
+        deadline = time.time() + 300
+        while time.time() < deadline and any(p.poll() is None for p in procs.values()):
+            for role, p in procs.items():
+                # one actor failing fails the test now, rather than leaving the others waiting for it
+                assert p.poll() in (None, 0), (
+                    f"{role} exited {p.returncode}:\n{logs[role].read_text()[-4000:]}"
+                )
+            time.sleep(0.5)
+        for role, p in procs.items():
+            assert p.poll() == 0, f"{role} did not finish:\n{logs[role].read_text()[-4000:]}"
+    finally:
+        for p in procs.values():
+            if p.poll() is None:
+                p.kill()
+    outputs = {role: path.read_text() for role, path in logs.items()}
+    records = [
+        json.loads(x) for x in (tmp_path / "trainer" / "metrics.jsonl").read_text().splitlines()
+    ]
+    assert [r["step"] for r in records] == [1, 2, 3]
+    assert all(r["experience/trained"] == 8 for r in records)
+    # weights went through checkpoint files on the shared path, picked up by the explorer process
+    weights = sorted(
+        (tmp_path / "shared-ckpt" / "rftstream" / "procs" / "weights").glob("v*.safetensors")
+    )
+    assert weights, "no weights published"
+    assert (
+        tmp_path / "shared-ckpt" / "rftstream" / "procs" / "global_step_3" / "model.safetensors"
+    ).is_file()
+    assert "step    3" in outputs["trainer"]
+
+
+def test_up_against_an_existing_server(
+    tmp_path: Path, tiny_model_path: str, hand_started_server: str
+) -> None:
+    run_dir = tmp_path / "run"
+    proc = subprocess.run(
+        [
+            *CLI,
+            "up",
+            "--steps",
+            "2",
+            "--nats-url",
+            hand_started_server,
+            "--run-dir",
+            str(run_dir),
+            "--set",
+            "name=external",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=_env(tiny_model_path),
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert f"using {hand_started_server}" in proc.stdout
+    assert not (run_dir / "nats").exists()  # no embedded server was started
+    records = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [1, 2]
