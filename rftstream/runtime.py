@@ -133,7 +133,9 @@ async def run_explorer(
     from rftstream.actors.explorer import Explorer
 
     async with await Bus.connect(url, run.names, run.cfg.nats, name) as bus:
-        explorer = Explorer(run.cfg, bus, model_path=run.model_path, name=name, on_progress=on_progress)
+        explorer = Explorer(
+            run.cfg, bus, model_path=run.model_path, name=name, on_progress=on_progress
+        )
         await explorer.run(engine=engine)
 
 

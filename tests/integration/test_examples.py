@@ -1,0 +1,55 @@
+"""Every config in examples/ runs (a few steps) through the real actors and NATS;
+the benchmark script runs and prints its table."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import anyio
+import pytest
+
+from rftstream.config import load_config
+from rftstream.runtime import prepare_run, run_actors
+
+pytestmark = pytest.mark.integration
+
+ROOT = Path(__file__).resolve().parents[2]
+EXAMPLES = sorted((ROOT / "examples").glob("*.yaml"))
+
+
+@pytest.mark.parametrize("path", EXAMPLES, ids=[p.stem for p in EXAMPLES])
+def test_example_config_runs(
+    path: Path, tmp_path: Path, tiny_model_path: str, nats_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("RFTSTREAM_CACHE", str(Path(tiny_model_path).parent))
+    monkeypatch.setenv("RFTSTREAM_CHECKPOINTS", str(tmp_path / "ckpt"))
+    cfg = load_config(
+        path, ["buffer.batch_size=2", "buffer.train_batch_size=16", "explorer.runner_num=2"]
+    )
+    run = prepare_run(cfg, steps=2, run_dir=str(tmp_path / "run"))
+    steps: list[dict] = []
+
+    async def main() -> None:
+        with anyio.fail_after(300):
+            await run_actors(run, nats_url, on_step=steps.append)
+
+    anyio.run(main, backend="asyncio")
+    assert [r["step"] for r in steps] == [1, 2]
+    records = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [1, 2]
+    assert all(r["experience/trained"] == run.cfg.buffer.train_batch_size for r in records)
+
+
+def test_benchmarks_run_quick() -> None:
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "run.py"), "--quick"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    for row in ("codec: msgspec", "JSON", "bus: one message per task group", "per-experience"):
+        assert row in proc.stdout
