@@ -4,7 +4,10 @@
 
     rftstream up [--config C] [--steps N] [--run-dir D] [--nats-url U] [--plugin-dir D] [--set k=v]
     rftstream explorer|operator|trainer --config C --nats-url U [--run-dir D] [--name N]
-    rftstream status --config C --nats-url U
+    rftstream operator NAME|module:Class --from STAGE --to STAGE [--args JSON] [--replicas N] ...
+    rftstream status|streams --config C --nats-url U
+    rftstream tail STAGE [-n N] [--no-follow] [--dlq] [--json] --config C --nats-url U
+    rftstream decode < body    # nats stream view ... --translate "rftstream decode"
 
 Errors derived from :class:`rftstream.errors.RftError` are printed as one
 readable line (exit code 2); anything else is a bug and shows a traceback.
@@ -14,11 +17,15 @@ from __future__ import annotations
 
 import argparse
 import copy
+import dataclasses
+import functools
+import json
 import logging
 import sys
 from pathlib import Path
 from typing import Any
 
+import anyio
 from rich.console import Console
 
 from rftstream.errors import RftError
@@ -71,8 +78,47 @@ def build_parser() -> argparse.ArgumentParser:
         p = sub.add_parser(role, help=f"run the {role} actor alone against an existing NATS server")
         _common(p, need_url=True)
         p.add_argument("--name", default=role, help="actor name (unique per replica)")
-    st = sub.add_parser("status", help="print the run's state (KV bucket) and streams")
+    op = sub.choices["operator"]
+    op.add_argument(
+        "operator",
+        nargs="?",
+        help="run this one operator (registered name or module:Class) instead of the configured pipeline",
+    )
+    op.add_argument(
+        "--args", default="{}", help="JSON object of the operator's constructor arguments"
+    )
+    op.add_argument(
+        "--from", dest="from_stage", help="stage to read (default: the pipeline's input_stage)"
+    )
+    op.add_argument(
+        "--to", dest="to_stage", help="stage to write (default: the pipeline's output_stage)"
+    )
+    op.add_argument(
+        "--replicas",
+        type=int,
+        default=1,
+        help="replicas in this process, sharing one durable consumer",
+    )
+    st = sub.add_parser("status", help="print the run's state from its KV bucket")
     _common(st, need_url=True)
+    sm = sub.add_parser(
+        "streams", help="the run's streams, subject depths, consumers and their lag"
+    )
+    _common(sm, need_url=True)
+    sm.add_argument("--json", action="store_true", help="one JSON document instead of tables")
+    tl = sub.add_parser("tail", help="decoded messages of one stage (exp.<stage>), newest last")
+    _common(tl, need_url=True)
+    tl.add_argument(
+        "stage",
+        help="stage name: raw, train, or any operator stage; with --dlq a dead-letter stage",
+    )
+    tl.add_argument(
+        "-n", "--lines", type=int, default=10, help="how many of the latest messages to show first"
+    )
+    tl.add_argument("--no-follow", action="store_true", help="exit after the latest messages")
+    tl.add_argument("--dlq", action="store_true", help="tail rft.<run>.dlq.<stage> instead")
+    tl.add_argument("--json", action="store_true", help="one JSON object per line")
+    sub.add_parser("decode", help="read one message body on stdin, print a one-line JSON summary")
     return parser
 
 
@@ -130,6 +176,28 @@ def cmd_up(args: argparse.Namespace) -> int:
     return run_up(run, console=console)
 
 
+def _operator_pipeline(args: argparse.Namespace) -> Any:
+    """``rftstream operator NAME --args JSON``: a pipeline of that one operator (None: the configured one)."""
+    if not getattr(args, "operator", None):
+        return None
+    from operators import EXPERIENCE_OPERATORS, ExperiencePipeline
+
+    try:
+        op_args = json.loads(args.args)
+    except json.JSONDecodeError as exc:
+        raise RftError(f"--args: not valid JSON ({exc})") from exc
+    if not isinstance(op_args, dict):
+        raise RftError(f"--args: expected a JSON object, got {type(op_args).__name__}")
+    if not args.to_stage:
+        raise RftError("--to: a single operator needs the stage it writes to (e.g. --to filtered)")
+    cls = EXPERIENCE_OPERATORS.get(args.operator)
+    try:
+        op = cls(**op_args)
+    except TypeError as exc:
+        raise RftError(f"--args for operator {args.operator!r}: {exc}") from exc
+    return ExperiencePipeline([op])
+
+
 def cmd_actor(args: argparse.Namespace) -> int:
     from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
@@ -179,7 +247,21 @@ def cmd_actor(args: argparse.Namespace) -> int:
         if args.command == "explorer":
             await runtime.run_explorer(run, url, name=args.name, on_progress=explorer_progress)
         elif args.command == "operator":
-            await runtime.run_operator(run, url, name=args.name, on_progress=operator_progress)
+            pipelines = [_operator_pipeline(args) for _ in range(max(1, args.replicas))]
+            async with anyio.create_task_group() as tg:
+                for i, pipeline in enumerate(pipelines):
+                    tg.start_soon(
+                        functools.partial(
+                            runtime.run_operator,
+                            run,
+                            url,
+                            name=args.name if len(pipelines) == 1 else f"{args.name}-{i}",
+                            pipeline=pipeline,
+                            from_stage=args.from_stage,
+                            to_stage=args.to_stage,
+                            on_progress=operator_progress,
+                        )
+                    )
         else:
             await runtime.run_trainer(run, url, name=args.name, on_step=trainer_step)
 
@@ -208,6 +290,93 @@ def cmd_status(args: argparse.Namespace) -> int:
     return 0
 
 
+def _names(args: argparse.Namespace) -> tuple[Any, Any]:
+    from rftstream.config.validate import run_id_from_name
+    from rftstream.subjects import RunNames
+
+    cfg, _ = load_run_config(args)
+    return cfg, RunNames(run_id_from_name(cfg.name))
+
+
+def cmd_streams(args: argparse.Namespace) -> int:
+    from rich.table import Table
+
+    from rftstream.bus.client import Bus
+    from rftstream.bus.inspect import streams_report
+
+    cfg, names = _names(args)
+
+    async def main() -> list[Any]:
+        async with await Bus.connect(args.nats_url, names, cfg.nats, "inspector") as bus:
+            return await streams_report(bus)
+
+    rows = anyio.run(main, backend="asyncio")
+    if args.json:
+        print(json.dumps({"run": names.run, "streams": [dataclasses.asdict(r) for r in rows]}))
+        return 0
+    streams = Table(title=f"run {names.run}: streams")
+    for col in ("stream", "messages", "bytes", "subjects (messages)", "description"):
+        streams.add_column(col, overflow="fold")
+    consumers = Table(title=f"run {names.run}: consumers")
+    for col in ("stream", "consumer", "filter", "lag (pending)", "unacked", "redelivered"):
+        consumers.add_column(col, overflow="fold")
+    for r in rows:
+        subjects = ", ".join(f"{k} ({v})" for k, v in r.subjects.items()) or "-"
+        streams.add_row(r.name, str(r.messages), f"{r.bytes:,}", subjects, r.description)
+        for c in r.consumers:
+            consumers.add_row(
+                r.name, c.name, c.filter, str(c.pending), str(c.ack_pending), str(c.redelivered)
+            )
+    console.print(streams)
+    console.print(consumers)
+    return 0
+
+
+def cmd_tail(args: argparse.Namespace) -> int:
+    from rftstream.bus.client import Bus
+    from rftstream.bus.inspect import tail
+    from rftstream.up import run_with_signals
+
+    cfg, names = _names(args)
+    subject = names.dlq_subject(args.stage) if args.dlq else names.exp_subject(args.stage)
+
+    def emit(item: dict[str, Any]) -> None:
+        if args.json:
+            print(json.dumps(item), flush=True)
+            return
+        head = f"[dim]#{item.get('seq', '?')}[/] [cyan]{item['subject']}[/]"
+        if "undecodable" in item:
+            console.print(f"{head} [red]undecodable[/] {item['undecodable']}")
+        else:
+            body = {k: v for k, v in item.items() if k not in ("subject", "seq", "schema")}
+            console.print(f"{head} {json.dumps(body)}", highlight=False, soft_wrap=True)
+
+    async def main() -> None:
+        async with await Bus.connect(args.nats_url, names, cfg.nats, "tail") as bus:
+            await tail(bus, subject, lines=args.lines, follow=not args.no_follow, emit=emit)
+
+    if not args.json:
+        console.print(
+            f"tailing [cyan]{subject}[/] on {args.nats_url}"
+            + ("" if args.no_follow else " (Ctrl-C to stop)")
+        )
+    code = run_with_signals(main)
+    return 0 if code == 130 else code
+
+
+def cmd_decode() -> int:
+    from rftstream.errors import SchemaError
+    from rftstream.inspect import summarize_body
+
+    body = sys.stdin.buffer.read()
+    try:
+        print(json.dumps(summarize_body(body)))
+    except SchemaError as exc:
+        print(json.dumps({"undecodable": str(exc), "bytes": len(body)}))
+        return 1
+    return 0
+
+
 def _fmt(v: Any, spec: str = ".3f") -> str:
     return "-" if v is None else format(v, spec)
 
@@ -231,6 +400,12 @@ def main(argv: list[str] | None = None) -> int:
             return cmd_actor(args)
         if args.command == "status":
             return cmd_status(args)
+        if args.command == "streams":
+            return cmd_streams(args)
+        if args.command == "tail":
+            return cmd_tail(args)
+        if args.command == "decode":
+            return cmd_decode()
     except RftError as exc:
         console.print(f"[bold red]error:[/] {exc}")
         return 2

@@ -23,6 +23,7 @@ H_DLQ_ACTOR = "Rft-Dlq-Actor"
 H_DLQ_SUBJECT = "Rft-Dlq-Subject"
 H_DLQ_SEQ = "Rft-Dlq-Stream-Seq"
 H_DLQ_DELIVERIES = "Rft-Dlq-Deliveries"
+DLQ_HEADERS = (H_DLQ_REASON, H_DLQ_STAGE, H_DLQ_ACTOR, H_DLQ_SUBJECT, H_DLQ_SEQ, H_DLQ_DELIVERIES)
 
 
 class TaskMsg(msgspec.Struct, kw_only=True):

@@ -52,30 +52,34 @@ def test_up_three_steps(tmp_path: Path, tiny_model_path: str) -> None:
     assert (run_dir / "nats" / "jetstream").is_dir()
 
 
-def test_up_sigint_stops_everything(tmp_path: Path, tiny_model_path: str) -> None:
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_up_signal_stops_everything(tmp_path: Path, tiny_model_path: str, signum: int) -> None:
     run_dir = tmp_path / "run"
-    proc = subprocess.Popen(
-        [*RFTSTREAM, "up", "--steps", "1000", "--run-dir", str(run_dir)],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        env=_env(tiny_model_path),
-    )
+    log = tmp_path / "up.log"
+    with open(log, "w") as out:
+        proc = subprocess.Popen(
+            [*RFTSTREAM, "up", "--steps", "1000", "--run-dir", str(run_dir)],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env=_env(tiny_model_path),
+        )
     try:
         deadline = time.time() + 300
         metrics = run_dir / "metrics.jsonl"
         while time.time() < deadline and not (metrics.exists() and metrics.read_text().strip()):
-            assert proc.poll() is None, proc.stdout.read() if proc.stdout else ""
+            assert proc.poll() is None, log.read_text()[-3000:]
             time.sleep(0.5)
         assert metrics.exists(), "no trainer step within 300 s"
         children = psutil.Process(proc.pid).children(recursive=True)
         assert any("nats-server" in c.name() for c in children)
         t0 = time.time()
-        proc.send_signal(signal.SIGINT)
+        proc.send_signal(signum)
         proc.wait(timeout=10)
         assert time.time() - t0 < 10
-        gone, alive = psutil.wait_procs(children, timeout=2)
+        assert proc.returncode == 130, log.read_text()[-3000:]
+        _gone, alive = psutil.wait_procs(children, timeout=2)
         assert not alive, f"left running: {alive}"
+        assert "stopped by signal" in log.read_text()
     finally:
         if proc.poll() is None:
             proc.kill()

@@ -1,0 +1,129 @@
+"""Reading a run from outside: stream/consumer figures and tailing a stage.
+
+Used by ``rftstream streams`` and ``rftstream tail``; what they show is what
+``nats stream info`` / ``nats consumer info`` / ``nats sub`` show, decoded.
+Both only read: no consumer they create is durable, nothing is acked.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import nats.errors
+import nats.js.errors
+from nats.js import api
+
+from rftstream.bus.client import Bus
+from rftstream.inspect import summarize_message
+
+
+@dataclass
+class ConsumerRow:
+    name: str
+    filter: str
+    pending: int  # not yet delivered ("lag")
+    ack_pending: int  # delivered, not yet acked
+    redelivered: int
+    description: str
+
+
+@dataclass
+class StreamRow:
+    name: str
+    description: str
+    messages: int
+    bytes: int
+    subjects: dict[str, int]
+    consumers: list[ConsumerRow] = field(default_factory=list)
+    missing: bool = False
+
+
+async def streams_report(bus: Bus) -> list[StreamRow]:
+    """Every stream of the run with per-subject depths and each consumer's lag."""
+    rows = []
+    for name in bus.names.streams:
+        try:
+            info = await bus.js.stream_info(name, subjects_filter=">")
+        except nats.js.errors.NotFoundError:
+            rows.append(StreamRow(name, "(not created yet)", 0, 0, {}, missing=True))
+            continue
+        row = StreamRow(
+            name=name,
+            description=info.config.description or "",
+            messages=int(info.state.messages or 0),
+            bytes=int(info.state.bytes or 0),
+            subjects=dict(sorted((info.state.subjects or {}).items())),
+        )
+        for c in await bus.js.consumers_info(name):
+            row.consumers.append(
+                ConsumerRow(
+                    name=c.name,
+                    filter=c.config.filter_subject or "",
+                    pending=int(c.num_pending or 0),
+                    ack_pending=int(c.num_ack_pending or 0),
+                    redelivered=int(c.num_redelivered or 0),
+                    description=c.config.description or "",
+                )
+            )
+        rows.append(row)
+    return rows
+
+
+async def tail(
+    bus: Bus,
+    subject: str,
+    *,
+    lines: int,
+    follow: bool,
+    emit: Callable[[dict[str, Any]], None],
+    idle_timeout: float = 1.0,
+) -> int:
+    """Print the last ``lines`` messages on ``subject``, then (``follow``) new ones.
+
+    An ordered, ephemeral consumer reads from the stream's start; only the last
+    ``lines`` are kept until it has caught up. Blocks; returns the number of
+    messages emitted when not following (cancel it to stop following).
+    """
+    sub = await bus.js.subscribe(
+        subject, ordered_consumer=True, deliver_policy=api.DeliverPolicy.ALL
+    )
+    recent: deque[dict[str, Any]] = deque(maxlen=max(lines, 0) or None)
+    emitted = 0
+    caught_up = False
+    try:
+        while True:
+            try:
+                msg = await sub.next_msg(timeout=idle_timeout)
+            except nats.errors.TimeoutError:
+                if not caught_up:
+                    caught_up = True
+                    for item in recent:
+                        emit(item)
+                        emitted += 1
+                    recent.clear()
+                if not follow:
+                    return emitted
+                continue
+            md = msg.metadata
+            item = summarize_message(msg.subject, md.sequence.stream, msg.headers, msg.data)
+            if caught_up:
+                emit(item)
+                emitted += 1
+            else:
+                recent.append(item)
+                if md.num_pending == 0:
+                    caught_up = True
+                    for it in recent:
+                        emit(it)
+                        emitted += 1
+                    recent.clear()
+                    if not follow:
+                        return emitted
+    finally:
+        try:
+            await sub.unsubscribe()
+        except Exception:  # noqa: BLE001 - closing
+            pass

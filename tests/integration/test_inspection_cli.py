@@ -1,0 +1,149 @@
+"""`rftstream operator NAME --from --to`, `streams`, `tail` and `decode`, run as a user runs them."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import anyio
+import pytest
+import yaml
+
+from rftstream.bus.client import Bus
+from rftstream.bus.state import RunState
+from rftstream.config import config_from_dict
+from rftstream.experience import decode_group
+from rftstream.runtime import prepare_run, provision
+from tests.integration._util import _group, read_stream, small_config
+
+pytestmark = pytest.mark.integration
+
+CLI = [sys.executable, "-m", "rftstream.cli"]
+
+
+def _env(tiny_model_path: str) -> dict[str, str]:
+    skip = {"MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK"}
+    env = {k: v for k, v in os.environ.items() if k not in skip}
+    env["RFTSTREAM_CACHE"] = str(Path(tiny_model_path).parent)
+    return env
+
+
+def test_operator_name_from_to_then_streams_tail_decode(
+    tmp_path: Path, tiny_model_path: str, nats_url: str
+) -> None:
+    cfg = small_config(tmp_path, tiny_model_path)
+    cfg["synchronizer"]["sync_method"] = "checkpoint"
+    cfg_path = tmp_path / "run.yaml"
+    cfg_path.write_text(yaml.safe_dump(cfg))
+    run = prepare_run(config_from_dict(cfg))
+    common = ["--config", str(cfg_path), "--nats-url", nats_url]
+
+    async def publish() -> None:
+        await provision(run, nats_url)
+        async with await Bus.connect(nats_url, run.names, run.cfg.nats, "producer") as bus:
+            await bus.publish_group("raw", _group(1, 1.0), msg_id="g1")
+            await bus.publish_group("raw", _group(2, 0.0), msg_id="g2")
+            await bus.publish_group("raw", _group(3, 1.0)[:2] + _group(3, 0.0)[:2], msg_id="g3")
+
+    anyio.run(publish, backend="asyncio")
+    log = tmp_path / "op.log"
+    with open(log, "w") as out:
+        op = subprocess.Popen(
+            [
+                *CLI,
+                "operator",
+                "reward_filter",
+                "--args",
+                '{"threshold": 0.5}',
+                "--from",
+                "raw",
+                "--to",
+                "filtered",
+                "--replicas",
+                "2",
+                *common,
+            ],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env=_env(tiny_model_path),
+        )
+    try:
+
+        async def wait_and_finish() -> list:
+            async with await Bus.connect(nats_url, run.names, run.cfg.nats, "checker") as bus:
+                with anyio.fail_after(120):
+                    while True:
+                        assert op.poll() is None, log.read_text()[-3000:]
+                        info = await bus.js.stream_info(run.names.exp_stream, subjects_filter=">")
+                        if (info.state.subjects or {}).get("rft.itest.exp.filtered", 0) >= 2:
+                            break
+                        await anyio.sleep(0.3)
+                # both replicas share one durable
+                c = await bus.js.consumer_info(run.names.exp_stream, "op_raw_to_filtered")
+                assert c.config.filter_subject == "rft.itest.exp.raw"
+                await RunState(await bus.kv()).set_status("finished")
+            return await read_stream(nats_url, "rft.itest.exp.filtered")
+
+        filtered = anyio.run(wait_and_finish, backend="asyncio")
+        op.wait(timeout=30)
+        assert op.returncode == 0, log.read_text()[-3000:]
+    finally:
+        if op.poll() is None:
+            op.kill()
+    exps = [e for m in filtered for e in decode_group(m.data)]
+    assert len(filtered) == 2 and len(exps) == 6 and all(e.reward == 1.0 for e in exps)
+
+    env = _env(tiny_model_path)
+    streams = subprocess.run(
+        [*CLI, "streams", "--json", *common], capture_output=True, text=True, timeout=60, env=env
+    )
+    assert streams.returncode == 0, streams.stderr
+    report = {r["name"]: r for r in json.loads(streams.stdout)["streams"]}
+    assert set(report) == {"RFT_ITEST_TASKS", "RFT_ITEST_EXP", "RFT_ITEST_DLQ", "RFT_ITEST_METRICS"}
+    exp = report["RFT_ITEST_EXP"]
+    assert exp["subjects"] == {"rft.itest.exp.raw": 3, "rft.itest.exp.filtered": 2}
+    consumers = {c["name"]: c for c in exp["consumers"]}
+    assert (
+        consumers["op_raw_to_filtered"]["pending"] == 0
+        and consumers["op_raw_to_filtered"]["ack_pending"] == 0
+    )
+    assert (
+        consumers["op_raw_to_train"]["pending"] == 3
+    )  # nobody ran the configured pipeline: its lag
+    human = subprocess.run(
+        [*CLI, "streams", *common], capture_output=True, text=True, timeout=60, env=env
+    )
+    assert human.returncode == 0 and "RFT_ITEST_EXP" in human.stdout and "consumers" in human.stdout
+
+    tail = subprocess.run(
+        [*CLI, "tail", "filtered", "--no-follow", "--json", "-n", "1", *common],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=env,
+    )
+    assert tail.returncode == 0, tail.stderr
+    lines = [json.loads(x) for x in tail.stdout.splitlines() if x.strip()]
+    assert len(lines) == 1  # only the latest
+    assert (
+        lines[0]["subject"] == "rft.itest.exp.filtered"
+        and lines[0]["count"] == 2
+        and lines[0]["reward_mean"] == 1.0
+    )
+
+    body = filtered[0].data
+    dec = subprocess.run([*CLI, "decode"], input=body, capture_output=True, timeout=60, env=env)
+    assert dec.returncode == 0
+    summary = json.loads(dec.stdout)
+    assert (
+        summary["schema"] == "rft.experience.v1"
+        and summary["count"] == 4
+        and summary["rewards"] == [1.0] * 4
+    )
+    bad = subprocess.run(
+        [*CLI, "decode"], input=b"\x01garbage", capture_output=True, timeout=60, env=env
+    )
+    assert bad.returncode == 1 and "undecodable" in json.loads(bad.stdout)
