@@ -63,6 +63,37 @@ class PreparedRun:
         return ExperiencePipeline(ops)
 
 
+def _check_components(cfg: Config) -> None:
+    """Names that only resolve at run time, checked now so the error names the key."""
+    from rftstream.errors import RegistryError
+    from workflows import REWARD_FUNCTIONS, WORKFLOWS
+
+    ts = cfg.buffer.explorer_input.taskset
+    try:
+        WORKFLOWS.get(ts.default_workflow_type)
+    except RegistryError as exc:
+        raise ConfigError(
+            "buffer.explorer_input.taskset.default_workflow_type",
+            str(exc),
+            value=ts.default_workflow_type,
+        ) from exc
+    if ts.default_reward_fn_type:
+        try:
+            REWARD_FUNCTIONS.get(ts.default_reward_fn_type)
+        except RegistryError as exc:
+            raise ConfigError(
+                "buffer.explorer_input.taskset.default_reward_fn_type",
+                str(exc),
+                value=ts.default_reward_fn_type,
+            ) from exc
+    if cfg.synchronizer.sync_method == "nccl":
+        raise ConfigError(
+            "synchronizer.sync_method",
+            "`nccl` (GPU broadcast to vLLM engines) is not available yet; use `checkpoint` or `memory`",
+            value="nccl",
+        )
+
+
 def resolve_model_path(cfg: Config, progress: Callable[[str], None] | None = None) -> str:
     """``model.model_path``, or the embedded tiny model (built and cached on first use)."""
     path = cfg.model.model_path
@@ -93,6 +124,7 @@ def prepare_run(
 
     cfg = validate_config(cfg, source=source)
     run = run_id_from_name(cfg.name)
+    _check_components(cfg)
     algorithm = resolve_algorithm(cfg.algorithm, cfg.buffer)
     repeat = int(algorithm.repeat_times or 1)
     buffer = cfg.buffer
@@ -109,6 +141,61 @@ def prepare_run(
     return PreparedRun(
         cfg=cfg, names=RunNames(run), algorithm=algorithm, model_path=model_path, run_dir=rdir
     )
+
+
+ACTIVE_HEARTBEAT_S = 30.0
+
+
+async def start_fresh(run: PreparedRun, url: str) -> str | None:
+    """Remove what an earlier run with the same run id left on the server.
+
+    ``rftstream up`` starts a new run; without this, a second ``up`` in the same
+    run directory (or against the same server) would find the old run finished
+    and do nothing. Refuses (:class:`RftError`) while an actor of that run sent a
+    heartbeat in the last 30 s. Returns a note of what was removed, or None.
+    """
+    import time
+
+    import nats.js.errors
+
+    from rftstream.bus.state import RunState
+    from rftstream.errors import RftError
+
+    names = run.names
+    async with await Bus.connect(url, names, run.cfg.nats, "starter") as bus:
+        present = []
+        for stream in names.streams:
+            try:
+                await bus.js.stream_info(stream)
+                present.append(stream)
+            except nats.js.errors.NotFoundError:
+                pass
+        try:
+            kv = await bus.js.key_value(names.kv_bucket)
+        except (nats.js.errors.BucketNotFoundError, nats.js.errors.NotFoundError):
+            kv = None
+        if not present and kv is None:
+            return None
+        status = ""
+        if kv is not None:
+            state = RunState(kv)
+            values = await state.all()
+            status = str(values.get("status") or "")
+            beats = [
+                v.get("ts", 0)
+                for k, v in values.items()
+                if k.startswith("heartbeat.") and isinstance(v, dict)
+            ]
+            age = time.time() - max(beats) if beats else None
+            if status == "running" and age is not None and age < ACTIVE_HEARTBEAT_S:
+                raise RftError(
+                    f"run {names.run!r} is active on {url} (last heartbeat {age:.0f}s ago); "
+                    "stop it or choose another `name`"
+                )
+            await bus.js.delete_key_value(names.kv_bucket)
+        for stream in present:
+            await bus.js.delete_stream(stream)
+    return f"replaced the earlier run {names.run!r} on this server (status {status or 'unknown'})"
 
 
 async def provision(run: PreparedRun, url: str) -> None:

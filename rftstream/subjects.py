@@ -124,5 +124,8 @@ KV_EXPLORER_STEP = "explorer.{name}.step"
 KV_EXPLORER_DONE = "explorer.{name}.done"
 KV_TRAINER_STEP = "trainer.step"
 KV_TRAINER_DONE = "trainer.done"
+KV_TRAINER_STARVING = (
+    "trainer.starving"  # {"since": ts} while the trainer waits with less than a batch
+)
 KV_WEIGHTS = "weights.latest"  # JSON: {"version", "method", "uri", "sha256"}
 KV_HEARTBEAT = "heartbeat.{actor}"

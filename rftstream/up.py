@@ -18,7 +18,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from rftstream.bus.server import EmbeddedNatsServer
 from rftstream.plot import plot_metrics, read_metrics, window_mean
-from rftstream.runtime import PreparedRun, run_actors
+from rftstream.runtime import PreparedRun, run_actors, start_fresh
 
 
 class Interrupted(Exception):
@@ -61,6 +61,8 @@ def nats_cli_hint(url: str, run: PreparedRun) -> list[str]:
 def run_up(run: PreparedRun, *, console: Console) -> int:
     """Start the embedded server (unless ``nats.url`` is set) and all actors; show progress."""
     cfg = run.cfg
+    for old in ("metrics.jsonl", "metrics.png"):  # a new run: its own curves only
+        (run.run_dir / old).unlink(missing_ok=True)
     server: EmbeddedNatsServer | None = None
     url = cfg.nats.url
     if not url:
@@ -107,6 +109,9 @@ def run_up(run: PreparedRun, *, console: Console) -> int:
                 )
 
             async def main() -> None:
+                note = await start_fresh(run, url)
+                if note:
+                    progress.console.print(f"[yellow]{note}[/]")
                 await run_actors(run, url, on_step=on_step)
 
             code = run_with_signals(main)

@@ -40,7 +40,7 @@ from rftstream.bus.state import RunState
 from rftstream.config.schema import Config
 from rftstream.errors import RftError, SchemaError
 from rftstream.messages import TaskMsg, TasksetRecord, decode_json, encode_json
-from rftstream.subjects import KV_TASKSET, RAW_STAGE
+from rftstream.subjects import KV_TASKSET, KV_TRAINER_STARVING, RAW_STAGE
 from rftstream.sync import SyncPolicy
 from rftstream.weights import load_weights
 
@@ -316,7 +316,20 @@ class Explorer:
         current = int(getattr(self.engine, "model_version", 0) or 0)
         if ptr is None or ptr.version <= current or ptr.version < min_version:
             return
-        sd = await anyio.to_thread.run_sync(load_weights, ptr, self.names.run)
+        try:
+            sd = await anyio.to_thread.run_sync(load_weights, ptr, self.names.run)
+        except (
+            RftError,
+            OSError,
+        ) as exc:  # replaced by a newer version meanwhile: next sync takes that
+            log.warning(
+                "%s: could not load weights v%d (%s); keeping v%d",
+                self.name,
+                ptr.version,
+                exc,
+                current,
+            )
+            return
         await self.engine.load_weights(sd, ptr.version)
         log.info("%s: loaded weights v%d", self.name, ptr.version)
 
@@ -353,6 +366,9 @@ class Explorer:
                 backlog * self.repeat_times, tbs, version_lag=max(0, newest - mine)
             ):
                 return
+            starving = await state.get_json(KV_TRAINER_STARVING)
+            if isinstance(starving, dict) and starving.get("since"):
+                return  # filters dropped what was waiting: never stall a starving trainer
             if await state.status() in ("finished", "failed", "stopped"):
                 return
             await anyio.sleep(0.05)

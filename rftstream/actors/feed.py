@@ -21,6 +21,7 @@ from collections import deque
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
+import anyio
 from nats.aio.msg import Msg
 
 from rftstream.actors.common import InProgressTicker
@@ -50,7 +51,9 @@ class ExperienceFeed:
         *,
         fetch_batch: int = 64,
         fetch_timeout: float = 0.5,
+        starving: Callable[[bool], Awaitable[None]] | None = None,
     ) -> None:
+        self.starving = starving
         self.bus = bus
         self.consumer = consumer
         self.ticker = ticker
@@ -59,7 +62,9 @@ class ExperienceFeed:
         self.fetch_timeout = fetch_timeout
         self._buffer: deque[tuple[Experience, _Held]] = deque()
         self._taken: list[_Held] = []
+        self._taken_uids: list[str] = []
         self._seen: set[str] = set()
+        self._held_by_uid: dict[str, _Held] = {}
         self.duplicates = 0
         self.dead_lettered = 0
         self.received = 0
@@ -81,12 +86,26 @@ class ExperienceFeed:
             fresh = [e for e in exps if e.eid.uid not in self._seen]
             self.duplicates += len(exps) - len(fresh)
             if not fresh:
-                await m.ack()
+                still_held = {
+                    id(self._held_by_uid[e.eid.uid]): self._held_by_uid[e.eid.uid]
+                    for e in exps
+                    if e.eid.uid in self._held_by_uid
+                }
+                if still_held:
+                    # a redelivery of a message whose experiences are not trained yet: ack this
+                    # delivery only when they are, so a crash now still redelivers them
+                    for held in still_held.values():
+                        self.ticker.release(held.msg)
+                        held.msg = m
+                        self.ticker.hold(m)
+                else:
+                    await m.ack()
                 continue
             held = _Held(m, len(fresh))
             self.ticker.hold(m)
             for e in fresh:
                 self._seen.add(e.eid.uid)
+                self._held_by_uid[e.eid.uid] = held
                 self._buffer.append((e, held))
             self.received += len(fresh)
         return bool(msgs)
@@ -95,26 +114,39 @@ class ExperienceFeed:
         """Take ``n`` experiences (fewer only when the upstream is exhausted). Blocks."""
         t0 = time.perf_counter()
         idle = 0
-        while len(self._buffer) < n:
-            if await self._fill_once():
-                idle = 0
-                continue
-            idle += 1
-            if idle % 2 == 0 and await self.exhausted():
-                # one last look: something may have landed after the check
-                if not await self._fill_once():
-                    break
+        announced = False
+        try:
+            while len(self._buffer) < n:
+                if await self._fill_once():
+                    idle = 0
+                    continue
+                idle += 1
+                if not announced and self.starving is not None:
+                    await self.starving(True)  # explorers must not pause for staleness now
+                    announced = True
+                if idle % 2 == 0 and await self.exhausted():
+                    # one last look: something may have landed after the check
+                    if not await self._fill_once():
+                        break
+        finally:
+            if announced and self.starving is not None:
+                with anyio.CancelScope(shield=True):
+                    await self.starving(False)
         self.wait_time += time.perf_counter() - t0
         out: list[Experience] = []
         while self._buffer and len(out) < n:
             exp, held = self._buffer.popleft()
             out.append(exp)
             self._taken.append(held)
+            self._taken_uids.append(exp.eid.uid)
         return out
 
     async def commit(self) -> int:
         """Ack every message whose experiences have all been trained. Returns acks sent."""
         acked = 0
+        for uid in self._taken_uids:
+            self._held_by_uid.pop(uid, None)
+        self._taken_uids.clear()
         for held in self._taken:
             held.remaining -= 1
             if held.remaining == 0:

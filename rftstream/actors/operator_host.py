@@ -29,7 +29,7 @@ from nats.aio.msg import Msg
 from rftstream.actors.common import InProgressTicker, heartbeat_loop
 from rftstream.bus.client import Bus
 from rftstream.bus.state import RunState
-from rftstream.errors import SchemaError
+from rftstream.errors import RftError, SchemaError
 from rftstream.experience import H_MSG_ID, Experience, decode_group
 
 log = logging.getLogger(__name__)
@@ -129,7 +129,9 @@ class OperatorHost:
         for m, group in decoded:
             mid = (m.headers or {}).get(H_MSG_ID) or f"{m.subject}:{m.metadata.sequence.stream}"
             for e in group:
-                group_msg_id.setdefault(e.group_id, mid.split("#")[0])
+                group_msg_id.setdefault(
+                    e.group_id, mid
+                )  # keep "#<part>": parts must not dedup each other
         out, metrics, reason = await self._process_with_retry(
             exps, retries=self.max_retries if len(decoded) == 1 else 1
         )
@@ -144,11 +146,22 @@ class OperatorHost:
         groups: dict[str, list[Experience]] = defaultdict(list)
         for e in out:
             groups[e.group_id].append(e)
-        for gid, group in groups.items():
-            base = group_msg_id.get(gid) or f"group:{gid}"
-            await self.bus.publish_group(
-                self.to_stage, group, msg_id=f"{self.to_stage}:{base}", group_id=gid
+        try:
+            for gid, group in groups.items():
+                base = group_msg_id.get(gid) or f"group:{gid}"
+                await self.bus.publish_group(
+                    self.to_stage, group, msg_id=f"{self.to_stage}:{base}", group_id=gid
+                )
+        except RftError as exc:  # e.g. an operator left something unencodable in `info`
+            if len(decoded) > 1:
+                for m, _ in decoded:
+                    await self.process_batch([m])
+                return
+            await self.bus.dead_letter(
+                self.from_stage, decoded[0][0], f"{self.name}: output not publishable: {exc}"
             )
+            self.counters["dead_lettered_messages"] += 1
+            return
         for m, _ in decoded:
             await m.ack()
         dt = time.perf_counter() - t0

@@ -36,7 +36,7 @@ from rftstream.bus.state import RunState
 from rftstream.config.schema import Config
 from rftstream.experience import H_COUNT, H_REWARD_MEAN
 from rftstream.messages import MetricsMsg
-from rftstream.subjects import KV_TRAINER_STEP, RAW_STAGE
+from rftstream.subjects import KV_TRAINER_STARVING, KV_TRAINER_STEP, RAW_STAGE
 from rftstream.sync import SyncPolicy
 from rftstream.weights import save_weights
 
@@ -182,7 +182,11 @@ class Trainer:
         await state.put_json("trainer.started", {"actor": self.name, "ts": time.time()})
         consumer = await self.bus.pull(self.names.exp_stream, self.names.trainer_consumer)
         ticker = InProgressTicker(self.cfg.nats.ack_wait / 3)
-        feed = ExperienceFeed(self.bus, consumer, ticker, self._exhausted)
+
+        async def starving(flag: bool) -> None:
+            await state.put_json(KV_TRAINER_STARVING, {"since": time.time() if flag else None})
+
+        feed = ExperienceFeed(self.bus, consumer, ticker, self._exhausted, starving=starving)
         monitor = RawMonitor()
         await monitor.start(self.bus)
         trainer = await anyio.to_thread.run_sync(
@@ -238,6 +242,9 @@ class Trainer:
             )
             log.info("%s: final checkpoint %s", self.name, final)
             status = "finished"
+        except anyio.get_cancelled_exc_class():
+            status = "stopped"  # Ctrl-C / SIGTERM: not a failure
+            raise
         finally:
             with anyio.CancelScope(shield=True):
                 await monitor.stop()

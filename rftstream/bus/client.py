@@ -391,7 +391,8 @@ class Bus:
                 delay = min(delay * 2, 5.0)
             raise AssertionError("unreachable")
         finally:
-            await self._limiter.release(size)
+            with anyio.CancelScope(shield=True):  # a cancelled publish must give its bytes back
+                await self._limiter.release(size)
 
     async def publish_encoded(self, subject: str, msg: EncodedMessage) -> api.PubAck:
         return await self.publish(subject, msg.data, headers=msg.headers, msg_id=msg.msg_id)

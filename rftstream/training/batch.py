@@ -35,6 +35,21 @@ class TrainBatch:
     def response_width(self) -> int:
         return int(self.response_mask.shape[1])
 
+    def to(self, device: torch.device | str) -> TrainBatch:
+        """The same batch on ``device`` (the trainer's: CPU, or the GPU DeepSpeed chose)."""
+        return TrainBatch(
+            input_ids=self.input_ids.to(device),
+            attention_mask=self.attention_mask.to(device),
+            position_ids=self.position_ids.to(device),
+            prompt_width=self.prompt_width,
+            response_mask=self.response_mask.to(device),
+            advantages=self.advantages.to(device),
+            returns=self.returns.to(device),
+            rollout_logprobs=self.rollout_logprobs.to(device),
+            rewards=self.rewards.to(device),
+            fields={k: v.to(device) for k, v in self.fields.items()},
+        )
+
     def rows(self, idx: torch.Tensor | slice) -> TrainBatch:
         """A sub-batch (micro-batch) of the given rows."""
         return TrainBatch(

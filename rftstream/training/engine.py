@@ -118,6 +118,8 @@ class PolicyTrainer:
             self.engine, self.optimizer, _, self.scheduler = deepspeed.initialize(
                 model=model, optimizer=optimizer, lr_scheduler=scheduler, config=ds_config
             )
+        if self.ref_model is not None:
+            self.ref_model.to(self.engine.device)
         self.global_step = 0
 
     # ------------------------------------------------------------ forward
@@ -153,11 +155,13 @@ class PolicyTrainer:
             max_prompt=mp.max_prompt_tokens,
             max_response=mp.max_response_tokens,
         )
-        self.engine.train()
+        batch = batch.to(self.engine.device)
+        self.engine.eval()  # the no-grad passes see no dropout
         old_logprob = self._logprobs_no_grad(self.engine.module, batch)
         ref_logprob = (
             self._logprobs_no_grad(self.ref_model, batch) if self.ref_model is not None else None
         )
+        self.engine.train()
         metrics: dict[str, list[float]] = defaultdict(list)
         # exactly `gas` micro-batches per optimizer step (DeepSpeed's accumulation boundary)
         splits = torch.arange(batch.size).tensor_split(self.gas)
@@ -196,7 +200,11 @@ class PolicyTrainer:
                     metrics[f"actor/{k}"].append(float(v))
                 if ref_logprob is not None:
                     kl_loss, kl_metrics = self.algorithm.kl_loss_fn.calculate_kl_loss(
-                        logprob, tensors["ref_logprob"], mb.response_mask, self.loss_agg_mode
+                        logprob,
+                        tensors["ref_logprob"],
+                        mb.response_mask,
+                        self.loss_agg_mode,
+                        old_logprob=tensors["old_logprob"],
                     )
                     loss = loss + kl_loss
                     for k, v in kl_metrics.items():

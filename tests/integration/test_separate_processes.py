@@ -12,10 +12,12 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import anyio
 import pytest
 import yaml
 
 from rftstream.bus.server import find_nats_server, free_port
+from tests.integration._util import read_stream
 
 pytestmark = pytest.mark.integration
 
@@ -69,7 +71,12 @@ def _write_config(tmp_path: Path, tiny_model_path: str, name: str, steps: int) -
             },
         },
         "explorer": {"runner_num": 2},
-        "synchronizer": {"sync_method": "checkpoint", "sync_style": "dynamic_by_explorer"},
+        # max_staleness 0: the explorer must wait for, and load, each new checkpoint
+        "synchronizer": {
+            "sync_method": "checkpoint",
+            "sync_style": "dynamic_by_explorer",
+            "max_staleness": 0,
+        },
         "algorithm": {"algorithm_type": "grpo", "repeat_times": 4, "optimizer": {"lr": 1e-4}},
     }
     path = tmp_path / f"{name}.yaml"
@@ -123,6 +130,15 @@ def test_three_actor_processes_against_a_hand_started_server(
         tmp_path / "shared-ckpt" / "rftstream" / "procs" / "global_step_3" / "model.safetensors"
     ).is_file()
     assert "step    3" in outputs["trainer"]
+    # the explorer process generated with weights it loaded from the trainer's checkpoint files
+    assert all(r["staleness/max"] == 0 for r in records)
+
+    async def versions() -> set[int]:
+        raw = await read_stream(hand_started_server, "rft.procs.exp.raw")
+        return {int(m.headers["Rft-Model-Version"]) for m in raw}
+
+    seen = anyio.run(versions, backend="asyncio")
+    assert {1, 2} <= seen, seen
 
 
 def test_up_against_an_existing_server(

@@ -98,3 +98,22 @@ def test_bad_config_is_one_clear_line(tmp_path: Path) -> None:
     assert "bad.yaml" in out
     assert "buffer.explorer_input.taskset.prompt_kye" in out
     assert "Traceback" not in proc.stdout + proc.stderr
+
+
+def test_up_twice_in_the_same_run_dir_starts_a_new_run(
+    tmp_path: Path, tiny_model_path: str
+) -> None:
+    run_dir = tmp_path / "run"
+    cmd = [*RFTSTREAM, "up", "--steps", "2", "--run-dir", str(run_dir)]
+    first = subprocess.run(
+        cmd, capture_output=True, text=True, timeout=300, env=_env(tiny_model_path)
+    )
+    assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
+    second = subprocess.run(
+        cmd, capture_output=True, text=True, timeout=300, env=_env(tiny_model_path)
+    )
+    assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-3000:]
+    assert "replaced the earlier run" in " ".join(second.stdout.split())
+    records = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [1, 2]  # the second run's own steps, not appended
+    assert records[0]["experience/trained"] == 64
