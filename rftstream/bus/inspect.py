@@ -93,6 +93,14 @@ async def tail(
     recent: deque[dict[str, Any]] = deque(maxlen=max(lines, 0) or None)
     emitted = 0
     caught_up = False
+
+    def flush() -> None:
+        nonlocal emitted
+        for item in recent:
+            emit(item)
+            emitted += 1
+        recent.clear()
+
     try:
         while True:
             try:
@@ -100,10 +108,7 @@ async def tail(
             except nats.errors.TimeoutError:
                 if not caught_up:
                     caught_up = True
-                    for item in recent:
-                        emit(item)
-                        emitted += 1
-                    recent.clear()
+                    flush()
                 if not follow:
                     return emitted
                 continue
@@ -116,10 +121,7 @@ async def tail(
                 recent.append(item)
                 if md.num_pending == 0:
                     caught_up = True
-                    for it in recent:
-                        emit(it)
-                        emitted += 1
-                    recent.clear()
+                    flush()
                     if not follow:
                         return emitted
     finally:

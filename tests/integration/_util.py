@@ -1,7 +1,8 @@
-"""Helpers shared by the integration tests."""
+"""Helpers shared by the integration and smoke tests."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import nats
@@ -60,3 +61,13 @@ def _group(task: int, reward: float, n: int = 4) -> list[Experience]:
         )
         for i in range(n)
     ]
+
+
+def user_env(tiny_model_path: str) -> dict[str, str]:
+    """A user's shell for subprocesses: the shared tiny-model cache, and none of the
+    torch.distributed variables this pytest process's own trainers set."""
+    skip = {"MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK"}
+    env = {k: v for k, v in os.environ.items() if k not in skip}
+    env["RFTSTREAM_CACHE"] = str(Path(tiny_model_path).parent)
+    env["PYTHONUNBUFFERED"] = "1"
+    return env

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -17,18 +16,11 @@ from rftstream.bus.state import RunState
 from rftstream.config import config_from_dict
 from rftstream.experience import decode_group
 from rftstream.runtime import prepare_run, provision
-from tests.integration._util import _group, read_stream, small_config
+from tests.integration._util import _group, read_stream, small_config, user_env
 
 pytestmark = pytest.mark.integration
 
 CLI = [sys.executable, "-m", "rftstream.cli"]
-
-
-def _env(tiny_model_path: str) -> dict[str, str]:
-    skip = {"MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK"}
-    env = {k: v for k, v in os.environ.items() if k not in skip}
-    env["RFTSTREAM_CACHE"] = str(Path(tiny_model_path).parent)
-    return env
 
 
 def test_operator_name_from_to_then_streams_tail_decode(
@@ -68,7 +60,7 @@ def test_operator_name_from_to_then_streams_tail_decode(
             ],
             stdout=out,
             stderr=subprocess.STDOUT,
-            env=_env(tiny_model_path),
+            env=user_env(tiny_model_path),
         )
     try:
 
@@ -96,7 +88,7 @@ def test_operator_name_from_to_then_streams_tail_decode(
     exps = [e for m in filtered for e in decode_group(m.data)]
     assert len(filtered) == 2 and len(exps) == 6 and all(e.reward == 1.0 for e in exps)
 
-    env = _env(tiny_model_path)
+    env = user_env(tiny_model_path)
     streams = subprocess.run(
         [*CLI, "streams", "--json", *common], capture_output=True, text=True, timeout=60, env=env
     )

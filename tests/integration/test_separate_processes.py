@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import json
-import os
 import socket
 import subprocess
 import sys
@@ -17,7 +16,7 @@ import pytest
 import yaml
 
 from rftstream.bus.server import find_nats_server, free_port
-from tests.integration._util import read_stream
+from tests.integration._util import read_stream, user_env
 
 pytestmark = pytest.mark.integration
 
@@ -47,14 +46,6 @@ def hand_started_server(tmp_path: Path) -> Iterator[str]:
     finally:
         proc.terminate()
         proc.wait(timeout=10)
-
-
-def _env(tiny_model_path: str) -> dict[str, str]:
-    skip = {"MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK"}
-    env = {k: v for k, v in os.environ.items() if k not in skip}
-    env["RFTSTREAM_CACHE"] = str(Path(tiny_model_path).parent)
-    env["PYTHONUNBUFFERED"] = "1"
-    return env
 
 
 def _write_config(tmp_path: Path, tiny_model_path: str, name: str, steps: int) -> Path:
@@ -88,7 +79,7 @@ def test_three_actor_processes_against_a_hand_started_server(
     tmp_path: Path, tiny_model_path: str, hand_started_server: str
 ) -> None:
     cfg = _write_config(tmp_path, tiny_model_path, "procs", steps=3)
-    env = _env(tiny_model_path)
+    env = user_env(tiny_model_path)
     procs = {}
     for role in ("trainer", "operator", "explorer"):
         with open(tmp_path / f"{role}.log", "w") as log:
@@ -161,7 +152,7 @@ def test_up_against_an_existing_server(
         capture_output=True,
         text=True,
         timeout=300,
-        env=_env(tiny_model_path),
+        env=user_env(tiny_model_path),
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert f"using {hand_started_server}" in proc.stdout

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -13,18 +12,11 @@ from pathlib import Path
 import psutil
 import pytest
 
+from tests.integration._util import user_env
+
 pytestmark = pytest.mark.smoke
 
 RFTSTREAM = [sys.executable, "-m", "rftstream.cli"]
-
-
-def _env(tiny_model_path: str) -> dict[str, str]:
-    # a user's shell: not the torch.distributed variables of this pytest process's own trainers
-    skip = {"MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK"}
-    env = {k: v for k, v in os.environ.items() if k not in skip}
-    env["RFTSTREAM_CACHE"] = str(Path(tiny_model_path).parent)
-    env["PYTHONUNBUFFERED"] = "1"
-    return env
 
 
 def test_up_three_steps(tmp_path: Path, tiny_model_path: str) -> None:
@@ -34,7 +26,7 @@ def test_up_three_steps(tmp_path: Path, tiny_model_path: str) -> None:
         capture_output=True,
         text=True,
         timeout=420,
-        env=_env(tiny_model_path),
+        env=user_env(tiny_model_path),
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     out = proc.stdout
@@ -61,7 +53,7 @@ def test_up_signal_stops_everything(tmp_path: Path, tiny_model_path: str, signum
             [*RFTSTREAM, "up", "--steps", "1000", "--run-dir", str(run_dir)],
             stdout=out,
             stderr=subprocess.STDOUT,
-            env=_env(tiny_model_path),
+            env=user_env(tiny_model_path),
         )
     try:
         deadline = time.time() + 300
@@ -106,11 +98,11 @@ def test_up_twice_in_the_same_run_dir_starts_a_new_run(
     run_dir = tmp_path / "run"
     cmd = [*RFTSTREAM, "up", "--steps", "2", "--run-dir", str(run_dir)]
     first = subprocess.run(
-        cmd, capture_output=True, text=True, timeout=300, env=_env(tiny_model_path)
+        cmd, capture_output=True, text=True, timeout=300, env=user_env(tiny_model_path)
     )
     assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
     second = subprocess.run(
-        cmd, capture_output=True, text=True, timeout=300, env=_env(tiny_model_path)
+        cmd, capture_output=True, text=True, timeout=300, env=user_env(tiny_model_path)
     )
     assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-3000:]
     assert "replaced the earlier run" in " ".join(second.stdout.split())
