@@ -1,24 +1,44 @@
 """Experience operators (``from operators import ExperienceOperator, EXPERIENCE_OPERATORS``).
 
 Registered: ``reward_filter``, ``reward_std_filter``, ``invalid_reward_filter``,
-``group_advantage``. Depends on the ``rftstream`` kernel and ``algorithms``,
+``staleness_filter``, ``length_filter``, ``overlong_filter``, ``duplicate_filter``,
+``dapo_dynamic_sampling``, ``mask_response_truncated``, ``reward_shaping_mapper``,
+``pass_rate_calculator``, ``group_advantage``. Depends on the ``rftstream`` kernel and ``algorithms``,
 never on the actors.
 """
 
 from operators.advantage import GroupAdvantageOperator
 from operators.base import EXPERIENCE_OPERATORS, AsyncExperienceOperator, ExperienceOperator
-from operators.filters import InvalidRewardFilter, RewardFilter, RewardSTDFilter
+from operators.filters import (
+    DAPODynamicSampling,
+    DuplicateFilter,
+    InvalidRewardFilter,
+    LengthFilter,
+    OverlongFilter,
+    RewardFilter,
+    RewardSTDFilter,
+    StalenessFilter,
+)
+from operators.mappers import MaskResponseTruncated, PassRateCalculator, RewardShapingMapper
 from operators.pipeline import ExperiencePipeline, create_operators, operator_name
 
 __all__ = [
     "EXPERIENCE_OPERATORS",
     "AsyncExperienceOperator",
+    "DAPODynamicSampling",
+    "DuplicateFilter",
     "ExperienceOperator",
     "ExperiencePipeline",
     "GroupAdvantageOperator",
     "InvalidRewardFilter",
+    "LengthFilter",
+    "MaskResponseTruncated",
+    "OverlongFilter",
+    "PassRateCalculator",
     "RewardFilter",
     "RewardSTDFilter",
+    "RewardShapingMapper",
+    "StalenessFilter",
     "create_operators",
     "operator_name",
 ]
