@@ -7,7 +7,9 @@ drained).
 
 Acks: a message is held (``in_progress()`` ticks keep it from redelivery during
 long steps) until every experience it carried has been trained; then
-:meth:`commit` acks it. Experiences are deduplicated by ``eid.uid``, so a
+:meth:`commit` acks it. A message with an experience the trainer cannot use
+(``validate`` returns the reason) goes to ``dlq.train`` instead of crash-looping
+the trainer. Experiences are deduplicated by ``eid.uid``, so a
 redelivered message is never trained twice. A body that does not decode goes
 to ``dlq.train`` with the reason. Cancelling :meth:`read` loses nothing: held
 messages are simply redelivered after ``ack_wait`` if the process dies.
@@ -52,7 +54,9 @@ class ExperienceFeed:
         fetch_batch: int = 64,
         fetch_timeout: float = 0.5,
         starving: Callable[[bool], Awaitable[None]] | None = None,
+        validate: Callable[[Experience], str | None] | None = None,
     ) -> None:
+        self.validate = validate
         self.starving = starving
         self.bus = bus
         self.consumer = consumer
@@ -81,6 +85,13 @@ class ExperienceFeed:
                 exps = decode_group(m.data)
             except SchemaError as exc:
                 await self.bus.dead_letter(TRAIN_STAGE, m, f"trainer: {exc}")
+                self.dead_lettered += 1
+                continue
+            problem = (
+                next((p for p in map(self.validate, exps) if p), None) if self.validate else None
+            )
+            if problem:
+                await self.bus.dead_letter(TRAIN_STAGE, m, f"trainer: {problem}")
                 self.dead_lettered += 1
                 continue
             fresh = [e for e in exps if e.eid.uid not in self._seen]

@@ -192,6 +192,7 @@ class Trainer:
         trainer = await anyio.to_thread.run_sync(
             lambda: PolicyTrainer(self.cfg, self.model_path, self.algorithm)
         )
+        feed.validate = trainer.check_experience
         strategy = self.algorithm.create_sample_strategy(self.cfg.buffer, feed)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         total = self.cfg.buffer.total_steps

@@ -144,6 +144,16 @@ class PolicyTrainer:
             chunks.append(lp)
         return torch.cat(chunks, 0)
 
+    def check_experience(self, exp: Experience) -> str | None:
+        """Why ``exp`` cannot be trained on this model, or None. Cheap; no forward pass."""
+        vocab = int(self.engine.module.get_input_embeddings().weight.shape[0])
+        n = int(exp.tokens.numel())
+        if not 0 < exp.prompt_length < n:
+            return f"experience {exp.eid.uid}: prompt_length {exp.prompt_length} leaves no response in {n} tokens"
+        if n and (int(exp.tokens.min()) < 0 or int(exp.tokens.max()) >= vocab):
+            return f"experience {exp.eid.uid}: token ids outside the model's vocabulary (0..{vocab - 1})"
+        return None
+
     # ------------------------------------------------------------ step
     def train_step(self, exps: list[Experience]) -> dict[str, float]:
         """One optimizer step on ``exps``; returns averaged metrics. Blocks."""

@@ -227,3 +227,35 @@ def test_max_staleness_with_a_dropping_filter_does_not_deadlock(
     assert [r["step"] for r in steps] == [1, 2]
     assert sum(r["experience/filtered"] for r in steps) > 0
     assert all(r["reward/train_mean"] == 1.0 for r in steps)
+
+
+def test_untrainable_experience_is_dead_lettered_not_crash_looped(
+    tmp_path: Path, tiny_model_path: str, nats_url: str
+) -> None:
+    cfg = small_config(tmp_path, tiny_model_path, buffer__train_batch_size=4, buffer__total_steps=2)
+    run = prepare_run(config_from_dict(cfg))
+    steps: list[dict] = []
+    bad = [
+        Experience(tokens=[5, 6, 10**6, 8], prompt_length=2, reward=1.0, eid=EID(0, 7, i))
+        for i in range(4)
+    ]
+
+    async def main() -> None:
+        await provision(run, nats_url)
+        async with await Bus.connect(nats_url, run.names, run.cfg.nats, "producer") as bus:
+            await bus.publish_group("train", _group(1, 1.0), msg_id="good-1")
+            await bus.publish_group("train", bad, msg_id="bad")
+            await bus.publish_group("train", _group(2, 0.0), msg_id="good-2")
+        with anyio.fail_after(120):
+            await run_trainer(run, nats_url, on_step=steps.append)
+
+    anyio.run(main, backend="asyncio")
+    assert [r["step"] for r in steps] == [1, 2]
+    assert [r["reward/train_mean"] for r in steps] == [1.0, 0.0]
+
+    async def check() -> None:
+        dead = await read_stream(nats_url, "rft.itest.dlq.train")
+        assert len(dead) == 1 and "vocabulary" in dead[0].headers[H_DLQ_REASON]
+        assert decode_group(dead[0].data)[0].eid.uid == bad[0].eid.uid
+
+    anyio.run(check, backend="asyncio")
