@@ -17,7 +17,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from typing import Any
 
-from rftstream.experience import Experience
+from rftstream.experience import Experience, group_by
 from rftstream.registry import Registry
 
 ADVANTAGE_FN: Registry[type[AdvantageFn]] = Registry("advantage_fn")
@@ -74,17 +74,20 @@ def _aggregate_group_metrics(metric_list: list[dict]) -> dict[str, float]:
 class GroupAdvantage(AdvantageFn):
     """Base for group-based advantages: group the experiences, then compute per group.
 
-    Subclasses implement :meth:`group_experiences` and
-    :meth:`calculate_group_advantage`. ``__call__`` (and its alias
+    Subclasses implement :meth:`calculate_group_advantage` (and may override
+    :meth:`group_experiences`, which groups by task). ``__call__`` (and its alias
     :meth:`process`, so an instance also works as an experience operator)
     returns the experiences of every group, in group order, and metrics: each
     group metric averaged over groups (``*_count`` metrics summed) plus
     ``group_count``.
     """
 
-    @abstractmethod
     def group_experiences(self, exps: list[Experience]) -> dict[str, list[Experience]]:
-        """Split ``exps`` into groups keyed by a group id (usually ``group_by(exps, "task")``)."""
+        """Split ``exps`` into groups keyed by a group id; by default the task (``eid.tid``).
+
+        Override for other groupings (e.g. per rollout step in multi-turn workflows).
+        """
+        return group_by(exps, id_type="task")
 
     @abstractmethod
     def calculate_group_advantage(

@@ -12,7 +12,7 @@ import math
 import torch
 
 from algorithms.advantage_fn.advantage_fn import ADVANTAGE_FN, GroupAdvantage
-from rftstream.experience import Experience, group_by
+from rftstream.experience import Experience
 
 
 def group_rewards(exps: list[Experience]) -> torch.Tensor:
@@ -71,9 +71,6 @@ class GRPOGroupedAdvantage(GroupAdvantage):
         self.std_threshold = None if std_threshold is None else float(std_threshold)
         self.norm_adv_by_std_in_grpo = bool(norm_adv_by_std_in_grpo)
 
-    def group_experiences(self, exps: list[Experience]) -> dict[str, list[Experience]]:
-        return group_by(exps, id_type="task")
-
     def calculate_group_advantage(
         self, group_id: str, exps: list[Experience]
     ) -> tuple[list[Experience], dict]:
@@ -113,9 +110,6 @@ class RLOOGroupAdvantage(GroupAdvantage):
     raw reward (verl's baseline 0). Metric ``reward_mean``.
     """
 
-    def group_experiences(self, exps: list[Experience]) -> dict[str, list[Experience]]:
-        return group_by(exps, id_type="task")
-
     def calculate_group_advantage(
         self, group_id: str, exps: list[Experience]
     ) -> tuple[list[Experience], dict]:
@@ -134,9 +128,6 @@ class RLOOGroupAdvantage(GroupAdvantage):
 @ADVANTAGE_FN.register_module("reinforce")
 class REINFORCEGroupAdvantage(GroupAdvantage):
     """REINFORCE: the advantage is the raw reward (no baseline). Metric ``reward_mean``."""
-
-    def group_experiences(self, exps: list[Experience]) -> dict[str, list[Experience]]:
-        return group_by(exps, id_type="task")
 
     def calculate_group_advantage(
         self, group_id: str, exps: list[Experience]

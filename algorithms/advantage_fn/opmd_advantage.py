@@ -6,7 +6,7 @@ import torch
 
 from algorithms.advantage_fn.advantage_fn import ADVANTAGE_FN, GroupAdvantage
 from algorithms.advantage_fn.grpo_advantage import group_rewards
-from rftstream.experience import Experience, group_by
+from rftstream.experience import Experience
 
 
 @ADVANTAGE_FN.register_module("opmd")
@@ -22,9 +22,6 @@ class OPMDGroupAdvantage(GroupAdvantage):
         super().__init__(**kwargs)
         self.opmd_baseline = opmd_baseline
         self.tau = tau
-
-    def group_experiences(self, exps: list[Experience]) -> dict[str, list[Experience]]:
-        return group_by(exps, id_type="task")
 
     def calculate_group_advantage(
         self, group_id: str, exps: list[Experience]
