@@ -270,7 +270,6 @@ def cmd_actor(args: argparse.Namespace) -> int:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    import anyio
 
     from rftstream.bus.client import Bus
     from rftstream.bus.state import RunState

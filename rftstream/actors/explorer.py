@@ -248,6 +248,12 @@ class Explorer:
             if self.on_progress is not None:
                 self.on_progress({"step": self.step, **self._info(), **values})
 
+    async def _fail_task(self, msg: Msg, reason: str, stats: dict[str, float]) -> None:
+        """Dead-letter a task message (``dlq.tasks``, reason in headers) and count it as failed."""
+        await self.bus.dead_letter(TASKS_DLQ_STAGE, msg, reason)
+        stats["failed"] += 1
+        self.failed_tasks += 1
+
     async def _run_task(
         self,
         msg: Msg,
@@ -261,9 +267,7 @@ class Explorer:
         try:
             tmsg: TaskMsg = decode_json(msg.data, TaskMsg, f"task message on {msg.subject}")
         except SchemaError as exc:
-            await self.bus.dead_letter(TASKS_DLQ_STAGE, msg, str(exc))
-            stats["failed"] += 1
-            self.failed_tasks += 1
+            await self._fail_task(msg, str(exc), stats)
             return
         ts_cfg = self.cfg.buffer.explorer_input.taskset
         repeat = int(ts_cfg.repeat_times or self.repeat_times)
@@ -282,11 +286,7 @@ class Explorer:
                 result = await runner.run_task(task)
             if result.error or not result.experiences:
                 reason = result.error or "workflow returned no experiences"
-                await self.bus.dead_letter(
-                    TASKS_DLQ_STAGE, msg, f"task {tmsg.epoch}/{tmsg.index}: {reason}"
-                )
-                stats["failed"] += 1
-                self.failed_tasks += 1
+                await self._fail_task(msg, f"task {tmsg.epoch}/{tmsg.index}: {reason}", stats)
                 return
             exps = result.experiences
             await self.bus.publish_group(
@@ -294,11 +294,7 @@ class Explorer:
             )
             await msg.ack()
         except RftError as exc:
-            await self.bus.dead_letter(
-                TASKS_DLQ_STAGE, msg, f"task {tmsg.epoch}/{tmsg.index}: {exc}"
-            )
-            stats["failed"] += 1
-            self.failed_tasks += 1
+            await self._fail_task(msg, f"task {tmsg.epoch}/{tmsg.index}: {exc}", stats)
             return
         finally:
             ticker.release(msg)

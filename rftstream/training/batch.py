@@ -7,6 +7,7 @@ Layout (as verl): prompts left-padded to ``P``, responses right-padded to
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -35,35 +36,28 @@ class TrainBatch:
     def response_width(self) -> int:
         return int(self.response_mask.shape[1])
 
+    def _map(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> TrainBatch:
+        """The same batch with ``fn`` applied to every tensor."""
+        return TrainBatch(
+            input_ids=fn(self.input_ids),
+            attention_mask=fn(self.attention_mask),
+            position_ids=fn(self.position_ids),
+            prompt_width=self.prompt_width,
+            response_mask=fn(self.response_mask),
+            advantages=fn(self.advantages),
+            returns=fn(self.returns),
+            rollout_logprobs=fn(self.rollout_logprobs),
+            rewards=fn(self.rewards),
+            fields={k: fn(v) for k, v in self.fields.items()},
+        )
+
     def to(self, device: torch.device | str) -> TrainBatch:
         """The same batch on ``device`` (the trainer's: CPU, or the GPU DeepSpeed chose)."""
-        return TrainBatch(
-            input_ids=self.input_ids.to(device),
-            attention_mask=self.attention_mask.to(device),
-            position_ids=self.position_ids.to(device),
-            prompt_width=self.prompt_width,
-            response_mask=self.response_mask.to(device),
-            advantages=self.advantages.to(device),
-            returns=self.returns.to(device),
-            rollout_logprobs=self.rollout_logprobs.to(device),
-            rewards=self.rewards.to(device),
-            fields={k: v.to(device) for k, v in self.fields.items()},
-        )
+        return self._map(lambda t: t.to(device))
 
     def rows(self, idx: torch.Tensor | slice) -> TrainBatch:
         """A sub-batch (micro-batch) of the given rows."""
-        return TrainBatch(
-            input_ids=self.input_ids[idx],
-            attention_mask=self.attention_mask[idx],
-            position_ids=self.position_ids[idx],
-            prompt_width=self.prompt_width,
-            response_mask=self.response_mask[idx],
-            advantages=self.advantages[idx],
-            returns=self.returns[idx],
-            rollout_logprobs=self.rollout_logprobs[idx],
-            rewards=self.rewards[idx],
-            fields={k: v[idx] for k, v in self.fields.items()},
-        )
+        return self._map(lambda t: t[idx])
 
 
 def _resp(t: torch.Tensor | None, n: int, width: int, fill: float = 0.0) -> torch.Tensor:
