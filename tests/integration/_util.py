@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Any
 
 import nats
 
@@ -71,3 +72,20 @@ def user_env(tiny_model_path: str) -> dict[str, str]:
     env["RFTSTREAM_CACHE"] = str(Path(tiny_model_path).parent)
     env["PYTHONUNBUFFERED"] = "1"
     return env
+
+
+def run_actors_to_end(run: Any, url: str, *, timeout: float) -> list[dict[str, Any]]:
+    """Run explorer, operator host and trainer until the trainer ends (at most ``timeout`` s);
+    return the trainer's step records."""
+    import anyio
+
+    from rftstream.runtime import run_actors
+
+    steps: list[dict[str, Any]] = []
+
+    async def main() -> None:
+        with anyio.fail_after(timeout):
+            await run_actors(run, url, on_step=steps.append)
+
+    anyio.run(main, backend="asyncio")
+    return steps

@@ -8,11 +8,11 @@ import subprocess
 import sys
 from pathlib import Path
 
-import anyio
 import pytest
 
 from rftstream.config import load_config
-from rftstream.runtime import prepare_run, run_actors
+from rftstream.runtime import prepare_run
+from tests.integration._util import run_actors_to_end
 
 pytestmark = pytest.mark.integration
 
@@ -30,13 +30,7 @@ def test_example_config_runs(
         path, ["buffer.batch_size=2", "buffer.train_batch_size=16", "explorer.runner_num=2"]
     )
     run = prepare_run(cfg, steps=2, run_dir=str(tmp_path / "run"))
-    steps: list[dict] = []
-
-    async def main() -> None:
-        with anyio.fail_after(300):
-            await run_actors(run, nats_url, on_step=steps.append)
-
-    anyio.run(main, backend="asyncio")
+    steps = run_actors_to_end(run, nats_url, timeout=300)
     assert [r["step"] for r in steps] == [1, 2]
     records = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == [1, 2]

@@ -14,8 +14,8 @@ from rftstream.bus.state import RunState
 from rftstream.config import config_from_dict
 from rftstream.experience import EID, Experience, decode_group
 from rftstream.messages import H_DLQ_REASON, H_DLQ_STAGE
-from rftstream.runtime import prepare_run, provision, run_actors, run_operator, run_trainer
-from tests.integration._util import _group, read_stream, small_config
+from rftstream.runtime import prepare_run, provision, run_operator, run_trainer
+from tests.integration._util import _group, read_stream, run_actors_to_end, small_config
 
 pytestmark = pytest.mark.integration
 
@@ -24,13 +24,7 @@ def test_explorer_operator_trainer_steps(
     tmp_path: Path, tiny_model_path: str, nats_url: str
 ) -> None:
     run = prepare_run(config_from_dict(small_config(tmp_path, tiny_model_path)))
-    steps: list[dict] = []
-
-    async def main() -> None:
-        with anyio.fail_after(240):
-            await run_actors(run, nats_url, on_step=steps.append)
-
-    anyio.run(main, backend="asyncio")
+    steps = run_actors_to_end(run, nats_url, timeout=240)
     assert [r["step"] for r in steps] == [1, 2]
     lines = [json.loads(x) for x in (run.run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in lines] == [1, 2]
@@ -217,13 +211,7 @@ def test_max_staleness_with_a_dropping_filter_does_not_deadlock(
         }
     }
     run = prepare_run(config_from_dict(cfg))
-    steps: list[dict] = []
-
-    async def main() -> None:
-        with anyio.fail_after(240):
-            await run_actors(run, nats_url, on_step=steps.append)
-
-    anyio.run(main, backend="asyncio")
+    steps = run_actors_to_end(run, nats_url, timeout=240)
     assert [r["step"] for r in steps] == [1, 2]
     assert sum(r["experience/filtered"] for r in steps) > 0
     assert all(r["reward/train_mean"] == 1.0 for r in steps)

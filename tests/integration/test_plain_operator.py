@@ -12,8 +12,8 @@ import pytest
 
 from rftstream.config import config_from_dict
 from rftstream.experience import decode_group
-from rftstream.runtime import prepare_run, provision, run_actors
-from tests.integration._util import read_stream, small_config, user_env
+from rftstream.runtime import prepare_run, provision
+from tests.integration._util import read_stream, run_actors_to_end, small_config, user_env
 
 pytestmark = pytest.mark.integration
 
@@ -36,14 +36,8 @@ def test_plain_nats_operator_feeds_the_trainer(
             stderr=subprocess.STDOUT,
             env=user_env(tiny_model_path),
         )
-    steps: list[dict] = []
     try:
-
-        async def main() -> None:
-            with anyio.fail_after(240):
-                await run_actors(run, nats_url, on_step=steps.append)
-
-        anyio.run(main, backend="asyncio")
+        steps = run_actors_to_end(run, nats_url, timeout=240)
         op.wait(timeout=30)  # it stops by itself once the run is finished
     finally:
         if op.poll() is None:

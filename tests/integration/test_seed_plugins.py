@@ -11,8 +11,8 @@ import pytest
 from rftstream.config import config_from_dict
 from rftstream.experience import decode_group
 from rftstream.plugins import load_plugins
-from rftstream.runtime import prepare_run, run_actors
-from tests.integration._util import read_stream, small_config
+from rftstream.runtime import prepare_run
+from tests.integration._util import read_stream, run_actors_to_end, small_config
 
 pytestmark = pytest.mark.integration
 
@@ -121,13 +121,7 @@ def test_seed_workflow_and_filter_as_plugins(
     }
     cfg["buffer"]["batch_size"] = 8
     run = prepare_run(config_from_dict(cfg))
-    steps: list[dict] = []
-
-    async def main() -> None:
-        with anyio.fail_after(300):
-            await run_actors(run, nats_url, on_step=steps.append)
-
-    anyio.run(main, backend="asyncio")
+    steps = run_actors_to_end(run, nats_url, timeout=300)
     assert [r["step"] for r in steps] == [1, 2]
 
     async def check() -> None:
