@@ -28,5 +28,7 @@ lint: setup
     {{venv}}/bin/ruff format --check .
 
 # benchmarks: print figures and ratios against a baseline measured in the same run
+# (codec and bus; then MIX vs GRPO reward per step, a few minutes on CPU; `just bench --quick`)
 bench *ARGS: setup
     {{py}} benchmarks/run.py {{ARGS}}
+    {{py}} benchmarks/mix_vs_grpo.py {{ARGS}}

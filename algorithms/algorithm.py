@@ -87,75 +87,172 @@ class AlgorithmType:
         return None
 
 
-@ALGORITHM_TYPE.register_module("grpo")
-class GRPOAlgorithm(AlgorithmType):
-    """GRPO: group-normalised advantages, PPO-clip loss, k2 KL loss."""
+def _preset(
+    name: str,
+    doc: str,
+    config: dict[str, Any],
+    *,
+    use_critic: bool = False,
+    use_reference: bool = True,
+    compute_advantage_in_trainer: bool = False,
+    can_balance_batch: bool = True,
+    schema: str = "experience",
+) -> type[AlgorithmType]:
+    """Define and register a preset whose ``default_config()`` returns ``config``."""
+    frozen = dict(config)
 
-    use_critic: bool = False
-    use_reference: bool = True
-    compute_advantage_in_trainer: bool = False
-    can_balance_batch: bool = True
-    schema: str = "experience"
+    def default_config(cls: type[AlgorithmType]) -> dict:
+        return {k: (dict(v) if isinstance(v, dict) else v) for k, v in frozen.items()}
+
+    cls = type(
+        f"{name.upper()}Algorithm",
+        (AlgorithmType,),
+        {
+            "__doc__": doc,
+            "__module__": __name__,
+            "use_critic": use_critic,
+            "use_reference": use_reference,
+            "compute_advantage_in_trainer": compute_advantage_in_trainer,
+            "can_balance_batch": can_balance_batch,
+            "schema": schema,
+            "default_config": classmethod(default_config),
+        },
+    )
+    ALGORITHM_TYPE.register_module(name)(cls)
+    return cls
+
+
+def _rl(advantage_fn: str, policy_loss_fn: str, kl_loss_fn: str = "k2", **more: Any) -> dict:
+    """The usual preset shape: repeat 2, default sampling, no KL penalty, default entropy."""
+    out: dict[str, Any] = {
+        "repeat_times": 2,
+        "advantage_fn": advantage_fn,
+        "sample_strategy": "default",
+        "policy_loss_fn": policy_loss_fn,
+        "kl_penalty_fn": "none",
+        "kl_loss_fn": kl_loss_fn,
+        "entropy_loss_fn": "default",
+    }
+    out.update(more)
+    return out
+
+
+GRPOAlgorithm = _preset(
+    "grpo", "GRPO: group-normalised advantages, PPO-clip loss, k2 KL loss.", _rl("grpo", "ppo")
+)
+PPOAlgorithm = _preset(
+    "ppo",
+    "PPO: a critic (value head) and GAE advantages computed in the trainer.",
+    _rl("ppo", "ppo", repeat_times=1),
+    use_critic=True,
+    compute_advantage_in_trainer=True,
+)
+DAPOAlgorithm = _preset(
+    "dapo",
+    "DAPO: GRPO advantages, decoupled clip (clip_range_high 0.28), token-level loss, no KL; "
+    "pair it with the dapo_dynamic_sampling / overlong operators.",
+    _rl(
+        "grpo",
+        "ppo",
+        kl_loss_fn="none",
+        repeat_times=16,
+        loss_agg_mode="token-mean",
+        policy_loss_fn_args={"clip_range_low": 0.2, "clip_range_high": 0.28},
+    ),
+    use_reference=False,
+)
+OPMDAlgorithm = _preset(
+    "opmd", "OPMD: group mean baselines and the OPMD policy loss.", _rl("opmd", "opmd")
+)
+AsymREAlgorithm = _preset(
+    "asymre",
+    "AsymRE: a shifted group baseline with the OPMD-style REINFORCE loss, no reference.",
+    _rl("asymre", "opmd", kl_loss_fn="none", entropy_loss_fn="none"),
+    use_reference=False,
+)
+RLOOAlgorithm = _preset(
+    "rloo",
+    "RLOO: leave-one-out group baselines with the PPO loss (computed in the pipeline: a NATS "
+    "message carries the whole group).",
+    _rl("rloo", "ppo"),
+)
+ReinforcePlusPlusAlgorithm = _preset(
+    "reinforceplusplus",
+    "REINFORCE++: discounted token returns whitened over the batch, in the trainer.",
+    _rl("reinforceplusplus", "ppo"),
+    compute_advantage_in_trainer=True,
+)
+GSPOAlgorithm = _preset(
+    "gspo",
+    "GSPO: sequence-level importance ratios (clip 3e-4 / 4e-4), sequence-mean aggregation.",
+    _rl("grpo", "gspo", loss_agg_mode="seq-mean-token-mean"),
+)
+CISPOAlgorithm = _preset(
+    "cispo", "CISPO: clipped importance-sampling weights.", _rl("grpo", "cispo")
+)
+TOPRAlgorithm = _preset("topr", "TOPR: tapered off-policy REINFORCE.", _rl("reinforce", "topr"))
+SPPOAlgorithm = _preset(
+    "sppo",
+    "sPPO.",
+    _rl("opmd", "sppo", kl_loss_fn="none", entropy_loss_fn="none"),
+    use_reference=False,
+)
+RECAlgorithm = _preset(
+    "rec", "REC: group-relative REINFORCE with clipping variants.", _rl("rec", "rec")
+)
+StepWiseGRPOAlgorithm = _preset(
+    "multi_step_grpo",
+    "GRPO for multi-step workflows: the rollout's advantage is shared by all its steps.",
+    _rl("step_wise_grpo", "ppo", repeat_times=8),
+)
+MIXAlgorithm = _preset(
+    "mix",
+    "MIX: GRPO on rollouts plus SFT on expert data (seed guide 000).",
+    {
+        "repeat_times": 8,
+        "advantage_fn": "grpo",
+        "policy_loss_fn": "mix",
+        "sample_strategy": "mix",
+        "entropy_loss_fn": "mix",
+    },
+)
+RAFTAlgorithm = _preset(
+    "raft",
+    "RAFT: SFT on the explorer's rollouts (put a reward filter in the pipeline to keep the good ones).",
+    {
+        "sample_strategy": "default",
+        "advantage_fn": "none",
+        "policy_loss_fn": "sft",
+        "kl_loss_fn": "none",
+        "entropy_loss_fn": "none",
+    },
+    use_reference=False,
+)
+
+
+class _DatasetAlgorithm(AlgorithmType):
+    """Presets that train from a dataset in ``mode: train`` with no explorer."""
 
     @classmethod
-    def default_config(cls) -> dict:
-        return {
-            "repeat_times": 2,
-            "advantage_fn": "grpo",
-            "sample_strategy": "warmup",
-            "policy_loss_fn": "ppo",
-            "kl_penalty_fn": "none",
-            "kl_loss_fn": "k2",
-            "entropy_loss_fn": "default",
-        }
-
-
-@ALGORITHM_TYPE.register_module("opmd")
-class OPMDAlgorithm(AlgorithmType):
-    """OPMD algorithm."""
-
-    use_critic: bool = False
-    use_reference: bool = True
-    compute_advantage_in_trainer: bool = False
-    can_balance_batch: bool = True
-    schema: str = "experience"
-
-    @classmethod
-    def default_config(cls) -> dict:
-        return {
-            "repeat_times": 2,
-            "advantage_fn": "opmd",
-            "sample_strategy": "warmup",
-            "policy_loss_fn": "opmd",
-            "kl_penalty_fn": "none",
-            "kl_loss_fn": "k2",
-            "entropy_loss_fn": "default",
-        }
-
-
-@ALGORITHM_TYPE.register_module("mix")
-class MIXAlgorithm(AlgorithmType):
-    """MIX algorithm: GRPO on rollouts plus SFT on expert data."""
-
-    use_critic: bool = False
-    use_reference: bool = True
-    compute_advantage_in_trainer: bool = False
-    can_balance_batch: bool = True
-    schema: str = "experience"
-
-    @classmethod
-    def default_config(cls) -> dict:
-        return {
-            "repeat_times": 8,
-            "advantage_fn": "grpo",
-            "policy_loss_fn": "mix",
-            "sample_strategy": "mix",
-        }
+    def check_config(cls, config: Any) -> None:
+        name = cls.__name__.removesuffix("Algorithm").upper()
+        if config.mode != "train":
+            raise ValueError(
+                f"{name} trains from a dataset: set `mode: train` and "
+                "`buffer.trainer_input.experience_buffer.path` (to fine-tune on the explorer's "
+                "rollouts use algorithm_type: raft)"
+            )
+        eb = config.buffer.trainer_input.experience_buffer
+        if eb is None or not eb.path:
+            raise ValueError(
+                f"`buffer.trainer_input.experience_buffer.path` is required when "
+                f"algorithm_type is {name.lower()}"
+            )
 
 
 @ALGORITHM_TYPE.register_module("sft")
-class SFTAlgorithm(AlgorithmType):
-    """Supervised fine-tuning on the experiences' responses."""
+class SFTAlgorithm(_DatasetAlgorithm):
+    """Supervised fine-tuning on a dataset of prompts and replies (``mode: train``)."""
 
     use_critic: bool = False
     use_reference: bool = False
@@ -175,24 +272,27 @@ class SFTAlgorithm(AlgorithmType):
         }
 
 
-@ALGORITHM_TYPE.register_module("ppo")
-class PPOAlgorithm(AlgorithmType):
-    """PPO with a critic and GAE advantages computed in the trainer."""
+@ALGORITHM_TYPE.register_module("dpo")
+class DPOAlgorithm(_DatasetAlgorithm):
+    """DPO on a dataset of (prompt, chosen, rejected) rows (``mode: train``).
 
-    use_critic: bool = True
+    Rows are trained as adjacent chosen/rejected pairs, so the batch is never
+    reordered (``can_balance_batch`` False); ``repeat_times`` is 2 (one pair).
+    """
+
+    use_critic: bool = False
     use_reference: bool = True
-    compute_advantage_in_trainer: bool = True
-    can_balance_batch: bool = True
-    schema: str = "experience"
+    compute_advantage_in_trainer: bool = False
+    can_balance_batch: bool = False
+    schema: str = "dpo"
 
     @classmethod
     def default_config(cls) -> dict:
         return {
-            "repeat_times": 1,
-            "sample_strategy": "warmup",
-            "policy_loss_fn": "ppo",
-            "advantage_fn": "ppo",
-            "kl_penalty_fn": "none",
+            "repeat_times": 2,
+            "sample_strategy": "default",
+            "advantage_fn": "none",
+            "policy_loss_fn": "dpo",
             "kl_loss_fn": "k2",
             "entropy_loss_fn": "default",
         }
@@ -259,15 +359,45 @@ class ResolvedAlgorithm:
         """Instantiate the sample strategy on ``source``.
 
         Passes ``sample_strategy_args`` plus ``repeat_times`` (unless the args
-        set it) plus ``extra`` (e.g. MIX's ``expert_source``).
+        set it) plus ``extra`` (e.g. MIX's ``expert_source``). A Trinity-RFT
+        style strategy whose constructor is ``(buffer_config, **kwargs)`` opens
+        its inputs itself with ``rftstream.buffer.get_buffer_reader``; it gets
+        ``source`` as the attribute ``.source`` instead.
         """
         args = {"repeat_times": self.repeat_times, **self.sample_strategy_args, **extra}
-        return self.sample_strategy_cls(buffer_config, source, **args)
+        return construct_sample_strategy(self.sample_strategy_cls, buffer_config, source, args)
 
     def check_loss_inputs(self, available: set[str]) -> list[str]:
         """:func:`check_loss_inputs` on the policy loss, counting the sample strategy's custom fields."""
         have = set(available) | {cf.destination_field for cf in self.custom_fields}
         return check_loss_inputs(self.policy_loss_fn, have)
+
+
+def _takes_source(cls: type) -> bool:
+    params = list(inspect.signature(cls.__init__).parameters.values())[1:]
+    if any(p.name == "source" for p in params):
+        return True
+    positional = [
+        p
+        for p in params
+        if p.kind in (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    ]
+    return len(positional) >= 2 or any(p.kind is inspect.Parameter.VAR_POSITIONAL for p in params)
+
+
+def construct_sample_strategy(
+    cls: type[SampleStrategy],
+    buffer_config: BufferConfig,
+    source: ExperienceSource | None,
+    args: dict[str, Any],
+) -> SampleStrategy:
+    """``cls(buffer_config, source, **args)``, or ``cls(buffer_config, **args)`` plus
+    ``.source = source`` for a constructor without a source parameter."""
+    if _takes_source(cls):
+        return cls(buffer_config, source, **args)
+    obj = cls(buffer_config, **args)
+    obj.source = source
+    return obj
 
 
 def _lookup(key: str, registry: Registry, base: type, name: str) -> type:
@@ -424,7 +554,8 @@ def resolve_algorithm(
         filled[f"{key}_args"] = used
 
     ss_cls = classes["sample_strategy"]
-    if buffer is not None:
+    if buffer is not None and _takes_source(ss_cls):
+        # a strategy that opens its own readers (get_buffer_reader) can only be built in a trainer
         probe_args = {"repeat_times": repeat_times, **filled["sample_strategy_args"]}
         try:
             ss_cls(buffer, None, **probe_args)

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -52,6 +53,11 @@ class KLFn(ABC):
         self.loss_agg_mode = check_loss_agg_mode(loss_agg_mode)
         if self.adaptive and (target_kl is None or horizon is None):
             raise ValueError("target_kl and horizon must be given for an adaptive KL coefficient")
+        if self.adaptive and (target_kl <= 0 or horizon <= 0):  # type: ignore[operator]
+            raise ValueError(
+                f"target_kl and horizon must be > 0 for an adaptive KL coefficient, "
+                f"got target_kl={target_kl}, horizon={horizon}"
+            )
 
     @abstractmethod
     def calculate_kl(
@@ -63,10 +69,11 @@ class KLFn(ABC):
         """Per-token KL estimate, same shape as ``logprob``."""
 
     def update_kl_coef(self, current_kl: float, batch_size: int) -> None:
-        """Adaptive controller (no-op unless ``adaptive``).
+        """Adaptive controller (no-op unless ``adaptive``); verl's ``AdaptiveKLController.update``.
 
         ``error = clip(current_kl / target_kl - 1, -0.2, 0.2)``;
-        ``kl_coef *= 1 + error * batch_size / horizon``.
+        ``kl_coef *= 1 + error * batch_size / horizon`` (``batch_size`` is
+        verl's ``n_steps``).
         """
         if not self.adaptive:
             return
@@ -76,45 +83,83 @@ class KLFn(ABC):
     def apply_kl_penalty_to_reward(
         self,
         exps: list[Experience],
-        ref_logprobs: Sequence[torch.Tensor] | None = None,
+        ref_logprobs: torch.Tensor | Sequence[Any] | None = None,
+        logprobs: torch.Tensor | Sequence[Any] | None = None,
     ) -> tuple[list[Experience], dict]:
-        """Set ``token_level_reward = scores - kl_coef * kl * action_mask`` on every experience.
+        """Penalise the token-level rewards with the KL to the reference model.
 
-        ``scores`` is the experience's ``token_level_reward`` if already set,
-        else its ``reward`` on the last response token. ``kl`` uses
-        ``exp.logprobs`` (rollout policy) and the reference logprobs: the
-        ``ref_logprobs`` argument (one response-length tensor per experience)
-        or else ``exp.info["ref_logprobs"]``. Without reference logprobs (or
-        rollout logprobs) no penalty is applied and the reported ``kl_coef`` is 0.
+        Contract (the trainer's side of Trinity-RFT / verl ``apply_kl_penalty``):
 
-        Metrics: ``kl`` (mean over experiences of the per-sequence masked mean
-        KL) and ``kl_coef`` (the coefficient applied). Afterwards the adaptive
-        controller is updated with ``kl`` and ``batch_size = len(exps)``.
+        * ``exps``: the step's experiences, in batch order. Each gets
+          ``token_level_reward = scores - kl_coef * kl`` (float32, CPU, shape
+          ``(response_length,)``), set *in place*; the same list is returned.
+          ``scores`` is the experience's existing ``token_level_reward``, else
+          its ``reward`` on the last response token (zeros without a reward).
+          ``kl[j] = calculate_kl(logprob[j], ref_logprob[j])`` where
+          ``exp.action_mask[j]`` is set, else 0.
+        * ``ref_logprobs``: the reference model's logprobs of the response
+          tokens: a ``(batch, width)`` tensor with responses right-padded
+          (row ``i`` column ``j`` is response token ``j`` of ``exps[i]``, as
+          in ``rftstream.training.batch``), or a sequence of one 1-D tensor /
+          list per experience. None: each experience's
+          ``exp.info["ref_logprobs"]``.
+        * ``logprobs``: the policy logprobs to compare, same layout. Trinity
+          and verl use the trainer's recomputed ``old_logprob`` here; None:
+          each experience's rollout ``exp.logprobs``.
+        * A row shorter than the response (a truncated batch) covers only its
+          first ``width`` tokens; the tokens after it get no penalty and are
+          left out of the ``kl`` metric. Tensors may live on any device and
+          are detached; no gradient flows.
+        * Either every experience has both logprobs and reference logprobs,
+          or none has: then the rewards are just ``scores``, the metrics are
+          ``{"kl": 0.0, "kl_coef": 0.0}`` and the coefficient is not updated.
+          A mixture raises ValueError, as does a ``ref_logprobs`` /
+          ``logprobs`` with a row count other than ``len(exps)``.
+
+        Metrics: ``kl`` (mean over experiences of each one's masked mean KL;
+        a fully masked experience counts as 0, as in verl) and ``kl_coef``
+        (the coefficient applied, i.e. before this call's adaptive update).
+        Afterwards the adaptive controller (if any) is updated with ``kl`` and
+        ``batch_size = len(exps)``. An empty ``exps`` gives ``{"kl": 0.0,
+        "kl_coef": 0.0}`` and no update.
         """
-        if ref_logprobs is not None and len(ref_logprobs) != len(exps):
-            raise ValueError(f"got {len(ref_logprobs)} ref_logprobs for {len(exps)} experiences")
-        seq_kls: list[float] = []
-        applied = False
+        n = len(exps)
+        for name, src in (("ref_logprobs", ref_logprobs), ("logprobs", logprobs)):
+            if src is not None and len(src) != n:
+                raise ValueError(f"got {len(src)} rows of {name} for {n} experiences")
+        pairs: list[tuple[torch.Tensor, torch.Tensor] | None] = []
         for i, exp in enumerate(exps):
-            scores = _token_scores(exp)
             ref = ref_logprobs[i] if ref_logprobs is not None else exp.info.get("ref_logprobs")
-            if ref is None or exp.logprobs is None:
-                exp.token_level_reward = scores
-                seq_kls.append(0.0)
-                continue
-            ref_t = torch.as_tensor(ref, dtype=torch.float32)
-            mask = exp.action_mask
+            lp = logprobs[i] if logprobs is not None else exp.logprobs
+            pairs.append(None if ref is None or lp is None else (_as_f32(lp), _as_f32(ref)))
+        have = sum(p is not None for p in pairs)
+        if 0 < have < n:
+            raise ValueError(
+                f"{n - have} of {n} experiences lack logprobs or reference logprobs; "
+                "a KL penalty needs them for all or none"
+            )
+        if have == 0:
+            for exp in exps:
+                exp.token_level_reward = _token_scores(exp)
+            return exps, {"kl": 0.0, "kl_coef": 0.0}
+        seq_kls: list[float] = []
+        coef = self.kl_coef
+        for exp, pair in zip(exps, pairs, strict=True):
+            lp, ref = pair  # type: ignore[misc]
+            scores = _token_scores(exp)
+            width = min(
+                int(lp.numel()), int(ref.numel()), int(exp.action_mask.numel()), int(scores.numel())
+            )
+            mask = exp.action_mask.to(torch.bool)[:width]
             with torch.no_grad():
-                kl = self.calculate_kl(exp.logprobs.to(torch.float32), ref_t)
+                kl = self.calculate_kl(lp[:width], ref[:width]).to(torch.float32)
                 kl = torch.where(mask, kl, torch.zeros((), dtype=kl.dtype))
-            exp.token_level_reward = (scores - self.kl_coef * kl).to(torch.float32)
+            scores[:width] = scores[:width] - coef * kl
+            exp.token_level_reward = scores
             seq_kls.append(float(masked_mean(kl, mask)))
-            applied = True
-        current_kl = sum(seq_kls) / len(seq_kls) if seq_kls else 0.0
-        metrics = {"kl": current_kl, "kl_coef": self.kl_coef if applied else 0.0}
-        if applied:
-            self.update_kl_coef(current_kl=current_kl, batch_size=len(exps))
-        return exps, metrics
+        current_kl = sum(seq_kls) / len(seq_kls)
+        self.update_kl_coef(current_kl=current_kl, batch_size=n)
+        return exps, {"kl": current_kl, "kl_coef": coef}
 
     def calculate_kl_loss(
         self,
@@ -143,11 +188,18 @@ class KLFn(ABC):
 
 def _token_scores(exp: Experience) -> torch.Tensor:
     if exp.token_level_reward is not None:
-        return exp.token_level_reward.to(torch.float32)
+        return exp.token_level_reward.detach().to(torch.float32).clone()
     scores = torch.zeros(exp.response_length, dtype=torch.float32)
     if exp.response_length > 0 and exp.reward is not None:
         scores[-1] = float(exp.reward)
     return scores
+
+
+def _as_f32(x: Any) -> torch.Tensor:
+    """A detached, 1-D float32 CPU tensor of ``x`` (tensor, list or array)."""
+    if isinstance(x, torch.Tensor):
+        return x.detach().to(device="cpu", dtype=torch.float32).reshape(-1)
+    return torch.as_tensor(x, dtype=torch.float32).reshape(-1)
 
 
 @KL_FN.register_module("none")
@@ -163,8 +215,12 @@ class DummyKLFn(KLFn):
         return torch.zeros_like(logprob)
 
     def apply_kl_penalty_to_reward(
-        self, exps: list[Experience], ref_logprobs: Sequence[torch.Tensor] | None = None
+        self,
+        exps: list[Experience],
+        ref_logprobs: torch.Tensor | Sequence[Any] | None = None,
+        logprobs: torch.Tensor | Sequence[Any] | None = None,
     ) -> tuple[list[Experience], dict]:
+        """Only sets ``token_level_reward = scores`` (see :meth:`KLFn.apply_kl_penalty_to_reward`)."""
         for exp in exps:
             exp.token_level_reward = _token_scores(exp)
         return exps, {}

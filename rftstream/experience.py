@@ -480,3 +480,37 @@ def pack_group(
             else:
                 new_chunks.append(c)
         chunks = new_chunks
+
+
+class Experiences(list):  # type: ignore[type-arg]
+    """A step's batch as Trinity-RFT's ``Experiences``: a list of :class:`Experience`
+    plus the custom fields the trainer collates from ``exp.info``.
+
+    :meth:`gather_experiences` is the constructor sample strategies call (as in
+    Trinity-RFT); padding happens later, in the trainer, so ``pad_token_id`` is
+    accepted and recorded only. Pure data, no I/O.
+    """
+
+    custom_fields: list[Any]
+    pad_token_id: int | None
+
+    def __init__(
+        self,
+        experiences: Iterable[Experience] = (),
+        custom_fields: Iterable[Any] | None = None,
+        pad_token_id: int | None = None,
+    ) -> None:
+        super().__init__(experiences)
+        self.custom_fields = list(custom_fields or [])
+        self.pad_token_id = pad_token_id
+
+    @classmethod
+    def gather_experiences(
+        cls,
+        experiences: Iterable[Experience],
+        pad_token_id: int | None = 0,
+        custom_fields: Iterable[Any] | None = None,
+    ) -> Experiences:
+        """The batch ``experiences`` with ``custom_fields`` (``CustomField(source_field,
+        destination_field, data_type)``) to collate from each ``exp.info``."""
+        return cls(experiences, custom_fields=custom_fields, pad_token_id=pad_token_id)

@@ -94,6 +94,77 @@ def _check_components(cfg: Config) -> None:
         )
 
 
+def _fill_batch_args(cfg: Config, algorithm: Any) -> Config:
+    """Fill the batch-shape arguments a policy loss takes from the run (MIX's weighting).
+
+    MIX (seed guide 000) weights each micro-batch by ``gradient_accumulation /
+    train_batch_size_<kind>``; in Trinity-RFT the user copies those sizes into
+    ``policy_loss_fn_args``. Here every one the loss accepts and the user did
+    not set is derived: ``ppo_mini_batch_size`` (the train batch),
+    ``ppo_micro_batch_size_per_gpu``, ``ngpus_trainer`` (1) and
+    ``train_batch_size_usual`` / ``train_batch_size_expert`` (from
+    ``sample_strategy_args.expert_data_ratio``). Returns ``cfg`` unchanged
+    when nothing is filled.
+    """
+    import inspect
+    import math
+
+    loss_cls = type(algorithm.policy_loss_fn)
+    params = inspect.signature(loss_cls.__init__).parameters
+    user = dict(cfg.algorithm.policy_loss_fn_args or {})
+    total = cfg.buffer.train_batch_size or cfg.buffer.batch_size * int(algorithm.repeat_times or 1)
+    micro = max(1, cfg.trainer.ppo_micro_batch_size_per_gpu)
+    ratio = float(algorithm.sample_strategy_args.get("expert_data_ratio", 0.0) or 0.0)
+    expert = math.ceil(ratio * total)
+    derived = {
+        "ppo_mini_batch_size": total,
+        "ppo_micro_batch_size_per_gpu": min(micro, total),
+        "ngpus_trainer": 1,
+        "train_batch_size_usual": max(1, total - expert),
+        "train_batch_size_expert": max(1, expert),
+    }
+    fill = {k: v for k, v in derived.items() if k in params and k not in user}
+    if not fill:
+        return cfg
+    algo_cfg = msgspec.structs.replace(cfg.algorithm, policy_loss_fn_args={**user, **fill})
+    return msgspec.structs.replace(cfg, algorithm=algo_cfg)
+
+
+def _check_algorithm(cfg: Config, algorithm: Any) -> None:
+    """Run-level checks of the algorithm: its preset's ``check_config`` and the trainer's inputs."""
+    from rftstream.training.batch import LOSS_TENSORS
+
+    try:
+        algorithm.algorithm_type.check_config(cfg)
+    except ValueError as exc:
+        raise ConfigError("algorithm.algorithm_type", str(exc), value=algorithm.name) from exc
+    available = set(LOSS_TENSORS) | ({"values"} if algorithm.use_critic else set())
+    algorithm.check_loss_inputs(available)
+    if (algorithm.config.kl_penalty_fn or "none") != "none":
+        if not algorithm.compute_advantage_in_trainer:
+            raise ConfigError(
+                "algorithm.kl_penalty_fn",
+                f"a KL penalty on rewards needs the advantage computed in the trainer, but "
+                f"{algorithm.name} computes it in the experience pipeline (use kl_loss_fn instead)",
+                value=algorithm.config.kl_penalty_fn,
+            )
+        if not algorithm.use_reference:
+            raise ConfigError(
+                "algorithm.kl_penalty_fn",
+                f"{algorithm.name} has no reference model (use_reference is False)",
+                value=algorithm.config.kl_penalty_fn,
+            )
+    if cfg.mode == "train" and cfg.buffer.trainer_input.experience_buffer is None:
+        raise ConfigError(
+            "buffer.trainer_input.experience_buffer", "is required in mode: train (the dataset)"
+        )
+
+
+def roles_for(cfg: Config) -> tuple[str, ...]:
+    """The actors a run needs: only the trainer in ``mode: train``, else all three."""
+    return ("trainer",) if cfg.mode == "train" else ROLES
+
+
 def resolve_model_path(cfg: Config, progress: Callable[[str], None] | None = None) -> str:
     """``model.model_path``, or the embedded tiny model (built and cached on first use)."""
     path = cfg.model.model_path
@@ -124,12 +195,20 @@ def prepare_run(
 
     cfg = validate_config(cfg, source=source)
     run = run_id_from_name(cfg.name)
-    _check_components(cfg)
-    algorithm = resolve_algorithm(cfg.algorithm, cfg.buffer)
-    repeat = int(algorithm.repeat_times or 1)
+    if cfg.mode != "train":
+        _check_components(cfg)
     buffer = cfg.buffer
     if steps is not None:
         buffer = msgspec.structs.replace(buffer, total_steps=steps)
+    cfg = msgspec.structs.replace(cfg, buffer=buffer)
+    algorithm = resolve_algorithm(cfg.algorithm, cfg.buffer)
+    filled = _fill_batch_args(cfg, algorithm)
+    if filled is not cfg:
+        cfg = filled
+        algorithm = resolve_algorithm(cfg.algorithm, cfg.buffer)
+    _check_algorithm(cfg, algorithm)
+    repeat = int(algorithm.repeat_times or 1)
+    buffer = cfg.buffer
     if buffer.train_batch_size == 0:
         buffer = msgspec.structs.replace(buffer, train_batch_size=buffer.batch_size * repeat)
     rdir = Path(run_dir or cfg.run_dir or os.path.join("runs", cfg.name))
@@ -275,7 +354,7 @@ async def run_trainer(
 async def run_actors(
     run: PreparedRun,
     url: str,
-    roles: Sequence[str] = ROLES,
+    roles: Sequence[str] | None = None,
     *,
     on_step: Callable[[dict[str, Any]], None] | None = None,
 ) -> None:
@@ -283,12 +362,19 @@ async def run_actors(
 
     When the trainer is among the roles, its end (the run's end) cancels the
     other actors. Without a trainer, actors stop when the run status says so.
+    ``roles`` None: :func:`roles_for` the config.
     """
+    if roles is None:
+        roles = roles_for(run.cfg)
     unknown = [r for r in roles if r not in ROLES]
     if unknown:
         raise ConfigError("roles", f"unknown actor roles {unknown}; expected some of {list(ROLES)}")
     await provision(run, url)
-    if run.cfg.synchronizer.sync_method == "memory" and len(roles) < len(ROLES):
+    if (
+        run.cfg.synchronizer.sync_method == "memory"
+        and len(roles) < len(ROLES)
+        and run.cfg.mode != "train"
+    ):
         raise ConfigError(
             "synchronizer.sync_method",
             "`memory` moves weights inside one process; actors started separately need `checkpoint`",

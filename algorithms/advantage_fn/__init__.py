@@ -1,7 +1,10 @@
 """Advantage functions (``from algorithms.advantage_fn import ADVANTAGE_FN, GroupAdvantage``).
 
-Registered: ``grpo``, ``opmd``, ``rloo``, ``reinforce`` (group advantages, run
-in the experience pipeline), ``ppo`` (GAE, run in the trainer) and ``none``.
+Registered (Trinity-RFT names): ``grpo``, ``opmd``, ``rloo``, ``reinforce``,
+``asymre``, ``rec`` (group advantages) and ``step_wise_grpo`` (multi-step
+GRPO), which run in the experience pipeline; ``ppo`` (GAE),
+``reinforceplusplus`` and ``remax``, which run in the trainer
+(``compute_in_trainer() -> True``); and ``none``.
 """
 
 from algorithms.advantage_fn.advantage_fn import (
@@ -10,23 +13,33 @@ from algorithms.advantage_fn.advantage_fn import (
     GroupAdvantage,
     NoAdvantageFn,
 )
+from algorithms.advantage_fn.asymre_advantage import ASYMREGroupAdvantage
 from algorithms.advantage_fn.grpo_advantage import (
     GRPOGroupedAdvantage,
     REINFORCEGroupAdvantage,
     RLOOGroupAdvantage,
 )
+from algorithms.advantage_fn.multi_step_grpo_advantage import StepWiseGRPOAdvantageFn
 from algorithms.advantage_fn.opmd_advantage import OPMDGroupAdvantage
 from algorithms.advantage_fn.ppo_advantage import PPOAdvantageFn, compute_gae_advantage_return
+from algorithms.advantage_fn.rec_advantage import RECGroupedAdvantage
+from algorithms.advantage_fn.reinforce_plus_plus_advantage import REINFORCEPLUSPLUSAdvantageFn
+from algorithms.advantage_fn.remax_advantage import REMAXAdvantageFn
 
 __all__ = [
     "ADVANTAGE_FN",
+    "ASYMREGroupAdvantage",
     "AdvantageFn",
     "GRPOGroupedAdvantage",
     "GroupAdvantage",
     "NoAdvantageFn",
     "OPMDGroupAdvantage",
     "PPOAdvantageFn",
+    "RECGroupedAdvantage",
     "REINFORCEGroupAdvantage",
+    "REINFORCEPLUSPLUSAdvantageFn",
+    "REMAXAdvantageFn",
     "RLOOGroupAdvantage",
+    "StepWiseGRPOAdvantageFn",
     "compute_gae_advantage_return",
 ]

@@ -15,7 +15,8 @@ class OPMDGroupAdvantage(GroupAdvantage):
 
     ``opmd_baseline="mean"``: the group's mean reward. Any other value
     (``"logavgexp"``): ``tau * (logsumexp(r / tau) - log(n))``. A group of one
-    has baseline 0 (its advantage is its reward). Metric ``group_baseline``.
+    has baseline 0 (its advantage is its reward). Metrics ``group_baseline`` and
+    ``reward_mean`` (the group's mean reward), as in Trinity-RFT.
     """
 
     def __init__(self, opmd_baseline: str = "mean", tau: float = 1.0, **kwargs) -> None:
@@ -42,7 +43,10 @@ class OPMDGroupAdvantage(GroupAdvantage):
                 score = reward - group_baseline
                 exp.advantages = (score * exp.action_mask).to(torch.float32)
                 exp.returns = exp.advantages.clone()
-            metrics = {"group_baseline": group_baseline.item()}
+            metrics = {
+                "group_baseline": group_baseline.item(),
+                "reward_mean": rewards.mean().item(),
+            }
         return exps, metrics
 
     @classmethod

@@ -1,8 +1,12 @@
 """Policy loss functions (``from algorithms.policy_loss_fn import POLICY_LOSS_FN, PolicyLossFn``).
 
-Registered: ``ppo``, ``sft``, ``opmd``, ``mix``.
+Registered: ``ppo``, ``sft``, ``opmd``, ``mix``, ``gspo``, ``cispo``, ``topr``,
+``sppo``, ``rec``, ``dpo``.
 """
 
+from algorithms.policy_loss_fn.cispo_policy_loss import CISPOPolicyLossFn
+from algorithms.policy_loss_fn.dpo_loss import DPOLossFn
+from algorithms.policy_loss_fn.gspo_policy_loss import GSPOPolicyLossFn
 from algorithms.policy_loss_fn.mix_policy_loss import MIXPolicyLossFn
 from algorithms.policy_loss_fn.opmd_policy_loss import OPMDPolicyLossFn
 from algorithms.policy_loss_fn.policy_loss_fn import (
@@ -12,15 +16,24 @@ from algorithms.policy_loss_fn.policy_loss_fn import (
     loss_inputs_for,
 )
 from algorithms.policy_loss_fn.ppo_policy_loss import PPOPolicyLossFn
+from algorithms.policy_loss_fn.rec_policy_loss import RECPolicyLossFn
 from algorithms.policy_loss_fn.sft_loss import SFTLossFn
+from algorithms.policy_loss_fn.sppo_policy_loss import SPPOPolicyLossFn
+from algorithms.policy_loss_fn.topr_policy_loss import TOPRPolicyLossFn
 
 __all__ = [
+    "CISPOPolicyLossFn",
+    "DPOLossFn",
+    "GSPOPolicyLossFn",
     "MIXPolicyLossFn",
     "OPMDPolicyLossFn",
     "POLICY_LOSS_FN",
     "PPOPolicyLossFn",
     "PolicyLossFn",
+    "RECPolicyLossFn",
     "SFTLossFn",
+    "SPPOPolicyLossFn",
+    "TOPRPolicyLossFn",
     "check_loss_inputs",
     "loss_inputs_for",
 ]

@@ -18,6 +18,7 @@ are not acked and are redelivered to the next trainer.
 
 from __future__ import annotations
 
+import inspect
 import json
 import logging
 import math
@@ -31,20 +32,32 @@ import msgspec
 
 from rftstream.actors.common import InProgressTicker, consumer_drained, heartbeat_loop
 from rftstream.actors.feed import ExperienceFeed
+from rftstream.buffer import TrainerInputs, trainer_inputs
 from rftstream.bus.client import Bus
 from rftstream.bus.state import RunState
-from rftstream.config.schema import Config
+from rftstream.config.schema import Config, StorageConfig
+from rftstream.errors import ConfigError
 from rftstream.experience import H_COUNT, H_REWARD_MEAN
 from rftstream.messages import MetricsMsg
 from rftstream.subjects import KV_TRAINER_STARVING, KV_TRAINER_STEP, RAW_STAGE
 from rftstream.sync import SyncPolicy
+from rftstream.training.datasets import DatasetSource, load_dataset_experiences
 from rftstream.weights import save_weights
 
 log = logging.getLogger(__name__)
 
 
+ADVANTAGE_OP_PREFIX = "group_advantage/"
+
+
 class RawMonitor:
     """Accumulates what happened upstream between trainer steps.
+
+    The pipeline's group advantage metrics (``group_advantage/<m>`` on the
+    metrics stream, e.g. OPMD's ``group_baseline``) are reported as
+    ``advantage/<m>``: averaged over the batches since the last step
+    (``*_count`` ones summed), the same names the trainer uses when it
+    computes the advantage itself.
 
     Raw rewards come from the summary headers of ``exp.raw`` (a headers-only
     ordered consumer from the stream's start: every raw group stored, counted
@@ -58,6 +71,7 @@ class RawMonitor:
         self.raw_groups = 0.0
         self.filtered = 0.0
         self.failed_tasks = 0.0
+        self.advantage: dict[str, list[float]] = {}
         self._subs: list[Any] = []
 
     def on_raw_headers(self, headers: dict[str, str] | None) -> None:
@@ -81,6 +95,10 @@ class RawMonitor:
             self.failed_tasks += m.values.get("rollout/failed_tasks", 0.0)
         elif m.role == "operator":
             self.filtered += m.values.get("operator/experiences_filtered", 0.0)
+            for key, value in m.values.items():
+                if key.startswith(ADVANTAGE_OP_PREFIX):
+                    name = key[len(ADVANTAGE_OP_PREFIX) :]
+                    self.advantage.setdefault(name, []).append(float(value))
 
     async def start(self, bus: Bus) -> None:
         async def on_raw(msg: Any) -> None:
@@ -108,6 +126,10 @@ class RawMonitor:
             "experience/filtered": self.filtered,
             "rollout/failed_tasks": self.failed_tasks,
         }
+        for name, values in self.advantage.items():
+            agg = sum(values) if name.endswith("_count") else sum(values) / len(values)
+            out[f"advantage/{name}"] = agg
+        self.advantage = {}
         self.reward_sum = self.reward_count = self.raw_groups = self.filtered = (
             self.failed_tasks
         ) = 0.0
@@ -193,7 +215,7 @@ class Trainer:
             lambda: PolicyTrainer(self.cfg, self.model_path, self.algorithm)
         )
         feed.validate = trainer.check_experience
-        strategy = self.algorithm.create_sample_strategy(self.cfg.buffer, feed)
+        strategy = await self._sample_strategy(trainer, feed)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         total = self.cfg.buffer.total_steps
         status = "failed"
@@ -257,6 +279,102 @@ class Trainer:
                     await state.set_status(status)
                 except Exception as exc:  # noqa: BLE001 - the connection may be gone
                     log.warning("%s: could not record final status: %s", self.name, exc)
+
+    async def _open_dataset(
+        self,
+        trainer: Any,
+        storage: StorageConfig,
+        key_path: str,
+        *,
+        schema: str,
+        epochs: int | None,
+    ) -> DatasetSource:
+        """Tokenise ``storage`` (a jsonl/json file) in a worker thread; errors name ``key_path``."""
+        mp = self.cfg.model
+
+        def load() -> list[Any]:
+            return load_dataset_experiences(
+                storage,
+                trainer.tokenizer,
+                schema=schema,
+                key_path=key_path,
+                max_prompt=mp.max_prompt_tokens,
+                max_response=mp.max_response_tokens,
+            )
+
+        exps = await anyio.to_thread.run_sync(load)
+        for e in exps:
+            problem = trainer.check_experience(e)
+            if problem:
+                raise ConfigError(key_path, f"{storage.path}: {problem}")
+        return DatasetSource(
+            exps,
+            epochs=epochs,
+            shuffle=storage.shuffle,
+            seed=storage.seed,
+            unit=2 if schema == "dpo" else 1,
+        )
+
+    async def _sample_strategy(self, trainer: Any, feed: ExperienceFeed) -> Any:
+        """The algorithm's sample strategy on the trainer's input.
+
+        ``mode: train`` reads ``buffer.trainer_input.experience_buffer`` (SFT /
+        DPO data, ``total_epochs`` passes), the other modes ``exp.train``. A
+        strategy whose constructor takes ``expert_source`` (MIX) gets the
+        auxiliary buffer its ``sft_dataset_name`` names, cycled; strategies that
+        call :func:`rftstream.buffer.get_buffer_reader` themselves (Trinity-RFT
+        style) get the same inputs through it.
+        """
+        cfg = self.cfg
+        tin = cfg.buffer.trainer_input
+        schema = str(getattr(self.algorithm.algorithm_type, "schema", "experience"))
+        source: Any = feed
+        if cfg.mode == "train":
+            if tin.experience_buffer is None:
+                raise ConfigError(
+                    "buffer.trainer_input.experience_buffer", "is required in mode: train"
+                )
+            epochs = tin.experience_buffer.total_epochs or cfg.buffer.total_epochs
+            source = await self._open_dataset(
+                trainer,
+                tin.experience_buffer,
+                "buffer.trainer_input.experience_buffer",
+                schema="dpo" if schema == "dpo" else "sft",
+                epochs=epochs,
+            )
+        datasets: dict[str, DatasetSource] = {}
+
+        def open_aux(storage: StorageConfig) -> DatasetSource:
+            for name, aux in tin.auxiliary_buffers.items():
+                if aux == storage and name in datasets:
+                    return datasets[name]
+            raise ConfigError(
+                "buffer.trainer_input.auxiliary_buffers",
+                f"a sample strategy asked for storage {storage.name or storage.path!r}, "
+                f"which is not one of {sorted(tin.auxiliary_buffers)}",
+            )
+
+        for name, aux in tin.auxiliary_buffers.items():
+            datasets[name] = await self._open_dataset(
+                trainer,
+                aux,
+                f"buffer.trainer_input.auxiliary_buffers.{name}",
+                schema="sft",
+                epochs=None,
+            )
+        buffer_cfg = msgspec.structs.replace(cfg.buffer, pad_token_id=trainer.pad_token_id)
+        extra: dict[str, Any] = {}
+        cls = self.algorithm.sample_strategy_cls
+        params = inspect.signature(cls.__init__).parameters
+        if "current_version" in params:  # staleness_control
+            extra["current_version"] = lambda: self.version
+        if "expert_source" in params:
+            name = self.algorithm.sample_strategy_args.get("sft_dataset_name", "sft_dataset")
+            if name in datasets:
+                extra["expert_source"] = datasets[name]
+        inputs = TrainerInputs(tin.experience_buffer, source, open_aux)
+        with trainer_inputs(inputs):
+            return self.algorithm.create_sample_strategy(buffer_cfg, source, **extra)
 
     async def _publish_weights(self, state: RunState, trainer: Any, step: int) -> None:
         method = self.cfg.synchronizer.sync_method

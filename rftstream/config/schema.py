@@ -39,10 +39,20 @@ class ModelConfig(_Base):
 
 
 class FormatConfig(_Base):
-    """``buffer.explorer_input.taskset.format``: how to read a raw task."""
+    """``...format``: how to read a raw task or a dataset row.
 
+    ``prompt_type`` (datasets read by the trainer): ``messages`` (a chat list
+    under ``messages_key``; the last assistant turn is the response),
+    ``plaintext`` (``prompt_key`` / ``response_key``), or ``""``: ``messages``
+    when the row has ``messages_key`` (default ``messages``), else plaintext.
+    DPO rows carry ``chosen_key`` and ``rejected_key`` (strings or chat lists).
+    """
+
+    prompt_type: str = ""
     prompt_key: str = "question"
     response_key: str = "answer"
+    chosen_key: str = "chosen"
+    rejected_key: str = "rejected"
     system_prompt: str | None = None
     reply_prefix: str | None = None
     messages_key: str | None = None
@@ -82,11 +92,23 @@ class TasksetConfig(_Base):
 
 
 class StorageConfig(_Base):
-    """A dataset read by the trainer (``buffer.trainer_input.auxiliary_buffers.<name>``)."""
+    """A dataset read by the trainer (``buffer.trainer_input.experience_buffer`` or
+    ``buffer.trainer_input.auxiliary_buffers.<name>``): a local jsonl/json file.
+
+    ``total_epochs``: passes over the file (``experience_buffer`` in ``mode:
+    train``; an auxiliary buffer, e.g. MIX's expert data, is cycled for as long
+    as the trainer runs). ``storage_type``/``schema_type`` are accepted as in
+    Trinity-RFT (only ``file`` storage exists here).
+    """
 
     name: str = ""
+    storage_type: str = "file"
+    schema_type: str | None = None
     path: str = ""
     split: str = "train"
+    total_epochs: int = 1
+    shuffle: bool = False
+    seed: int = 42
     format: FormatConfig = msgspec.field(default_factory=FormatConfig)
 
 
@@ -97,8 +119,13 @@ class ExplorerInput(_Base):
 
 
 class TrainerInput(_Base):
-    """``buffer.trainer_input``."""
+    """``buffer.trainer_input``.
 
+    ``experience_buffer``: the dataset the trainer reads in ``mode: train``
+    (SFT / DPO); in the other modes experiences come from ``exp.train``.
+    """
+
+    experience_buffer: StorageConfig | None = None
     auxiliary_buffers: dict[str, StorageConfig] = msgspec.field(default_factory=dict)
 
 
@@ -115,6 +142,7 @@ class BufferConfig(_Base):
     total_steps: int | None = None
     explorer_input: ExplorerInput = msgspec.field(default_factory=ExplorerInput)
     trainer_input: TrainerInput = msgspec.field(default_factory=TrainerInput)
+    pad_token_id: int | None = None  # set by the trainer from the tokenizer
 
 
 # ----------------------------------------------------------------- explorer
@@ -229,6 +257,19 @@ class DataProcessorConfig(_Base):
 # ----------------------------------------------------------------- trainer
 
 
+class CriticConfig(_Base):
+    """``trainer.critic``: the value model of algorithms with ``use_critic`` (PPO).
+
+    A value head (``hidden -> 1``) on ``model.critic_model_path`` (default: the
+    policy's ``model_path``), trained with verl's clipped value loss
+    ``0.5 * max((V - R)^2, (clip(V, V_old +- cliprange_value) - R)^2)``.
+    """
+
+    optim: OptimizerConfig = msgspec.field(default_factory=lambda: OptimizerConfig(lr=1e-5))
+    cliprange_value: float = 0.5
+    loss_agg_mode: str = "token-mean"
+
+
 class TrainerConfig(_Base):
     """``trainer``: the DeepSpeed trainer."""
 
@@ -239,6 +280,8 @@ class TrainerConfig(_Base):
     ppo_epochs: int = 1
     grad_clip: float = 1.0
     max_wait_for_batch: float = 0.0  # 0: wait until experience arrives or the explorer finishes
+    balance_batch: bool = True  # length-balanced micro-batches where the algorithm allows it
+    critic: CriticConfig = msgspec.field(default_factory=CriticConfig)
     deepspeed_config: dict[str, Any] = msgspec.field(
         default_factory=dict
     )  # merged over the generated one

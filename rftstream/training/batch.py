@@ -7,12 +7,32 @@ Layout (as verl): prompts left-padded to ``P``, responses right-padded to
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from rftstream.experience import Experience
+
+LOSS_TENSORS: frozenset[str] = frozenset(
+    {
+        "logprob",
+        "old_logprob",
+        "ref_logprob",
+        "action_mask",
+        "advantages",
+        "returns",
+        "entropy",
+        "expert_mask",
+        "rollout_logprob",
+    }
+)
+"""Tensors the trainer can pass to any policy loss, by ``__call__`` parameter name.
+
+Besides these: ``values`` when the algorithm has a critic, and every custom
+field of the sample strategy (MIX: ``expert_mask``, ``step``).
+"""
 
 
 @dataclass
@@ -74,11 +94,16 @@ def collate(
     *,
     max_prompt: int | None = None,
     max_response: int | None = None,
+    custom_fields: Sequence[Any] = (),
 ) -> TrainBatch:
     """Pad a list of experiences into a :class:`TrainBatch`.
 
     Prompts longer than ``max_prompt`` keep their last tokens; responses longer
-    than ``max_response`` are cut (their mask too).
+    than ``max_response`` are cut (their mask too). ``fields`` always holds
+    ``expert_mask`` (``info["is_expert"]``, False when absent) plus one
+    ``(batch,)`` tensor per ``custom_fields`` entry (a sample strategy's
+    ``CustomField``: ``source_field``, ``destination_field``, ``data_type``);
+    raises KeyError naming the first experience without the source field.
     """
     if not exps:
         raise ValueError("collate: empty batch")
@@ -120,6 +145,17 @@ def collate(
         rewards[i] = float(e.reward) if e.reward is not None else 0.0
         expert[i] = bool(e.info.get("is_expert", False))
     position_ids = (attention_mask.cumsum(dim=1) - 1).clamp(min=0)
+    fields: dict[str, torch.Tensor] = {"expert_mask": expert}
+    for cf in custom_fields:
+        values = []
+        for e in exps:
+            if cf.source_field not in e.info:
+                raise KeyError(
+                    f"experience {e.eid.uid} has no info[{cf.source_field!r}] "
+                    f"(custom field {cf.destination_field!r})"
+                )
+            values.append(e.info[cf.source_field])
+        fields[cf.destination_field] = torch.tensor(values, dtype=cf.data_type)
     return TrainBatch(
         input_ids=input_ids,
         attention_mask=attention_mask,
@@ -130,7 +166,7 @@ def collate(
         returns=returns,
         rollout_logprobs=rollout_lp,
         rewards=rewards,
-        fields={"expert_mask": expert},
+        fields=fields,
     )
 
 
@@ -157,3 +193,44 @@ def response_logprobs(
     if with_entropy:
         entropy = -(logp_all.exp() * logp_all).sum(-1)
     return logp, entropy
+
+
+def balanced_partitions(lengths: Sequence[int], k: int) -> list[list[int]]:
+    """Split row indices into ``k`` micro-batches of (nearly) equal token totals.
+
+    Sizes differ by at most one row (``len // k`` or ``len // k + 1``), so
+    DeepSpeed's accumulation steps stay even; within that, rows are placed
+    longest first into the micro-batch with the fewest tokens so far (greedy
+    LPT). Each partition lists its rows in ascending index order. Used where
+    the algorithm's ``can_balance_batch`` allows reordering.
+    """
+    n = len(lengths)
+    k = max(1, k)
+    base, extra = divmod(n, k)
+    capacity = [base + (1 if i < extra else 0) for i in range(k)]
+    parts: list[list[int]] = [[] for _ in range(k)]
+    totals = [0] * k
+    for idx in sorted(range(n), key=lambda i: (-int(lengths[i]), i)):
+        open_parts = [p for p in range(k) if len(parts[p]) < capacity[p]]
+        target = min(open_parts, key=lambda p: (totals[p], p))
+        parts[target].append(idx)
+        totals[target] += int(lengths[idx])
+    return [sorted(p) for p in parts]
+
+
+def contiguous_partitions(n: int, k: int, unit: int = 1) -> list[list[int]]:
+    """Split ``range(n)`` into ``k`` contiguous runs of whole ``unit``-row blocks (DPO pairs: 2).
+
+    Sizes differ by at most one unit; some runs are empty when ``n < k * unit``.
+    """
+    units = n // unit
+    base, extra = divmod(units, max(1, k))
+    out: list[list[int]] = []
+    start = 0
+    for i in range(max(1, k)):
+        size = (base + (1 if i < extra else 0)) * unit
+        out.append(list(range(start, start + size)))
+        start += size
+    if start < n:  # a trailing partial unit joins the last run
+        out[-1].extend(range(start, n))
+    return out

@@ -16,6 +16,7 @@ import math
 import os
 import time
 from collections import defaultdict
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +26,15 @@ from rftstream.bus.server import free_port
 from rftstream.config.schema import Config
 from rftstream.errors import ConfigError
 from rftstream.experience import Experience
-from rftstream.training.batch import TrainBatch, collate, response_logprobs
+from rftstream.training.batch import (
+    LOSS_TENSORS,
+    TrainBatch,
+    balanced_partitions,
+    collate,
+    contiguous_partitions,
+    response_logprobs,
+)
+from rftstream.training.critic import value_loss
 
 log = logging.getLogger(__name__)
 
@@ -40,53 +49,96 @@ def ensure_dist_env() -> None:
 
 
 class PolicyTrainer:
-    """Actor model (DeepSpeed engine), frozen reference model and the algorithm's losses."""
+    """Actor model (DeepSpeed engine), optional frozen reference and critic, and the algorithm.
+
+    One :meth:`train_step` per trainer step:
+
+    1. collate the experiences (plus the sample strategy's custom fields);
+    2. recompute ``old_logprob`` (and ``ref_logprob`` with a reference model,
+       ``values`` with a critic) without gradient;
+    3. if the algorithm computes advantages in the trainer
+       (``compute_advantage_in_trainer``): apply ``kl_penalty_fn`` to the
+       token-level rewards, then call ``advantage_fn`` (with ``values=`` for
+       a critic);
+    4. split into exactly ``gradient_accumulation`` micro-batches, balanced by
+       token count when ``trainer.balance_batch`` and the algorithm's
+       ``can_balance_batch`` allow it (DPO pairs stay together), and run
+       ``ppo_epochs`` passes of policy loss + KL loss + entropy loss (and the
+       critic's value loss).
+    """
 
     def __init__(self, cfg: Config, model_path: str, algorithm: Any) -> None:
         ensure_dist_env()
         import deepspeed  # heavy import: only where training happens
 
-        from algorithms import loss_inputs_for
+        from algorithms import check_loss_inputs, loss_inputs_for
         from rftstream.hf import HF_LOAD_LOCK, load_causal_lm, load_tokenizer
 
         self.cfg = cfg
         self.algorithm = algorithm
         self.temperature = float(cfg.buffer.explorer_input.taskset.rollout_args.temperature or 1.0)
         self.loss_agg_mode = algorithm.config.loss_agg_mode or "token-mean"
+        algo_type = algorithm.algorithm_type
+        self.schema = str(getattr(algo_type, "schema", "experience"))
+        self.pair_unit = 2 if self.schema == "dpo" else 1
+        self.balance = (
+            bool(cfg.trainer.balance_batch)
+            and bool(getattr(algo_type, "can_balance_batch", True))
+            and self.pair_unit == 1
+        )
+        self.custom_fields = tuple(getattr(algorithm, "custom_fields", ()))
+        self.advantage_in_trainer = bool(algorithm.compute_advantage_in_trainer) and (
+            (algorithm.config.advantage_fn or "none") != "none"
+        )
+        self.kl_penalty = (algorithm.config.kl_penalty_fn or "none") != "none"
+        self.kl_loss = (algorithm.config.kl_loss_fn or "none") != "none"
         torch.manual_seed(cfg.seed)
         self.tokenizer = load_tokenizer(model_path)
         pad = self.tokenizer.pad_token_id
         self.pad_token_id = int(pad if pad is not None else (self.tokenizer.eos_token_id or 0))
         model = load_causal_lm(model_path, cfg.model.dtype)
         model.config.use_cache = False
-        self.needs_ref = (
-            bool(algorithm.use_reference) and (algorithm.config.kl_loss_fn or "none") != "none"
+        self.loss_inputs = loss_inputs_for(algorithm.policy_loss_fn)
+        self.needs_ref = bool(algorithm.use_reference) and (
+            self.kl_loss or self.kl_penalty or "ref_logprob" in self.loss_inputs
         )
         self.ref_model = None
         if self.needs_ref:
             self.ref_model = copy.deepcopy(model).eval()
             for p in self.ref_model.parameters():
                 p.requires_grad_(False)
-        self.loss_inputs = loss_inputs_for(algorithm.policy_loss_fn)
-        available = {
-            "logprob",
-            "old_logprob",
-            "ref_logprob",
-            "action_mask",
-            "advantages",
-            "returns",
-            "entropy",
-            "expert_mask",
-            "rollout_logprob",
-        }
-        missing = [n for n in self.loss_inputs if n not in available]
-        if missing:
-            raise ConfigError(
-                "algorithm.policy_loss_fn",
-                f"{type(algorithm.policy_loss_fn).__name__} needs {missing} which no experience field provides "
-                f"(available: {sorted(available)})",
-            )
+        available = set(LOSS_TENSORS) | {cf.destination_field for cf in self.custom_fields}
+        if algorithm.use_critic:
+            available.add("values")
+        # raises ConfigError naming the loss and the first required field nothing provides
+        self.loss_inputs = check_loss_inputs(algorithm.policy_loss_fn, available)
+        self.entropy_inputs, self.entropy_var_kw = _entropy_extra_inputs(algorithm.entropy_loss_fn)
+        self.micro = max(1, cfg.trainer.ppo_micro_batch_size_per_gpu)
+        self.train_batch_size = max(1, cfg.buffer.train_batch_size)
+        self.gas = max(1, math.ceil(self.train_batch_size / self.micro))
         opt_cfg = cfg.algorithm.optimizer
+        with HF_LOAD_LOCK:  # DeepSpeed moves the module; keep it apart from concurrent loads
+            self.engine, self.optimizer, self.scheduler = self._deepspeed(deepspeed, model, opt_cfg)
+        if self.ref_model is not None:
+            self.ref_model.to(self.engine.device)
+        self.critic = None
+        if algorithm.use_critic:
+            from rftstream.training.critic import ValueModel
+
+            critic_path = cfg.model.critic_model_path or model_path
+            backbone = load_causal_lm(critic_path, cfg.model.dtype)
+            backbone.config.use_cache = False
+            with HF_LOAD_LOCK:
+                self.critic, self.critic_optimizer, _ = self._deepspeed(
+                    deepspeed, ValueModel(backbone), cfg.trainer.critic.optim
+                )
+        self.global_step = 0
+
+    def _deepspeed(
+        self, deepspeed: Any, model: torch.nn.Module, opt_cfg: Any
+    ) -> tuple[Any, Any, Any]:
+        """A DeepSpeed engine for ``model`` with AdamW per ``opt_cfg`` (the algorithm's or the critic's)."""
+        cfg = self.cfg
         optimizer = torch.optim.AdamW(
             [p for p in model.parameters() if p.requires_grad],
             lr=opt_cfg.lr,
@@ -94,9 +146,6 @@ class PolicyTrainer:
             eps=opt_cfg.eps,
             weight_decay=opt_cfg.weight_decay,
         )
-        self.micro = max(1, cfg.trainer.ppo_micro_batch_size_per_gpu)
-        self.train_batch_size = max(1, cfg.buffer.train_batch_size)
-        self.gas = max(1, math.ceil(self.train_batch_size / self.micro))
         ds_config: dict[str, Any] = {
             "train_micro_batch_size_per_gpu": self.micro,
             "gradient_accumulation_steps": self.gas,
@@ -114,13 +163,10 @@ class PolicyTrainer:
             scheduler = torch.optim.lr_scheduler.LambdaLR(
                 optimizer, lambda s: min(1.0, (s + 1) / warmup)
             )
-        with HF_LOAD_LOCK:  # DeepSpeed moves the module; keep it apart from concurrent loads
-            self.engine, self.optimizer, _, self.scheduler = deepspeed.initialize(
-                model=model, optimizer=optimizer, lr_scheduler=scheduler, config=ds_config
-            )
-        if self.ref_model is not None:
-            self.ref_model.to(self.engine.device)
-        self.global_step = 0
+        engine, optimizer, _, scheduler = deepspeed.initialize(
+            model=model, optimizer=optimizer, lr_scheduler=scheduler, config=ds_config
+        )
+        return engine, optimizer, scheduler
 
     # ------------------------------------------------------------ forward
     def _forward(
@@ -136,13 +182,16 @@ class PolicyTrainer:
             out.logits, mb.input_ids, mb.prompt_width, self.temperature, with_entropy=with_entropy
         )
 
+    def _values(self, mb: TrainBatch) -> torch.Tensor:
+        assert self.critic is not None
+        return self.critic(mb.input_ids, mb.attention_mask, mb.position_ids, mb.prompt_width)
+
     @torch.no_grad()
+    def _no_grad(self, fn: Callable[[TrainBatch], torch.Tensor], batch: TrainBatch) -> torch.Tensor:
+        return torch.cat([fn(batch.rows(idx)) for idx in _chunks(batch.size, self.micro)], 0)
+
     def _logprobs_no_grad(self, model: torch.nn.Module, batch: TrainBatch) -> torch.Tensor:
-        chunks = []
-        for idx in _chunks(batch.size, self.micro):
-            lp, _ = self._forward(model, batch.rows(idx), with_entropy=False)
-            chunks.append(lp)
-        return torch.cat(chunks, 0)
+        return self._no_grad(lambda mb: self._forward(model, mb, with_entropy=False)[0], batch)
 
     def check_experience(self, exp: Experience) -> str | None:
         """Why ``exp`` cannot be trained on this model, or None. Cheap; no forward pass."""
@@ -155,15 +204,68 @@ class PolicyTrainer:
         return None
 
     # ------------------------------------------------------------ step
+    def _compute_advantages(
+        self,
+        exps: list[Experience],
+        batch: TrainBatch,
+        old_logprob: torch.Tensor,
+        ref_logprob: torch.Tensor | None,
+        values: torch.Tensor | None,
+    ) -> dict[str, float]:
+        """KL penalty on rewards, then the advantage fn; writes advantages/returns into ``batch``."""
+        metrics: dict[str, float] = {}
+        algo = self.algorithm
+        if self.kl_penalty:
+            if ref_logprob is None:
+                raise ConfigError(
+                    "algorithm.kl_penalty_fn",
+                    f"{algo.name} has no reference model (use_reference False)",
+                )
+            _, kl_metrics = algo.kl_penalty_fn.apply_kl_penalty_to_reward(
+                exps, ref_logprobs=ref_logprob.cpu(), logprobs=old_logprob.cpu()
+            )
+            metrics.update({f"critic/{k}": float(v) for k, v in kl_metrics.items()})
+        kwargs: dict[str, Any] = {}
+        if values is not None:
+            v = values.detach().cpu()
+            kwargs["values"] = [_fit(v[i], e.response_length) for i, e in enumerate(exps)]
+        exps_out, adv_metrics = algo.advantage_fn(exps, **kwargs)
+        if len(exps_out) != len(exps):
+            raise RuntimeError(
+                f"advantage_fn {type(algo.advantage_fn).__name__} returned {len(exps_out)} of "
+                f"{len(exps)} experiences; an advantage computed in the trainer must keep them all"
+            )
+        width = batch.response_width
+        for i, e in enumerate(exps_out):
+            batch.advantages[i] = _fit(e.advantages, width).to(batch.advantages.device)
+            batch.returns[i] = _fit(e.returns, width).to(batch.returns.device)
+        metrics.update({f"advantage/{k}": float(v) for k, v in adv_metrics.items()})
+        return metrics
+
+    def _partitions(self, batch: TrainBatch) -> list[torch.Tensor]:
+        if self.balance:
+            lengths = batch.attention_mask.sum(1).tolist()
+            parts = balanced_partitions(lengths, self.gas)
+        else:
+            parts = contiguous_partitions(batch.size, self.gas, self.pair_unit)
+        return [torch.tensor(p, dtype=torch.long) for p in parts]
+
     def train_step(self, exps: list[Experience]) -> dict[str, float]:
         """One optimizer step on ``exps``; returns averaged metrics. Blocks."""
         t0 = time.perf_counter()
         mp = self.cfg.model
+        # a Trinity-style strategy returns Experiences.gather_experiences(..., custom_fields=...)
+        custom = list(self.custom_fields)
+        known = {cf.destination_field for cf in custom}
+        custom += [
+            cf for cf in getattr(exps, "custom_fields", ()) if cf.destination_field not in known
+        ]
         batch = collate(
             exps,
             self.pad_token_id,
             max_prompt=mp.max_prompt_tokens,
             max_response=mp.max_response_tokens,
+            custom_fields=custom,
         )
         batch = batch.to(self.engine.device)
         self.engine.eval()  # the no-grad passes see no dropout
@@ -171,84 +273,133 @@ class PolicyTrainer:
         ref_logprob = (
             self._logprobs_no_grad(self.ref_model, batch) if self.ref_model is not None else None
         )
+        values = None
+        if self.critic is not None:
+            self.critic.eval()
+            values = self._no_grad(self._values, batch)
+        out: dict[str, float] = {}
+        if self.advantage_in_trainer:
+            out.update(self._compute_advantages(exps, batch, old_logprob, ref_logprob, values))
         self.engine.train()
+        if self.critic is not None:
+            self.critic.train()
         metrics: dict[str, list[float]] = defaultdict(list)
         # exactly `gas` micro-batches per optimizer step (DeepSpeed's accumulation boundary)
-        splits = torch.arange(batch.size).tensor_split(self.gas)
+        splits = self._partitions(batch)
+        if self.balance and len(splits) > 1:
+            tokens = [float(batch.attention_mask[p].sum()) for p in splits]
+            out["actor/micro_batch_token_spread"] = (max(tokens) - min(tokens)) / max(
+                1.0, max(tokens)
+            )
         for _epoch in range(max(1, self.cfg.trainer.ppo_epochs)):
             for rows in splits:
-                if (
-                    rows.numel() == 0
-                ):  # fewer rows than micro-batches: a zero-gradient pass keeps DeepSpeed in step
-                    zero = (
-                        sum(p.sum() for p in self.engine.module.parameters() if p.requires_grad)
-                        * 0.0
-                    )
-                    self.engine.backward(zero)
-                    self.engine.step()
+                if rows.numel() == 0:
+                    # fewer rows than micro-batches: a zero-gradient pass keeps DeepSpeed in step
+                    for engine in (self.engine, self.critic):
+                        if engine is not None:
+                            engine.backward(_zero_loss(engine.module))
+                            engine.step()
                     continue
-                mb = batch.rows(rows)
-                logprob, entropy = self._forward(self.engine, mb, with_entropy=True)
-                tensors = {
-                    "logprob": logprob,
-                    "old_logprob": old_logprob[rows],
-                    "ref_logprob": ref_logprob[rows]
-                    if ref_logprob is not None
-                    else torch.zeros_like(logprob),
-                    "action_mask": mb.response_mask,
-                    "advantages": mb.advantages,
-                    "returns": mb.returns,
-                    "entropy": entropy,
-                    "rollout_logprob": mb.rollout_logprobs,
-                    **mb.fields,
-                }
-                pg_loss, pg_metrics = self.algorithm.policy_loss_fn(
-                    **{n: tensors[n] for n in self.loss_inputs}
+                rows = rows.to(batch.input_ids.device)
+                weight = (
+                    rows.numel() * self.gas / batch.size
+                )  # rows-weighted mean (DeepSpeed divides by gas)
+                loss = self._actor_micro_step(
+                    batch, rows, old_logprob, ref_logprob, values, metrics
                 )
-                loss = pg_loss
-                for k, v in pg_metrics.items():
-                    metrics[f"actor/{k}"].append(float(v))
-                if ref_logprob is not None:
-                    kl_loss, kl_metrics = self.algorithm.kl_loss_fn.calculate_kl_loss(
-                        logprob,
-                        tensors["ref_logprob"],
-                        mb.response_mask,
-                        self.loss_agg_mode,
-                        old_logprob=tensors["old_logprob"],
-                    )
-                    loss = loss + kl_loss
-                    for k, v in kl_metrics.items():
-                        metrics[f"actor/{k}"].append(float(v))
-                if entropy is not None and self.algorithm.entropy_loss_fn is not None:
-                    ent_loss, ent_metrics = self.algorithm.entropy_loss_fn(
-                        entropy=entropy,
-                        action_mask=mb.response_mask,
-                        loss_agg_mode=self.loss_agg_mode,
-                    )
-                    loss = loss + ent_loss
-                    for k, v in ent_metrics.items():
-                        metrics[f"actor/{k}"].append(float(v))
-                    denom = mb.response_mask.sum().clamp(min=1)
-                    metrics["actor/entropy"].append(
-                        float((entropy.detach() * mb.response_mask).sum() / denom)
-                    )
-                # rows-weighted mean over micro-batches (DeepSpeed divides by gas)
-                weight = rows.numel() * self.gas / batch.size
                 self.engine.backward(loss * weight)
                 self.engine.step()
                 metrics["actor/loss"].append(float(loss.detach()))
+                if self.critic is not None and values is not None:
+                    mb = batch.rows(rows)
+                    vloss, vmetrics = value_loss(
+                        self._values(mb),
+                        mb.returns,
+                        values[rows],
+                        mb.response_mask,
+                        self.cfg.trainer.critic.cliprange_value,
+                        self.cfg.trainer.critic.loss_agg_mode,
+                    )
+                    self.critic.backward(vloss * weight)
+                    self.critic.step()
+                    for k, v in vmetrics.items():
+                        metrics[f"critic/{k}"].append(v)
         self.global_step += 1
-        out = {k: sum(v) / len(v) for k, v in metrics.items() if v}
+        out.update({k: sum(v) / len(v) for k, v in metrics.items() if v})
         gn = self.engine.get_global_grad_norm()
         if gn is not None:
             out["actor/grad_norm"] = float(gn)
         lrs = [g["lr"] for g in self.optimizer.param_groups] if self.optimizer is not None else []
         if lrs:
             out["actor/lr"] = float(lrs[0])
+        if self.kl_loss and hasattr(self.algorithm.kl_loss_fn, "kl_coef"):
+            out["actor/kl_coef"] = float(self.algorithm.kl_loss_fn.kl_coef)
         mask = batch.response_mask
         out["response_length/mean"] = float(mask.sum(1).mean())
         out["time/train_step"] = time.perf_counter() - t0
         return out
+
+    def _actor_micro_step(
+        self,
+        batch: TrainBatch,
+        rows: torch.Tensor,
+        old_logprob: torch.Tensor,
+        ref_logprob: torch.Tensor | None,
+        values: torch.Tensor | None,
+        metrics: dict[str, list[float]],
+    ) -> torch.Tensor:
+        """Policy + KL + entropy loss of one micro-batch (not yet backpropagated)."""
+        algo = self.algorithm
+        mb = batch.rows(rows)
+        logprob, entropy = self._forward(self.engine, mb, with_entropy=True)
+        ref_mb = ref_logprob[rows] if ref_logprob is not None else None
+        tensors: dict[str, torch.Tensor] = {
+            "logprob": logprob,
+            "old_logprob": old_logprob[rows],
+            "ref_logprob": ref_mb if ref_mb is not None else torch.zeros_like(logprob),
+            "action_mask": mb.response_mask,
+            "advantages": mb.advantages,
+            "returns": mb.returns,
+            "rollout_logprob": mb.rollout_logprobs,
+            **mb.fields,
+        }
+        if entropy is not None:
+            tensors["entropy"] = entropy
+        if values is not None:
+            tensors["values"] = values[rows]
+        pg_loss, pg_metrics = algo.policy_loss_fn(**{n: tensors[n] for n in self.loss_inputs})
+        loss = pg_loss
+        for k, v in pg_metrics.items():
+            metrics[f"actor/{k}"].append(float(v))
+        if ref_mb is not None and self.kl_loss:
+            kl_loss, kl_metrics = algo.kl_loss_fn.calculate_kl_loss(
+                logprob,
+                ref_mb,
+                mb.response_mask,
+                self.loss_agg_mode,
+                old_logprob=tensors["old_logprob"],
+            )
+            loss = loss + kl_loss
+            for k, v in kl_metrics.items():
+                metrics[f"actor/{k}"].append(float(v))
+        if entropy is not None and algo.entropy_loss_fn is not None:
+            extra = {n: tensors[n] for n in self.entropy_inputs if n in tensors}
+            if self.entropy_var_kw:
+                extra.update(mb.fields)
+            ent_loss, ent_metrics = algo.entropy_loss_fn(
+                entropy=entropy,
+                action_mask=mb.response_mask,
+                loss_agg_mode=self.loss_agg_mode,
+                **extra,
+            )
+            loss = loss + ent_loss
+            for k, v in ent_metrics.items():
+                metrics[f"actor/{k}"].append(float(v))
+            denom = mb.response_mask.sum().clamp(min=1)
+            metrics["actor/entropy"].append(
+                float((entropy.detach() * mb.response_mask).sum() / denom)
+            )
+        return loss
 
     # ------------------------------------------------------------ weights
     def state_dict(self) -> dict[str, torch.Tensor]:
@@ -269,6 +420,40 @@ class PolicyTrainer:
             shutil.rmtree(path)
         os.replace(tmp, path)
         return path
+
+
+def _fit(t: torch.Tensor | None, n: int) -> torch.Tensor:
+    """``t`` as float32 of length ``n``: cut, or zero-padded (None: zeros)."""
+    out = torch.zeros(n, dtype=torch.float32)
+    if t is not None:
+        m = min(n, int(t.numel()))
+        out[:m] = t.reshape(-1)[:m].to(torch.float32).cpu()
+    return out
+
+
+def _zero_loss(module: torch.nn.Module) -> torch.Tensor:
+    return sum(p.sum() for p in module.parameters() if p.requires_grad) * 0.0  # type: ignore[return-value]
+
+
+def _entropy_extra_inputs(fn: Any) -> tuple[set[str], bool]:
+    """(batch tensors an entropy fn names besides ``entropy``/``action_mask``, takes ``**kwargs``).
+
+    The trainer passes the named ones, and every custom field (``expert_mask``,
+    ...) to a fn that takes ``**kwargs``.
+    """
+    import inspect
+
+    if fn is None:
+        return set(), False
+    params = inspect.signature(type(fn).__call__).parameters
+    fixed = {"self", "entropy", "action_mask", "loss_agg_mode"}
+    named = {
+        n
+        for n, p in params.items()
+        if n not in fixed and p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)
+    }
+    var_kw = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+    return named | set(getattr(fn, "required_fields", ()) or ()), var_kw
 
 
 def _chunks(n: int, size: int) -> list[slice]:

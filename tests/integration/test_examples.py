@@ -4,6 +4,7 @@ the benchmark script runs and prints its table."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -17,6 +18,7 @@ from tests.integration._util import run_actors_to_end
 pytestmark = pytest.mark.integration
 
 ROOT = Path(__file__).resolve().parents[2]
+DIST_ENV = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK")
 EXAMPLES = sorted((ROOT / "examples").glob("*.yaml"))
 
 
@@ -47,3 +49,32 @@ def test_benchmarks_run_quick() -> None:
     assert proc.returncode == 0, proc.stdout + proc.stderr
     for row in ("codec: msgspec", "JSON", "bus: one message per task group", "per-experience"):
         assert row in proc.stdout
+
+
+def test_mix_vs_grpo_benchmark_runs_quick(tmp_path: Path, tiny_model_path: str) -> None:
+    out = tmp_path / "curves.png"
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "benchmarks" / "mix_vs_grpo.py"),
+            "--quick",
+            "--run-dir",
+            str(tmp_path / "runs"),
+            "--out",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={
+            # not this process's torch.distributed rendezvous (its MASTER_PORT is taken)
+            **{k: v for k, v in os.environ.items() if k not in DIST_ENV},
+            "RFTSTREAM_CACHE": str(Path(tiny_model_path).parent),
+        },
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    for text in ("GRPO", "MIX", "steps to 0.5", "GRPO steps / MIX steps", str(out)):
+        assert text in proc.stdout, text
+    assert out.stat().st_size > 0
+    assert (tmp_path / "runs" / "grpo" / "metrics.jsonl").exists()
+    assert (tmp_path / "runs" / "mix" / "metrics.jsonl").exists()
