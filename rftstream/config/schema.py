@@ -57,6 +57,9 @@ class FormatConfig(_Base):
     reply_prefix: str | None = None
     messages_key: str | None = None
     chat_template: str | None = None
+    tools_key: str | None = None  # a row's OpenAI tool schemas (tool-call workflows)
+    workflow_key: str | None = None  # a row may name its own workflow
+    reward_fn_key: str | None = None  # ... and its own reward fn
 
 
 class GenerationConfig(_Base):
@@ -89,6 +92,8 @@ class TasksetConfig(_Base):
     repeat_times: int | None = None  # None -> algorithm.repeat_times
     shuffle: bool = True
     seed: int = 42
+    total_epochs: int | None = None  # None -> buffer.total_epochs (eval tasksets: 1)
+    is_eval: bool = False  # set for buffer.explorer_input.eval_tasksets
 
 
 class StorageConfig(_Base):
@@ -113,9 +118,16 @@ class StorageConfig(_Base):
 
 
 class ExplorerInput(_Base):
-    """``buffer.explorer_input``."""
+    """``buffer.explorer_input``.
+
+    ``taskset`` is the training taskset; ``tasksets`` (optional) lists more,
+    which are mixed in. ``eval_tasksets`` are run every
+    ``explorer.eval_interval`` explorer steps (and never trained on).
+    """
 
     taskset: TasksetConfig = msgspec.field(default_factory=TasksetConfig)
+    tasksets: list[TasksetConfig] = msgspec.field(default_factory=list)
+    eval_tasksets: list[TasksetConfig] = msgspec.field(default_factory=list)
 
 
 class TrainerInput(_Base):
@@ -163,6 +175,22 @@ class RolloutModelConfig(_Base):
     seed: int = 42
 
 
+class AuxiliaryModelConfig(_Base):
+    """One entry of ``explorer.auxiliary_models``: a model workflows reach as an ``openai`` client.
+
+    ``model_path`` (a local HF directory, served on loopback by a transformers
+    engine) or ``base_url`` (an external OpenAI-compatible server).
+    """
+
+    name: str = ""
+    model_path: str = ""
+    base_url: str = ""
+    api_key: str = "EMPTY"
+    engine_type: str = "transformers"
+    max_response_tokens: int = 256
+    temperature: float = 1.0
+
+
 class ExplorerConfig(_Base):
     """``explorer``."""
 
@@ -171,6 +199,7 @@ class ExplorerConfig(_Base):
     max_timeout: float = 900.0
     max_retry_times: int = 2
     rollout_model: RolloutModelConfig = msgspec.field(default_factory=RolloutModelConfig)
+    auxiliary_models: list[AuxiliaryModelConfig] = msgspec.field(default_factory=list)
     eval_interval: int = 100
 
 

@@ -14,6 +14,7 @@ from algorithms.sample_strategy import DefaultSampleStrategy, StalenessControlSa
 from rftstream.config.schema import BufferConfig
 from rftstream.errors import ConfigError
 from rftstream.experience import EID, Experience
+from tests.unit.test_sample_strategy import ListSource, StreamSource
 
 pytestmark = pytest.mark.anyio
 
@@ -30,33 +31,7 @@ def mk(i: int, version: int, reward: float = 0.0) -> Experience:
     )
 
 
-class MemorySource:
-    """An in-memory ExperienceSource: returns up to n, fewer only when it has run dry."""
-
-    def __init__(self, exps):
-        self.exps = list(exps)
-        self.asked: list[int] = []
-
-    async def read(self, n: int) -> list[Experience]:
-        await anyio.lowlevel.checkpoint()
-        self.asked.append(n)
-        out, self.exps = self.exps[:n], self.exps[n:]
-        return out
-
-
-class StreamSource:
-    """Blocks until n experiences arrived on a memory stream (or it closed)."""
-
-    def __init__(self, receive):
-        self.receive = receive
-
-    async def read(self, n: int) -> list[Experience]:
-        out: list[Experience] = []
-        async for exp in self.receive:
-            out.append(exp)
-            if len(out) == n:
-                break
-        return out
+MemorySource = ListSource  # returns up to n, fewer only when it has run dry
 
 
 def buf(train_batch_size: int) -> BufferConfig:
