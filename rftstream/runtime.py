@@ -314,6 +314,7 @@ async def run_operator(
     from_stage: str | None = None,
     to_stage: str | None = None,
     on_progress: Callable[[dict[str, Any]], None] | None = None,
+    start_seq: int | None = None,
 ) -> None:
     from rftstream.actors.operator_host import OperatorHost
 
@@ -327,8 +328,24 @@ async def run_operator(
             name=name,
             batch_messages=p.batch_messages,
             on_progress=on_progress,
+            start_seq=start_seq,
         )
         await host.run()
+
+
+async def splice_in(run: PreparedRun, url: str, operator: str, to_stage: str) -> Any:
+    """Ask the running trainer to read ``exp.<to_stage>`` from now on (see :mod:`rftstream.splice`).
+
+    Returns the :class:`~rftstream.splice.SpliceCut`: run the operator from
+    ``cut.from_stage`` to ``cut.to_stage`` with ``start_seq=cut.start_seq``.
+    Blocks until the trainer answered; raises :class:`RftError` if none does.
+    """
+    from rftstream.bus.state import RunState
+    from rftstream.splice import request_splice
+
+    async with await Bus.connect(url, run.names, run.cfg.nats, f"splice-{operator}") as bus:
+        state = RunState(await bus.kv())
+        return await request_splice(state, operator, to_stage)
 
 
 async def run_trainer(

@@ -39,6 +39,15 @@ log = logging.getLogger(__name__)
 class _Held:
     msg: Msg
     remaining: int
+    stage: str = ""
+
+
+@dataclass
+class _Retired:
+    """A consumer the trainer stopped reading at a splice: its messages up to ``cut_seq``."""
+
+    consumer: PullConsumer
+    cut_seq: int
 
 
 class ExperienceFeed:
@@ -73,13 +82,56 @@ class ExperienceFeed:
         self.dead_lettered = 0
         self.received = 0
         self.wait_time = 0.0
+        self.retired: list[_Retired] = []
+        self.on_idle: Callable[[], Awaitable[None]] | None = None  # splice polling
+        self.taken_stages: dict[str, int] = {}
+
+    async def switch_to(self, consumer: PullConsumer, cut_seq: int) -> None:
+        """Read ``consumer`` from now on; keep draining the current one up to ``cut_seq``.
+
+        Messages already buffered or held stay as they are. The old consumer
+        is deleted once its ack floor reaches ``cut_seq`` (see :mod:`rftstream.splice`).
+        """
+        self.retired.append(_Retired(self.consumer, cut_seq))
+        self.consumer = consumer
+
+    @property
+    def retired_names(self) -> set[str]:
+        return {r.consumer.durable for r in self.retired}
+
+    async def _drain_retired(self) -> None:
+        """Take redeliveries up to the cut from retired consumers; ack later ones; delete when done."""
+        for r in list(self.retired):
+            msgs = await r.consumer.fetch(self.fetch_batch, timeout=0.05)
+            keep = []
+            for m in msgs:
+                if m.metadata.sequence.stream > r.cut_seq:
+                    await m.ack()  # the spliced operator's, from cut_seq + 1 on
+                else:
+                    keep.append(m)
+            await self._accept(keep)
+            info = await r.consumer.info()
+            if int(info.ack_floor.stream_seq or 0) >= r.cut_seq:  # all of its messages acked
+                await r.consumer.unsubscribe()
+                try:
+                    await self.bus.js.delete_consumer(r.consumer.stream, r.consumer.durable)
+                except Exception as exc:  # noqa: BLE001 - best effort; it only costs space
+                    log.warning("could not delete retired consumer %s: %s", r.consumer.durable, exc)
+                self.retired.remove(r)
 
     @property
     def buffered(self) -> int:
         return len(self._buffer)
 
     async def _fill_once(self) -> bool:
+        if self.retired:
+            await self._drain_retired()
         msgs = await self.consumer.fetch(self.fetch_batch, timeout=self.fetch_timeout)
+        await self._accept(msgs)
+        return bool(msgs)
+
+    async def _accept(self, msgs: list[Msg]) -> None:
+        """Decode, validate, deduplicate and buffer ``msgs`` (dead-lettering bad ones)."""
         for m in msgs:
             try:
                 exps = decode_group(m.data)
@@ -112,14 +164,13 @@ class ExperienceFeed:
                 else:
                     await m.ack()
                 continue
-            held = _Held(m, len(fresh))
+            held = _Held(m, len(fresh), stage=m.subject.rsplit(".", 1)[-1])
             self.ticker.hold(m)
             for e in fresh:
                 self._seen.add(e.eid.uid)
                 self._held_by_uid[e.eid.uid] = held
                 self._buffer.append((e, held))
             self.received += len(fresh)
-        return bool(msgs)
 
     async def read(self, n: int) -> list[Experience]:
         """Take ``n`` experiences (fewer only when the upstream is exhausted). Blocks."""
@@ -128,6 +179,8 @@ class ExperienceFeed:
         announced = False
         try:
             while len(self._buffer) < n:
+                if self.on_idle is not None:
+                    await self.on_idle()
                 if await self._fill_once():
                     idle = 0
                     continue
@@ -147,6 +200,7 @@ class ExperienceFeed:
         out: list[Experience] = []
         while self._buffer and len(out) < n:
             exp, held = self._buffer.popleft()
+            self.taken_stages[held.stage] = self.taken_stages.get(held.stage, 0) + 1
             out.append(exp)
             self._taken.append(held)
             self._taken_uids.append(exp.eid.uid)

@@ -52,7 +52,9 @@ class OperatorHost:
         max_retries: int = 3,
         fetch_timeout: float = 0.5,
         on_progress: Callable[[dict[str, Any]], None] | None = None,
+        start_seq: int | None = None,
     ) -> None:
+        self.start_seq = start_seq  # a spliced stage starts where the trainer stopped reading
         self.on_progress = on_progress
         self.bus = bus
         self.names = bus.names
@@ -74,6 +76,7 @@ class OperatorHost:
             self.names.exp_subject(self.from_stage),
             description=f"run {self.names.run}: operator pipeline {self.from_stage} -> {self.to_stage}",
             role="operator",
+            start_seq=self.start_seq,
         )
         consumer = await self.bus.pull(
             self.names.exp_stream, self.names.stage_consumer(self.from_stage, self.to_stage)

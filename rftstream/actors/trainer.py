@@ -30,6 +30,7 @@ from typing import Any
 import anyio
 import msgspec
 
+from rftstream import splice
 from rftstream.actors.common import InProgressTicker, consumer_drained, heartbeat_loop
 from rftstream.actors.feed import ExperienceFeed
 from rftstream.buffer import TrainerInputs, trainer_inputs
@@ -176,6 +177,8 @@ class Trainer:
             Path(ckpt) / cfg.project / cfg.name if ckpt else self.run_dir / "checkpoints"
         )
         self.metrics_path = self.run_dir / "metrics.jsonl"
+        self.feed: ExperienceFeed | None = None
+        self._splice_checked = 0.0
 
     async def _exhausted(self) -> bool:
         """Every task done, every stage before the trainer drained, nothing left on exp.train."""
@@ -186,15 +189,58 @@ class Trainer:
         if not await consumer_drained(self.bus, n.tasks_stream, n.explorer_consumer):
             return False
         infos = await self.bus.js.consumers_info(n.exp_stream)
+        mine = self.feed.consumer.durable if self.feed is not None else n.trainer_consumer
+        retired = self.feed.retired_names if self.feed is not None else set()
         for info in infos:
             pending = int(info.num_pending or 0)
             unacked = int(info.num_ack_pending or 0)
-            if info.name == n.trainer_consumer:
+            if info.name in retired:
+                continue  # drained by the feed up to its cut; later messages are spliced away
+            if info.name == mine:
                 if pending:
                     return False
             elif pending or unacked:
                 return False
         return True
+
+    async def _poll_splice(self, state: RunState) -> None:
+        """Answer a pending splice request (see :mod:`rftstream.splice`); at most every 0.5 s.
+
+        Runs between two fetches of the feed, so the cut sequence is exact.
+        """
+        now = time.monotonic()
+        if now - self._splice_checked < 0.5 or self.feed is None:
+            return
+        self._splice_checked = now
+        request = await splice.pending_request(state)
+        if request is None:
+            return
+        feed = self.feed
+        old = feed.consumer
+        from_stage, _ = await splice.trainer_input(state)
+        to_stage = str(request["to_stage"])
+        info = await old.info()
+        cut = int(info.delivered.stream_seq or 0)
+        durable = splice.trainer_durable(to_stage)
+        n = self.names
+        await self.bus.ensure_consumer(
+            n.exp_stream,
+            durable,
+            n.exp_subject(to_stage),
+            description=f"run {n.run}: the trainer reads exp.{to_stage} (spliced by "
+            f"{request.get('operator')})",
+            role="trainer",
+        )
+        await feed.switch_to(await self.bus.pull(n.exp_stream, durable), cut)
+        await splice.answer_request(state, request, from_stage, cut + 1, durable)
+        log.info(
+            "%s: spliced %s in: exp.%s from seq %d belongs to it; reading exp.%s now",
+            self.name,
+            request.get("operator"),
+            from_stage,
+            cut + 1,
+            to_stage,
+        )
 
     async def run(self) -> None:
         """Train until ``buffer.total_steps`` or until the upstream is exhausted. Blocks."""
@@ -202,13 +248,16 @@ class Trainer:
 
         state = RunState(await self.bus.kv())
         await state.put_json("trainer.started", {"actor": self.name, "ts": time.time()})
-        consumer = await self.bus.pull(self.names.exp_stream, self.names.trainer_consumer)
+        _stage, durable = await splice.trainer_input(state)  # moved by a splice, if any
+        consumer = await self.bus.pull(self.names.exp_stream, durable)
         ticker = InProgressTicker(self.cfg.nats.ack_wait / 3)
 
         async def starving(flag: bool) -> None:
             await state.put_json(KV_TRAINER_STARVING, {"since": time.time() if flag else None})
 
         feed = ExperienceFeed(self.bus, consumer, ticker, self._exhausted, starving=starving)
+        self.feed = feed
+        feed.on_idle = lambda: self._poll_splice(state)
         monitor = RawMonitor()
         await monitor.start(self.bus)
         trainer = await anyio.to_thread.run_sync(
@@ -406,9 +455,13 @@ class Trainer:
         ]
         record: dict[str, Any] = {"step": step, "ts": time.time()}
         record.update(monitor.take())
+        for stage, count in feed.taken_stages.items():
+            record[f"experience/trained_from/{stage}"] = count
+        feed.taken_stages.clear()
         record.update(
             {
                 "reward/train_mean": sum(rewards) / len(rewards) if rewards else None,
+                "reward/train_min": min(rewards) if rewards else None,
                 "staleness/mean": sum(staleness) / len(staleness) if staleness else 0.0,
                 "staleness/max": max(staleness) if staleness else 0,
                 "time/trainer_wait": wait,

@@ -192,12 +192,20 @@ class Bus:
         description: str,
         role: str,
         ack_wait: float | None = None,
+        start_seq: int | None = None,
     ) -> None:
-        """Create the durable pull consumer if missing (idempotent)."""
+        """Create the durable pull consumer if missing (idempotent).
+
+        ``start_seq``: deliver from that stream sequence on (a spliced stage
+        takes over exactly where the trainer stopped reading); else everything.
+        """
         cfg = api.ConsumerConfig(
             durable_name=durable,
             description=description,
-            deliver_policy=api.DeliverPolicy.ALL,
+            deliver_policy=api.DeliverPolicy.ALL
+            if start_seq is None
+            else api.DeliverPolicy.BY_START_SEQUENCE,
+            opt_start_seq=start_seq,
             ack_policy=api.AckPolicy.EXPLICIT,
             ack_wait=ack_wait or self.cfg.ack_wait,
             max_deliver=-1,

@@ -4,7 +4,6 @@ the benchmark script runs and prints its table."""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -13,12 +12,11 @@ import pytest
 
 from rftstream.config import load_config
 from rftstream.runtime import prepare_run
-from tests.integration._util import run_actors_to_end
+from tests.integration._util import run_actors_to_end, user_env
 
 pytestmark = pytest.mark.integration
 
 ROOT = Path(__file__).resolve().parents[2]
-DIST_ENV = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK")
 EXAMPLES = sorted((ROOT / "examples").glob("*.yaml"))
 
 
@@ -66,11 +64,7 @@ def test_mix_vs_grpo_benchmark_runs_quick(tmp_path: Path, tiny_model_path: str) 
         capture_output=True,
         text=True,
         timeout=300,
-        env={
-            # not this process's torch.distributed rendezvous (its MASTER_PORT is taken)
-            **{k: v for k, v in os.environ.items() if k not in DIST_ENV},
-            "RFTSTREAM_CACHE": str(Path(tiny_model_path).parent),
-        },
+        env=user_env(tiny_model_path),  # not this process's MASTER_PORT (taken)
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     for text in ("GRPO", "MIX", "steps to 0.5", "GRPO steps / MIX steps", str(out)):
