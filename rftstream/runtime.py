@@ -116,9 +116,10 @@ def _fill_batch_args(cfg: Config, algorithm: Any) -> Config:
     micro = max(1, cfg.trainer.ppo_micro_batch_size_per_gpu)
     ratio = float(algorithm.sample_strategy_args.get("expert_data_ratio", 0.0) or 0.0)
     expert = math.ceil(ratio * total)
+    mini = int(user.get("ppo_mini_batch_size", total))
     derived = {
         "ppo_mini_batch_size": total,
-        "ppo_micro_batch_size_per_gpu": min(micro, total),
+        "ppo_micro_batch_size_per_gpu": max(1, min(micro, mini)),
         "ngpus_trainer": 1,
         "train_batch_size_usual": max(1, total - expert),
         "train_batch_size_expert": max(1, expert),
@@ -154,9 +155,11 @@ def _check_algorithm(cfg: Config, algorithm: Any) -> None:
                 f"{algorithm.name} has no reference model (use_reference is False)",
                 value=algorithm.config.kl_penalty_fn,
             )
-    if cfg.mode == "train" and cfg.buffer.trainer_input.experience_buffer is None:
+    eb = cfg.buffer.trainer_input.experience_buffer
+    if cfg.mode == "train" and (eb is None or not eb.path):
         raise ConfigError(
-            "buffer.trainer_input.experience_buffer", "is required in mode: train (the dataset)"
+            "buffer.trainer_input.experience_buffer.path",
+            "is required in mode: train (the dataset the trainer reads)",
         )
 
 

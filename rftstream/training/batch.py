@@ -198,23 +198,31 @@ def response_logprobs(
 def balanced_partitions(lengths: Sequence[int], k: int) -> list[list[int]]:
     """Split row indices into ``k`` micro-batches of (nearly) equal token totals.
 
-    Sizes differ by at most one row (``len // k`` or ``len // k + 1``), so
-    DeepSpeed's accumulation steps stay even; within that, rows are placed
-    longest first into the micro-batch with the fewest tokens so far (greedy
-    LPT). Each partition lists its rows in ascending index order. Used where
-    the algorithm's ``can_balance_batch`` allows reordering.
+    Sizes differ by at most one row (``len // k`` or ``len // k + 1``, and
+    exactly ``len % k`` micro-batches get the extra row), so DeepSpeed's
+    accumulation steps stay even; within that, rows are placed longest first
+    into the micro-batch with the fewest tokens so far (greedy LPT), any
+    micro-batch may be one of the larger ones. Each partition lists its rows in
+    ascending index order. Used where the algorithm's ``can_balance_batch``
+    allows reordering.
     """
     n = len(lengths)
     k = max(1, k)
     base, extra = divmod(n, k)
-    capacity = [base + (1 if i < extra else 0) for i in range(k)]
     parts: list[list[int]] = [[] for _ in range(k)]
     totals = [0] * k
+    larger = 0  # partitions already holding base + 1 rows
     for idx in sorted(range(n), key=lambda i: (-int(lengths[i]), i)):
-        open_parts = [p for p in range(k) if len(parts[p]) < capacity[p]]
-        target = min(open_parts, key=lambda p: (totals[p], p))
+        open_parts = [
+            p
+            for p in range(k)
+            if len(parts[p]) < base or (len(parts[p]) == base and larger < extra)
+        ]
+        target = min(open_parts, key=lambda p: (totals[p], len(parts[p]), p))
         parts[target].append(idx)
         totals[target] += int(lengths[idx])
+        if len(parts[target]) == base + 1:
+            larger += 1
     return [sorted(p) for p in parts]
 
 
