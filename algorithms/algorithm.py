@@ -81,8 +81,11 @@ class AlgorithmType:
     def check_config(cls, config: Any) -> None:
         """Hook to check or adjust the whole run config (Trinity-RFT's); no-op by default.
 
-        Not called by :func:`resolve_algorithm`, which sees only the
-        ``algorithm`` and ``buffer`` sections.
+        ``prepare_run`` calls it on a private copy of the config before the
+        algorithm is resolved, so keys it sets (e.g. ``config.algorithm.
+        repeat_times``) take effect; a ValueError becomes a ConfigError at
+        ``algorithm.algorithm_type``. Not called by :func:`resolve_algorithm`,
+        which sees only the ``algorithm`` and ``buffer`` sections.
         """
         return None
 
@@ -185,7 +188,7 @@ ReinforcePlusPlusAlgorithm = _preset(
 GSPOAlgorithm = _preset(
     "gspo",
     "GSPO: sequence-level importance ratios (clip 3e-4 / 4e-4), sequence-mean aggregation.",
-    _rl("grpo", "gspo", loss_agg_mode="seq-mean-token-mean"),
+    _rl("grpo", "gspo", policy_loss_fn_args={"loss_agg_mode": "seq-mean-token-mean"}),
 )
 CISPOAlgorithm = _preset(
     "cispo", "CISPO: clipped importance-sampling weights.", _rl("grpo", "cispo")
@@ -374,15 +377,8 @@ class ResolvedAlgorithm:
 
 
 def _takes_source(cls: type) -> bool:
-    params = list(inspect.signature(cls.__init__).parameters.values())[1:]
-    if any(p.name == "source" for p in params):
-        return True
-    positional = [
-        p
-        for p in params
-        if p.kind in (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
-    ]
-    return len(positional) >= 2 or any(p.kind is inspect.Parameter.VAR_POSITIONAL for p in params)
+    """Whether the constructor has a parameter named ``source`` (this project's strategies)."""
+    return "source" in inspect.signature(cls.__init__).parameters
 
 
 def construct_sample_strategy(
@@ -547,7 +543,11 @@ def resolve_algorithm(
         if key == "sample_strategy":
             filled[f"{key}_args"] = args
             continue
-        if takes_mode and not (user_args and "loss_agg_mode" in user_args):
+        preset_args = preset.get(f"{key}_args") or {}
+        keeps_own = (user_args and "loss_agg_mode" in user_args) or (
+            "loss_agg_mode" in preset_args and cfg.loss_agg_mode is None
+        )
+        if takes_mode and not keeps_own:
             args["loss_agg_mode"] = mode  # algorithm.loss_agg_mode beats default_args
         obj, used = _instantiate(key, cls, args, mode if takes_mode else None)
         instances[key] = obj

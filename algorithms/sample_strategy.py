@@ -358,6 +358,9 @@ class MixSampleStrategy(SampleStrategy):
             raise RuntimeError("MixSampleStrategy: no expert_source; pass expert_source=...")
         start = time.perf_counter()
         usual = await source.read(self.usual_batch_size) if self.usual_batch_size > 0 else []
+        if self.usual_batch_size > 0 and not usual:
+            # the rollouts are exhausted: the run ends (expert data alone is not a MIX step)
+            return [], {"sample/read_time": time.perf_counter() - start, "sample/count": 0.0}, []
         expert = (
             await self.expert_source.read(self.expert_batch_size)
             if self.expert_batch_size > 0

@@ -63,9 +63,14 @@ class BufferReader:
     async def read_async(self, batch_size: int | None = None) -> list[Experience]:
         """The next ``batch_size`` (default: the config's ``train_batch_size``) experiences.
 
-        Waits until they are there; fewer only when the input is exhausted.
+        Waits until they are there; fewer only when the input is exhausted, and
+        raises ``StopAsyncIteration`` once nothing is left (as Trinity-RFT's
+        readers signal the end; the trainer then finishes the run).
         """
-        return await self.source.read(batch_size or self.batch_size)
+        exps = await self.source.read(batch_size or self.batch_size)
+        if not exps:
+            raise StopAsyncIteration(f"{type(self.source).__name__} is exhausted")
+        return exps
 
 
 def get_buffer_reader(

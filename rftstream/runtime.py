@@ -114,7 +114,11 @@ def _fill_batch_args(cfg: Config, algorithm: Any) -> Config:
     user = dict(cfg.algorithm.policy_loss_fn_args or {})
     total = cfg.buffer.train_batch_size or cfg.buffer.batch_size * int(algorithm.repeat_times or 1)
     micro = max(1, cfg.trainer.ppo_micro_batch_size_per_gpu)
-    ratio = float(algorithm.sample_strategy_args.get("expert_data_ratio", 0.0) or 0.0)
+    ss_defaults = algorithm.sample_strategy_cls.default_args() or {}
+    ratio = algorithm.sample_strategy_args.get("expert_data_ratio")
+    if ratio is None:  # the strategy's own default (the guide's MIX reads 0.5 when unset)
+        ratio = ss_defaults.get("expert_data_ratio", 0.5)
+    ratio = float(ratio)
     expert = math.ceil(ratio * total)
     mini = int(user.get("ppo_mini_batch_size", total))
     derived = {
@@ -127,20 +131,88 @@ def _fill_batch_args(cfg: Config, algorithm: Any) -> Config:
     fill = {k: v for k, v in derived.items() if k in params and k not in user}
     if not fill:
         return cfg
+    mb = fill.get("ppo_micro_batch_size_per_gpu", micro)
+    if "ppo_mini_batch_size" in fill and total % mb:
+        raise ConfigError(
+            "trainer.ppo_micro_batch_size_per_gpu",
+            f"{type(algorithm.policy_loss_fn).__name__} weights each micro-batch by "
+            f"ppo_mini_batch_size // micro batch; the train batch {total} is not a multiple of "
+            f"the micro batch {mb} (set buffer.train_batch_size or this key so it divides)",
+            value=mb,
+        )
     algo_cfg = msgspec.structs.replace(cfg.algorithm, policy_loss_fn_args={**user, **fill})
     return msgspec.structs.replace(cfg, algorithm=algo_cfg)
 
 
+def _preset_check_config(cfg: Config) -> Config:
+    """The preset's ``check_config`` (Trinity-RFT's hook) on a copy of ``cfg``; returns the copy.
+
+    Keys it sets take effect (the algorithm is resolved afterwards); a
+    ValueError becomes a ConfigError at ``algorithm.algorithm_type``. An
+    unknown preset is left for :func:`resolve_algorithm` to report.
+    """
+    import copy
+
+    from algorithms import ALGORITHM_TYPE
+    from rftstream.errors import RegistryError
+
+    eb = cfg.buffer.trainer_input.experience_buffer
+    if cfg.mode == "train" and (eb is None or not eb.path):
+        raise ConfigError(
+            "buffer.trainer_input.experience_buffer.path",
+            "is required in mode: train (the dataset the trainer reads)",
+        )
+    try:
+        algo_cls = ALGORITHM_TYPE.get(cfg.algorithm.algorithm_type)
+    except RegistryError:
+        return cfg
+    cfg = copy.deepcopy(cfg)
+    try:
+        algo_cls.check_config(cfg)
+    except ValueError as exc:
+        raise ConfigError(
+            "algorithm.algorithm_type", str(exc), value=cfg.algorithm.algorithm_type
+        ) from exc
+    return cfg
+
+
 def _check_algorithm(cfg: Config, algorithm: Any) -> None:
-    """Run-level checks of the algorithm: its preset's ``check_config`` and the trainer's inputs."""
+    """Run-level checks of the resolved algorithm against the trainer's inputs and the mode."""
+    from algorithms.utils import check_loss_agg_mode
     from rftstream.training.batch import LOSS_TENSORS
 
-    try:
-        algorithm.algorithm_type.check_config(cfg)
-    except ValueError as exc:
-        raise ConfigError("algorithm.algorithm_type", str(exc), value=algorithm.name) from exc
+    schema = str(getattr(algorithm.algorithm_type, "schema", "experience"))
+    if cfg.mode == "train" and schema not in ("sft", "dpo"):
+        raise ConfigError(
+            "mode",
+            f"`train` reads a dataset, which only the sft and dpo presets train on; "
+            f"{algorithm.name} learns from rollouts (use mode: both)",
+            value=cfg.mode,
+        )
     available = set(LOSS_TENSORS) | ({"values"} if algorithm.use_critic else set())
+    if not algorithm.use_reference:
+        available.discard("ref_logprob")
+        if (algorithm.config.kl_loss_fn or "none") != "none":
+            raise ConfigError(
+                "algorithm.kl_loss_fn",
+                f"{algorithm.name} has no reference model (use_reference is False), so a KL "
+                f"loss cannot be computed; set kl_loss_fn: none",
+                value=algorithm.config.kl_loss_fn,
+            )
     algorithm.check_loss_inputs(available)
+    if algorithm.use_critic:
+        try:
+            check_loss_agg_mode(cfg.trainer.critic.loss_agg_mode)
+        except ValueError as exc:
+            raise ConfigError(
+                "trainer.critic.loss_agg_mode", str(exc), value=cfg.trainer.critic.loss_agg_mode
+            ) from exc
+        if not cfg.trainer.critic.cliprange_value > 0:
+            raise ConfigError(
+                "trainer.critic.cliprange_value",
+                "must be > 0",
+                value=cfg.trainer.critic.cliprange_value,
+            )
     if (algorithm.config.kl_penalty_fn or "none") != "none":
         if not algorithm.compute_advantage_in_trainer:
             raise ConfigError(
@@ -155,12 +227,6 @@ def _check_algorithm(cfg: Config, algorithm: Any) -> None:
                 f"{algorithm.name} has no reference model (use_reference is False)",
                 value=algorithm.config.kl_penalty_fn,
             )
-    eb = cfg.buffer.trainer_input.experience_buffer
-    if cfg.mode == "train" and (eb is None or not eb.path):
-        raise ConfigError(
-            "buffer.trainer_input.experience_buffer.path",
-            "is required in mode: train (the dataset the trainer reads)",
-        )
 
 
 def roles_for(cfg: Config) -> tuple[str, ...]:
@@ -203,7 +269,7 @@ def prepare_run(
     buffer = cfg.buffer
     if steps is not None:
         buffer = msgspec.structs.replace(buffer, total_steps=steps)
-    cfg = msgspec.structs.replace(cfg, buffer=buffer)
+    cfg = _preset_check_config(msgspec.structs.replace(cfg, buffer=buffer))
     algorithm = resolve_algorithm(cfg.algorithm, cfg.buffer)
     filled = _fill_batch_args(cfg, algorithm)
     if filled is not cfg:

@@ -281,12 +281,17 @@ class Trainer:
                 while total is None or self.step < total:
                     step = self.step + 1
                     t0 = time.perf_counter()
-                    batch, sample_metrics, _samples = await strategy.sample(step)
+                    try:
+                        batch, sample_metrics, _samples = await strategy.sample(step)
+                    except (StopAsyncIteration, StopIteration):
+                        batch, sample_metrics = [], {}  # a Trinity-style reader ran dry
                     wait = time.perf_counter() - t0
                     if not batch:
                         log.info("%s: upstream exhausted after %d steps", self.name, self.step)
                         break
-                    staleness = [self.version - int(e.model_version) for e in batch]
+                    staleness = [
+                        self.version - int(e.model_version) for e in batch if _from_rollout(e)
+                    ]
                     train_metrics = await anyio.to_thread.run_sync(trainer.train_step, batch)
                     self.step = step
                     self.version = step
@@ -383,6 +388,7 @@ class Trainer:
                 raise ConfigError(
                     "buffer.trainer_input.experience_buffer", "is required in mode: train"
                 )
+            # the dataset's own total_epochs, else buffer.total_epochs (as Trinity-RFT)
             epochs = tin.experience_buffer.total_epochs or cfg.buffer.total_epochs
             source = await self._open_dataset(
                 trainer,
@@ -451,7 +457,7 @@ class Trainer:
         rewards = [
             float(e.reward)
             for e in batch
-            if e.reward is not None and not math.isnan(float(e.reward))
+            if _from_rollout(e) and e.reward is not None and not math.isnan(float(e.reward))
         ]
         record: dict[str, Any] = {"step": step, "ts": time.time()}
         record.update(monitor.take())
@@ -490,6 +496,11 @@ class Trainer:
         await state.put_json(KV_TRAINER_STEP, record["step"])
         if self.on_step is not None:
             self.on_step(record)
+
+
+def _from_rollout(exp: Any) -> bool:
+    """False for dataset rows (SFT/DPO data, MIX expert data): no rollout reward or version."""
+    return not (exp.info.get("is_expert") or exp.eid.batch == "dataset")
 
 
 def _finite(record: dict[str, Any]) -> bool:

@@ -111,7 +111,7 @@ class StorageConfig(_Base):
     schema_type: str | None = None
     path: str = ""
     split: str = "train"
-    total_epochs: int = 1
+    total_epochs: int | None = None  # None: buffer.total_epochs (experience_buffer)
     shuffle: bool = False
     seed: int = 42
     format: FormatConfig = msgspec.field(default_factory=FormatConfig)

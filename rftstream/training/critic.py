@@ -40,14 +40,14 @@ class ValueModel(torch.nn.Module):
         prompt_width: int,
     ) -> torch.Tensor:
         """Values of the response tokens, ``(batch, response_width)`` float32."""
-        out = self.backbone(
+        base = getattr(self.backbone, "base_model", self.backbone)  # no vocabulary logits
+        out = base(
             input_ids=input_ids,
             attention_mask=attention_mask,
             position_ids=position_ids,
             use_cache=False,
-            output_hidden_states=True,
         )
-        hidden = out.hidden_states[-1]
+        hidden = out.last_hidden_state
         width = input_ids.shape[1] - prompt_width
         h = hidden[:, prompt_width - 1 : prompt_width - 1 + width, :]
         return self.value_head(h.to(self.value_head.weight.dtype)).squeeze(-1).float()

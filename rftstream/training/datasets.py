@@ -33,10 +33,16 @@ from rftstream.experience import EID, Experience
 
 def read_rows(path: str | Path, key_path: str) -> list[dict[str, Any]]:
     """The rows of a jsonl file (or a json list). Errors name ``key_path``, the file and the line."""
+    return [row for _where, row in read_numbered_rows(path, key_path)]
+
+
+def read_numbered_rows(path: str | Path, key_path: str) -> list[tuple[str, dict[str, Any]]]:
+    """``(where, row)`` pairs: ``where`` is ``"<file> line N"`` (jsonl) or ``"<file> item N"`` (json)."""
     p = Path(path)
     if not p.is_file():
         raise ConfigError(key_path, f"no such dataset file {str(p)!r}", value=str(path))
     text = p.read_text(encoding="utf-8")
+    numbered: list[tuple[str, Any]] = []
     if p.suffix == ".json":
         try:
             rows = json.loads(text)
@@ -44,23 +50,21 @@ def read_rows(path: str | Path, key_path: str) -> list[dict[str, Any]]:
             raise ConfigError(key_path, f"{p}: not valid JSON: {exc}") from exc
         if not isinstance(rows, list):
             raise ConfigError(key_path, f"{p}: expected a JSON list of objects")
+        numbered = [(f"{p} item {i + 1}", row) for i, row in enumerate(rows)]
     else:
-        rows = []
         for lineno, line in enumerate(text.splitlines(), 1):
             if not line.strip():
                 continue
             try:
-                rows.append(json.loads(line))
+                numbered.append((f"{p}:{lineno}", json.loads(line)))
             except json.JSONDecodeError as exc:
                 raise ConfigError(key_path, f"{p}:{lineno}: not valid JSON: {exc}") from exc
-    for i, row in enumerate(rows):
+    for where, row in numbered:
         if not isinstance(row, dict):
-            raise ConfigError(
-                key_path, f"{p}: row {i + 1} is a {type(row).__name__}, not an object"
-            )
-    if not rows:
+            raise ConfigError(key_path, f"{where}: a {type(row).__name__}, not an object")
+    if not numbered:
         raise ConfigError(key_path, f"{p}: the dataset is empty")
-    return rows
+    return numbered
 
 
 class _Renderer:
@@ -151,13 +155,12 @@ def load_dataset_experiences(
     """
     if schema not in ("sft", "dpo"):
         raise ConfigError(key_path, f"cannot read a dataset for schema {schema!r} (sft or dpo)")
-    rows = read_rows(storage.path, f"{key_path}.path")
+    rows = read_numbered_rows(storage.path, f"{key_path}.path")
     fmt = storage.format
     render = _Renderer(tokenizer, fmt, max_prompt, max_response)
     messages_key = fmt.messages_key or "messages"
     out: list[Experience] = []
-    for i, row in enumerate(rows):
-        where = f"{storage.path} row {i + 1}"
+    for i, (where, row) in enumerate(rows):
         try:
             if schema == "sft":
                 use_messages = fmt.prompt_type == "messages" or (
@@ -207,8 +210,8 @@ def load_dataset_experiences(
                             prompt, reply, EID(batch="dataset", task=i, run=run), {"dpo": tag}
                         )
                     )
-        except ValueError as exc:
-            raise ConfigError(key_path, f"{where}: {exc}") from exc
+        except Exception as exc:  # noqa: BLE001 - template errors too: name the row
+            raise ConfigError(key_path, f"{where}: {type(exc).__name__}: {exc}") from exc
     return out
 
 

@@ -113,6 +113,8 @@ class PolicyTrainer:
         # raises ConfigError naming the loss and the first required field nothing provides
         self.loss_inputs = check_loss_inputs(algorithm.policy_loss_fn, available)
         self.entropy_inputs, self.entropy_var_kw = _entropy_extra_inputs(algorithm.entropy_loss_fn)
+        coef = getattr(algorithm.entropy_loss_fn, "entropy_coef", 1.0)
+        self.entropy_grad = (algorithm.config.entropy_loss_fn or "none") != "none" and coef != 0
         self.micro = max(1, cfg.trainer.ppo_micro_batch_size_per_gpu)
         self.train_batch_size = max(1, cfg.buffer.train_batch_size)
         self.gas = max(1, math.ceil(self.train_batch_size / self.micro))
@@ -235,8 +237,17 @@ class PolicyTrainer:
                 f"advantage_fn {type(algo.advantage_fn).__name__} returned {len(exps_out)} of "
                 f"{len(exps)} experiences; an advantage computed in the trainer must keep them all"
             )
+        # group advantages return their experiences in group order: map back to batch rows
+        rows = {id(e): i for i, e in enumerate(exps)}
+        by_uid = {e.eid.uid: i for i, e in enumerate(exps)}
         width = batch.response_width
-        for i, e in enumerate(exps_out):
+        for e in exps_out:
+            i = rows.get(id(e), by_uid.get(e.eid.uid))
+            if i is None:
+                raise RuntimeError(
+                    f"advantage_fn {type(algo.advantage_fn).__name__} returned experience "
+                    f"{e.eid.uid}, which is not in the batch"
+                )
             batch.advantages[i] = _fit(e.advantages, width).to(batch.advantages.device)
             batch.returns[i] = _fit(e.returns, width).to(batch.returns.device)
         metrics.update({f"advantage/{k}": float(v) for k, v in adv_metrics.items()})
@@ -332,7 +343,11 @@ class PolicyTrainer:
         lrs = [g["lr"] for g in self.optimizer.param_groups] if self.optimizer is not None else []
         if lrs:
             out["actor/lr"] = float(lrs[0])
-        if self.kl_loss and hasattr(self.algorithm.kl_loss_fn, "kl_coef"):
+        if (
+            self.kl_loss
+            and self.ref_model is not None
+            and hasattr(self.algorithm.kl_loss_fn, "kl_coef")
+        ):
             out["actor/kl_coef"] = float(self.algorithm.kl_loss_fn.kl_coef)
         mask = batch.response_mask
         out["response_length/mean"] = float(mask.sum(1).mean())
@@ -352,6 +367,8 @@ class PolicyTrainer:
         algo = self.algorithm
         mb = batch.rows(rows)
         logprob, entropy = self._forward(self.engine, mb, with_entropy=True)
+        if entropy is not None and not self.entropy_grad:
+            entropy = entropy.detach()  # reported only: no B x R x V graph kept for it
         ref_mb = ref_logprob[rows] if ref_logprob is not None else None
         tensors: dict[str, torch.Tensor] = {
             "logprob": logprob,

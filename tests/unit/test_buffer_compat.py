@@ -102,7 +102,8 @@ async def test_read_async_returns_train_batch_size() -> None:
     assert [e.reward for e in got] == [4.0, 5.0]
     got = await reader.read_async()
     assert [e.reward for e in got] == [6.0, 7.0, 8.0, 9.0]
-    assert await reader.read_async() == []  # exhausted
+    with pytest.raises(StopAsyncIteration):  # exhausted: Trinity-RFT readers end this way
+        await reader.read_async()
     assert main.asked == [4, 2, 4, 4]
 
 

@@ -284,7 +284,7 @@ def test_missing_key_names_file_row_and_key(
     msg = str(ei.value)
     assert ei.value.key_path == KP
     assert str(path) in msg
-    assert "row 3" in msg
+    assert f"{path}:3:" in msg  # the file's line
     assert repr(needle) in msg
 
 
@@ -295,7 +295,7 @@ def test_last_message_not_assistant(tmp_path: Path, tok: Any) -> None:
         load_dataset_experiences(storage(path), tok, schema="sft", key_path="my.key")
     msg = str(ei.value)
     assert ei.value.key_path == "my.key"
-    assert str(path) in msg and "row 2" in msg
+    assert f"{path}:2:" in msg
     assert "assistant" in msg
 
 
@@ -303,7 +303,7 @@ def test_messages_not_a_chat_list(tmp_path: Path, tok: Any) -> None:
     path = write_jsonl(tmp_path / "d.jsonl", [{"messages": 5}])
     with pytest.raises(ConfigError) as ei:
         load_dataset_experiences(storage(path), tok, schema="sft", key_path=KP)
-    assert "row 1" in str(ei.value) and str(path) in str(ei.value)
+    assert f"{path}:1:" in str(ei.value)
 
 
 def test_bad_json_line_names_file_and_line(tmp_path: Path, tok: Any) -> None:
@@ -368,7 +368,7 @@ def test_json_file_errors(tmp_path: Path) -> None:
     bad_row.write_text('[{"question": "a"}, 3]', encoding="utf-8")
     with pytest.raises(ConfigError) as ei:
         read_rows(bad_row, "k")
-    assert "row 2" in str(ei.value) and str(bad_row) in str(ei.value)
+    assert f"{bad_row} item 2" in str(ei.value)
     broken = tmp_path / "c.json"
     broken.write_text("[{", encoding="utf-8")
     with pytest.raises(ConfigError) as ei:
@@ -380,7 +380,7 @@ def test_jsonl_row_that_is_not_an_object(tmp_path: Path) -> None:
     path = write_jsonl(tmp_path / "d.jsonl", [{"question": "a"}, [1, 2]])
     with pytest.raises(ConfigError) as ei:
         read_rows(path, "k")
-    assert "row 2" in str(ei.value) and "list" in str(ei.value)
+    assert ":2:" in str(ei.value) and "list" in str(ei.value)
 
 
 # ----------------------------------------------------------------------- DatasetSource
@@ -499,3 +499,23 @@ async def test_reads_are_copies() -> None:
     assert again[0].tokens.tolist() == [1, 2, 3]
     assert again[0].reward == 0.0
     assert again[0] is not first[0]
+
+
+def test_blank_lines_do_not_shift_the_reported_line(tmp_path: Path, tok: Any) -> None:
+    path = tmp_path / "d.jsonl"
+    good = json.dumps({"messages": [user("a"), assistant("b")]})
+    path.write_text("\n" + good + "\n\n" + json.dumps({"messages": [user("a")]}) + "\n")
+    with pytest.raises(ConfigError) as ei:
+        load_dataset_experiences(storage(str(path)), tok, schema="sft", key_path=KP)
+    assert f"{path}:4:" in str(ei.value)
+
+
+def test_a_template_failure_names_the_row(tmp_path: Path, tok: Any) -> None:
+    rows = [
+        {"messages": [user("a"), assistant("b")]},
+        {"messages": [{"role": "user", "content": 5}, assistant("b")]},
+    ]
+    path = write_jsonl(tmp_path / "d.jsonl", rows)
+    with pytest.raises(ConfigError) as ei:
+        load_dataset_experiences(storage(path), tok, schema="sft", key_path=KP)
+    assert ei.value.key_path == KP and f"{path}:2:" in str(ei.value)

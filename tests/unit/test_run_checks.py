@@ -87,8 +87,8 @@ def test_dataset_algorithms_need_the_dataset_path(
         cfg["buffer"]["trainer_input"] = trainer_input
     with pytest.raises(ConfigError) as ei:
         prep(cfg)
-    assert ei.value.key_path == "algorithm.algorithm_type"
-    assert "buffer.trainer_input.experience_buffer.path" in str(ei.value)
+    assert ei.value.key_path == "buffer.trainer_input.experience_buffer.path"
+    assert "mode: train" in str(ei.value)
 
 
 @pytest.mark.parametrize("algo", ["sft", "dpo"])
@@ -107,6 +107,8 @@ def test_dataset_algorithms_in_mode_train_are_accepted(
 
 def test_mode_train_without_experience_buffer_is_rejected(cfg: dict[str, Any]) -> None:
     cfg["mode"] = "train"
+    cfg["algorithm"]["algorithm_type"] = "sft"
+    cfg["algorithm"].pop("repeat_times", None)
     with pytest.raises(ConfigError) as ei:
         prep(cfg)
     assert ei.value.key_path.startswith("buffer.trainer_input.experience_buffer")
@@ -116,15 +118,61 @@ def test_mode_train_with_an_empty_experience_buffer_path_is_rejected(
     cfg: dict[str, Any],
 ) -> None:
     cfg["mode"] = "train"
+    cfg["algorithm"]["algorithm_type"] = "dpo"
     cfg["buffer"]["trainer_input"] = {"experience_buffer": {"path": ""}}
     with pytest.raises(ConfigError) as ei:
         prep(cfg)
     assert ei.value.key_path.startswith("buffer.trainer_input.experience_buffer")
 
 
+def test_mode_train_with_a_rollout_preset_is_rejected(cfg: dict[str, Any], dataset: str) -> None:
+    cfg["mode"] = "train"
+    set_train_dataset(cfg, dataset)
+    with pytest.raises(ConfigError) as ei:
+        prep(cfg)
+    assert ei.value.key_path == "mode" and "grpo" in str(ei.value)
+
+
+def test_kl_loss_without_a_reference_model_is_rejected(cfg: dict[str, Any]) -> None:
+    cfg["algorithm"].update({"algorithm_type": "asymre", "kl_loss_fn": "k2"})
+    with pytest.raises(ConfigError) as ei:
+        prep(cfg)
+    assert ei.value.key_path == "algorithm.kl_loss_fn"
+
+
+def test_critic_loss_agg_mode_is_checked(cfg: dict[str, Any]) -> None:
+    cfg["algorithm"]["algorithm_type"] = "ppo"
+    cfg["trainer"]["critic"] = {"loss_agg_mode": "token-sum"}
+    with pytest.raises(ConfigError) as ei:
+        prep(cfg)
+    assert ei.value.key_path == "trainer.critic.loss_agg_mode"
+
+
+def test_mix_needs_a_train_batch_divisible_by_the_micro_batch(
+    cfg: dict[str, Any], dataset: str
+) -> None:
+    data = mix(cfg, dataset)
+    data["buffer"]["train_batch_size"] = 12
+    data["trainer"]["ppo_micro_batch_size_per_gpu"] = 8
+    with pytest.raises(ConfigError) as ei:
+        prep(data)
+    assert ei.value.key_path == "trainer.ppo_micro_batch_size_per_gpu"
+
+
+def test_mix_expert_ratio_defaults_to_the_strategy_default(
+    cfg: dict[str, Any], dataset: str
+) -> None:
+    data = mix(cfg, dataset)
+    data["algorithm"].pop("sample_strategy_args", None)
+    args = prep(data).cfg.algorithm.policy_loss_fn_args
+    assert (args["train_batch_size_usual"], args["train_batch_size_expert"]) == (4, 4)  # 0.5 of 8
+
+
 def test_roles(cfg: dict[str, Any], dataset: str) -> None:
     assert roles_for(prep(cfg).cfg) == ("explorer", "operator", "trainer")
     cfg["mode"] = "train"
+    cfg["algorithm"]["algorithm_type"] = "sft"
+    cfg["algorithm"].pop("repeat_times", None)
     set_train_dataset(cfg, dataset)
     assert roles_for(prep(cfg).cfg) == ("trainer",)
 

@@ -176,3 +176,18 @@ async def test_representative_sample_without_rewards():
     ]
     one = mk(0.5)
     assert representative_sample([one]) == [{"prompt": "u-p0", "response": "u-r0", "reward": 0.5}]
+
+
+async def test_mix_ends_when_the_rollouts_are_exhausted(anyio_backend):
+    """Expert data cycles forever; the run still ends when no rollout is left."""
+    aux = {"sft_dataset": StorageConfig(path="expert.jsonl")}
+    usual = ListSource([mk(0.5, i) for i in range(8)])
+    expert = ListSource([mk(None, i, tag="e") for i in range(100)])
+    ss = MixSampleStrategy(buf(8, aux=aux), usual, expert_source=expert, expert_data_ratio=0.25)
+    first, _, _ = await ss.sample(step=1)
+    assert len(first) == 8
+    last, _, _ = await ss.sample(step=2)  # 2 rollouts left: a short final step
+    assert [e.info["is_expert"] for e in last] == [False, False, True, True]
+    done, metrics, _ = await ss.sample(step=3)
+    assert done == [] and metrics["sample/count"] == 0.0
+    assert expert.asked == [2, 2]  # no expert read for the empty step
