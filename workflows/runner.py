@@ -18,6 +18,15 @@ finished cleanly is reused for a later task via ``reset(task)``; one that
 raised or timed out is dropped (a timed-out sync workflow may still be running
 in its abandoned thread). Construction and ``reset`` can block, so they run in
 a worker thread.
+
+Model history and the OpenAI API: when the model has ``enable_history``, every
+workflow instance gets its own ``model.clone()`` (same engine, its own history
+and its own OpenAI session URL), so concurrent tasks never mix their calls; a
+reused instance's leftover history is cleared before its next task. When the
+model has ``enable_openai_api``, its OpenAI server is started (once) before
+the first task. ``auxiliary_models`` (a list of ``openai.OpenAI`` clients, see
+:func:`rftstream.engines.openai_server.serve_auxiliary_models`) are passed to
+every workflow.
 """
 
 from __future__ import annotations
@@ -84,6 +93,7 @@ class WorkflowRunner:
         self.max_retry_times = int(max_retry_times)
         self.auxiliary_models = list(auxiliary_models) if auxiliary_models is not None else []
         self._idle: dict[type, list[Workflow]] = defaultdict(list)
+        self._api_started = False
 
     async def run_task(self, task: Task) -> TaskResult:
         """Run ``task``'s workflow with timeout and retries; see the module docstring.
@@ -99,6 +109,14 @@ class WorkflowRunner:
             result.metrics = self._metrics([], 0, time.perf_counter() - t0)
             return result
         exps: list[Experience] | None = None
+        if not self._api_started and getattr(self.model, "enable_openai_api", False):
+            try:
+                await self.model.start_openai_server()
+                self._api_started = True
+            except Exception as exc:  # noqa: BLE001 - reported as the task's error
+                result.error = f"{type(exc).__name__}: cannot start the OpenAI API server: {exc}"
+                result.metrics = self._metrics([], 0, time.perf_counter() - t0)
+                return result
         for attempt in range(1, self.max_retry_times + 2):
             result.attempts = attempt
             version0 = int(getattr(self.model, "model_version", 0) or 0)
@@ -155,16 +173,27 @@ class WorkflowRunner:
         idle = self._idle.get(cls)
         if idle:
             wf = idle.pop()
+            own = getattr(wf, "model", None)
+            if own is not None and own is not self.model and hasattr(own, "history"):
+                own.history.clear()  # a clone of ours: leftovers of the previous task
             await anyio.to_thread.run_sync(
                 wf.reset, task, abandon_on_cancel=True, limiter=_workflow_limiter()
             )
             return wf
         aux = list(self.auxiliary_models)
+        model = self._model_for_new_workflow()
         return await anyio.to_thread.run_sync(
-            lambda: cls(task=task, model=self.model, auxiliary_models=aux),
+            lambda: cls(task=task, model=model, auxiliary_models=aux),
             abandon_on_cancel=True,
             limiter=_workflow_limiter(),
         )
+
+    def _model_for_new_workflow(self) -> Any:
+        """The model itself, or (with history on) a clone with a history of its own."""
+        model = self.model
+        if getattr(model, "enable_history", False) and callable(getattr(model, "clone", None)):
+            return model.clone()
+        return model
 
     @staticmethod
     def _finish(exps: list[Experience], task: Task, version0: int) -> None:

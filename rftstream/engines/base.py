@@ -10,7 +10,8 @@ Log-probability convention (the trainer must match it): the logprob of a
 sampled token is ``log_softmax(logits / temperature)[token]``, computed from the
 raw logits divided by the request's temperature, *before* top-k / top-p
 filtering. With ``temperature == 0`` (greedy) the logprob is
-``log_softmax(logits)[token]``.
+``log_softmax(logits)[token]``. :meth:`RolloutEngine.score` (the logprobs of a
+given sequence) follows the same convention.
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import torch
+
+from rftstream.errors import RftError
 
 FinishReason = Literal["stop", "length"]
 
@@ -72,6 +75,20 @@ class Completion:
     info: dict[str, Any] = field(default_factory=dict)
 
 
+@dataclass
+class TokenScores:
+    """Log-probabilities of the tokens of a given sequence (:meth:`RolloutEngine.score`).
+
+    ``logprobs[i]`` is the logprob of ``token_ids[start + i]`` given every
+    token before it; ``top_logprobs[i]`` (when asked for) lists the
+    ``(token_id, logprob)`` pairs of the most likely tokens at that position,
+    best first.
+    """
+
+    logprobs: list[float]
+    top_logprobs: list[list[tuple[int, float]]] | None = None
+
+
 class RolloutEngine(ABC):
     """A rollout engine: batched sampling plus weight loading.
 
@@ -99,6 +116,23 @@ class RolloutEngine(ABC):
         Waits until the request has been served; cancelling the caller drops
         its request without disturbing others batched with it.
         """
+
+    async def score(
+        self,
+        token_ids: list[int],
+        *,
+        start: int = 1,
+        temperature: float = 1.0,
+        top_logprobs: int = 0,
+    ) -> TokenScores:
+        """Logprobs of ``token_ids[start:]`` under the current weights (no sampling).
+
+        ``start`` is clamped to at least 1 (the first token has no context).
+        ``temperature`` divides the logits as in sampling (``0`` means ``1``);
+        ``top_logprobs > 0`` also returns that many alternatives per position.
+        Engines that cannot score raise :class:`RftError` (the default).
+        """
+        raise RftError(f"rollout engine {type(self).__name__} cannot score given token sequences")
 
     @abstractmethod
     async def load_weights(self, state_dict: dict[str, torch.Tensor], version: int) -> None:

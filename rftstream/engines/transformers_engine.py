@@ -36,7 +36,7 @@ import anyio
 import torch
 from anyio.abc import TaskStatus
 
-from rftstream.engines.base import Completion, RolloutEngine, SamplingParams
+from rftstream.engines.base import Completion, RolloutEngine, SamplingParams, TokenScores
 from rftstream.errors import RftError
 
 log = logging.getLogger(__name__)
@@ -337,6 +337,7 @@ class TransformersEngine(RolloutEngine):
             max_buffer_size=math.inf
         )
         self._lock = anyio.Lock()
+        self._limiter: anyio.CapacityLimiter | None = None
         self._closed = False
         self._running = False
         self._inflight: list[_Request] = []
@@ -400,6 +401,65 @@ class TransformersEngine(RolloutEngine):
         assert req.result is not None
         return req.result
 
+    async def score(
+        self,
+        token_ids: list[int],
+        *,
+        start: int = 1,
+        temperature: float = 1.0,
+        top_logprobs: int = 0,
+    ) -> TokenScores:
+        """Logprobs of ``token_ids[start:]`` from one full forward pass (no KV cache).
+
+        Runs between sampling batches (it takes the batcher's lock) in the
+        engine's worker thread; does not need :meth:`run`. Same convention as
+        sampling: ``log_softmax(logits / temperature)``; ``temperature <= 0``
+        means 1. Raises :class:`RftError` when the engine is closed or the
+        sequence does not fit the model context.
+        """
+        if self._closed:
+            raise RftError("rollout engine is closed")
+        ids = [int(t) for t in token_ids]
+        start = max(1, int(start))
+        if len(ids) > self.max_model_len:
+            raise RftError(
+                f"cannot score {len(ids)} tokens: the model context has {self.max_model_len}"
+            )
+        if start >= len(ids):
+            return TokenScores([], [] if top_logprobs > 0 else None)
+        async with self._lock:
+            return await anyio.to_thread.run_sync(
+                self._score,
+                ids,
+                start,
+                float(temperature),
+                int(top_logprobs),
+                limiter=self._thread_limiter(),
+            )
+
+    def _score(self, ids: list[int], start: int, temperature: float, top: int) -> TokenScores:
+        with torch.inference_mode():
+            seq = torch.tensor([ids], dtype=torch.long, device=self.device)
+            out = self._model(input_ids=seq, use_cache=False, logits_to_keep=len(ids) - start + 1)
+            logits = out.logits[0, :-1].float()  # predictions for positions start .. len-1
+            t = temperature if temperature > 0 else 1.0
+            lp = torch.log_softmax(logits / t, dim=-1)
+            chosen = lp.gather(-1, seq[0, start:, None]).squeeze(-1).tolist()
+            alts = None
+            if top > 0:
+                vals, idx = lp.topk(min(top, lp.shape[-1]), dim=-1)
+                alts = [
+                    list(zip(i, v, strict=True))
+                    for i, v in zip(idx.tolist(), vals.tolist(), strict=True)
+                ]
+        return TokenScores(chosen, alts)
+
+    def _thread_limiter(self) -> anyio.CapacityLimiter:
+        """The engine's own one-thread limiter (created on first use, on the event loop)."""
+        if self._limiter is None:
+            self._limiter = anyio.CapacityLimiter(1)
+        return self._limiter
+
     async def load_weights(self, state_dict: dict[str, torch.Tensor], version: int) -> None:
         """Copy ``state_dict`` into the model between batches, then set the version.
 
@@ -446,7 +506,7 @@ class TransformersEngine(RolloutEngine):
         if self._running:
             raise RftError("TransformersEngine.run() is already running")
         self._running = True
-        limiter = anyio.CapacityLimiter(1)
+        limiter = self._thread_limiter()
         pending: deque[_Request] = deque()
         task_status.started()
         try:

@@ -233,8 +233,7 @@ async def test_model_wrapper_generate_and_history(tiny_model_path: str) -> None:
         assert all(e.response_length <= 3 and e.messages is None for e in exps)
         assert len(model.extract_experience_from_history()) == 4
         assert model.extract_experience_from_history() == []
-        with pytest.raises(RftError, match="enable_openai_api"):
-            model.get_openai_client()
+        assert model.get_openai_client().model_path == model.served_model_name
 
 
 # ---------------------------------------------------------------------------
