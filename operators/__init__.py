@@ -3,12 +3,14 @@
 Registered: ``reward_filter``, ``reward_std_filter``, ``invalid_reward_filter``,
 ``staleness_filter``, ``length_filter``, ``overlong_filter``, ``duplicate_filter``,
 ``dapo_dynamic_sampling``, ``mask_response_truncated``, ``reward_shaping_mapper``,
-``pass_rate_calculator``, ``group_advantage``. Depends on the ``rftstream`` kernel and ``algorithms``,
-never on the actors.
+``pass_rate_calculator``, ``group_advantage``, ``data_juicer`` (needs the
+``data-juicer`` extra when constructed; Data-Juicer is imported lazily). Depends on
+the ``rftstream`` kernel and ``algorithms``, never on the actors.
 """
 
 from operators.advantage import GroupAdvantageOperator
 from operators.base import EXPERIENCE_OPERATORS, AsyncExperienceOperator, ExperienceOperator
+from operators.data_juicer import DataJuicerOperator  # imports no data_juicer until built
 from operators.filters import (
     DAPODynamicSampling,
     DuplicateFilter,
@@ -26,6 +28,7 @@ __all__ = [
     "EXPERIENCE_OPERATORS",
     "AsyncExperienceOperator",
     "DAPODynamicSampling",
+    "DataJuicerOperator",
     "DuplicateFilter",
     "ExperienceOperator",
     "ExperiencePipeline",

@@ -8,6 +8,7 @@
     rftstream status|streams --config C --nats-url U
     rftstream tail STAGE [-n N] [--no-follow] [--dlq] [--json] --config C --nats-url U
     rftstream decode < body    # nats stream view ... --translate "rftstream decode"
+    rftstream debug workflow [--config C] [--task N] [--taskset NAME] [--plugin-dir D] [--json]
 
 Errors derived from :class:`rftstream.errors.RftError` are printed as one
 readable line (exit code 2); anything else is a bug and shows a traceback.
@@ -27,6 +28,7 @@ from typing import Any
 
 import anyio
 from rich.console import Console
+from rich.markup import escape
 
 from rftstream.errors import RftError
 
@@ -99,6 +101,12 @@ def build_parser() -> argparse.ArgumentParser:
         default=1,
         help="replicas in this process, sharing one durable consumer",
     )
+    op.add_argument(
+        "--splice",
+        action="store_true",
+        help="insert this operator in front of the running trainer: it takes over the stage the "
+        "trainer reads, from the next message on, and writes --to, which the trainer reads instead",
+    )
     st = sub.add_parser("status", help="print the run's state from its KV bucket")
     _common(st, need_url=True)
     sm = sub.add_parser(
@@ -119,6 +127,55 @@ def build_parser() -> argparse.ArgumentParser:
     tl.add_argument("--dlq", action="store_true", help="tail rft.<run>.dlq.<stage> instead")
     tl.add_argument("--json", action="store_true", help="one JSON object per line")
     sub.add_parser("decode", help="read one message body on stdin, print a one-line JSON summary")
+    dbg = sub.add_parser(
+        "debug",
+        help="run one piece locally, without NATS: `debug workflow` runs one task through its workflow",
+    )
+    dbg.add_argument(
+        "module",
+        nargs="?",
+        choices=["workflow"],
+        help="what to debug: `workflow` (one task of the training taskset through its workflow)",
+    )
+    dbg.add_argument(
+        "--module",
+        dest="module_opt",
+        choices=["workflow"],
+        help="same as the positional (Trinity-RFT's spelling)",
+    )
+    dbg.add_argument(
+        "--config", "-c", help="YAML config (Trinity-RFT keys); default: the embedded default run"
+    )
+    dbg.add_argument(
+        "--task", type=int, default=0, help="row index in the training taskset (default 0)"
+    )
+    dbg.add_argument(
+        "--taskset",
+        help="name of the training taskset when `tasksets` lists several (default: the first)",
+    )
+    dbg.add_argument(
+        "--plugin-dir",
+        action="append",
+        default=[],
+        help="import every *.py in this directory (repeatable)",
+    )
+    dbg.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a config key, e.g. algorithm.repeat_times=2",
+    )
+    dbg.add_argument("--json", action="store_true", help="one JSON document instead of panels")
+    dbg.add_argument(
+        "--max-chars", type=int, default=2000, help="clip prompt/response texts (0: never)"
+    )
+    dbg.add_argument(
+        "--traceback",
+        action="store_true",
+        help="also print the workflow's traceback when it raises",
+    )
+    dbg.add_argument("--log-level", default="WARNING", help="console log level (stderr)")
     return parser
 
 
@@ -206,7 +263,10 @@ def cmd_actor(args: argparse.Namespace) -> int:
 
     run = _prepare(args)
     url = args.nats_url
-    if run.cfg.synchronizer.sync_method == "memory":
+    weights_travel = args.command == "explorer" or (
+        args.command == "trainer" and run.cfg.mode != "train"
+    )  # operators never touch weights; a train-mode trainer is the only actor
+    if run.cfg.synchronizer.sync_method == "memory" and weights_travel:
         raise RftError(
             "config key `synchronizer.sync_method`: `memory` needs all actors in one process; "
             "use `checkpoint` when running actors separately"
@@ -248,6 +308,17 @@ def cmd_actor(args: argparse.Namespace) -> int:
             await runtime.run_explorer(run, url, name=args.name, on_progress=explorer_progress)
         elif args.command == "operator":
             pipelines = [_operator_pipeline(args) for _ in range(max(1, args.replicas))]
+            from_stage, to_stage, start_seq = args.from_stage, args.to_stage, None
+            if args.splice:
+                if not args.operator or not args.to_stage:
+                    raise RftError("--splice needs an operator NAME and the stage it writes (--to)")
+                progress.update(task, info="asking the trainer to splice this operator in…")
+                cut = await runtime.splice_in(run, url, args.operator, args.to_stage)
+                from_stage, to_stage, start_seq = cut.from_stage, cut.to_stage, cut.start_seq
+                progress.console.print(
+                    f"spliced in: reads exp.{from_stage} from sequence {start_seq}, writes "
+                    f"exp.{to_stage}; the trainer reads exp.{to_stage} from now on"
+                )
             async with anyio.create_task_group() as tg:
                 for i, pipeline in enumerate(pipelines):
                     tg.start_soon(
@@ -257,9 +328,10 @@ def cmd_actor(args: argparse.Namespace) -> int:
                             url,
                             name=args.name if len(pipelines) == 1 else f"{args.name}-{i}",
                             pipeline=pipeline,
-                            from_stage=args.from_stage,
-                            to_stage=args.to_stage,
+                            from_stage=from_stage,
+                            to_stage=to_stage,
                             on_progress=operator_progress,
+                            start_seq=start_seq,
                         )
                     )
         else:
@@ -282,8 +354,16 @@ def cmd_status(args: argparse.Namespace) -> int:
     async def main() -> None:
         async with await Bus.connect(args.nats_url, names, cfg.nats, "status") as bus:
             state = RunState(await bus.kv())
-            for key, value in (await state.all()).items():
+            values = await state.all()
+            for key, value in values.items():
                 console.print(f"[cyan]{key}[/] = {value}")
+            current = cfg.data_processor.experience_pipeline.output_stage
+            chain = ["raw", current]
+            for edge in values.get("topology") or []:
+                if isinstance(edge, dict) and edge.get("from") == current:
+                    current = str(edge.get("to"))
+                    chain.append(f"{current} ({edge.get('by')})")
+            console.print("stages: " + " -> ".join(chain) + " -> trainer", markup=False)
 
     anyio.run(main)
     return 0
@@ -376,6 +456,58 @@ def cmd_decode() -> int:
     return 0
 
 
+def cmd_debug(args: argparse.Namespace) -> int:
+    """``rftstream debug workflow``: see :mod:`rftstream.debug`. No NATS."""
+    from rich.logging import RichHandler
+
+    from rftstream.debug import debug_workflow
+    from rftstream.plugins import load_plugins
+    from rftstream.runtime import prepare_run
+
+    module = args.module or args.module_opt
+    if module is None:
+        raise RftError("debug: say what to debug, e.g. `rftstream debug workflow --config C`")
+    if args.module and args.module_opt and args.module != args.module_opt:
+        raise RftError(f"debug: {args.module!r} and --module {args.module_opt!r} disagree")
+    err = Console(stderr=True)
+    root = logging.getLogger()
+    root.setLevel(logging.DEBUG if args.traceback else logging.INFO)
+    handler = RichHandler(
+        console=err,
+        show_path=False,
+        rich_tracebacks=True,
+        level=getattr(logging, str(args.log_level).upper(), logging.WARNING),
+    )
+    root.addHandler(handler)
+    for noisy in ("DeepSpeed", "deepspeed", "torch.distributed", "nats"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+    if not args.traceback:  # one attempt: the runner's warning would repeat the error line
+        logging.getLogger("workflows.runner").setLevel(logging.ERROR)
+    else:  # the runner logs a raising workflow's traceback at DEBUG
+        tb = RichHandler(console=err, show_path=False, rich_tracebacks=True, level=logging.DEBUG)
+        tb.addFilter(lambda r: r.exc_info is not None)
+        logging.getLogger("workflows.runner").addHandler(tb)
+    load_plugins(args.plugin_dir)
+    cfg, source = load_run_config(args)
+    status = err.status("preparing (config, model)…") if not args.json else None
+    if status is not None:
+        status.start()
+    try:
+        run = prepare_run(cfg, progress=lambda msg: err.log(msg), source=source)
+    finally:
+        if status is not None:
+            status.stop()
+    debug_workflow(
+        run,
+        task_index=args.task,
+        taskset=args.taskset,
+        console=console,
+        as_json=args.json,
+        max_chars=args.max_chars,
+    )
+    return 0
+
+
 def _fmt(v: Any, spec: str = ".3f") -> str:
     return "-" if v is None else format(v, spec)
 
@@ -405,8 +537,10 @@ def main(argv: list[str] | None = None) -> int:
             return cmd_tail(args)
         if args.command == "decode":
             return cmd_decode()
-    except RftError as exc:
-        console.print(f"[bold red]error:[/] {exc}")
+        if args.command == "debug":
+            return cmd_debug(args)
+    except RftError as exc:  # one line, never re-wrapped, brackets in it kept (not markup)
+        console.print(f"[bold red]error:[/] {escape(str(exc))}", soft_wrap=True)
         return 2
     except KeyboardInterrupt:  # Ctrl-C before the actors started (model build, config)
         console.print("[yellow]interrupted[/]")

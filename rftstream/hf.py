@@ -5,6 +5,12 @@ context managers while ``from_pretrained`` runs; two loads in concurrent
 threads (an explorer's engine and the trainer, both in ``rftstream up``) can
 leave tied weights on ``meta``. Every load goes through :func:`load_causal_lm`,
 which serialises them. Blocks for the load.
+
+Importing transformers' lazy ``Auto*`` classes from two threads at once can
+also fail (``cannot import name 'AutoTokenizer'``: one thread sees the other's
+half-initialised submodule), so :func:`hf_classes` resolves them under the
+same (re-entrant) lock; use it instead of ``from transformers import ...`` in
+code that may run in a worker thread.
 """
 
 from __future__ import annotations
@@ -14,7 +20,7 @@ from typing import Any
 
 import torch
 
-HF_LOAD_LOCK = threading.Lock()
+HF_LOAD_LOCK = threading.RLock()
 
 _DTYPES = {
     "float32": torch.float32,
@@ -38,15 +44,21 @@ def torch_dtype(name: str | torch.dtype) -> torch.dtype:
 
 def load_causal_lm(path: str, dtype: str | torch.dtype = "float32", **kwargs: Any) -> Any:
     """``AutoModelForCausalLM.from_pretrained`` under the process-wide load lock."""
-    from transformers import AutoModelForCausalLM
-
     with HF_LOAD_LOCK:
+        (AutoModelForCausalLM,) = hf_classes("AutoModelForCausalLM")
         return AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype(dtype), **kwargs)
 
 
 def load_tokenizer(path: str, **kwargs: Any) -> Any:
     """``AutoTokenizer.from_pretrained`` under the process-wide load lock."""
-    from transformers import AutoTokenizer
-
     with HF_LOAD_LOCK:
+        (AutoTokenizer,) = hf_classes("AutoTokenizer")
         return AutoTokenizer.from_pretrained(path, **kwargs)
+
+
+def hf_classes(*names: str) -> tuple[Any, ...]:
+    """``transformers.<name>`` for each name, imported under :data:`HF_LOAD_LOCK`."""
+    with HF_LOAD_LOCK:
+        import transformers
+
+        return tuple(getattr(transformers, name) for name in names)

@@ -36,6 +36,9 @@ class TaskMsg(msgspec.Struct, kw_only=True):
     raw_task: dict[str, Any]
     is_eval: bool = False
     schema: str = TASK_SCHEMA
+    # appended: the row's ``task_id`` (its eid.task): the index, or "<taskset>:<index>"
+    # when several training tasksets are mixed (row indices then repeat across tasksets)
+    task_id: int | str | None = None
 
 
 class MetricsMsg(msgspec.Struct, kw_only=True):
@@ -64,10 +67,26 @@ class TasksetRecord(msgspec.Struct, kw_only=True):
     """KV record ``taskset.published``: the taskset is in the task stream."""
 
     count: int
-    epochs: int
-    rows: int
+    epochs: int  # the most epochs of any training taskset
+    rows: int  # rows of all training tasksets together
     by: str
     ts: float
+    tasksets: dict[str, int] = msgspec.field(default_factory=dict)  # tasks per taskset name
+
+
+class TasksetClaim(msgspec.Struct, kw_only=True):
+    """KV record ``taskset.published.claim``: who publishes the taskset, and how far it got.
+
+    ``seq``: every task before this position of the plan is stored in the task
+    stream. The publisher rewrites the record (compare-and-set on its revision)
+    after each chunk and every few seconds while it reads the files; another
+    explorer takes over a claim whose record stopped changing.
+    """
+
+    by: str
+    ts: float
+    seq: int = 0
+    taken_over_from: str = ""
 
 
 _JSON = msgspec.json.Encoder()

@@ -65,27 +65,25 @@ class PreparedRun:
 
 def _check_components(cfg: Config) -> None:
     """Names that only resolve at run time, checked now so the error names the key."""
+    from rftstream.config.validate import eval_tasksets, training_tasksets
     from rftstream.errors import RegistryError
     from workflows import REWARD_FUNCTIONS, WORKFLOWS
 
-    ts = cfg.buffer.explorer_input.taskset
-    try:
-        WORKFLOWS.get(ts.default_workflow_type)
-    except RegistryError as exc:
-        raise ConfigError(
-            "buffer.explorer_input.taskset.default_workflow_type",
-            str(exc),
-            value=ts.default_workflow_type,
-        ) from exc
-    if ts.default_reward_fn_type:
+    inp = cfg.buffer.explorer_input
+    for key, ts in [*training_tasksets(inp), *eval_tasksets(inp)]:
         try:
-            REWARD_FUNCTIONS.get(ts.default_reward_fn_type)
+            WORKFLOWS.get(ts.default_workflow_type)
         except RegistryError as exc:
             raise ConfigError(
-                "buffer.explorer_input.taskset.default_reward_fn_type",
-                str(exc),
-                value=ts.default_reward_fn_type,
+                f"{key}.default_workflow_type", str(exc), value=ts.default_workflow_type
             ) from exc
+        if ts.default_reward_fn_type:
+            try:
+                REWARD_FUNCTIONS.get(ts.default_reward_fn_type)
+            except RegistryError as exc:
+                raise ConfigError(
+                    f"{key}.default_reward_fn_type", str(exc), value=ts.default_reward_fn_type
+                ) from exc
     if cfg.synchronizer.sync_method == "nccl":
         raise ConfigError(
             "synchronizer.sync_method",
@@ -292,6 +290,7 @@ def prepare_run(
 
 
 ACTIVE_HEARTBEAT_S = 30.0
+FINAL_EVAL_GRACE_S = 300.0  # how long `up` waits for the final evaluation after training
 
 
 async def start_fresh(run: PreparedRun, url: str) -> str | None:
@@ -466,11 +465,23 @@ async def run_actors(
             "`memory` moves weights inside one process; actors started separately need `checkpoint`",
             value="memory",
         )
+    explorer_done = anyio.Event()
+
+    async def explorer() -> None:
+        try:
+            await run_explorer(run, url)
+        finally:
+            explorer_done.set()
+
     async with anyio.create_task_group() as tg:
         if "operator" in roles:
             tg.start_soon(run_operator, run, url)
         if "explorer" in roles:
-            tg.start_soon(run_explorer, run, url)
+            tg.start_soon(explorer)
         if "trainer" in roles:
             await run_trainer(run, url, on_step=on_step)
+            if "explorer" in roles and run.cfg.buffer.explorer_input.eval_tasksets:
+                # the explorer sees the run finished and evaluates the final weights
+                with anyio.move_on_after(FINAL_EVAL_GRACE_S):
+                    await explorer_done.wait()
             tg.cancel_scope.cancel()

@@ -120,6 +120,9 @@ def _token(name: str) -> str:
 # KV keys (dots are allowed in KV keys; `nats kv get rft_<run>_state status`)
 KV_STATUS = "status"  # running | finished | failed
 KV_TASKSET = "taskset.published"  # JSON: {"count": N, "epochs": E}
+KV_TASKSET_CLAIM = "taskset.published.claim"  # JSON: {"by", "ts", "seq"} (publishing progress)
+KV_EVAL_STEP = "eval.step.{step}"  # claimed by the explorer that evaluates after that step
+KV_EVAL_FINAL = "eval.final"  # claimed by the explorer that runs the final evaluation
 KV_EXPLORER_STEP = "explorer.{name}.step"
 KV_EXPLORER_DONE = "explorer.{name}.done"
 KV_TRAINER_STEP = "trainer.step"

@@ -7,21 +7,46 @@ the rftstream kernel and engines only, never on NATS or the actors.
 
 from rftstream.engines.model_wrapper import ModelWrapper
 from rftstream.experience import Experience
-from workflows.math_workflow import MathWorkflow, SimpleWorkflow
-from workflows.rewards import REWARD_FUNCTIONS, AccuracyReward, MathReward, RewardFn
+from workflows.code_workflow import CodeReward, CodeWorkflow
+from workflows.countdown import CountdownWorkflow
+from workflows.env_workflow import EnvWorkflow
+from workflows.envs import ENVS, TextEnv
+from workflows.math_workflow import MathBoxedWorkflow, MathWorkflow, SimpleWorkflow
+from workflows.rewards import (
+    REWARD_FUNCTIONS,
+    AccuracyReward,
+    CountdownReward,
+    FormatReward,
+    MathBoxedReward,
+    MathReward,
+    RewardFn,
+)
 from workflows.runner import TaskResult, WorkflowRunner
+from workflows.sandbox import SandboxResult, run_python, run_python_async
 from workflows.tasksets import builtin_arithmetic_tasks, load_taskset
+from workflows.tool_workflow import PythonToolWorkflow
 from workflows.workflow import WORKFLOWS, Task, Workflow, make_task
 
 __all__ = [
+    "ENVS",
     "REWARD_FUNCTIONS",
     "WORKFLOWS",
     "AccuracyReward",
+    "CodeReward",
+    "CodeWorkflow",
+    "CountdownReward",
+    "CountdownWorkflow",
+    "EnvWorkflow",
     "Experience",
+    "FormatReward",
+    "MathBoxedReward",
+    "MathBoxedWorkflow",
     "MathReward",
     "MathWorkflow",
     "ModelWrapper",
+    "PythonToolWorkflow",
     "RewardFn",
+    "SandboxResult",
     "SimpleWorkflow",
     "Task",
     "TaskResult",
@@ -30,4 +55,7 @@ __all__ = [
     "builtin_arithmetic_tasks",
     "load_taskset",
     "make_task",
+    "run_python",
+    "run_python_async",
+    "TextEnv",
 ]

@@ -1,4 +1,4 @@
-"""Built-in single-turn workflows: ``simple_workflow`` and ``math_workflow``.
+"""Built-in single-turn workflows: ``simple_workflow``, ``math_workflow``, ``math_boxed_workflow``.
 
 Both send one chat (optional ``format.system_prompt``, the question from
 ``raw_task[format.prompt_key]`` or a message list from
@@ -8,7 +8,11 @@ batches the whole group. Each experience gets ``reward`` = the sum of the
 reward function's scores and the scores as ``metrics``. ``simple_workflow``
 scores by exact match (``accuracy_reward``), ``math_workflow`` by numeric
 comparison of the final answer (``math_reward``); ``task.reward_fn``
-(``default_reward_fn_type``) overrides either.
+(``default_reward_fn_type``) overrides either. ``math_boxed_workflow`` asks
+for a ``\\boxed{}`` answer and scores it with ``math_boxed_reward`` (see
+:class:`MathBoxedWorkflow` for its ``workflow_args``). Subclasses adapt the
+prompt and truth through :meth:`SimpleWorkflow.get_task_desc`,
+:meth:`~SimpleWorkflow.get_truth` and :meth:`~SimpleWorkflow.reward_kwargs`.
 
 ``run()`` blocks (worker thread); ``run_async()`` awaits the model directly,
 so the explorer can run many tasks concurrently without threads. Both are
@@ -26,7 +30,7 @@ from rftstream.errors import WorkflowError
 from rftstream.experience import Experience
 from workflows.workflow import WORKFLOWS, Task, Workflow, call_reward_fn, resolve_reward_fn
 
-__all__ = ["MathWorkflow", "SimpleWorkflow"]
+__all__ = ["MathBoxedWorkflow", "MathWorkflow", "SimpleWorkflow"]
 
 
 @WORKFLOWS.register_module("simple_workflow")
@@ -59,13 +63,13 @@ class SimpleWorkflow(Workflow):
         self.task_messages = None
         if fa.messages_key and fa.messages_key in self.raw_task:
             self.task_messages = list(self.raw_task[fa.messages_key])
-        self.task_desc = self.raw_task.get(fa.prompt_key)
+        self.task_desc = self.get_task_desc(task)
         if self.task_desc is None and self.task_messages is None:
             raise WorkflowError(
                 f"task {task.task_id}: raw task has no key {fa.prompt_key!r} "
                 f"(buffer.explorer_input.taskset.format.prompt_key); keys: {sorted(self.raw_task)}"
             )
-        self.truth = self.raw_task.get(fa.response_key)
+        self.truth = self.get_truth(task)
         spec = task.reward_fn or self.default_reward_fn
         key = (
             spec,
@@ -76,6 +80,18 @@ class SimpleWorkflow(Workflow):
         if getattr(self, "_reward_key", None) != key:
             self.reward_fn = resolve_reward_fn(spec, task.reward_fn_args)
             self._reward_key = key
+
+    def get_task_desc(self, task: Task) -> Any:
+        """The question (``raw_task[format.prompt_key]``); subclasses may build it from the row."""
+        return task.raw_task.get(task.format_args.prompt_key)
+
+    def get_truth(self, task: Task) -> Any:
+        """The reference answer (``raw_task[format.response_key]``)."""
+        return task.raw_task.get(task.format_args.response_key)
+
+    def reward_kwargs(self) -> dict[str, Any]:
+        """Extra keyword arguments for the reward fn (passed only where it accepts them)."""
+        return {"prompt": self.task_desc}
 
     def format_messages(self) -> list[dict[str, Any]]:
         """The chat sent to the model."""
@@ -106,12 +122,19 @@ class SimpleWorkflow(Workflow):
 
     def run(self) -> list[Experience]:
         """Blocking form (worker thread): chat, then score."""
-        responses = self.model.chat(self.format_messages(), **self.sampling_kwargs())
-        return self.score(responses)
+        return self.score(self.generate())
+
+    def generate(self) -> list[Experience]:
+        """Blocking :meth:`generate_async`."""
+        return self.model.chat(self.format_messages(), **self.sampling_kwargs())
+
+    async def generate_async(self) -> list[Experience]:
+        """The ``repeat_times`` responses (one batched model call)."""
+        return await self.model.chat_async(self.format_messages(), **self.sampling_kwargs())
 
     async def run_async(self) -> list[Experience]:
         """Async form: awaits the engine; slow (non-``fast``) reward fns run in a worker thread."""
-        responses = await self.model.chat_async(self.format_messages(), **self.sampling_kwargs())
+        responses = await self.generate_async()
         if getattr(self.reward_fn, "fast", False):
             return self.score(responses)
         return await anyio.to_thread.run_sync(self.score, responses, abandon_on_cancel=True)
@@ -123,7 +146,7 @@ class SimpleWorkflow(Workflow):
                 self.reward_fn,
                 response=exp.response_text or "",
                 truth=self.truth,
-                prompt=self.task_desc,
+                **self.reward_kwargs(),
             )
             exp.reward = float(sum(scores.values()))
             exp.metrics.update(scores)
@@ -135,6 +158,69 @@ class MathWorkflow(SimpleWorkflow):
     """Like ``simple_workflow``, scored by ``math_reward`` (numeric final-answer match)."""
 
     default_reward_fn = "math_reward"
+
+
+BOXED_PROMPT = "Please reason step by step, and put your final answer within \\boxed{}."
+BOXED_THINK_PROMPT = (
+    "You are a helpful assistant that solves math problems. Think about the reasoning "
+    "process first and write it inside <think> </think> tags, then give the final answer "
+    "as a closed-form result inside \\boxed{}."
+)
+
+
+@WORKFLOWS.register_module("math_boxed_workflow")
+class MathBoxedWorkflow(MathWorkflow):
+    """Math with ``\\boxed{}`` answers, scored by ``math_boxed_reward``.
+
+    ``workflow_args`` (Trinity-RFT's names): ``with_think`` (default false:
+    ask for and require a ``<think>...</think>`` block, whose absence costs
+    ``format_score_coef``, default 0.1), ``use_base`` (default false: prompt a
+    base model with plain ``System:/User:/Assistant:`` text through
+    ``model.generate`` instead of the chat template). Without
+    ``format.system_prompt`` a default one asks for the boxed answer (and
+    the think block with ``with_think``); set it to ``""`` for none.
+    """
+
+    default_reward_fn = "math_boxed_reward"
+
+    def reset(self, task: Task) -> None:
+        super().reset(task)
+        wa = self.workflow_args
+        self.use_base = bool(wa.get("use_base", False))
+        self.with_think = bool(wa.get("with_think", False))
+        self.format_score_coef = float(wa.get("format_score_coef", 0.1))
+        if self.system_prompt is None:
+            self.system_prompt = BOXED_THINK_PROMPT if self.with_think else BOXED_PROMPT
+
+    def reward_kwargs(self) -> dict[str, Any]:
+        return {
+            **super().reward_kwargs(),
+            "with_think": self.with_think,
+            "format_score_coef": self.format_score_coef,
+        }
+
+    def format_prompt(self) -> str:
+        """The plain-text prompt of ``use_base``."""
+        text = f"System:{self.system_prompt}\n" if self.system_prompt else ""
+        text += f"User:\n{self.task_desc}\nAssistant:\n"
+        if self.reply_prefix:
+            text += self.reply_prefix
+        return text
+
+    def _base_kwargs(self) -> dict[str, Any]:
+        kwargs = self.sampling_kwargs()
+        kwargs.pop("chat_template", None)
+        return kwargs
+
+    def generate(self) -> list[Experience]:
+        if self.use_base:
+            return self.model.generate([self.format_prompt()], **self._base_kwargs())
+        return super().generate()
+
+    async def generate_async(self) -> list[Experience]:
+        if self.use_base:
+            return await self.model.generate_async([self.format_prompt()], **self._base_kwargs())
+        return await super().generate_async()
 
 
 def _hashable(args: dict[str, Any]) -> bool:

@@ -12,7 +12,13 @@ positional ``__init__(self, model, task, auxiliary_models)``, including
 ``super().__init__(model, task, auxiliary_models)``; the runner always
 constructs with keywords. Likewise ``can_reset`` / ``can_repeat`` (class
 attributes) and the older ``resettable()`` / ``repeatable()`` methods are
-equivalent. No I/O here.
+equivalent. A workflow may override ``run()`` (blocking), ``run_async()``
+(native async) or both; the missing form is derived from the other.
+
+A taskset row may pick its own workflow and reward function: with
+``format.workflow_key`` (``format.reward_fn_key``) set, a row that has that key
+names a registered workflow (reward fn) for itself; other rows use
+``default_workflow_type`` (``default_reward_fn_type``). No I/O here.
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import anyio
+import anyio.from_thread
 import anyio.to_thread
 import msgspec
 from anyio.lowlevel import RunVar
@@ -99,9 +106,13 @@ class Task:
             try:
                 return WORKFLOWS.get(wf)
             except RegistryError as exc:
-                raise WorkflowError(
-                    f"buffer.explorer_input.taskset.default_workflow_type: {exc}"
-                ) from exc
+                key = self.format_args.workflow_key
+                where = (
+                    f"task {self.task_id}: raw_task[{key!r}] (buffer.explorer_input.taskset.format.workflow_key)"
+                    if key and self.raw_task.get(key) == wf
+                    else "buffer.explorer_input.taskset.default_workflow_type"
+                )
+                raise WorkflowError(f"{where}: {exc}") from exc
         if not isinstance(wf, type):
             raise WorkflowError(
                 f"Task.workflow must be a Workflow class or a registered name, got {wf!r}"
@@ -171,6 +182,10 @@ class Workflow(ABC):  # noqa: B024 - ABC so subclasses may declare abstract meth
         cls = type(self)
         if cls.run is Workflow.run and cls.run_async is Workflow.run_async:
             raise TypeError(f"{cls.__name__} must override run() or run_async()")
+        if inspect.getattr_static(cls, "can_reset", False) is True and cls.reset is Workflow.reset:
+            raise TypeError(
+                f"{cls.__name__} sets can_reset = True but does not implement reset(task)"
+            )
         self.task = task
         self.model = model
         self.auxiliary_models = auxiliary_models if auxiliary_models is not None else []
@@ -193,6 +208,16 @@ class Workflow(ABC):  # noqa: B024 - ABC so subclasses may declare abstract meth
             return _truthy(self.repeatable)
         return False
 
+    @property
+    def is_async(self) -> bool:
+        """True if the workflow has its own ``run_async()`` (it then runs on the event loop)."""
+        return type(self).run_async is not Workflow.run_async
+
+    @property
+    def asynchronous(self) -> bool:
+        """Older spelling of :attr:`is_async`."""
+        return bool(self.is_async)
+
     def resettable(self) -> bool:
         """Older spelling of :attr:`can_reset`."""
         return bool(self.can_reset)
@@ -212,8 +237,37 @@ class Workflow(ABC):  # noqa: B024 - ABC so subclasses may declare abstract meth
 
     # ------------------------------------------------------------ running
     def run(self) -> list[Experience]:
-        """Run the workflow and return its experiences. Blocking; runs in a worker thread."""
-        raise NotImplementedError(f"{type(self).__name__} must override run() or run_async()")
+        """Run the workflow and return its experiences. Blocks (the runner calls it in a worker thread).
+
+        Default, for workflows that only implement :meth:`run_async`: from an
+        anyio worker thread, run it on that thread's event loop
+        (``anyio.from_thread.run``); from plain synchronous code (no event loop
+        in this thread), in a fresh ``anyio.run``. Calling it on an event-loop
+        thread is an error (``await run_async()`` there).
+        """
+        if type(self).run_async is Workflow.run_async:
+            raise NotImplementedError(f"{type(self).__name__} must override run() or run_async()")
+        try:
+            anyio.get_current_task()
+        except RuntimeError:
+            pass  # no event loop in this thread: good
+        else:
+            raise WorkflowError(
+                f"{type(self).__name__}.run() blocks; on the event loop use `await run_async()`"
+            )
+        started = False
+
+        async def call() -> list[Experience]:
+            nonlocal started
+            started = True
+            return await self.run_async()
+
+        try:
+            return anyio.from_thread.run(call)
+        except anyio.NoEventLoopError:
+            if started:
+                raise
+        return anyio.run(call)
 
     async def run_async(self) -> list[Experience]:
         """Run the workflow without blocking the event loop.
@@ -240,7 +294,8 @@ def resolve_reward_fn(spec: Any, args: Mapping[str, Any] | None = None) -> Calla
             spec = REWARD_FUNCTIONS.get(spec)
         except RegistryError as exc:
             raise WorkflowError(
-                f"buffer.explorer_input.taskset.default_reward_fn_type: {exc}"
+                "buffer.explorer_input.taskset.default_reward_fn_type "
+                f"(or a row's format.reward_fn_key): {exc}"
             ) from exc
     if isinstance(spec, type):
         try:
@@ -284,11 +339,24 @@ def make_task(
     epoch: int,
     is_eval: bool = False,
 ) -> Task:
-    """Build the :class:`Task` of one taskset row (``rollout_args.n = repeat_times``)."""
+    """Build the :class:`Task` of one taskset row (``rollout_args.n = repeat_times``).
+
+    The workflow is ``raw_task[format.workflow_key]`` when that key is set and
+    the row has a non-empty value under it, else ``default_workflow_type``;
+    likewise the reward fn with ``format.reward_fn_key`` /
+    ``default_reward_fn_type``. ``raw_task`` is kept whole (keys included).
+    """
+    fmt = taskset_cfg.format
+    workflow: str = taskset_cfg.default_workflow_type
+    reward_fn: str | None = taskset_cfg.default_reward_fn_type
+    if fmt.workflow_key and raw_task.get(fmt.workflow_key):
+        workflow = str(raw_task[fmt.workflow_key])
+    if fmt.reward_fn_key and raw_task.get(fmt.reward_fn_key):
+        reward_fn = str(raw_task[fmt.reward_fn_key])
     return Task(
-        workflow=taskset_cfg.default_workflow_type,
+        workflow=workflow,
         repeat_times=int(repeat_times),
-        reward_fn=taskset_cfg.default_reward_fn_type,
+        reward_fn=reward_fn,
         raw_task=dict(raw_task),
         format_args=taskset_cfg.format,
         rollout_args=msgspec.structs.replace(taskset_cfg.rollout_args, n=int(repeat_times)),

@@ -1,32 +1,64 @@
 """The Explorer actor: tasks in, experience groups out.
 
-At start the taskset is published into ``RFT_<RUN>_TASKS`` (once per run: the
-first explorer claims it in KV; ``Nats-Msg-Id`` per task makes a retry
-harmless). Then, step after step, the explorer pulls ``buffer.batch_size``
-tasks from the shared durable, runs their workflows concurrently (at most
-``explorer.runner_num`` at a time) against the rollout engine, and publishes
-one message per task group to ``exp.raw``.
+Taskset: at start the training tasksets (``buffer.explorer_input.taskset``
+and ``tasksets``, see :func:`workflows.tasksets.plan_tasks`) are published
+into ``RFT_<RUN>_TASKS``, once per run: the first explorer claims KV key
+``taskset.published.claim`` and records its progress there after every chunk
+of tasks; ``taskset.published`` marks the end. Another explorer waits; if the
+claim stops moving (its publisher died) for ``claim_stale_s`` seconds it takes
+over (compare-and-set) and publishes the rest; a restarted explorer of the
+same name takes its own claim over at once. ``Nats-Msg-Id``
+``task:<taskset>:<epoch>:<index>`` makes a re-published task a duplicate the
+stream drops (within ``nats.dedup_window``).
+
+Steps: the explorer pulls ``buffer.batch_size`` tasks from the shared durable,
+runs their workflows concurrently (at most ``explorer.runner_num`` at a time)
+against the rollout engine, and publishes one message per task group to
+``exp.raw``. A restarted explorer continues the step count it left in KV
+(``explorer.<name>.step``) and the work queue where it was: every task
+carries its taskset, epoch and row index.
 
 Acks: a task is acked only after its group is stored in ``exp.raw`` (or after
 it went to ``dlq.tasks`` with the error), so a task of an explorer that dies is
-redelivered to another one; the group's ``Nats-Msg-Id`` (``raw:<epoch>:<index>``)
-stops a redone task from being stored twice.
+redelivered to another one after the consumer's ack wait; the group's
+``Nats-Msg-Id`` (``raw:<taskset>:<epoch>:<index>``) stops a redone task from
+being stored twice. Cancelling :meth:`Explorer.run` stops after the current
+await and naks the tasks it holds, so they are redelivered at once.
+
+Evaluation: with ``buffer.explorer_input.eval_tasksets``, after every
+``explorer.eval_interval``-th step and after step ``buffer.total_steps`` (KV
+claim ``eval.step.<n>``: one explorer evaluates per step number), and at the
+end (claim ``eval.final``, with the newest weights: when the task queue is
+drained, or when the explorer sees the run finished), the explorer runs every row of
+each eval taskset once (``repeat_times`` of the eval taskset, default 1) with
+its current weights, in-process: nothing reaches ``exp.raw``. It publishes
+``eval/<name>/reward/mean``, ``eval/<name>/accuracy/mean`` (the reward fn's
+``accuracy`` score, or the reward when rewards are 0/1),
+``eval/<name>/accuracy/best@<k>`` (k > 1), ``eval/<name>/response_length/mean``,
+``eval/<name>/tasks``, ``eval/<name>/failed_tasks``, ``eval/model_version``
+and ``eval/final`` on ``metrics.<explorer>`` (role ``explorer``, step = the
+explorer step; a metric without a value, e.g. the mean reward when every
+task failed, is left out there) and appends the same record to
+``<run_dir>/eval.jsonl`` (``null`` for such values; not when
+``monitor.monitor_type`` is ``none``). Exploration waits meanwhile.
 
 Sync: before a step the explorer loads newer weights per the sync policy;
 with ``max_staleness`` it pauses while too much experience waits for the
-trainer. Cancelling :meth:`Explorer.run` stops after the current await; tasks
-in flight are not acked and will be redelivered.
+trainer.
 """
 
 from __future__ import annotations
 
+import json
 import logging
-import random
+import math
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import anyio
+import nats.js.errors
 from nats.aio.msg import Msg
 
 from rftstream.actors.common import (
@@ -37,22 +69,39 @@ from rftstream.actors.common import (
 )
 from rftstream.bus.client import Bus
 from rftstream.bus.state import RunState
-from rftstream.config.schema import Config
+from rftstream.config.schema import Config, TasksetConfig
+from rftstream.config.validate import eval_tasksets, training_tasksets
 from rftstream.errors import RftError, SchemaError
-from rftstream.messages import TaskMsg, TasksetRecord, decode_json, encode_json
-from rftstream.subjects import KV_TASKSET, KV_TRAINER_STARVING, RAW_STAGE
+from rftstream.messages import TaskMsg, TasksetClaim, TasksetRecord, decode_json, encode_json
+from rftstream.subjects import (
+    KV_EVAL_FINAL,
+    KV_EVAL_STEP,
+    KV_EXPLORER_DONE,
+    KV_EXPLORER_STEP,
+    KV_TASKSET,
+    KV_TASKSET_CLAIM,
+    KV_TRAINER_STARVING,
+    RAW_STAGE,
+)
 from rftstream.sync import SyncPolicy
 from rftstream.weights import load_weights
 
 log = logging.getLogger(__name__)
 
 TASKS_DLQ_STAGE = "tasks"
+PUBLISH_CHUNK = 64  # tasks published concurrently between two progress records
+
+
+class _ClaimLost(Exception):
+    """Another explorer took the taskset claim over."""
 
 
 class Explorer:
     """One explorer: a rollout engine, a workflow runner and a task loop."""
 
     role = "explorer"
+    claim_stale_s = 30.0  # a taskset claim unchanged this long belongs to a dead publisher
+    claim_keepalive_s = 5.0
 
     def __init__(
         self,
@@ -62,8 +111,10 @@ class Explorer:
         model_path: str,
         name: str = "explorer",
         on_progress: Callable[[dict[str, Any]], None] | None = None,
+        on_eval: Callable[[dict[str, Any]], None] | None = None,
     ) -> None:
         self.on_progress = on_progress
+        self.on_eval = on_eval
         self.cfg = cfg
         self.bus = bus
         self.names = bus.names
@@ -71,120 +122,254 @@ class Explorer:
         self.model_path = model_path
         self.policy = SyncPolicy.from_config(cfg.synchronizer)
         self.repeat_times = int(cfg.algorithm.repeat_times or 1)
+        inp = cfg.buffer.explorer_input
+        self.training_sets: list[tuple[str, TasksetConfig]] = training_tasksets(inp)
+        self.eval_sets: list[tuple[str, TasksetConfig]] = eval_tasksets(inp)
+        self._taskset_cfg = {ts.name: ts for _, ts in self.training_sets}
         self.step = 0
         self.published_groups = 0
         self.published_experiences = 0
         self.failed_tasks = 0
+        self.evaluations = 0
         self.engine: Any = None
         self.state: RunState | None = None
+        self._eval_rows: list[tuple[TasksetConfig, list[dict[str, Any]]]] = []
+        self._last_eval: tuple[int, int] | None = None
+        self._unacked: dict[int, Msg] = {}
 
     # ------------------------------------------------------------ taskset
     async def publish_taskset(self, state: RunState) -> None:
-        """Publish every task of every epoch once per run (first explorer wins)."""
-        from workflows.tasksets import load_taskset
+        """Publish every task of every epoch of the training tasksets, once per run.
 
-        if await state.taskset() is not None:
-            return
-        if not await state.claim(KV_TASKSET + ".claim", {"by": self.name, "ts": time.time()}):
+        Blocks until the taskset is in the task stream (published here or by
+        another explorer); see the module docstring for the claim protocol.
+        """
+        while True:
             with anyio.fail_after(self.cfg.synchronizer.sync_timeout):
-                while await state.taskset() is None:
+                got = await self._become_publisher(state)
+            if got is None:
+                return
+            revision, start = got
+            try:
+                await self._publish_plan(state, revision, start)
+                return
+            except _ClaimLost:
+                log.warning("%s: another explorer took the taskset over", self.name)
+
+    async def _become_publisher(self, state: RunState) -> tuple[int, int] | None:
+        """Claim the publishing: ``(claim revision, first seq to publish)``; None once published."""
+        kv = state.kv
+        seen_rev, since = -1, time.monotonic()
+        while True:
+            if await state.taskset() is not None:
+                return None
+            try:
+                rev = await kv.create(
+                    KV_TASKSET_CLAIM, encode_json(TasksetClaim(by=self.name, ts=time.time()))
+                )
+                return int(rev), 0
+            except nats.js.errors.APIError:
+                pass  # claimed already
+            try:
+                entry = await kv.get(KV_TASKSET_CLAIM)
+                claim = decode_json(entry.value or b"", TasksetClaim, "KV taskset claim")
+            except (nats.js.errors.KeyNotFoundError, nats.js.errors.KeyDeletedError, SchemaError):
+                entry, claim = None, None
+            if entry is None or claim is None:
+                await anyio.sleep(0.2)
+                continue
+            if entry.revision != seen_rev:
+                seen_rev, since = int(entry.revision or 0), time.monotonic()
+            stale = time.monotonic() - since > self.claim_stale_s
+            if claim.by == self.name or stale:
+                mine = TasksetClaim(
+                    by=self.name, ts=time.time(), seq=claim.seq, taken_over_from=claim.by
+                )
+                try:
+                    rev = await kv.update(KV_TASKSET_CLAIM, encode_json(mine), last=seen_rev)
+                except nats.js.errors.APIError:
                     await anyio.sleep(0.2)
-            return
-        ts_cfg = self.cfg.buffer.explorer_input.taskset
-        rows = await anyio.to_thread.run_sync(load_taskset, ts_cfg)
-        epochs = self.cfg.buffer.total_epochs
-        count = 0
-        for epoch in range(epochs):
-            order = list(range(len(rows)))
-            if ts_cfg.shuffle:
-                random.Random(ts_cfg.seed + epoch).shuffle(order)
-            for pos, index in enumerate(order):
-                msg = TaskMsg(
-                    taskset=ts_cfg.name,
-                    index=index,
-                    epoch=epoch,
-                    seq=epoch * len(rows) + pos,
-                    raw_task=rows[index],
+                    continue  # someone else was quicker
+                log.warning(
+                    "%s: taking the taskset over from %s at task %d (%s)",
+                    self.name,
+                    claim.by,
+                    claim.seq,
+                    "its own earlier claim" if claim.by == self.name else "claim went stale",
                 )
-                await self.bus.publish(
-                    self.names.tasks_subject,
-                    encode_json(msg),
-                    headers={
-                        "Rft-Schema": msg.schema,
-                        "Rft-Task": f"{epoch}/{index}",
-                        "Rft-Actor": self.name,
-                    },
-                    msg_id=f"task:{ts_cfg.name}:{epoch}:{index}",
-                )
-                count += 1
+                return int(rev), claim.seq
+            await anyio.sleep(0.2)
+
+    async def _publish_plan(self, state: RunState, revision: int, start: int) -> None:
+        """Load the training tasksets and publish the plan from ``start`` on; then the record."""
+        from workflows.tasksets import TasksetPlan, load_taskset, plan_tasks
+
+        rev = revision
+        lock = anyio.Lock()
+
+        async def progress(seq: int) -> None:
+            nonlocal rev
+            async with lock:
+                body = encode_json(TasksetClaim(by=self.name, ts=time.time(), seq=seq))
+                try:
+                    rev = int(await state.kv.update(KV_TASKSET_CLAIM, body, last=rev))
+                except nats.js.errors.APIError as exc:
+                    raise _ClaimLost from exc
+
+        lost = False
+
+        async def keepalive(scope: anyio.CancelScope) -> None:
+            nonlocal lost
+            while True:
+                await anyio.sleep(self.claim_keepalive_s)
+                try:
+                    await progress(start)
+                except _ClaimLost:
+                    lost = True
+                    scope.cancel()
+                    return
+
+        sets: list[tuple[TasksetConfig, list[dict[str, Any]]]] = []
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(keepalive, tg.cancel_scope)
+            for key, ts in self.training_sets:
+                rows = await anyio.to_thread.run_sync(load_taskset, ts, key)
+                sets.append((ts, rows))
+            tg.cancel_scope.cancel()
+        if lost:
+            raise _ClaimLost
+        default_epochs = self.cfg.buffer.total_epochs
+        plans = [
+            TasksetPlan(
+                name=ts.name,
+                rows=len(rows),
+                epochs=int(ts.total_epochs or default_epochs),
+                shuffle=ts.shuffle,
+                seed=ts.seed,
+            )
+            for ts, rows in sets
+        ]
+        plan = plan_tasks(plans)
+        rows_of = {ts.name: rows for ts, rows in sets}
+        mixed = len(sets) > 1
+        errors: list[Exception] = []
+
+        async def publish(msg: TaskMsg) -> None:
+            try:
+                await self._publish_task(msg)
+            except Exception as exc:  # noqa: BLE001 - re-raised below, outside the task group
+                errors.append(exc)
+
+        for lo in range(start, len(plan), PUBLISH_CHUNK):
+            async with anyio.create_task_group() as tg:
+                for p in plan[lo : lo + PUBLISH_CHUNK]:
+                    msg = TaskMsg(
+                        taskset=p.taskset,
+                        index=p.index,
+                        epoch=p.epoch,
+                        seq=p.seq,
+                        raw_task=rows_of[p.taskset][p.index],
+                        task_id=f"{p.taskset}:{p.index}" if mixed else p.index,
+                    )
+                    tg.start_soon(publish, msg)
+            if errors:
+                raise errors[0]
+            await progress(min(lo + PUBLISH_CHUNK, len(plan)))
+        per_set = {p.name: p.rows * p.epochs for p in plans}
         await state.put_json(
             KV_TASKSET,
-            TasksetRecord(count=count, epochs=epochs, rows=len(rows), by=self.name, ts=time.time()),
+            TasksetRecord(
+                count=len(plan),
+                epochs=max(p.epochs for p in plans),
+                rows=sum(p.rows for p in plans),
+                by=self.name,
+                ts=time.time(),
+                tasksets=per_set,
+            ),
         )
         log.info(
-            "%s: published %d tasks (%d rows x %d epochs)", self.name, count, len(rows), epochs
+            "%s: published %d tasks (%s)",
+            self.name,
+            len(plan) - start,
+            ", ".join(f"{p.name}: {p.rows} rows x {p.epochs} epochs" for p in plans),
         )
+
+    async def _publish_task(self, msg: TaskMsg) -> None:
+        await self.bus.publish(
+            self.names.tasks_subject,
+            encode_json(msg),
+            headers={
+                "Rft-Schema": msg.schema,
+                "Rft-Task": f"{msg.taskset}/{msg.epoch}/{msg.index}",
+                "Rft-Actor": self.name,
+            },
+            msg_id=f"task:{msg.taskset}:{msg.epoch}:{msg.index}",
+        )
+
+    async def _load_eval_tasksets(self) -> None:
+        from workflows.tasksets import load_taskset
+
+        self._eval_rows = []
+        for key, ts in self.eval_sets:
+            rows = await anyio.to_thread.run_sync(load_taskset, ts, key)
+            self._eval_rows.append((ts, rows))
 
     # ------------------------------------------------------------ run
     async def run(self, *, engine: Any = None) -> None:
         """Explore until the tasks are exhausted or the run ends. Blocks; cancel to stop."""
-        from rftstream.engines import create_engine
-        from rftstream.engines.model_wrapper import ModelWrapper
+        from rftstream.engines.rollout import rollout_model
         from workflows.runner import WorkflowRunner
 
         state = RunState(await self.bus.kv())
         self.state = state
         await self.publish_taskset(state)
-        rm = self.cfg.explorer.rollout_model
-        if engine is None:
-            engine = await anyio.to_thread.run_sync(
-                lambda: create_engine(
-                    rm.engine_type,
-                    self.model_path,
-                    max_batch_size=rm.max_batch_size,
-                    batch_wait_ms=rm.batch_wait_ms,
-                    seed=rm.seed,
-                    dtype=self.cfg.model.dtype,
-                    default_max_tokens=self.cfg.model.max_response_tokens,
-                )
-            )
-        self.engine = engine
-        model = ModelWrapper(
-            engine,
-            model_path=self.model_path,
-            enable_history=rm.enable_history,
-            max_response_tokens=self.cfg.model.max_response_tokens,
-            max_prompt_tokens=self.cfg.model.max_prompt_tokens,
-        )
-        runner = WorkflowRunner(
-            model,
-            max_timeout=self.cfg.explorer.max_timeout,
-            max_retry_times=self.cfg.explorer.max_retry_times,
-        )
+        await self._load_eval_tasksets()
+        self.step = int(await state.get_json(KV_EXPLORER_STEP.format(name=self.name)) or 0)
+        if self.step:
+            log.info("%s: resuming after step %d", self.name, self.step)
         consumer = await self.bus.pull(self.names.tasks_stream, self.names.explorer_consumer)
         ticker = InProgressTicker(self.cfg.nats.ack_wait / 3)
         try:
-            async with anyio.create_task_group() as tg:
-                await tg.start(engine.run)
-                tg.start_soon(ticker.run)
-                tg.start_soon(heartbeat_loop, state, self.name, self.role, self._info)
-                await self._loop(state, consumer, runner, ticker)
-                tg.cancel_scope.cancel()
+            async with rollout_model(self.cfg, self.model_path, engine=engine) as (model, aux, _):
+                self.engine = model.engine
+                runner = WorkflowRunner(
+                    model,
+                    max_timeout=self.cfg.explorer.max_timeout,
+                    max_retry_times=self.cfg.explorer.max_retry_times,
+                    auxiliary_models=aux,
+                )
+                async with anyio.create_task_group() as tg:
+                    tg.start_soon(ticker.run)
+                    tg.start_soon(heartbeat_loop, state, self.name, self.role, self._info)
+                    await self._loop(state, consumer, runner, ticker)
+                    tg.cancel_scope.cancel()
         finally:
             with anyio.CancelScope(shield=True):
+                await self._nak_unacked()
                 await consumer.unsubscribe()
+
+    async def _nak_unacked(self) -> None:
+        """Give the tasks this explorer still holds back to the queue (redelivered at once)."""
+        held, self._unacked = list(self._unacked.values()), {}
+        if held:
+            log.info("%s: returning %d unfinished tasks to the queue", self.name, len(held))
+        with anyio.move_on_after(5.0):
+            for msg in held:
                 try:
-                    await engine.aclose()
-                except Exception:  # noqa: BLE001
+                    await msg.nak()
+                except Exception:  # noqa: BLE001 - connection gone: ack wait redelivers them
                     pass
 
     def _info(self) -> dict[str, Any]:
         return {
             "step": self.step,
-            "model_version": int(getattr(self.engine, "model_version", 0) or 0),
+            "model_version": self._version(),
             "groups": self.published_groups,
             "failed_tasks": self.failed_tasks,
         }
+
+    def _version(self) -> int:
+        return int(getattr(self.engine, "model_version", 0) or 0)
 
     async def _loop(
         self, state: RunState, consumer: Any, runner: Any, ticker: InProgressTicker
@@ -192,7 +377,9 @@ class Explorer:
         batch_size = self.cfg.buffer.batch_size
         limiter = anyio.CapacityLimiter(self.cfg.explorer.runner_num)
         while True:
-            if await state.status() in ("finished", "failed", "stopped"):
+            status = await state.status()
+            if status in ("finished", "failed", "stopped"):
+                await self._final_eval(state, runner, status)
                 return
             next_step = self.step + 1
             t_wait = time.perf_counter()
@@ -202,19 +389,25 @@ class Explorer:
             msgs: list[Msg] = []
             while len(msgs) < batch_size:
                 got = await consumer.fetch(batch_size - len(msgs), timeout=1.0)
+                for m in got:
+                    self._unacked[id(m)] = m
                 msgs.extend(got)
                 if got:
                     continue
                 if msgs:
                     break
-                if await state.status() in ("finished", "failed", "stopped"):
+                status = await state.status()
+                if status in ("finished", "failed", "stopped"):
+                    await self._final_eval(state, runner, status)
                     return
                 if await consumer_drained(
                     self.bus, self.names.tasks_stream, self.names.explorer_consumer
                 ):
                     log.info("%s: no tasks left after %d steps", self.name, self.step)
+                    await self._final_eval(state, runner, "drained")
                     await state.put_json(
-                        f"explorer.{self.name}.done", {"step": self.step, "ts": time.time()}
+                        KV_EXPLORER_DONE.format(name=self.name),
+                        {"step": self.step, "ts": time.time()},
                     )
                     return
             self.step = next_step
@@ -225,6 +418,7 @@ class Explorer:
                 "groups": 0.0,
                 "experiences": 0.0,
                 "failed": 0.0,
+                "retries": 0.0,
             }
             async with anyio.create_task_group() as tg:
                 for msg in msgs:
@@ -239,18 +433,25 @@ class Explorer:
                 "rollout/groups": stats["groups"],
                 "rollout/experiences": stats["experiences"],
                 "rollout/failed_tasks": stats["failed"],
-                "explorer/model_version": float(getattr(self.engine, "model_version", 0) or 0),
+                "rollout/retries": stats["retries"],
+                "explorer/model_version": float(self._version()),
                 "time/explore_step": dt,
                 "time/explorer_wait_sync": wait_sync,
             }
-            await self.bus.publish_metrics(self.role, self.step, values)
-            await state.put_json(f"explorer.{self.name}.step", self.step)
+            await self.bus.publish_metrics(self.role, self.step, _finite(values))
+            await state.put_json(KV_EXPLORER_STEP.format(name=self.name), self.step)
             if self.on_progress is not None:
                 self.on_progress({"step": self.step, **self._info(), **values})
+            if self._eval_rows and (
+                self.step % self.cfg.explorer.eval_interval == 0
+                or self.step == self.cfg.buffer.total_steps
+            ):
+                await self._evaluate(state, runner, final=False)
 
     async def _fail_task(self, msg: Msg, reason: str, stats: dict[str, float]) -> None:
         """Dead-letter a task message (``dlq.tasks``, reason in headers) and count it as failed."""
         await self.bus.dead_letter(TASKS_DLQ_STAGE, msg, reason)
+        self._unacked.pop(id(msg), None)
         stats["failed"] += 1
         self.failed_tasks += 1
 
@@ -269,32 +470,48 @@ class Explorer:
         except SchemaError as exc:
             await self._fail_task(msg, str(exc), stats)
             return
-        ts_cfg = self.cfg.buffer.explorer_input.taskset
+        where = f"task {tmsg.taskset}/{tmsg.epoch}/{tmsg.index}"
+        ts_cfg = self._taskset_cfg.get(tmsg.taskset)
+        if ts_cfg is None:
+            await self._fail_task(
+                msg,
+                f"{where}: taskset {tmsg.taskset!r} is not among this explorer's training "
+                f"tasksets {sorted(self._taskset_cfg)} (buffer.explorer_input)",
+                stats,
+            )
+            return
         repeat = int(ts_cfg.repeat_times or self.repeat_times)
-        task = make_task(
-            tmsg.raw_task,
-            ts_cfg,
-            repeat_times=repeat,
-            batch_id=tmsg.epoch,
-            task_id=tmsg.index,
-            index=tmsg.index,
-            epoch=tmsg.epoch,
-        )
+        try:
+            task = make_task(
+                tmsg.raw_task,
+                ts_cfg,
+                repeat_times=repeat,
+                batch_id=tmsg.epoch,
+                task_id=tmsg.task_id if tmsg.task_id is not None else tmsg.index,
+                index=tmsg.index,
+                epoch=tmsg.epoch,
+            )
+        except RftError as exc:
+            await self._fail_task(msg, f"{where}: {exc}", stats)
+            return
         ticker.hold(msg)
         try:
             async with limiter:
                 result = await runner.run_task(task)
+            stats["retries"] += max(0, result.attempts - 1)
             if result.error or not result.experiences:
                 reason = result.error or "workflow returned no experiences"
-                await self._fail_task(msg, f"task {tmsg.epoch}/{tmsg.index}: {reason}", stats)
+                reason += f" (after {result.attempts} attempt{'s' if result.attempts != 1 else ''})"
+                await self._fail_task(msg, f"{where}: {reason}", stats)
                 return
             exps = result.experiences
             await self.bus.publish_group(
                 RAW_STAGE, exps, msg_id=f"raw:{ts_cfg.name}:{tmsg.epoch}:{tmsg.index}"
             )
             await msg.ack()
+            self._unacked.pop(id(msg), None)
         except RftError as exc:
-            await self._fail_task(msg, f"task {tmsg.epoch}/{tmsg.index}: {exc}", stats)
+            await self._fail_task(msg, f"{where}: {exc}", stats)
             return
         finally:
             ticker.release(msg)
@@ -306,10 +523,138 @@ class Explorer:
         self.published_groups += 1
         self.published_experiences += len(exps)
 
+    # ------------------------------------------------------------ evaluation
+    async def _final_eval(self, state: RunState, runner: Any, why: str) -> None:
+        """The end-of-run evaluation (newest weights), unless the run failed or was stopped."""
+        if not self._eval_rows or why in ("failed", "stopped"):
+            return
+        await self._load(state, 0)
+        await self._evaluate(state, runner, final=True)
+
+    async def _evaluate(self, state: RunState, runner: Any, *, final: bool) -> None:
+        """Run every eval taskset once with the current weights; publish and record the metrics.
+
+        Blocks exploration meanwhile. One explorer per step number (KV claim);
+        a final evaluation of what was just evaluated is skipped.
+        """
+        version = self._version()
+        if final and self._last_eval == (self.step, version):
+            return
+        key = KV_EVAL_FINAL if final else KV_EVAL_STEP.format(step=self.step)
+        claim = {"by": self.name, "step": self.step, "model_version": version, "ts": time.time()}
+        if not await state.claim(key, claim):
+            return
+        self._last_eval = (self.step, version)
+        t0 = time.perf_counter()
+        values: dict[str, float] = {}
+        for ts_cfg, rows in self._eval_rows:
+            values.update(await self._eval_taskset(ts_cfg, rows, runner))
+        values["eval/model_version"] = float(version)
+        values["eval/final"] = 1.0 if final else 0.0
+        values["time/eval"] = time.perf_counter() - t0
+        self.evaluations += 1
+        await self.bus.publish_metrics(self.role, self.step, _finite(values))
+        record: dict[str, Any] = {
+            "step": self.step,
+            "ts": time.time(),
+            "explorer": self.name,
+            **{k: (v if math.isfinite(v) else None) for k, v in values.items()},
+        }
+        await self._write_eval_record(record)
+        log.info(
+            "%s: evaluation after step %d (weights v%d): %s",
+            self.name,
+            self.step,
+            version,
+            ", ".join(f"{k}={v:.4g}" for k, v in values.items() if k.endswith("/mean")),
+        )
+        if self.on_eval is not None:
+            self.on_eval(record)
+
+    async def _eval_taskset(
+        self, ts_cfg: TasksetConfig, rows: list[dict[str, Any]], runner: Any
+    ) -> dict[str, float]:
+        from workflows.workflow import make_task
+
+        name = ts_cfg.name
+        repeat = int(ts_cfg.repeat_times or 1)
+        limiter = anyio.CapacityLimiter(self.cfg.explorer.runner_num)
+        summaries: list[tuple[list[float], list[float], list[int]] | None] = [None] * len(rows)
+
+        async def one(i: int) -> None:
+            try:
+                task = make_task(
+                    rows[i],
+                    ts_cfg,
+                    repeat_times=repeat,
+                    batch_id=f"eval:{name}",
+                    task_id=i,
+                    index=i,
+                    epoch=0,
+                    is_eval=True,
+                )
+            except RftError as exc:
+                log.warning("%s: eval taskset %s, row %d: %s", self.name, name, i, exc)
+                return
+            async with limiter:
+                result = await runner.run_task(task)
+            if result.error or not result.experiences:
+                log.warning(
+                    "%s: eval taskset %s, row %d failed: %s",
+                    self.name,
+                    name,
+                    i,
+                    result.error or "no experiences",
+                )
+                return
+            exps = result.experiences
+            rewards = [float(e.reward) for e in exps if e.reward is not None]
+            if all("accuracy" in (e.metrics or {}) for e in exps):
+                acc = [float(e.metrics["accuracy"]) for e in exps]
+            elif rewards and all(r in (0.0, 1.0) for r in rewards):
+                acc = list(rewards)
+            else:
+                acc = []
+            summaries[i] = (rewards, acc, [e.response_length for e in exps])
+
+        async with anyio.create_task_group() as tg:
+            for i in range(len(rows)):
+                tg.start_soon(one, i)
+        done = [s for s in summaries if s is not None]
+        rewards = [r for s in done for r in s[0]]
+        p = f"eval/{name}"
+        out = {
+            f"{p}/tasks": float(len(rows)),
+            f"{p}/failed_tasks": float(len(rows) - len(done)),
+            f"{p}/reward/mean": _mean(rewards),
+            f"{p}/response_length/mean": _mean([n for s in done for n in s[2]]),
+        }
+        if done and all(s[1] for s in done):
+            out[f"{p}/accuracy/mean"] = _mean([a for s in done for a in s[1]])
+            if repeat > 1:
+                out[f"{p}/accuracy/best@{repeat}"] = _mean([max(s[1]) for s in done])
+        return out
+
+    async def _write_eval_record(self, record: dict[str, Any]) -> None:
+        if not self.cfg.run_dir or self.cfg.monitor.monitor_type == "none":
+            return
+        path = Path(self.cfg.run_dir) / "eval.jsonl"
+        line = json.dumps(record)
+
+        def append() -> None:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            with open(path, "a") as f:
+                f.write(line + "\n")
+
+        try:
+            await anyio.to_thread.run_sync(append)
+        except OSError as exc:
+            log.warning("%s: cannot write %s: %s", self.name, path, exc)
+
     # ------------------------------------------------------------ sync
     async def _load(self, state: RunState, min_version: int) -> None:
         ptr = await state.latest_weights()
-        current = int(getattr(self.engine, "model_version", 0) or 0)
+        current = self._version()
         if ptr is None or ptr.version <= current or ptr.version < min_version:
             return
         try:
@@ -368,3 +713,13 @@ class Explorer:
             if await state.status() in ("finished", "failed", "stopped"):
                 return
             await anyio.sleep(0.05)
+
+
+def _mean(values: list[float]) -> float:
+    return sum(values) / len(values) if values else float("nan")
+
+
+def _finite(values: dict[str, float]) -> dict[str, float]:
+    """Without NaN / inf: JSON has no such numbers (msgspec writes null, which no
+    ``MetricsMsg`` decodes), so an undefined metric is left out instead."""
+    return {k: v for k, v in values.items() if math.isfinite(v)}

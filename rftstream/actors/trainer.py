@@ -54,7 +54,8 @@ ADVANTAGE_OP_PREFIX = "group_advantage/"
 class RawMonitor:
     """Accumulates what happened upstream between trainer steps.
 
-    The pipeline's group advantage metrics (``group_advantage/<m>`` on the
+    Eval results an explorer published (``eval/<taskset>/...``) are added to
+    the next step's record. The pipeline's group advantage metrics (``group_advantage/<m>`` on the
     metrics stream, e.g. OPMD's ``group_baseline``) are reported as
     ``advantage/<m>``: averaged over the batches since the last step
     (``*_count`` ones summed), the same names the trainer uses when it
@@ -73,6 +74,7 @@ class RawMonitor:
         self.filtered = 0.0
         self.failed_tasks = 0.0
         self.advantage: dict[str, list[float]] = {}
+        self.evals: dict[str, float] = {}  # the latest eval/* results, reported once
         self._subs: list[Any] = []
 
     def on_raw_headers(self, headers: dict[str, str] | None) -> None:
@@ -94,6 +96,7 @@ class RawMonitor:
             return
         if m.role == "explorer":
             self.failed_tasks += m.values.get("rollout/failed_tasks", 0.0)
+            self.evals.update({k: v for k, v in m.values.items() if k.startswith("eval/")})
         elif m.role == "operator":
             self.filtered += m.values.get("operator/experiences_filtered", 0.0)
             for key, value in m.values.items():
@@ -131,6 +134,8 @@ class RawMonitor:
             agg = sum(values) if name.endswith("_count") else sum(values) / len(values)
             out[f"advantage/{name}"] = agg
         self.advantage = {}
+        out.update(self.evals)
+        self.evals = {}
         self.reward_sum = self.reward_count = self.raw_groups = self.filtered = (
             self.failed_tasks
         ) = 0.0

@@ -18,6 +18,7 @@ Blocking and cancellation:
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -461,8 +462,16 @@ class Bus:
             pass
 
     async def publish_metrics(self, role: str, step: int, values: dict[str, float]) -> None:
-        """Publish one metrics record to ``metrics.<actor>`` (JSON)."""
-        clean = {k: float(v) for k, v in values.items() if isinstance(v, (int, float))}
+        """Publish one metrics record to ``metrics.<actor>`` (JSON).
+
+        Non-numeric and non-finite values (NaN, inf) are left out: JSON has no
+        NaN, and one such value must not make the whole record undecodable.
+        """
+        clean = {
+            k: float(v)
+            for k, v in values.items()
+            if isinstance(v, (int, float)) and math.isfinite(float(v))
+        }
         body = encode_json(
             MetricsMsg(actor=self.actor, role=role, ts=time.time(), step=step, values=clean)
         )

@@ -173,6 +173,12 @@ class RolloutModelConfig(_Base):
     base_url: str = ""  # for engine_type: openai
     api_key: str = "EMPTY"
     seed: int = 42
+    # engine_type: vllm (GPU)
+    gpu_memory_utilization: float = 0.9
+    enforce_eager: bool = False
+    enable_prefix_caching: bool = True
+    logprobs_mode: str = "processed_logprobs"
+    engine_kwargs: dict[str, Any] = msgspec.field(default_factory=dict)  # other vLLM engine args
 
 
 class AuxiliaryModelConfig(_Base):

@@ -16,7 +16,7 @@ from typing import Any
 
 from msgspec.structs import replace
 
-from rftstream.config.schema import Config
+from rftstream.config.schema import Config, ExplorerInput, TasksetConfig
 from rftstream.errors import ConfigError
 
 __all__ = [
@@ -27,7 +27,10 @@ __all__ = [
     "SYNC_METHODS",
     "SYNC_STYLES",
     "SYNC_STYLE_ALIASES",
+    "TASKSET_NAME_RE",
+    "eval_tasksets",
     "run_id_from_name",
+    "training_tasksets",
     "validate_config",
 ]
 
@@ -51,6 +54,26 @@ KIB = 1024
 MIB = 1024 * KIB
 RUN_ID_MAX_LEN = 16
 _RUN_ID_RE = re.compile(rf"[a-z0-9_]{{1,{RUN_ID_MAX_LEN}}}")
+TASKSET_NAME_RE = re.compile(r"[A-Za-z0-9_.-]{1,64}")
+_INPUT = "buffer.explorer_input"
+
+
+def training_tasksets(inp: ExplorerInput) -> list[tuple[str, TasksetConfig]]:
+    """The training tasksets with their config key paths, in order.
+
+    ``taskset`` first, then ``tasksets[i]``; when ``tasksets`` is given and
+    ``taskset`` was left entirely at its defaults, ``taskset`` (the built-in
+    arithmetic set) is not one of them.
+    """
+    out = [(f"{_INPUT}.tasksets[{i}]", ts) for i, ts in enumerate(inp.tasksets)]
+    if not out or inp.taskset != TasksetConfig():
+        out.insert(0, (f"{_INPUT}.taskset", inp.taskset))
+    return out
+
+
+def eval_tasksets(inp: ExplorerInput) -> list[tuple[str, TasksetConfig]]:
+    """The eval tasksets with their config key paths (``eval_tasksets[i]``)."""
+    return [(f"{_INPUT}.eval_tasksets[{i}]", ts) for i, ts in enumerate(inp.eval_tasksets)]
 
 
 def run_id_from_name(name: str, *, source: str | None = None) -> str:
@@ -142,6 +165,10 @@ def validate_config(cfg: Config, source: str | None = None) -> Config:
     c.at_least("buffer.train_batch_size", buf.train_batch_size, 0)
     c.at_least("buffer.total_epochs", buf.total_epochs, 1)
     c.at_least("buffer.total_steps", buf.total_steps, 1, optional=True)
+    c.at_least("explorer.eval_interval", cfg.explorer.eval_interval, 1)
+    inp = _check_tasksets(c, buf.explorer_input)
+    if inp is not buf.explorer_input:
+        cfg = replace(cfg, buffer=replace(buf, explorer_input=inp))
 
     c.at_least("trainer.save_interval", cfg.trainer.save_interval, 0)
     c.between("trainer.zero_stage", cfg.trainer.zero_stage, 0, 3)
@@ -151,3 +178,41 @@ def validate_config(cfg: Config, source: str | None = None) -> Config:
     if style != sync.sync_style:
         cfg = replace(cfg, synchronizer=replace(sync, sync_style=style))
     return cfg
+
+
+def _check_tasksets(c: _Checker, inp: ExplorerInput) -> ExplorerInput:
+    """Check every taskset's values and name uniqueness; mark ``eval_tasksets`` ``is_eval``."""
+    for group, entries in (
+        ("training", training_tasksets(inp)),
+        ("eval", eval_tasksets(inp)),
+    ):
+        seen: dict[str, str] = {}
+        for key, ts in entries:
+            if not TASKSET_NAME_RE.fullmatch(ts.name or ""):
+                c.fail(
+                    f"{key}.name",
+                    "must be 1 to 64 characters from [A-Za-z0-9_.-] (it names the taskset's "
+                    "task ids and metrics)",
+                    ts.name,
+                )
+            if ts.name in seen:
+                c.fail(
+                    f"{key}.name",
+                    f"{group} taskset names must be unique; {seen[ts.name]} has it too "
+                    "(give each taskset its own `name`)",
+                    ts.name,
+                )
+            seen[ts.name] = key
+            c.at_least(f"{key}.repeat_times", ts.repeat_times, 1, optional=True)
+            c.at_least(f"{key}.total_epochs", ts.total_epochs, 1, optional=True)
+            if group == "training" and ts.is_eval:
+                c.fail(
+                    f"{key}.is_eval",
+                    "a training taskset cannot be is_eval; list it in "
+                    "buffer.explorer_input.eval_tasksets",
+                    ts.is_eval,
+                )
+    if all(ts.is_eval for ts in inp.eval_tasksets):
+        return inp
+    marked = [ts if ts.is_eval else replace(ts, is_eval=True) for ts in inp.eval_tasksets]
+    return replace(inp, eval_tasksets=marked)

@@ -60,7 +60,9 @@ class OpenAIEngine(RolloutEngine):
         tokenizer_path: str | None = None,
         **ignored: Any,
     ) -> None:
-        from transformers import AutoTokenizer
+        from rftstream.hf import hf_classes
+
+        (AutoTokenizer,) = hf_classes("AutoTokenizer")
 
         unknown = sorted(set(ignored) - _IGNORED)
         if unknown:

@@ -288,7 +288,9 @@ class TransformersEngine(RolloutEngine):
         torch_threads: int | None = None,
         default_max_tokens: int = 512,
     ) -> None:
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+        from rftstream.hf import hf_classes
+
+        AutoModelForCausalLM, AutoTokenizer = hf_classes("AutoModelForCausalLM", "AutoTokenizer")
 
         if max_batch_size < 1:
             raise RftError(

@@ -35,6 +35,12 @@ def test_example_config_runs(
     records = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == [1, 2]
     assert all(r["experience/trained"] == run.cfg.buffer.train_batch_size for r in records)
+    eval_sets = run.cfg.buffer.explorer_input.eval_tasksets
+    if eval_sets:  # evaluated at least once (the final evaluation, with the newest weights)
+        evals = [json.loads(x) for x in (tmp_path / "run" / "eval.jsonl").read_text().splitlines()]
+        for ts in eval_sets:
+            assert any(r.get(f"eval/{ts.name}/reward/mean") is not None for r in evals), ts.name
+        assert (tmp_path / "run" / "eval.jsonl").is_file()
 
 
 def test_benchmarks_run_quick() -> None:

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import functools
 import json
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -18,6 +20,7 @@ import msgspec
 import nats
 import nats.js.errors
 import pytest
+import yaml
 
 from rftstream.bus.state import RunState
 from rftstream.config import config_from_dict
@@ -25,10 +28,12 @@ from rftstream.experience import decode_group
 from rftstream.messages import MetricsMsg
 from rftstream.plugins import load_plugins
 from rftstream.runtime import prepare_run, run_actors, run_operator, splice_in
-from tests.integration._util import read_stream, small_config
+from tests.integration._util import read_stream, small_config, user_env
 from tests.integration.test_seed_plugins import REWARD_FILTER
 
 pytestmark = pytest.mark.integration
+
+CLI = [sys.executable, "-m", "rftstream.cli"]
 
 THRESHOLD = 0.5
 
@@ -101,6 +106,11 @@ def test_spliced_reward_filter_gates_the_trainer_and_counts_add_up(
     job.join(timeout=240)
     assert not job.is_alive() and not errors, errors
 
+    check_gate_and_accounts(run, nats_url)
+
+
+def check_gate_and_accounts(run, nats_url: str) -> None:
+    """From the cut on the trainer reads only what passed; raw = trained + filtered + dead-lettered."""
     records = [json.loads(x) for x in (run.run_dir / "metrics.jsonl").read_text().splitlines()]
     assert records and records[-1]["step"] > 2
     sources = [
@@ -116,14 +126,14 @@ def test_spliced_reward_filter_gates_the_trainer_and_counts_add_up(
             assert r["reward/train_min"] >= THRESHOLD, r
 
     async def accounts() -> tuple[int, int, int, int]:
-        raw = await _count(nats_url, "rft.splice.exp.raw")
-        dlq = await _count(nats_url, "rft.splice.dlq.>")
+        raw = await _count(nats_url, f"rft.{run.names.run}.exp.raw")
+        dlq = await _count(nats_url, f"rft.{run.names.run}.dlq.>")
         filtered = 0
-        for m in await read_stream(nats_url, "rft.splice.metrics.>"):
+        for m in await read_stream(nats_url, f"rft.{run.names.run}.metrics.>"):
             msg = msgspec.json.decode(m.data, type=MetricsMsg)
             if msg.role == "operator":
                 filtered += int(msg.values.get("operator/experiences_filtered", 0))
-        passed = await _count(nats_url, "rft.splice.exp.filtered")
+        passed = await _count(nats_url, f"rft.{run.names.run}.exp.filtered")
         return raw, dlq, filtered, passed
 
     raw, dlq, filtered, passed = anyio.run(accounts)
@@ -133,3 +143,59 @@ def test_spliced_reward_filter_gates_the_trainer_and_counts_add_up(
     # everything the filter passed was trained, nothing twice
     assert sum(new for _, new in sources) == passed
     assert all(r["experience/duplicates_dropped"] == 0 for r in records)
+
+
+def test_rftstream_operator_splice_against_a_running_up(
+    tmp_path: Path, tiny_model_path: str, nats_url: str
+) -> None:
+    """The acceptance as a user runs it: `rftstream up`, then `rftstream operator --splice`."""
+    plugin_dir = tmp_path / "plugins"
+    plugin_dir.mkdir()
+    (plugin_dir / "reward_filter.py").write_text(REWARD_FILTER)
+    data = _config(tmp_path, tiny_model_path)
+    data["name"] = "splicecli"
+    # long enough for the operator process to start mid-run, and the explorer may not run
+    # far ahead of the trainer (else the trainer has fetched everything before the cut)
+    data["buffer"]["total_epochs"] = 4
+    data["synchronizer"]["max_staleness"] = 1
+    cfg_path = tmp_path / "run.yaml"
+    cfg_path.write_text(yaml.safe_dump(data))
+    run = prepare_run(config_from_dict(data))
+    common = ["--config", str(cfg_path), "--nats-url", nats_url]
+    env = user_env(tiny_model_path)
+    with open(tmp_path / "up.log", "w") as out:
+        up = subprocess.Popen([*CLI, "up", *common], stdout=out, stderr=subprocess.STDOUT, env=env)
+    op = None
+    try:
+        deadline = time.monotonic() + 180
+        while anyio.run(_trainer_step, nats_url, run) < 1:
+            assert up.poll() is None, (tmp_path / "up.log").read_text()
+            assert time.monotonic() < deadline, (tmp_path / "up.log").read_text()
+            time.sleep(0.3)
+        with open(tmp_path / "op.log", "w") as out:
+            op = subprocess.Popen(
+                [
+                    *CLI,
+                    "operator",
+                    "reward_filter",
+                    "--args",
+                    json.dumps({"threshold": THRESHOLD}),
+                    "--splice",
+                    "--to",
+                    "filtered",
+                    "--plugin-dir",
+                    str(plugin_dir),
+                    *common,
+                ],
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                env=env,
+            )
+        assert up.wait(timeout=300) == 0, (tmp_path / "up.log").read_text()
+        assert op.wait(timeout=60) == 0, (tmp_path / "op.log").read_text()
+    finally:
+        for proc in (up, op):
+            if proc is not None and proc.poll() is None:
+                proc.kill()
+    assert "spliced in: reads exp.train" in (tmp_path / "op.log").read_text()
+    check_gate_and_accounts(run, nats_url)

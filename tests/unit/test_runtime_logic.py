@@ -148,3 +148,21 @@ def test_raw_monitor_counts_raw_rewards_from_headers_and_resets() -> None:
     assert out["experience/filtered"] == 3
     again = m.take()
     assert again["reward/mean"] is None and again["reward/raw_count"] == 0
+
+
+def test_raw_monitor_folds_the_latest_explorer_evals_into_the_next_record_once() -> None:
+    m = RawMonitor()
+
+    def explorer_metrics(step: int, values: dict[str, float]) -> bytes:
+        return encode_json(MetricsMsg(actor="e", role="explorer", ts=0, step=step, values=values))
+
+    m.on_metrics(explorer_metrics(1, {"eval/held/reward/mean": 0.25, "rollout/failed_tasks": 1}))
+    m.on_metrics(explorer_metrics(2, {"eval/held/reward/mean": 0.5, "eval/held/tasks": 8}))
+    # an operator's eval-looking key is not an eval result
+    m.on_metrics(
+        encode_json(MetricsMsg(actor="o", role="operator", ts=0, step=1, values={"eval/x": 9.0}))
+    )
+    out = m.take()
+    assert out["eval/held/reward/mean"] == 0.5 and out["eval/held/tasks"] == 8
+    assert "eval/x" not in out
+    assert not any(k.startswith("eval/") for k in m.take())

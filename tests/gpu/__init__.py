@@ -1,0 +1,1 @@
+"""Tests that need a CUDA GPU (and the vLLM extra); skipped elsewhere."""

@@ -1,0 +1,93 @@
+"""A ``data_juicer`` operator stage over a real nats-server: exp.raw -> exp.train."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import anyio
+import pytest
+
+from rftstream.bus.client import Bus
+from rftstream.config import config_from_dict
+from rftstream.experience import EID, Experience, decode_group
+from rftstream.runtime import prepare_run, provision, run_operator
+from tests.integration._util import read_stream, small_config
+
+pytestmark = [
+    pytest.mark.integration,
+    pytest.mark.skipif(
+        importlib.util.find_spec("data_juicer") is None or importlib.util.find_spec("ray") is None,
+        reason="needs the data-juicer extra (pip install 'rftstream[data-juicer]')",
+    ),
+]
+
+RESPONSES = ["ok", "the answer is 42", "x" * 80, "forty two"]  # kept: 5 <= len <= 40
+
+
+def group(task: int) -> list[Experience]:
+    return [
+        Experience(
+            tokens=[5, 6, 7, 8, 9],
+            prompt_length=2,
+            reward=float(i % 2),
+            logprobs=[-1.0, -1.0, -1.0],
+            response_text=text,
+            prompt_text="What is 6 times 7?",
+            eid=EID(0, task, i),
+        )
+        for i, text in enumerate(RESPONSES)
+    ]
+
+
+def test_data_juicer_stage_filters_by_text(
+    tmp_path: Path, tiny_model_path: str, nats_url: str
+) -> None:
+    cfg = small_config(tmp_path, tiny_model_path)
+    cfg["data_processor"] = {
+        "experience_pipeline": {
+            "operators": [
+                {
+                    "name": "data_juicer",
+                    "args": {
+                        "text_key": "response",
+                        "operators": [{"text_length_filter": {"min_len": 5, "max_len": 40}}],
+                    },
+                }
+            ]
+        }
+    }
+    run = prepare_run(config_from_dict(cfg))
+
+    async def main() -> None:
+        await provision(run, nats_url)
+        async with await Bus.connect(nats_url, run.names, run.cfg.nats, "producer") as bus:
+            await bus.publish_group("raw", group(1), msg_id="g1")
+            await bus.publish_group("raw", group(2), msg_id="g2")
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(run_operator, run, nats_url)
+                with anyio.fail_after(90):
+                    while True:
+                        info = await bus.js.consumer_info(run.names.exp_stream, "op_raw_to_train")
+                        if info.num_pending == 0 and info.num_ack_pending == 0:
+                            break
+                        await anyio.sleep(0.2)
+                tg.cancel_scope.cancel()
+
+    anyio.run(main, backend="asyncio")
+
+    async def check() -> None:
+        train = [
+            e
+            for m in await read_stream(nats_url, "rft.itest.exp.train")
+            for e in decode_group(m.data)
+        ]
+        kept = sorted((e.eid.task, e.response_text) for e in train)
+        expected = sorted((t, r) for t in (1, 2) for r in RESPONSES if 5 <= len(r) <= 40)
+        assert kept == expected
+        for e in train:
+            assert e.info["text_len"] == len(e.response_text)  # DJ stats travel in info
+            assert e.advantages is not None  # GRPO ran after the filter
+        assert not await read_stream(nats_url, "rft.itest.dlq.>")
+
+    anyio.run(check, backend="asyncio")

@@ -1,0 +1,573 @@
+"""Built-in workflows on the tiny model: math_boxed, countdown, env (action mask and logprobs
+checked independently), code, python tool (scripted client, and the real API when present)."""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from types import SimpleNamespace
+from typing import Any
+
+import anyio
+import pytest
+import torch
+
+from rftstream.config.schema import FormatConfig, GenerationConfig, TasksetConfig
+from rftstream.engines import create_engine
+from rftstream.errors import WorkflowError
+from workflows import (
+    ENVS,
+    REWARD_FUNCTIONS,
+    WORKFLOWS,
+    CodeWorkflow,
+    CountdownWorkflow,
+    EnvWorkflow,
+    Experience,
+    MathBoxedWorkflow,
+    ModelWrapper,
+    PythonToolWorkflow,
+    Task,
+    TextEnv,
+    WorkflowRunner,
+    make_task,
+)
+from workflows.envs import FrozenLakeEnv, GuessNumberEnv, normalize_step
+from workflows.tool_workflow import PYTHON_TOOL, format_tool_result
+
+IM_START, IM_END = "<|im_start|>", "<|im_end|>"
+
+
+@asynccontextmanager
+async def wrapper(path: str, max_response_tokens: int = 8) -> AsyncIterator[ModelWrapper]:
+    engine = create_engine("transformers", path, batch_wait_ms=5)
+    async with anyio.create_task_group() as tg:
+        await tg.start(engine.run)
+        try:
+            yield ModelWrapper(engine, model_path=path, max_response_tokens=max_response_tokens)
+        finally:
+            await engine.aclose()
+            tg.cancel_scope.cancel()
+
+
+def task_for(
+    row: dict[str, Any], workflow: str, repeat: int = 4, task_id: int = 0, **cfg: Any
+) -> Task:
+    ts = TasksetConfig(default_workflow_type=workflow, **cfg)
+    return make_task(
+        row, ts, repeat_times=repeat, batch_id=1, task_id=task_id, index=task_id, epoch=0
+    )
+
+
+async def run(model: Any, task: Task) -> list[Experience]:
+    res = await WorkflowRunner(model, max_timeout=60, max_retry_times=0).run_task(task)
+    assert res.error is None, res.error
+    return res.experiences
+
+
+def check_shapes(exps: list[Experience], n: int) -> None:
+    assert len(exps) == n
+    for e in exps:
+        assert e.response_length > 0
+        assert e.logprobs.shape[0] == e.action_mask.shape[0] == e.response_length
+        assert e.reward is not None
+
+
+def test_registered_workflows() -> None:
+    for name, cls in {
+        "simple_workflow": None,
+        "math_workflow": None,
+        "math_boxed_workflow": MathBoxedWorkflow,
+        "countdown_workflow": CountdownWorkflow,
+        "countdown": CountdownWorkflow,
+        "env_workflow": EnvWorkflow,
+        "code_workflow": CodeWorkflow,
+        "python_tool_workflow": PythonToolWorkflow,
+    }.items():
+        assert name in WORKFLOWS
+        assert cls is None or WORKFLOWS.get(name) is cls
+    assert {"guess_number", "frozen_lake"} <= set(ENVS.names())
+
+
+# ---------------------------------------------------------------------------
+# math_boxed_workflow
+# ---------------------------------------------------------------------------
+
+
+@pytest.mark.anyio
+async def test_math_boxed_workflow(tiny_model_path: str) -> None:
+    row = {"question": "3+4=", "answer": "7"}
+    task = task_for(row, "math_boxed_workflow", repeat=4)
+    async with wrapper(tiny_model_path) as model:
+        wf = task.to_workflow(model)
+        assert wf.format_messages()[0]["content"].endswith("\\boxed{}.")  # the default prompt
+        exps = await run(model, task)
+        check_shapes(exps, 4)
+        fn = REWARD_FUNCTIONS.get("math_boxed_reward")()
+        for e in exps:
+            expected = fn(response=e.response_text, truth="7")
+            assert e.metrics == {**e.metrics, **expected}
+            assert e.reward == sum(expected.values())
+
+        # with_think (no system prompt: the tiny model's context is 128 tokens): the tiny
+        # model never writes <think>, so every reply pays the format penalty
+        think = task_for(
+            row,
+            "math_boxed_workflow",
+            repeat=3,
+            format=FormatConfig(system_prompt=""),
+            workflow_args={"with_think": True, "format_score_coef": 0.25},
+        )
+        exps = await run(model, think)
+        check_shapes(exps, 3)
+        assert all(e.metrics["format_score"] == -0.25 for e in exps)
+        assert all(e.reward == e.metrics["accuracy"] - 0.25 for e in exps)
+
+        # use_base: plain text prompt through model.generate
+        base = task_for(
+            row,
+            "math_boxed_workflow",
+            repeat=2,
+            format=FormatConfig(system_prompt=""),
+            workflow_args={"use_base": True},
+        )
+        exps = await run(model, base)
+        check_shapes(exps, 2)
+        assert all(e.prompt_text == "User:\n3+4=\nAssistant:\n" for e in exps)
+        # and the blocking run() from a worker thread
+        wf = base.to_workflow(model)
+        exps = await anyio.to_thread.run_sync(wf.run)
+        check_shapes(exps, 2)
+
+
+# ---------------------------------------------------------------------------
+# countdown
+# ---------------------------------------------------------------------------
+
+
+@pytest.mark.anyio
+async def test_countdown_workflow(tiny_model_path: str) -> None:
+    fn = REWARD_FUNCTIONS.get("countdown_reward")()
+    async with wrapper(tiny_model_path) as model:
+        # prompt from the template, truth from target / nums
+        task = task_for(
+            {"target": 8, "nums": [3, 5]},
+            "countdown",
+            repeat=4,
+            workflow_args={"prompt_template": "{numbers}->{target}"},
+        )
+        wf = task.to_workflow(model)
+        assert wf.format_messages() == [{"role": "user", "content": "3, 5->8"}]
+        assert wf.truth == {"target": 8, "numbers": [3, 5]}
+        exps = await run(model, task)
+        check_shapes(exps, 4)
+        for e in exps:
+            assert e.reward == fn(response=e.response_text, truth=wf.truth)["score"]
+            assert e.reward in (0.0, 0.1, 1.0)
+
+        # Trinity-RFT's rows: question text, truth as JSON under the response key
+        truth = json.dumps({"target": 3, "numbers": [1, 2]})
+        task = task_for({"question": "1 2 -> 3", "answer": truth}, "countdown_workflow", repeat=2)
+        exps = await run(model, task)
+        check_shapes(exps, 2)
+
+        # the built-in prompt names the numbers and the target
+        wf = task_for({"target": 24, "nums": [1, 2, 3, 4]}, "countdown").to_workflow(model)
+        assert "1, 2, 3, 4" in wf.task_desc and "24" in wf.task_desc
+        with pytest.raises(WorkflowError, match="nums"):
+            task_for({"question": "x"}, "countdown").to_workflow(model)
+
+
+# ---------------------------------------------------------------------------
+# env_workflow
+# ---------------------------------------------------------------------------
+
+
+def test_envs_protocol() -> None:
+    env = GuessNumberEnv.from_task({"target": 5, "unrelated": 1}, max_guesses=3)
+    assert env.reset() == "Guess my number (0-9)."
+    assert env.step("I say 3") == ("Higher.", 0.0, False, {"guesses": 1, "valid": True})
+    assert env.step("nothing")[:3] == ("Say a number.", 0.0, False)
+    assert env.step("7")[:3] == ("Lower.", 0.0, True)  # out of guesses
+    env.reset()
+    assert env.step("5") == ("Correct!", 1.0, True, {"guesses": 1, "valid": True, "won": True})
+    # without a target, the seed decides: the same for every rollout of a task
+    assert GuessNumberEnv(seed=3).target == GuessNumberEnv(seed=3).target
+
+    lake = FrozenLakeEnv(desc="SF/HG")
+    assert lake.reset() == "PF\nHG"
+    assert lake.step("up")[:3] == ("PF\nHG", 0.0, False)  # the border
+    assert lake.step("right")[:3] == ("SP\nHG", 0.0, False)
+    assert lake.step("D")[:3] == ("SF\nHP", 1.0, True)
+    lake.reset()
+    assert lake.step("down")[1:3] == (0.0, True)  # a hole
+
+    assert normalize_step(("o", 1, False, True, {"x": 1})) == ("o", 1.0, True, {"x": 1})
+    with pytest.raises(WorkflowError, match="must return"):
+        normalize_step(("o", 1.0))
+
+
+def expected_episode(tokenizer: Any, e: Experience) -> tuple[list[int], list[int]]:
+    """Tokens and mask of an episode, rebuilt from its conversation and the tiny model's
+    chat format (``<|im_start|>{role}\\n{content}<|im_end|>\\n``), not from the workflow."""
+
+    def enc(text: str) -> list[int]:
+        return tokenizer.encode(text, add_special_tokens=False)
+
+    msgs = e.messages
+    assert msgs is not None and msgs[0]["role"] == "user"
+    tokens = enc(f"{IM_START}user\n{msgs[0]['content']}{IM_END}\n{IM_START}assistant\n")
+    mask: list[int] = []
+    finishes = e.info["turn_finish_reasons"]
+    turns = [m for m in msgs[1:] if m["role"] == "assistant"]
+    observations = [m["content"] for m in msgs[1:] if m["role"] == "user"]
+    assert len(turns) == len(finishes) and len(observations) in (len(turns), len(turns) - 1)
+    for k, turn in enumerate(turns):
+        reply = enc(turn["content"]) + (
+            [tokenizer.convert_tokens_to_ids(IM_END)] if finishes[k] == "stop" else []
+        )
+        tokens += reply
+        mask += [1] * len(reply)
+        if k < len(observations):
+            closing = "\n" if finishes[k] == "stop" else f"{IM_END}\n"
+            env = enc(f"{closing}{IM_START}user\n{observations[k]}{IM_END}\n{IM_START}assistant\n")
+            tokens += env
+            mask += [0] * len(env)
+    return tokens, mask
+
+
+@pytest.mark.anyio
+async def test_env_workflow_action_mask_and_logprobs(tiny_model_path: str) -> None:
+    from transformers import AutoModelForCausalLM
+
+    task = task_for(
+        {"target": 5, "max_guesses": 3},
+        "env_workflow",
+        repeat=6,
+        workflow_args={"env_type": "guess_number", "max_env_steps": 3},
+        rollout_args=GenerationConfig(max_tokens=4, temperature=1.0),
+    )
+    async with wrapper(tiny_model_path, max_response_tokens=100) as model:
+        exps = await run(model, task)
+        tokenizer = model.tokenizer
+    check_shapes(exps, 6)
+    hf = AutoModelForCausalLM.from_pretrained(tiny_model_path).eval()
+    multi_turn = 0
+    for e in exps:
+        tokens, mask = expected_episode(tokenizer, e)
+        assert e.tokens.tolist() == tokens
+        assert e.action_mask.int().tolist() == mask
+        assert e.prompt_length == len(tokens) - len(mask)
+        assert len(tokens) <= 128  # the tiny model's context
+        steps = int(e.info["env_steps"])
+        multi_turn += steps > 1
+        assert e.reward == sum(e.info["step_rewards"]) == e.metrics["env_return"]
+        guesses = [
+            re.search(r"-?\d+", m["content"]) for m in e.messages if m["role"] == "assistant"
+        ]
+        won = guesses[-1] is not None and guesses[-1].group() == "5"
+        assert e.reward == float(won)
+        # logprobs: 0 on environment tokens, the model's own on its tokens
+        resp_mask = e.action_mask.bool()
+        assert torch.all(e.logprobs[~resp_mask] == 0)
+        with torch.no_grad():
+            logits = hf(e.tokens.long().unsqueeze(0)).logits[0].float()
+        logp = torch.log_softmax(logits[e.prompt_length - 1 : -1], dim=-1)
+        ref = logp.gather(-1, e.tokens[e.prompt_length :].long().unsqueeze(-1)).squeeze(-1)
+        torch.testing.assert_close(e.logprobs[resp_mask], ref[resp_mask], atol=2e-4, rtol=1e-4)
+    assert multi_turn > 0  # the tiny model rarely guesses 5 at once
+
+
+class SlowCounter(TextEnv):
+    """A user environment without ``fast``: its calls run in a worker thread."""
+
+    fast = False
+
+    def __init__(self, goal: int = 2) -> None:
+        self.goal, self.n = goal, 0
+
+    def reset(self) -> tuple[str, dict[str, Any]]:  # gymnasium-style reset
+        return "Count.", {}
+
+    def step(self, action: str) -> tuple[str, float, bool, bool, dict[str, Any]]:
+        self.n += 1
+        return f"n={self.n}", 0.5, self.n >= self.goal, False, {}
+
+
+@pytest.mark.anyio
+async def test_env_workflow_user_env_and_limits(tiny_model_path: str) -> None:
+    ENVS.register_module("slow_counter", SlowCounter)
+    task = task_for(
+        {"goal": 2},
+        "env_workflow",
+        repeat=2,
+        format=FormatConfig(system_prompt="Go."),
+        workflow_args={"env_type": "slow_counter", "action_pattern": r"(\d+)"},
+        rollout_args=GenerationConfig(max_tokens=3),
+    )
+    async with wrapper(tiny_model_path, max_response_tokens=60) as model:
+        exps = await run(model, task)
+        check_shapes(exps, 2)
+        for e in exps:
+            assert e.messages[0] == {"role": "system", "content": "Go."}
+            assert e.info["env_steps"] == 2 and e.reward == 1.0 and e.info["env_done"] == 1.0
+        wf = task.to_workflow(model)
+        assert wf.parse_action("guess 12 or 3") == "12" and wf.parse_action("none") == ""
+
+        # a small response budget ends the episode early
+        short = task_for(
+            {"target": 5, "max_guesses": 9},
+            "env_workflow",
+            repeat=2,
+            workflow_args={"max_env_steps": 9},
+            rollout_args=GenerationConfig(max_tokens=3),
+        )
+        model.max_response_tokens = 20
+        for e in await run(model, short):
+            assert e.response_length <= 20
+            assert e.info["truncated"] == 1.0 or e.info["env_done"] == 1.0
+
+        with pytest.raises(WorkflowError, match="env_type"):
+            task_for({}, "env_workflow", workflow_args={"env_type": "nope"}).to_workflow(model)
+        with pytest.raises(WorkflowError, match="action_pattern"):
+            task_for({}, "env_workflow", workflow_args={"action_pattern": "("}).to_workflow(model)
+
+
+# ---------------------------------------------------------------------------
+# code_workflow
+# ---------------------------------------------------------------------------
+
+
+@pytest.mark.anyio
+async def test_code_workflow_on_the_tiny_model(tiny_model_path: str) -> None:
+    row = {"question": "add(a,b)", "answer": ["assert add(1, 2) == 3", "assert add(0, 0) == 0"]}
+    task = task_for(row, "code_workflow", repeat=3, format=FormatConfig(system_prompt=""))
+    async with wrapper(tiny_model_path) as model:
+        exps = await run(model, task)
+    check_shapes(exps, 3)
+    for e in exps:
+        assert e.reward in (0.0, 0.5, 1.0) and "code" in e.info
+        assert e.metrics["accuracy"] == e.reward
+
+
+class ScriptedModel:
+    """Returns fixed replies (no engine), enough for SimpleWorkflow-based workflows."""
+
+    def __init__(self, replies: list[str]) -> None:
+        self.replies = replies
+        self.model_version = 0
+
+    async def chat_async(
+        self, messages: list[dict[str, Any]], n: int = 1, **kw: Any
+    ) -> list[Experience]:
+        return [
+            Experience(
+                tokens=[1, 2, 3], prompt_length=2, response_text=self.replies[i % len(self.replies)]
+            )
+            for i in range(n)
+        ]
+
+
+@pytest.mark.anyio
+async def test_code_workflow_scores_replies() -> None:
+    replies = [
+        "```python\ndef add(a, b):\n    return a + b\n```",
+        "Here:\n```\ndef add(a, b):\n    return a - b\n```",
+        "```python\ndef add(a, b):\n    while True: pass\n```",
+        "def add(a, b): return a + b if a > 5 else 0",  # no fence: the whole reply
+    ]
+    row = {"question": "add", "tests": "assert add(1, 2) == 3\nassert add(0, 0) == 0"}
+    task = task_for(
+        row,
+        "code_workflow",
+        repeat=4,
+        workflow_args={"tests_key": "tests"},
+        reward_fn_args={"timeout": 1.0},
+    )
+    exps = await run(ScriptedModel(replies), task)
+    assert [e.reward for e in exps] == [1.0, 0.5, 0.0, 0.5]
+    strict = task_for(
+        row,
+        "code_workflow",
+        repeat=4,
+        workflow_args={"tests_key": "tests"},
+        reward_fn_args={"timeout": 1.0, "partial_credit": False},
+    )
+    exps = await run(ScriptedModel(replies), strict)
+    assert [e.reward for e in exps] == [1.0, 0.0, 0.0, 0.0]
+
+
+# ---------------------------------------------------------------------------
+# python_tool_workflow with a scripted OpenAI client
+# ---------------------------------------------------------------------------
+
+
+def _message(content: str | None, calls: list[tuple[str, str]] | None = None) -> Any:
+    tool_calls = None
+    if calls:
+        tool_calls = [
+            SimpleNamespace(
+                id=f"call_{i}", type="function", function=SimpleNamespace(name=n, arguments=a)
+            )
+            for i, (n, a) in enumerate(calls)
+        ]
+    return SimpleNamespace(
+        choices=[SimpleNamespace(message=SimpleNamespace(content=content, tool_calls=tool_calls))]
+    )
+
+
+class FakeClient:
+    """``client.chat.completions.create(...)`` replaying a script; records each request."""
+
+    def __init__(self, owner: FakeModel, script: list[Any]) -> None:
+        self.owner, self.script, self.requests = owner, script, []
+        self.model_path = "fake-model"
+        self.chat = SimpleNamespace(completions=SimpleNamespace(create=self.create))
+
+    def create(self, **kwargs: Any) -> Any:
+        self.requests.append(json.loads(json.dumps(kwargs)))
+        self.owner.history.append(Experience(tokens=[1, 2, 3], prompt_length=2))
+        return self.script[(len(self.requests) - 1) % len(self.script)]
+
+
+class FakeModel:
+    """The ModelWrapper surface the tool workflow uses: clone, client, history."""
+
+    def __init__(self, script: list[Any]) -> None:
+        self.script = script
+        self.enable_history = False
+        self.history: list[Experience] = []
+        self.clones: list[FakeModel] = []
+        self.client: FakeClient | None = None
+        self.model_version = 0
+
+    def clone(self, *, enable_history: bool | None = None) -> FakeModel:
+        other = FakeModel(self.script)
+        other.enable_history = bool(enable_history)
+        self.clones.append(other)
+        return other
+
+    def get_openai_client(self) -> FakeClient:
+        self.client = self.client or FakeClient(self, self.script)
+        return self.client
+
+    def extract_experience_from_history(
+        self, clear_history: bool = True, *, merge_turns: bool = False
+    ) -> list[Experience]:
+        exps = list(self.history)
+        self.history.clear()
+        if merge_turns and exps:  # stand-in for merge_history: one per conversation
+            return [exps[-1]]
+        return exps
+
+
+@pytest.mark.anyio
+async def test_python_tool_workflow_scripted() -> None:
+    script = [
+        _message(None, [("python", json.dumps({"code": "print(17 * 23)"}))]),
+        _message("It is \\boxed{391}."),
+    ]
+    model = FakeModel(script)
+    task = task_for({"question": "17*23?", "answer": "391"}, "python_tool_workflow", repeat=2)
+    exps = await run(model, task)
+    assert len(exps) == 2
+    api = model.clones[0]
+    assert api.enable_history and len(model.clones) == 1
+    for e in exps:
+        assert e.reward == 1.0 and e.info["tool_calls"] == 1 and e.metrics["accuracy"] == 1.0
+    requests = api.client.requests
+    assert len(requests) == 4  # two calls per rollout
+    assert all(r["tools"] == [PYTHON_TOOL] and r["model"] == "fake-model" for r in requests)
+    second = requests[1]["messages"]
+    assert second[-2]["tool_calls"][0]["function"]["name"] == "python"
+    assert second[-1] == {"role": "tool", "tool_call_id": "call_0", "content": "391"}
+    assert exps[0].messages[-1] == {"role": "assistant", "content": "It is \\boxed{391}."}
+
+    # unknown tools, bad arguments, failing code, and the turn limit
+    script = [
+        _message(
+            "",
+            [
+                ("search", "{}"),
+                ("python", "not json"),
+                ("python", json.dumps({"code": "raise SystemExit(3)"})),
+                ("python", json.dumps({"src": "1"})),
+            ],
+        )
+    ]
+    model = FakeModel(script)
+    task = task_for(
+        {"question": "q", "answer": "1"},
+        "python_tool_workflow",
+        repeat=1,
+        workflow_args={"max_turns": 2},
+    )
+    exps = await run(model, task)
+    assert exps[0].reward == 0.0 and exps[0].info["tool_calls"] == 8
+    tool_msgs = [m for m in exps[0].messages if m["role"] == "tool"][:4]
+    assert [m["content"] for m in tool_msgs] == [
+        "[unknown tool 'search'; the only tool is `python`]",
+        "[the arguments are not a JSON object]",
+        "[exit code 3]",
+        "[missing string argument `code`]",
+    ]
+
+
+def test_format_tool_result() -> None:
+    assert format_tool_result("1\n", "", 0, False, 100) == "1"
+    assert format_tool_result("", "boom\n", 1, False, 100) == "stderr:\nboom\n[exit code 1]"
+    assert format_tool_result("", "", -9, True, 100) == "[timed out]"
+    assert format_tool_result("", "", 0, False, 100) == "[no output]"
+    assert format_tool_result("x" * 50, "", 0, False, 20) == "x" * 8 + "\n[truncated]"
+
+
+# ---------------------------------------------------------------------------
+# python_tool_workflow through the model's real OpenAI API
+# ---------------------------------------------------------------------------
+
+# The tiny model's format, plus `tools` / `tool_calls` rendered compactly: the default
+# rendering of tools (a long system prompt) does not fit its 128-token context.
+COMPACT_TOOLS_TEMPLATE = (
+    "{% if tools %}{{ '<|im_start|>system\\ntools: python<|im_end|>\\n' }}{% endif %}"
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + (message['content'] or '') }}"
+    "{% for call in message.get('tool_calls') or [] %}"
+    "{{ '<tool_call>' + call['function']['name'] + '</tool_call>' }}{% endfor %}"
+    "{{ '<|im_end|>\\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+
+@pytest.mark.anyio
+async def test_python_tool_workflow_real_api(tiny_model_path: str, tmp_path: Any) -> None:
+    import shutil
+    from pathlib import Path
+
+    if not callable(getattr(ModelWrapper, "clone", None)):
+        pytest.skip("ModelWrapper has no OpenAI API / clone() yet")
+    path = tmp_path / "tiny-tools"
+    shutil.copytree(tiny_model_path, path)
+    (Path(path) / "chat_template.jinja").write_text(COMPACT_TOOLS_TEMPLATE)
+    task = task_for(
+        {"question": "3+4=", "answer": "7"},
+        "python_tool_workflow",
+        repeat=3,
+        format=FormatConfig(system_prompt=""),
+        workflow_args={"max_turns": 2},
+        rollout_args=GenerationConfig(max_tokens=6),
+    )
+    fn = REWARD_FUNCTIONS.get("math_reward")()
+    async with wrapper(str(path), max_response_tokens=6) as model:
+        try:
+            exps = await run(model, task)
+        finally:
+            await model.aclose()
+    assert len(exps) >= 3
+    for e in exps:
+        assert e.response_length > 0 and e.action_mask.shape[0] == e.response_length
+        assert e.logprobs.shape[0] == e.response_length
+        assert e.prompt_text.startswith("<|im_start|>system\ntools: python<|im_end|>")
+        final = e.info["final_response"]
+        assert e.reward == fn(response=final, truth="7")["accuracy"]
+        assert e.metrics["tool_calls"] == e.info["tool_calls"]

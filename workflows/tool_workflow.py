@@ -1,0 +1,235 @@
+"""``python_tool_workflow``: function calling through the OpenAI API, with a sandboxed Python tool.
+
+Each of the ``repeat_times`` rollouts is a conversation with the rollout
+model through its OpenAI-compatible API (``model.get_openai_client()``,
+``client.chat.completions.create(model=..., messages=..., tools=[python])``).
+Whenever the reply carries ``message.tool_calls``, each call of the ``python``
+tool runs its ``code`` argument in :func:`workflows.sandbox.run_python` and
+the result (stdout, stderr, exit status, truncated) goes back as a ``tool``
+message; the conversation ends with a reply without tool calls, or after
+``max_turns`` model calls. That final reply is scored by the reward fn
+(``math_reward`` unless ``default_reward_fn_type`` says otherwise) against
+``raw_task[format.response_key]``.
+
+Experiences: the workflow talks to the API through its own
+``model.clone(enable_history=True)`` (its own session and history), so
+every completion the server produced for the rollout is recorded; they are
+merged into one Experience per rollout when the calls chain
+(``extract_experience_from_history(merge_turns=True)``: ``action_mask`` 1
+exactly on the model's tokens, 0 on the tool results and templates), else
+returned one per call. All of a rollout's experiences get its reward;
+``info["tool_calls"]`` counts the tool calls.
+
+``workflow_args``: ``max_turns`` (default 4), ``tool_timeout`` (seconds,
+default 5), ``tool_memory_limit_mb`` (default 512), ``max_tool_output_chars``
+(default 1000), ``model_name`` (default: the API's model). ``run()`` blocks
+(worker thread), as the synchronous OpenAI client requires.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from rftstream.errors import WorkflowError
+from rftstream.experience import Experience
+from workflows.math_workflow import SimpleWorkflow
+from workflows.sandbox import run_python
+from workflows.workflow import WORKFLOWS, Task, Workflow, call_reward_fn
+
+__all__ = ["PYTHON_TOOL", "PythonToolWorkflow", "format_tool_result"]
+
+PYTHON_TOOL: dict[str, Any] = {
+    "type": "function",
+    "function": {
+        "name": "python",
+        "description": "Run a Python program and return what it prints (stdout and stderr).",
+        "parameters": {
+            "type": "object",
+            "properties": {"code": {"type": "string", "description": "The Python source."}},
+            "required": ["code"],
+        },
+    },
+}
+
+
+def format_tool_result(
+    stdout: str, stderr: str, exit_code: int | None, timed_out: bool, limit: int
+) -> str:
+    """The ``tool`` message content for one sandbox run, at most ``limit`` characters."""
+    parts = []
+    if stdout:
+        parts.append(stdout.rstrip())
+    if stderr:
+        parts.append("stderr:\n" + stderr.rstrip())
+    if timed_out:
+        parts.append("[timed out]")
+    elif exit_code not in (0, None):
+        parts.append(f"[exit code {exit_code}]")
+    text = "\n".join(parts) or "[no output]"
+    if len(text) > limit:
+        text = text[: max(0, limit - 12)] + "\n[truncated]"
+    return text
+
+
+def _field(obj: Any, name: str, default: Any = None) -> Any:
+    """Attribute or key access (openai objects and plain dicts alike)."""
+    if isinstance(obj, dict):
+        return obj.get(name, default)
+    return getattr(obj, name, default)
+
+
+@WORKFLOWS.register_module("python_tool_workflow")
+class PythonToolWorkflow(SimpleWorkflow):
+    """Multi-turn function calling with a sandboxed ``python`` tool; see the module docstring."""
+
+    default_reward_fn = "math_reward"
+    # run() in a worker thread (the synchronous OpenAI client blocks), not SimpleWorkflow's chat
+    run_async = Workflow.run_async
+
+    def __init__(
+        self, *, task: Task, model: Any, auxiliary_models: list[Any] | None = None
+    ) -> None:
+        self._api_model: Any = None
+        self._client: Any = None
+        self._model_name: str | None = None
+        super().__init__(task=task, model=model, auxiliary_models=auxiliary_models)
+
+    def reset(self, task: Task) -> None:
+        super().reset(task)
+        wa = self.workflow_args
+        self.max_turns = max(1, int(wa.get("max_turns", 4)))
+        self.tool_timeout = float(wa.get("tool_timeout", 5.0))
+        self.tool_memory_limit_mb = wa.get("tool_memory_limit_mb", 512)
+        self.max_tool_output_chars = int(wa.get("max_tool_output_chars", 1000))
+        if wa.get("model_name"):
+            self._model_name = str(wa["model_name"])
+        if self._api_model is not None and hasattr(self._api_model, "history"):
+            self._api_model.history.clear()
+
+    # ------------------------------------------------------------ API plumbing
+    def api_model(self) -> Any:
+        """The model view whose API calls are recorded (a history-enabled clone)."""
+        if self._api_model is None:
+            clone = getattr(self.model, "clone", None)
+            self._api_model = clone(enable_history=True) if callable(clone) else self.model
+        return self._api_model
+
+    def client(self) -> Any:
+        if self._client is None:
+            self._client = self.api_model().get_openai_client()
+        return self._client
+
+    def model_name(self) -> str:
+        if self._model_name is None:
+            client = self.client()
+            name = getattr(client, "model_path", None)
+            if not name:
+                name = client.models.list().data[0].id
+            self._model_name = str(name)
+        return self._model_name
+
+    def request_kwargs(self) -> dict[str, Any]:
+        ra = self.rollout_args
+        kwargs: dict[str, Any] = {"temperature": ra.temperature, "top_p": ra.top_p}
+        if ra.max_tokens is not None:
+            kwargs["max_tokens"] = ra.max_tokens
+        extra: dict[str, Any] = {}
+        if ra.top_k is not None and ra.top_k > 0:
+            extra["top_k"] = ra.top_k
+        if self.chat_template:
+            extra["chat_template"] = self.chat_template
+        if extra:
+            kwargs["extra_body"] = extra
+        return kwargs
+
+    def call_tool(self, call: Any) -> str:
+        """Run one tool call; returns the ``tool`` message content. Blocks."""
+        fn = _field(call, "function")
+        name = _field(fn, "name")
+        if name != "python":
+            return f"[unknown tool {name!r}; the only tool is `python`]"
+        raw = _field(fn, "arguments") or "{}"
+        try:
+            args = json.loads(raw) if isinstance(raw, str) else dict(raw)
+        except (json.JSONDecodeError, TypeError, ValueError):
+            return "[the arguments are not a JSON object]"
+        code = args.get("code") if isinstance(args, dict) else None
+        if not isinstance(code, str):
+            return "[missing string argument `code`]"
+        res = run_python(code, timeout=self.tool_timeout, memory_limit_mb=self.tool_memory_limit_mb)
+        return format_tool_result(
+            res.stdout, res.stderr, res.exit_code, res.timed_out, self.max_tool_output_chars
+        )
+
+    # ------------------------------------------------------------ running
+    def rollout(self) -> tuple[list[dict[str, Any]], str, int]:
+        """One conversation: (messages, final reply text, number of tool calls). Blocks."""
+        client, model = self.client(), self.model_name()
+        messages = self.format_messages()
+        final, n_calls = "", 0
+        for _ in range(self.max_turns):
+            completion = client.chat.completions.create(
+                model=model, messages=messages, tools=[PYTHON_TOOL], **self.request_kwargs()
+            )
+            message = completion.choices[0].message
+            content = _field(message, "content") or ""
+            calls = list(_field(message, "tool_calls") or [])
+            turn: dict[str, Any] = {"role": "assistant", "content": content}
+            if calls:
+                turn["tool_calls"] = [
+                    {
+                        "id": _field(c, "id"),
+                        "type": "function",
+                        "function": {
+                            "name": _field(_field(c, "function"), "name"),
+                            "arguments": _field(_field(c, "function"), "arguments"),
+                        },
+                    }
+                    for c in calls
+                ]
+            messages.append(turn)
+            final = content
+            if not calls:
+                break
+            for c in calls:
+                n_calls += 1
+                messages.append(
+                    {"role": "tool", "tool_call_id": _field(c, "id"), "content": self.call_tool(c)}
+                )
+        return messages, final, n_calls
+
+    def collect(self) -> list[Experience]:
+        """The experiences the API recorded since the last call (merged per conversation)."""
+        model = self.api_model()
+        try:
+            return model.extract_experience_from_history(merge_turns=True)
+        except TypeError:  # a wrapper without merge_turns
+            return model.extract_experience_from_history()
+
+    def run(self) -> list[Experience]:
+        """``repeat_times`` rollouts, one after the other. Blocks (worker thread)."""
+        if not getattr(self.api_model(), "enable_history", False):
+            raise WorkflowError(
+                "python_tool_workflow needs a model with history (ModelWrapper.clone); "
+                "set explorer.rollout_model.enable_history: true"
+            )
+        self.collect()  # nothing of an earlier (failed) attempt
+        out: list[Experience] = []
+        for r in range(self.repeat_times):
+            messages, final, n_calls = self.rollout()
+            exps = self.collect()
+            scores = call_reward_fn(
+                self.reward_fn, response=final, truth=self.truth, **self.reward_kwargs()
+            )
+            reward = float(sum(scores.values()))
+            for step, exp in enumerate(exps):
+                exp.reward = reward
+                exp.metrics.update(scores)
+                exp.metrics["tool_calls"] = float(n_calls)
+                exp.info.update({"tool_calls": n_calls, "rollout": r, "final_response": final})
+                exp.eid.step = step
+                if exp.messages is None or len(exps) == 1:
+                    exp.messages = messages
+            out.extend(exps)
+        return out
