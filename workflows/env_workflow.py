@@ -294,7 +294,7 @@ class EnvWorkflow(Workflow):
             "truncated": float(truncated),
             "env_return": total,
         }
-        return Experience(
+        exp = Experience(
             tokens=torch.tensor(traj.ids, dtype=torch.int32),
             prompt_length=len(traj.prompt_ids),
             logprobs=torch.tensor(traj.logprobs, dtype=torch.float32),
@@ -314,3 +314,5 @@ class EnvWorkflow(Workflow):
             },
             metrics=dict(episode),
         )
+        exp.eid.run = self.run_id_base + index
+        return exp

@@ -140,8 +140,10 @@ class SimpleWorkflow(Workflow):
         return await anyio.to_thread.run_sync(self.score, responses, abandon_on_cancel=True)
 
     def score(self, responses: list[Experience]) -> list[Experience]:
-        """Set ``reward`` (sum of the scores) and ``metrics`` (the scores) on each response."""
-        for exp in responses:
+        """Set ``reward`` (sum of the scores), ``metrics`` (the scores) and ``eid.run``
+        (``run_id_base`` + its index) on each response."""
+        for i, exp in enumerate(responses):
+            exp.eid.run = self.run_id_base + i
             scores = call_reward_fn(
                 self.reward_fn,
                 response=exp.response_text or "",

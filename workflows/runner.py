@@ -1,14 +1,28 @@
 """``WorkflowRunner``: runs one task's workflow with a timeout and retries.
 
 The explorer calls :meth:`WorkflowRunner.run_task` for each task (many at once;
-the runner is safe for concurrent use). A task runs its workflow ONCE and gets
-its whole group back: built-in workflows ask the engine for ``n =
-repeat_times`` completions in one call; workflows from the guides read
-``task.rollout_args.n`` (= ``repeat_times``); ``can_repeat`` workflows are
-also told ``set_repeat_times(repeat_times)``.
+the runner is safe for concurrent use). A task yields its whole group of
+``repeat_times`` rollouts, in one of two ways (Trinity-RFT's):
 
-Each attempt runs ``workflow.run_async()`` under a ``max_timeout`` deadline
-(``explorer.max_timeout``); an exception or a timeout is retried up to
+* a ``can_repeat`` workflow (every built-in one) runs ONCE, after
+  ``set_repeat_times(repeat_times, 0)``, and returns the whole group (the
+  built-in ones ask the engine for ``n = repeat_times`` completions in one
+  call);
+* any other workflow (``can_repeat`` False, the default of the base class,
+  e.g. an agent written against the ``openai`` package that returns one
+  experience per conversation) runs ``repeat_times`` times, one run after
+  the other. Each run sees a single-run view of the task (``repeat_times``
+  1, ``rollout_args.n`` 1, a fresh copy) and ``run_id_base`` = the run
+  index; the experiences of run ``i`` get ``eid.run = i``. A ``can_reset``
+  instance is reset and reused for the next run, any other one is rebuilt.
+
+Whether a class repeats is read from its ``can_repeat`` class attribute;
+when it is a property or an older ``repeatable()`` method, the first
+instance decides for the class.
+
+Each attempt (the one run, or all ``repeat_times`` runs) runs under one
+``max_timeout`` deadline (``explorer.max_timeout``); an exception or a
+timeout in any run fails the attempt, which is retried (from its first run) up to
 ``max_retry_times`` (``explorer.max_retry_times``) times. After the last
 failure :class:`TaskResult` carries the error text and no experiences;
 ``run_task`` never raises, except on cancellation, which propagates.
@@ -31,6 +45,8 @@ every workflow.
 
 from __future__ import annotations
 
+import dataclasses
+import inspect
 import logging
 import math
 import time
@@ -40,6 +56,7 @@ from typing import Any
 
 import anyio
 import anyio.to_thread
+import msgspec
 
 from rftstream.errors import WorkflowError
 from rftstream.experience import Experience
@@ -93,6 +110,7 @@ class WorkflowRunner:
         self.max_retry_times = int(max_retry_times)
         self.auxiliary_models = list(auxiliary_models) if auxiliary_models is not None else []
         self._idle: dict[type, list[Workflow]] = defaultdict(list)
+        self._repeats: dict[type, bool] = {}
         self._api_started = False
 
     async def run_task(self, task: Task) -> TaskResult:
@@ -154,19 +172,56 @@ class WorkflowRunner:
         return result
 
     async def _attempt(self, cls: type[Workflow], task: Task) -> list[Experience]:
-        wf = await self._acquire(cls, task)
-        if _flag(wf, "can_repeat"):
-            wf.set_repeat_times(task.repeat_times, 0)
+        """The task's group: one run of a repeating workflow, else ``repeat_times`` runs."""
+        repeats = self._repeats.get(cls)
+        if repeats is None:
+            repeats = _class_flag(cls, "can_repeat", "repeatable")
+        if repeats is None:  # a property or an older repeatable(): an instance tells
+            wf = await self._acquire(cls, task)
+            repeats = self._repeats[cls] = _flag(wf, "can_repeat")
+            if repeats:
+                return await self._run_group(cls, wf, task)
+            self._release(cls, wf)  # reset for the first single run, or dropped
+        else:
+            self._repeats[cls] = repeats
+        if repeats:
+            return await self._run_group(cls, await self._acquire(cls, task), task)
+        out: list[Experience] = []
+        for i in range(task.repeat_times):
+            single = _single_run(task)
+            wf = await self._acquire(cls, single)
+            wf.repeat_times, wf.run_id_base = 1, i
+            exps = await self._run_once(cls, wf)
+            for exp in exps:
+                exp.eid.run = i
+            out.extend(exps)
+            self._release(cls, wf)
+        return out
+
+    async def _run_group(self, cls: type[Workflow], wf: Workflow, task: Task) -> list[Experience]:
+        wf.set_repeat_times(task.repeat_times, 0)
+        exps = await self._run_once(cls, wf)
+        if len(exps) > 1 and all(e.eid.run == 0 and e.eid.step == 0 for e in exps):
+            for i, exp in enumerate(exps):  # the workflow did not number its rollouts
+                exp.eid.run = i
+        self._release(cls, wf)
+        return exps
+
+    @staticmethod
+    async def _run_once(cls: type[Workflow], wf: Workflow) -> list[Experience]:
         exps = await wf.run_async()
         if not isinstance(exps, list) or not all(isinstance(e, Experience) for e in exps):
             raise WorkflowError(
                 f"{cls.__name__}.run() must return a list of Experience, got {type(exps).__name__}"
             )
+        return exps
+
+    def _release(self, cls: type[Workflow], wf: Workflow) -> None:
+        """Keep an instance that finished cleanly for reuse, if it can reset."""
         if _flag(wf, "can_reset"):
             idle = self._idle[cls]
             if len(idle) < _MAX_IDLE_PER_CLASS:
                 idle.append(wf)
-        return exps
 
     async def _acquire(self, cls: type[Workflow], task: Task) -> Workflow:
         """A cached idle instance reset for ``task``, else a new one (both in a worker thread)."""
@@ -197,10 +252,9 @@ class WorkflowRunner:
 
     @staticmethod
     def _finish(exps: list[Experience], task: Task, version0: int) -> None:
-        for i, exp in enumerate(exps):
+        for exp in exps:
             exp.eid.batch = task.batch_id
             exp.eid.task = task.task_id
-            exp.eid.run = i
             exp.info["task_index"] = task.index
             exp.info["epoch"] = task.epoch
             if exp.model_version == 0 and version0 > 0:
@@ -229,3 +283,28 @@ class WorkflowRunner:
 def _flag(wf: Any, name: str) -> bool:
     value = getattr(wf, name, False)
     return bool(value() if callable(value) else value)
+
+
+def _class_flag(cls: type, attr: str, older: str) -> bool | None:
+    """A capability the class declares (``can_repeat = True``); None when only an instance
+    can tell (a property, or an overridden older method such as ``repeatable()``)."""
+    static = inspect.getattr_static(cls, attr, None)
+    if isinstance(static, bool):
+        return static
+    if static is inspect.getattr_static(Workflow, attr) and inspect.getattr_static(
+        cls, older, None
+    ) is inspect.getattr_static(Workflow, older):
+        return False  # the base class's defaults
+    return None
+
+
+def _single_run(task: Task) -> Task:
+    """A fresh copy of ``task`` for one run of a workflow that does not repeat itself."""
+    return dataclasses.replace(
+        task,
+        repeat_times=1,
+        rollout_args=msgspec.structs.replace(task.rollout_args, n=1),
+        raw_task=dict(task.raw_task),
+        workflow_args=dict(task.workflow_args),
+        reward_fn_args=dict(task.reward_fn_args),
+    )

@@ -146,7 +146,10 @@ class Workflow(ABC):  # noqa: B024 - ABC so subclasses may declare abstract meth
     both. Set ``can_reset = True`` and implement ``reset(task)`` to be reused
     for the next task instead of rebuilt; set ``can_repeat = True`` and honour
     ``set_repeat_times(n)`` / ``self.repeat_times`` to declare that one run
-    yields the task's whole group.
+    yields the task's whole group. A workflow that does not repeat (the
+    default) is run ``repeat_times`` times by the runner, each run on a
+    single-run copy of the task (``repeat_times`` and ``rollout_args.n`` 1,
+    ``run_id_base`` the run index); see :mod:`workflows.runner`.
     """
 
     def __init__(
@@ -231,7 +234,8 @@ class Workflow(ABC):  # noqa: B024 - ABC so subclasses may declare abstract meth
         raise NotImplementedError(f"{type(self).__name__} does not implement reset(task)")
 
     def set_repeat_times(self, repeat_times: int, run_id_base: int = 0) -> None:
-        """Ask for ``repeat_times`` rollouts from the next run (only called when :attr:`can_repeat`)."""
+        """Ask for ``repeat_times`` rollouts from the next run, numbered from ``run_id_base``
+        (only called when :attr:`can_repeat`)."""
         self.repeat_times = int(repeat_times)
         self.run_id_base = int(run_id_base)
 

@@ -247,6 +247,33 @@ async def test_history_via_openai_package_and_three_turn_mask(tiny_model_path: s
             assert bool((exp.logprobs[~exp.action_mask] == 0).all())
 
 
+async def test_openai_agent_yields_a_full_group(tiny_model_path: str) -> None:
+    """OpenAIAgent cannot repeat itself: repeat_times 3 runs it three times, one conversation
+    (one merged experience) per run, each with its own history."""
+    async with served(tiny_model_path, enable_history=True) as (model, engine):
+        runner = WorkflowRunner(model, max_timeout=60, max_retry_times=0)
+        task = Task(
+            workflow=OpenAIAgent,
+            raw_task={"turns": ["1+2=", "3+4=", "5+1="]},
+            repeat_times=3,
+            batch_id=4,
+            task_id=9,
+        )
+        res = await runner.run_task(task)
+        assert res.ok, res.error
+        exps = res.experiences
+        assert [e.eid.run for e in exps] == [0, 1, 2]
+        assert {(e.eid.batch, e.eid.task) for e in exps} == {(4, 9)}
+        for exp in exps:  # three turns each, masks exactly on the assistant tokens
+            assert exp.info["num_turns"] == 3
+            tokens, mask, prompt_length = expected_mask(
+                engine.tokenizer, exp.info["conversation"], exp.info["finishes"]
+            )
+            assert exp.tokens.tolist() == tokens and exp.prompt_length == prompt_length
+            assert exp.action_mask.int().tolist() == mask
+        assert model.extract_experience_from_history() == []
+
+
 async def test_runner_starts_the_api_when_enabled(tiny_model_path: str) -> None:
     class Noop(Workflow):
         def run(self) -> list[Experience]:

@@ -311,8 +311,10 @@ async def test_runner_reuses_resettable_instances_under_concurrency() -> None:
         tasks = [_task(Resettable, task_id=step * 4 + i) for i in range(4)]
         results = await _run_concurrently(runner, tasks, runner_num=4)
         assert all(r.ok for r in results)
-    # 4 instances for the first step's 4 concurrent tasks, reused by the 8 later ones
-    assert (Resettable.inits, Resettable.resets) == (4, 8)
+    # 4 instances for the first step's 4 concurrent tasks; each task runs twice (Resettable
+    # does not repeat itself: repeat_times 2 = 2 runs), so 12 * 2 - 4 = 20 runs reuse them
+    assert (Resettable.inits, Resettable.resets) == (4, 20)
+    assert all(len(r.experiences) == 2 for r in results)
     assert len(runner._idle[Resettable]) == 4
 
     NotResettable.inits = NotResettable.resets = 0
@@ -320,7 +322,7 @@ async def test_runner_reuses_resettable_instances_under_concurrency() -> None:
     for _step in range(3):
         tasks = [_task(NotResettable, task_id=i) for i in range(4)]
         await _run_concurrently(runner, tasks, runner_num=4)
-    assert (NotResettable.inits, NotResettable.resets) == (12, 0)
+    assert (NotResettable.inits, NotResettable.resets) == (24, 0)  # a new one for each run
 
 
 @pytest.mark.anyio
@@ -333,15 +335,17 @@ async def test_an_instance_that_raised_is_not_reused() -> None:
     assert ok.ok and not bad.ok and bad.attempts == 2 and "fail 1" in (bad.error or "")
     again = await runner.run_task(_task(Resettable, task_id=2))
     assert again.ok
-    # task 0: new; task 1: reset (raised, dropped) then new (raised, dropped); task 2: new
-    assert (Resettable.inits, Resettable.resets) == (3, 1)
+    # task 0: new, reset for its 2nd run; task 1: reset (raised, dropped) then new (raised,
+    # dropped); task 2: new, reset for its 2nd run
+    assert (Resettable.inits, Resettable.resets) == (3, 3)
     Resettable.fail_on = set()
 
 
 class Overlap(Workflow):
-    """Records the thread it runs on and its time window."""
+    """Records the thread it runs on and its time window (one run per task: it repeats)."""
 
     can_reset = True
+    can_repeat = True
     windows: list[tuple[float, float, int]] = []
     sync_runs = 0
 
@@ -385,3 +389,148 @@ async def test_async_workflows_run_concurrently_on_the_event_loop_thread() -> No
         running += delta
         peak = max(peak, running)
     assert peak == 2
+
+
+# ---------------------------------------------------------------------------
+# can_repeat: one run for the group, or repeat_times runs (Trinity-RFT's runner)
+# ---------------------------------------------------------------------------
+
+
+class OneRun(Workflow):
+    """Does not repeat itself: one experience per run; records what each run saw."""
+
+    seen: list[tuple[int, int, int, int, int]] = []
+    inits = 0
+    fail_first_second_run = False
+
+    def __init__(self, *, task: Task, model: Any, auxiliary_models: Any = None) -> None:
+        super().__init__(task=task, model=model, auxiliary_models=auxiliary_models)
+        type(self).inits += 1
+
+    async def run_async(self) -> list[Experience]:
+        t = self.task
+        type(self).seen.append(
+            (id(self), t.repeat_times, t.rollout_args.n, self.repeat_times, self.run_id_base)
+        )
+        if type(self).fail_first_second_run and self.run_id_base == 1:
+            type(self).fail_first_second_run = False
+            raise RuntimeError("second run failed once")
+        return [Experience(tokens=[1, 2, 3], prompt_length=2, reward=float(len(type(self).seen)))]
+
+
+class OneRunResettable(OneRun):
+    can_reset = True
+
+    def reset(self, task: Task) -> None:
+        self.task = task
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("cls", [OneRun, OneRunResettable])
+async def test_a_workflow_that_does_not_repeat_runs_repeat_times_times(cls: type[OneRun]) -> None:
+    cls.seen, cls.inits, cls.fail_first_second_run = [], 0, False
+    task = _task(cls, task_id=5, repeat=3)
+    res = await WorkflowRunner(None, max_timeout=5, max_retry_times=0).run_task(task)
+    assert res.ok and res.attempts == 1
+    exps = res.experiences
+    assert [e.eid.run for e in exps] == [0, 1, 2]  # a full group, one experience per run
+    assert [e.reward for e in exps] == [1.0, 2.0, 3.0]  # in run order
+    assert {(e.eid.batch, e.eid.task) for e in exps} == {(3, 5)}
+    # each run saw a single-run view: repeat_times 1, n 1, its run index as run_id_base
+    assert [s[1:] for s in cls.seen] == [(1, 1, 1, 0), (1, 1, 1, 1), (1, 1, 1, 2)]
+    instances = {s[0] for s in cls.seen}
+    if cls is OneRunResettable:
+        assert len(instances) == 1 and cls.inits == 1  # reset and reused between runs
+    else:
+        assert len(instances) == 3 and cls.inits == 3
+    # the task itself is untouched
+    assert (task.repeat_times, task.rollout_args.n) == (3, 3)
+
+
+@pytest.mark.anyio
+async def test_a_failed_run_retries_the_whole_group() -> None:
+    OneRun.seen, OneRun.inits, OneRun.fail_first_second_run = [], 0, True
+    res = await WorkflowRunner(None, max_timeout=5, max_retry_times=1).run_task(
+        _task(OneRun, repeat=3)
+    )
+    assert res.ok and res.attempts == 2
+    assert [e.eid.run for e in res.experiences] == [0, 1, 2]
+    # attempt 1: runs 0 and 1 (which raised); attempt 2: runs 0, 1, 2
+    assert [s[4] for s in OneRun.seen] == [0, 1, 0, 1, 2]
+
+
+class WholeGroup(Workflow):
+    """Builds ``repeat_times`` experiences itself (no eid numbering)."""
+
+    calls: list[tuple[int, int]] = []
+
+    def set_repeat_times(self, repeat_times: int, run_id_base: int = 0) -> None:
+        super().set_repeat_times(repeat_times, run_id_base)
+        type(self).calls.append((repeat_times, run_id_base))
+
+    async def run_async(self) -> list[Experience]:
+        return [
+            Experience(tokens=[1, 2], prompt_length=1, info={"n": self.task.rollout_args.n})
+            for _ in range(self.repeat_times)
+        ]
+
+
+class RepeatAttr(WholeGroup):
+    can_repeat = True
+
+
+class RepeatMethod(WholeGroup):  # the older guides' form
+    def repeatable(self) -> bool:
+        return True
+
+
+class NoRepeatProperty(WholeGroup):  # Trinity-RFT's property form, saying no
+    @property
+    def repeatable(self) -> bool:  # type: ignore[override]
+        return False
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize(
+    "cls,runs", [(RepeatAttr, 1), (RepeatMethod, 1), (NoRepeatProperty, 4), (WholeGroup, 4)]
+)
+async def test_repeat_capability_in_every_spelling_decides_the_runs(
+    cls: type[WholeGroup], runs: int
+) -> None:
+    cls.calls = []
+    runner = WorkflowRunner(None, max_timeout=5, max_retry_times=0)
+    for task_id in range(2):  # the class's answer is remembered: the same on the second task
+        cls.calls = []
+        res = await runner.run_task(_task(cls, task_id=task_id, repeat=4))
+        assert res.ok, res.error
+        exps = res.experiences
+        assert len(exps) == 4 and [e.eid.run for e in exps] == [0, 1, 2, 3]
+        if runs == 1:  # told the group size once; its task asks the engine for n = 4
+            assert cls.calls == [(4, 0)]
+            assert {e.info["n"] for e in exps} == {4}
+        else:  # never told; four single runs of n = 1
+            assert cls.calls == []
+            assert {e.info["n"] for e in exps} == {1}
+
+
+class NumbersItself(Workflow):
+    """A repeating multi-step workflow: two experiences (turns) per rollout, numbered."""
+
+    can_repeat = True
+
+    async def run_async(self) -> list[Experience]:
+        out = []
+        for r in range(self.repeat_times):
+            for step in range(2):
+                e = Experience(tokens=[1, 2], prompt_length=1)
+                e.eid.run, e.eid.step = self.run_id_base + r, step
+                out.append(e)
+        return out
+
+
+@pytest.mark.anyio
+async def test_the_runner_keeps_a_workflows_own_rollout_numbers() -> None:
+    res = await WorkflowRunner(None, max_timeout=5, max_retry_times=0).run_task(
+        _task(NumbersItself, repeat=2)
+    )
+    assert [(e.eid.run, e.eid.step) for e in res.experiences] == [(0, 0), (0, 1), (1, 0), (1, 1)]

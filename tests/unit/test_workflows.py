@@ -330,7 +330,9 @@ async def test_runner_reuses_resettable_instances() -> None:
     a = await runner.run_task(task_for({"question": "q"}, Counting, task_id=1))
     b = await runner.run_task(task_for({"question": "q"}, Counting, task_id=2))
     assert a.experiences[0].info["me"] == b.experiences[0].info["me"]
-    assert (Counting.inits, Counting.resets) == (1, 1)
+    # Counting does not repeat itself: 4 runs per task (repeat_times 4), one instance for all 8
+    assert len(a.experiences) == len(b.experiences) == 4
+    assert (Counting.inits, Counting.resets) == (1, 7)
     assert b.experiences[0].eid.task == 2 and b.metrics["m"] == 2.0
 
 
