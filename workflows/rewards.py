@@ -17,7 +17,9 @@ Registered names (Trinity-RFT's, with its argument names where it has them):
                      numerically, after normalisation, then with math-verify when it is
                      installed), plus ``format_score`` (±coef) when ``pattern`` is set.
 ``math_boxed_reward`` ``with_think=False, format_score_coef=0.1, use_math_verify=True`` →
-                     ``accuracy`` of the last ``\\boxed{}`` only (none: 0), and
+                     ``accuracy`` of the last ``\\boxed{}`` only (none: 0) against the
+                     truth's final answer (as for ``math_reward``: GSM8K's ``#### 72``, a
+                     box, an ``<answer>`` tag), and
                      ``format_score`` = -coef when ``with_think`` and the
                      ``<think></think>`` pair is malformed, else 0. ``with_think`` and
                      ``format_score_coef`` may also come per call (``math_boxed_workflow``
@@ -498,6 +500,10 @@ def _think_ok(text: str) -> bool:
 class MathBoxedReward(RewardFn):
     """Accuracy of the last ``\\boxed{}`` answer (no box: 0), plus a think-format penalty.
 
+    The truth may be a whole solution: its final answer is compared (GSM8K's
+    ``#### 72``, its last box, its ``<answer>`` tag; see :class:`MathReward`),
+    with or without math-verify.
+
     Returns ``{"accuracy": 0 or 1, "format_score": 0 or -format_score_coef}``;
     the penalty applies only with ``with_think`` when the response lacks one
     well-ordered ``<think>...</think>`` pair. ``with_think`` and
@@ -530,10 +536,8 @@ class MathBoxedReward(RewardFn):
         if truth is not None:
             boxed = extract_boxed(text)
             if boxed is not None:
-                gold = extract_boxed(str(truth))
-                gold = gold if gold is not None else str(truth)
                 accuracy = float(
-                    math_equal(boxed, gold.strip(), use_math_verify=self.use_math_verify)
+                    math_equal(boxed, _truth_answer(truth), use_math_verify=self.use_math_verify)
                 )
         think = self.with_think if with_think is None else bool(with_think)
         coef = self.format_score_coef if format_score_coef is None else float(format_score_coef)

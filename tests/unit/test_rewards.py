@@ -233,6 +233,47 @@ def test_math_boxed_reward() -> None:
     }
 
 
+# (response, truth, with math-verify, without): the truth may be a whole GSM8K solution
+GSM8K = "Natalia sold 48/2 = 24 clips in May.\nNatalia sold 48+24 = 72 clips.\n#### 72"
+BOXED_CASES = [
+    ("so \\boxed{72}.", GSM8K, 1.0, 1.0),
+    ("\\boxed{71}", GSM8K, 0.0, 0.0),
+    ("72", GSM8K, 0.0, 0.0),  # no box: 0, even with the right number
+    ("\\boxed{1000}", "so the total is $1,000.\n#### 1,000", 1.0, 1.0),
+    ("\\boxed{\\frac{1}{2}}", "half of it\n#### 0.5", 1.0, 1.0),
+    ("\\boxed{-3}", "#### -3", 1.0, 1.0),
+    ("\\boxed{7}", "<answer>7</answer>", 1.0, 1.0),
+    ("\\boxed{1+x^2}", "it is \\boxed{x^2+1}", 1.0, 0.0),  # symbolic: math-verify only
+    ("\\boxed{1+x^2}", "#### x^2+1", 1.0, 0.0),
+]
+
+
+@pytest.mark.parametrize("response,truth,with_mv,without_mv", BOXED_CASES)
+def test_math_boxed_reward_final_answer_of_the_truth_with_math_verify(
+    response: str, truth: str, with_mv: float, without_mv: float
+) -> None:
+    from workflows.rewards import _load_math_verify
+
+    assert _load_math_verify() is not None  # the test extra installs math-verify
+    assert reward("math_boxed_reward")(response=response, truth=truth) == {
+        "accuracy": with_mv,
+        "format_score": 0.0,
+    }
+
+
+@pytest.mark.parametrize("response,truth,with_mv,without_mv", BOXED_CASES)
+def test_math_boxed_reward_final_answer_of_the_truth_without_math_verify(
+    no_math_verify: None, response: str, truth: str, with_mv: float, without_mv: float
+) -> None:
+    from workflows.rewards import _load_math_verify
+
+    assert _load_math_verify() is None  # really absent
+    assert reward("math_boxed_reward")(response=response, truth=truth) == {
+        "accuracy": without_mv,
+        "format_score": 0.0,
+    }
+
+
 # ---------------------------------------------------------------------------
 # format_reward
 # ---------------------------------------------------------------------------
