@@ -39,28 +39,6 @@ def _write_arrow_stream(path: Path, rows: list[dict]) -> None:
         writer.write_table(table)
 
 
-def _save_to_disk(d: Path, shards: list[list[dict]], split: str = "train") -> None:
-    """What `datasets.Dataset.save_to_disk` writes: arrow stream shards + state.json + dataset_info.json."""
-    d.mkdir(parents=True)
-    names = [f"data-{i:05d}-of-{len(shards):05d}.arrow" for i in range(len(shards))]
-    for name, rows in zip(names, shards, strict=True):
-        _write_arrow_stream(d / name, rows)
-    (d / "state.json").write_text(
-        json.dumps(
-            {
-                "_data_files": [{"filename": n} for n in names],
-                "_fingerprint": "abc",
-                "_format_columns": None,
-                "_format_kwargs": {},
-                "_format_type": None,
-                "_output_all_columns": False,
-                "_split": split,
-            }
-        )
-    )
-    (d / "dataset_info.json").write_text(json.dumps({"features": {}, "splits": {}}))
-
-
 def _ts(path: Path | str, **kw: object) -> TasksetConfig:
     return TasksetConfig(path=str(path), **kw)
 
@@ -120,24 +98,49 @@ def test_arrow_file_stream_and_file_format(tmp_path: Path) -> None:
 
 
 def test_save_to_disk_dataset_reads_shards_in_state_order(tmp_path: Path) -> None:
+    from datasets import Dataset
+
     d = tmp_path / "ds"
-    _save_to_disk(d, [ROWS[:2], ROWS[2:]])
+    Dataset.from_list(ROWS).save_to_disk(str(d), num_shards=2)
     assert load_taskset(_ts(d)) == ROWS
-    assert [f.name for f in taskset_files(_ts(d))] == [
-        "data-00000-of-00002.arrow",
-        "data-00001-of-00002.arrow",
-    ]
+    # the shards state.json lists, in its order
+    state = json.loads((d / "state.json").read_text())
+    assert (
+        [f.name for f in taskset_files(_ts(d))]
+        == [f["filename"] for f in state["_data_files"]]
+        == ["data-00000-of-00002.arrow", "data-00001-of-00002.arrow"]
+    )
+    # a shuffled dataset keeps its row order (the indices mapping is applied on save)
+    shuffled = Dataset.from_list(ROWS).shuffle(seed=3)
+    expected = shuffled.to_list()
+    assert expected != ROWS
+    shuffled.save_to_disk(str(tmp_path / "shuffled"))
+    assert load_taskset(_ts(tmp_path / "shuffled")) == expected
 
 
 def test_save_to_disk_dataset_dict_picks_the_split(tmp_path: Path) -> None:
+    from datasets import Dataset, DatasetDict
+
     d = tmp_path / "dd"
-    _save_to_disk(d / "train", [ROWS[:3]])
-    _save_to_disk(d / "test", [ROWS[3:]], split="test")
-    (d / "dataset_dict.json").write_text(json.dumps({"splits": ["train", "test"]}))
+    DatasetDict(
+        {"train": Dataset.from_list(ROWS[:3]), "test": Dataset.from_list(ROWS[3:])}
+    ).save_to_disk(str(d))
+    assert (d / "dataset_dict.json").is_file()
     assert load_taskset(_ts(d)) == ROWS[:3]
     assert load_taskset(_ts(d, split="test")) == ROWS[3:]
     with pytest.raises(ConfigError, match=r"taskset\.split.*no split 'validation'.*'train'"):
         load_taskset(_ts(d, split="validation"))
+
+
+def test_save_to_disk_nested_columns(tmp_path: Path) -> None:
+    from datasets import Dataset
+
+    rows = [
+        {"question": "q1", "answer": "1", "messages": [{"role": "user", "content": "hi"}]},
+        {"question": "q2", "answer": "2", "messages": [{"role": "user", "content": "yo"}]},
+    ]
+    Dataset.from_list(rows).save_to_disk(str(tmp_path / "nested"))
+    assert load_taskset(_ts(tmp_path / "nested")) == rows
 
 
 def test_directory_of_sharded_parquet_split_files(tmp_path: Path) -> None:
