@@ -225,6 +225,66 @@ async def test_simple_workflow_format_args_and_sync_run(tiny_model_path: str) ->
 
 
 @pytest.mark.anyio
+async def test_messages_key_and_reply_prefix_through_the_runner(tiny_model_path: str) -> None:
+    """``format.messages_key`` (a chat list per row) and a non-empty ``reply_prefix``
+    (the assistant turn is continued, not closed) reach the engine as the template renders
+    them; expected prompts come from the tokenizer's own template."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_model_path)
+
+    def ids(text: str) -> list[int]:
+        return tok.encode(text, add_special_tokens=False)
+
+    conv = [
+        {"role": "user", "content": "1+1="},
+        {"role": "assistant", "content": "2"},
+        {"role": "user", "content": "2+3="},
+    ]
+    by_messages = task_for(
+        {"conv": conv, "a": "5"},
+        "simple_workflow",
+        repeat=3,
+        format=FormatConfig(messages_key="conv", response_key="a", system_prompt="Add."),
+    )
+    prefix = "The sum is"
+    with_prefix = task_for(
+        {"q": "3+4=", "a": "7"},
+        "math_workflow",
+        repeat=2,
+        task_id=1,
+        format=FormatConfig(prompt_key="q", response_key="a", reply_prefix=prefix),
+    )
+    async with wrapper(tiny_model_path) as model:
+        runner = WorkflowRunner(model, max_timeout=30, max_retry_times=0)
+        a = await runner.run_task(by_messages)
+        b = await runner.run_task(with_prefix)
+    assert a.ok and b.ok, (a.error, b.error)
+
+    sent = [{"role": "system", "content": "Add."}, *conv]
+    text = tok.apply_chat_template(sent, tokenize=False, add_generation_prompt=True)
+    assert text.endswith("2+3=<|im_end|>\n<|im_start|>assistant\n")
+    assert len(a.experiences) == 3
+    for e in a.experiences:
+        assert e.prompt_text == text
+        assert e.tokens[: e.prompt_length].tolist() == ids(text)
+        assert e.messages == [*sent, {"role": "assistant", "content": e.response_text}]
+        assert e.reward == float(e.response_text.strip() == "5")  # accuracy_reward vs "5"
+
+    shown = [{"role": "user", "content": "3+4="}, {"role": "assistant", "content": prefix}]
+    text = tok.apply_chat_template(shown, tokenize=False, continue_final_message=True)
+    assert text.endswith("<|im_start|>assistant\n" + prefix)  # the turn is left open
+    math_reward = REWARD_FUNCTIONS.get("math_reward")()
+    assert len(b.experiences) == 2
+    for e in b.experiences:
+        assert e.prompt_text == text
+        assert e.tokens[: e.prompt_length].tolist() == ids(text)
+        # the reply continues the prefix: the recorded assistant turn is prefix + response
+        assert e.messages == [shown[0], {"role": "assistant", "content": prefix + e.response_text}]
+        assert e.reward == math_reward(response=e.response_text, truth="7")["accuracy"]
+
+
+@pytest.mark.anyio
 async def test_model_wrapper_generate_and_history(tiny_model_path: str) -> None:
     async with wrapper(tiny_model_path) as model:
         model.enable_history = True
