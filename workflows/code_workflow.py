@@ -201,6 +201,8 @@ class CodeWorkflow(SimpleWorkflow):
     async def run_async(self) -> list[Experience]:
         """One batched model call, then every reply's tests in parallel worker threads."""
         responses = await self.generate_async()
+        for i, exp in enumerate(responses):
+            exp.eid.run = self.run_id_base + i
         if getattr(self.reward_fn, "fast", False):
             return self.score(responses)
 

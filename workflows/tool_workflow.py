@@ -1,29 +1,37 @@
 """``python_tool_workflow``: function calling through the OpenAI API, with a sandboxed Python tool.
 
 Each of the ``repeat_times`` rollouts is a conversation with the rollout
-model through its OpenAI-compatible API (``model.get_openai_client()``,
-``client.chat.completions.create(model=..., messages=..., tools=[python])``).
+model through its OpenAI-compatible API (``model.get_openai_async_client()``,
+``await client.chat.completions.create(model=..., messages=..., tools=[python])``).
 Whenever the reply carries ``message.tool_calls``, each call of the ``python``
-tool runs its ``code`` argument in :func:`workflows.sandbox.run_python` and
-the result (stdout, stderr, exit status, truncated) goes back as a ``tool``
+tool runs its ``code`` argument in :func:`workflows.sandbox.run_python_async`
+(a subprocess under time and memory limits, in a worker thread) and the
+result (stdout, stderr, exit status, truncated) goes back as a ``tool``
 message; the conversation ends with a reply without tool calls, or after
 ``max_turns`` model calls. That final reply is scored by the reward fn
 (``math_reward`` unless ``default_reward_fn_type`` says otherwise) against
 ``raw_task[format.response_key]``.
 
-Experiences: the workflow talks to the API through its own
-``model.clone(enable_history=True)`` (its own session and history), so
-every completion the server produced for the rollout is recorded; they are
-merged into one Experience per rollout when the calls chain
-(``extract_experience_from_history(merge_turns=True)``: ``action_mask`` 1
-exactly on the model's tokens, 0 on the tool results and templates), else
-returned one per call. All of a rollout's experiences get its reward;
-``info["tool_calls"]`` counts the tool calls.
+Concurrency: the rollouts of a task run concurrently on the event loop
+(an anyio task group; the engine batches their requests), each through its
+own ``model.clone(enable_history=True)`` (its own API session and history),
+so their recorded calls never mix. The clones are kept for the next task of
+a reused instance. A model without ``clone`` is shared: its rollouts then
+run one after the other.
+
+Experiences: every completion the server produced for a rollout is recorded
+in its clone's history; they are merged into one Experience per rollout when
+the calls chain (``extract_experience_from_history(merge_turns=True)``:
+``action_mask`` 1 exactly on the model's tokens, 0 on the tool results and
+templates), else returned one per call (``eid.step`` = the call's index).
+All of a rollout's experiences get its reward and ``eid.run`` =
+``run_id_base`` + the rollout's index; ``info["tool_calls"]`` counts the
+tool calls.
 
 ``workflow_args``: ``max_turns`` (default 4), ``tool_timeout`` (seconds,
 default 5), ``tool_memory_limit_mb`` (default 512), ``max_tool_output_chars``
-(default 1000), ``model_name`` (default: the API's model). ``run()`` blocks
-(worker thread), as the synchronous OpenAI client requires.
+(default 1000), ``model_name`` (default: the API's model). ``run_async()``
+never blocks the event loop; ``run()`` is its blocking form.
 """
 
 from __future__ import annotations
@@ -31,10 +39,13 @@ from __future__ import annotations
 import json
 from typing import Any
 
+import anyio
+import anyio.to_thread
+
 from rftstream.errors import WorkflowError
 from rftstream.experience import Experience
 from workflows.math_workflow import SimpleWorkflow
-from workflows.sandbox import run_python
+from workflows.sandbox import run_python, run_python_async
 from workflows.workflow import WORKFLOWS, Task, Workflow, call_reward_fn
 
 __all__ = ["PYTHON_TOOL", "PythonToolWorkflow", "format_tool_result"]
@@ -84,14 +95,12 @@ class PythonToolWorkflow(SimpleWorkflow):
     """Multi-turn function calling with a sandboxed ``python`` tool; see the module docstring."""
 
     default_reward_fn = "math_reward"
-    # run() in a worker thread (the synchronous OpenAI client blocks), not SimpleWorkflow's chat
-    run_async = Workflow.run_async
+    run = Workflow.run  # the blocking form of run_async (not SimpleWorkflow's single chat)
 
     def __init__(
         self, *, task: Task, model: Any, auxiliary_models: list[Any] | None = None
     ) -> None:
-        self._api_model: Any = None
-        self._client: Any = None
+        self._api_models: list[Any] = []
         self._model_name: str | None = None
         super().__init__(task=task, model=model, auxiliary_models=auxiliary_models)
 
@@ -104,28 +113,25 @@ class PythonToolWorkflow(SimpleWorkflow):
         self.max_tool_output_chars = int(wa.get("max_tool_output_chars", 1000))
         if wa.get("model_name"):
             self._model_name = str(wa["model_name"])
-        if self._api_model is not None and hasattr(self._api_model, "history"):
-            self._api_model.history.clear()
+        for api in self._api_models:
+            if hasattr(api, "history"):
+                api.history.clear()
 
     # ------------------------------------------------------------ API plumbing
-    def api_model(self) -> Any:
-        """The model view whose API calls are recorded (a history-enabled clone)."""
-        if self._api_model is None:
-            clone = getattr(self.model, "clone", None)
-            self._api_model = clone(enable_history=True) if callable(clone) else self.model
-        return self._api_model
+    def api_model(self, rollout: int = 0) -> Any:
+        """The model view whose API calls rollout ``rollout`` records (a history-enabled clone)."""
+        clone = getattr(self.model, "clone", None)
+        if not callable(clone):
+            return self.model
+        while len(self._api_models) <= rollout:
+            self._api_models.append(clone(enable_history=True))
+        return self._api_models[rollout]
 
-    def client(self) -> Any:
-        if self._client is None:
-            self._client = self.api_model().get_openai_client()
-        return self._client
-
-    def model_name(self) -> str:
+    async def model_name(self, client: Any) -> str:
         if self._model_name is None:
-            client = self.client()
             name = getattr(client, "model_path", None)
             if not name:
-                name = client.models.list().data[0].id
+                name = (await client.models.list()).data[0].id
             self._model_name = str(name)
         return self._model_name
 
@@ -143,33 +149,54 @@ class PythonToolWorkflow(SimpleWorkflow):
             kwargs["extra_body"] = extra
         return kwargs
 
-    def call_tool(self, call: Any) -> str:
-        """Run one tool call; returns the ``tool`` message content. Blocks."""
+    @staticmethod
+    def tool_code(call: Any) -> tuple[str | None, str]:
+        """``(code, "")`` of a ``python`` tool call, or ``(None, the tool message)`` when it is not one."""
         fn = _field(call, "function")
         name = _field(fn, "name")
         if name != "python":
-            return f"[unknown tool {name!r}; the only tool is `python`]"
+            return None, f"[unknown tool {name!r}; the only tool is `python`]"
         raw = _field(fn, "arguments") or "{}"
         try:
             args = json.loads(raw) if isinstance(raw, str) else dict(raw)
         except (json.JSONDecodeError, TypeError, ValueError):
-            return "[the arguments are not a JSON object]"
+            return None, "[the arguments are not a JSON object]"
         code = args.get("code") if isinstance(args, dict) else None
         if not isinstance(code, str):
-            return "[missing string argument `code`]"
+            return None, "[missing string argument `code`]"
+        return code, ""
+
+    def call_tool(self, call: Any) -> str:
+        """Run one tool call; returns the ``tool`` message content. Blocks."""
+        code, message = self.tool_code(call)
+        if code is None:
+            return message
         res = run_python(code, timeout=self.tool_timeout, memory_limit_mb=self.tool_memory_limit_mb)
         return format_tool_result(
             res.stdout, res.stderr, res.exit_code, res.timed_out, self.max_tool_output_chars
         )
 
+    async def call_tool_async(self, call: Any) -> str:
+        """:meth:`call_tool` with the sandbox in a worker thread (the event loop never blocks)."""
+        code, message = self.tool_code(call)
+        if code is None:
+            return message
+        res = await run_python_async(
+            code, timeout=self.tool_timeout, memory_limit_mb=self.tool_memory_limit_mb
+        )
+        return format_tool_result(
+            res.stdout, res.stderr, res.exit_code, res.timed_out, self.max_tool_output_chars
+        )
+
     # ------------------------------------------------------------ running
-    def rollout(self) -> tuple[list[dict[str, Any]], str, int]:
-        """One conversation: (messages, final reply text, number of tool calls). Blocks."""
-        client, model = self.client(), self.model_name()
+    async def rollout(self, api: Any) -> tuple[list[dict[str, Any]], str, int]:
+        """One conversation through ``api``'s async client: (messages, final reply, tool calls)."""
+        client = api.get_openai_async_client()
+        model = await self.model_name(client)
         messages = self.format_messages()
         final, n_calls = "", 0
         for _ in range(self.max_turns):
-            completion = client.chat.completions.create(
+            completion = await client.chat.completions.create(
                 model=model, messages=messages, tools=[PYTHON_TOOL], **self.request_kwargs()
             )
             message = completion.choices[0].message
@@ -195,41 +222,67 @@ class PythonToolWorkflow(SimpleWorkflow):
             for c in calls:
                 n_calls += 1
                 messages.append(
-                    {"role": "tool", "tool_call_id": _field(c, "id"), "content": self.call_tool(c)}
+                    {
+                        "role": "tool",
+                        "tool_call_id": _field(c, "id"),
+                        "content": await self.call_tool_async(c),
+                    }
                 )
         return messages, final, n_calls
 
-    def collect(self) -> list[Experience]:
-        """The experiences the API recorded since the last call (merged per conversation)."""
-        model = self.api_model()
+    @staticmethod
+    def collect(api: Any) -> list[Experience]:
+        """The experiences ``api`` recorded since the last call (merged per conversation)."""
         try:
-            return model.extract_experience_from_history(merge_turns=True)
+            return api.extract_experience_from_history(merge_turns=True)
         except TypeError:  # a wrapper without merge_turns
-            return model.extract_experience_from_history()
+            return api.extract_experience_from_history()
 
-    def run(self) -> list[Experience]:
-        """``repeat_times`` rollouts, one after the other. Blocks (worker thread)."""
-        if not getattr(self.api_model(), "enable_history", False):
+    async def run_rollout(self, index: int, api: Any) -> list[Experience]:
+        """Rollout ``index``: the conversation, then its recorded experiences, scored."""
+        messages, final, n_calls = await self.rollout(api)
+        exps = self.collect(api)
+
+        def score() -> dict[str, float]:
+            return call_reward_fn(
+                self.reward_fn, response=final, truth=self.truth, **self.reward_kwargs()
+            )
+
+        if getattr(self.reward_fn, "fast", False):
+            scores = score()
+        else:
+            scores = await anyio.to_thread.run_sync(score, abandon_on_cancel=True)
+        reward = float(sum(scores.values()))
+        for step, exp in enumerate(exps):
+            exp.reward = reward
+            exp.metrics.update(scores)
+            exp.metrics["tool_calls"] = float(n_calls)
+            exp.info.update({"tool_calls": n_calls, "rollout": index, "final_response": final})
+            exp.eid.run = self.run_id_base + index
+            exp.eid.step = step
+            if exp.messages is None or len(exps) == 1:
+                exp.messages = messages
+        return exps
+
+    async def run_async(self) -> list[Experience]:
+        """``repeat_times`` rollouts, concurrently when each has its own clone."""
+        apis = [self.api_model(r) for r in range(self.repeat_times)]
+        if not all(getattr(api, "enable_history", False) for api in apis):
             raise WorkflowError(
                 "python_tool_workflow needs a model with history (ModelWrapper.clone); "
                 "set explorer.rollout_model.enable_history: true"
             )
-        self.collect()  # nothing of an earlier (failed) attempt
-        out: list[Experience] = []
-        for r in range(self.repeat_times):
-            messages, final, n_calls = self.rollout()
-            exps = self.collect()
-            scores = call_reward_fn(
-                self.reward_fn, response=final, truth=self.truth, **self.reward_kwargs()
-            )
-            reward = float(sum(scores.values()))
-            for step, exp in enumerate(exps):
-                exp.reward = reward
-                exp.metrics.update(scores)
-                exp.metrics["tool_calls"] = float(n_calls)
-                exp.info.update({"tool_calls": n_calls, "rollout": r, "final_response": final})
-                exp.eid.step = step
-                if exp.messages is None or len(exps) == 1:
-                    exp.messages = messages
-            out.extend(exps)
-        return out
+        for api in {id(a): a for a in apis}.values():
+            self.collect(api)  # nothing of an earlier (failed) attempt
+        shared = len({id(a) for a in apis}) < len(apis)
+        limiter = anyio.CapacityLimiter(1 if shared else max(1, len(apis)))
+        results: list[list[Experience]] = [[] for _ in apis]
+
+        async def one(index: int) -> None:
+            async with limiter:
+                results[index] = await self.run_rollout(index, apis[index])
+
+        async with anyio.create_task_group() as tg:
+            for index in range(len(apis)):
+                tg.start_soon(one, index)
+        return [exp for exps in results for exp in exps]

@@ -11,11 +11,12 @@ from types import SimpleNamespace
 from typing import Any
 
 import anyio
+import anyio.lowlevel
 import pytest
 import torch
 
 from rftstream.config.schema import FormatConfig, GenerationConfig, TasksetConfig
-from rftstream.engines import create_engine
+from rftstream.engines import RolloutEngine, create_engine
 from rftstream.errors import WorkflowError
 from workflows import (
     ENVS,
@@ -418,37 +419,41 @@ def _message(content: str | None, calls: list[tuple[str, str]] | None = None) ->
 
 
 class FakeClient:
-    """``client.chat.completions.create(...)`` replaying a script; records each request."""
+    """``await client.chat.completions.create(...)`` replaying a script; records each request."""
 
     def __init__(self, owner: FakeModel, script: list[Any]) -> None:
         self.owner, self.script, self.requests = owner, script, []
         self.model_path = "fake-model"
         self.chat = SimpleNamespace(completions=SimpleNamespace(create=self.create))
 
-    def create(self, **kwargs: Any) -> Any:
+    async def create(self, **kwargs: Any) -> Any:
         self.requests.append(json.loads(json.dumps(kwargs)))
         self.owner.history.append(Experience(tokens=[1, 2, 3], prompt_length=2))
+        await anyio.lowlevel.checkpoint()
         return self.script[(len(self.requests) - 1) % len(self.script)]
 
 
 class FakeModel:
-    """The ModelWrapper surface the tool workflow uses: clone, client, history."""
+    """The ModelWrapper surface the tool workflow uses: clone, async client, history."""
 
-    def __init__(self, script: list[Any]) -> None:
+    def __init__(self, script: list[Any], *, can_clone: bool = True) -> None:
         self.script = script
-        self.enable_history = False
+        self.enable_history = not can_clone
+        self.can_clone = can_clone
         self.history: list[Experience] = []
         self.clones: list[FakeModel] = []
         self.client: FakeClient | None = None
         self.model_version = 0
+        if can_clone:
+            self.clone = self._clone
 
-    def clone(self, *, enable_history: bool | None = None) -> FakeModel:
+    def _clone(self, *, enable_history: bool | None = None) -> FakeModel:
         other = FakeModel(self.script)
         other.enable_history = bool(enable_history)
         self.clones.append(other)
         return other
 
-    def get_openai_client(self) -> FakeClient:
+    def get_openai_async_client(self) -> FakeClient:
         self.client = self.client or FakeClient(self, self.script)
         return self.client
 
@@ -471,18 +476,34 @@ async def test_python_tool_workflow_scripted() -> None:
     model = FakeModel(script)
     task = task_for({"question": "17*23?", "answer": "391"}, "python_tool_workflow", repeat=2)
     exps = await run(model, task)
-    assert len(exps) == 2
-    api = model.clones[0]
-    assert api.enable_history and len(model.clones) == 1
+    assert len(exps) == 2 and [e.eid.run for e in exps] == [0, 1]
+    # one clone (own history and API session) per rollout
+    assert len(model.clones) == 2 and all(c.enable_history for c in model.clones)
     for e in exps:
         assert e.reward == 1.0 and e.info["tool_calls"] == 1 and e.metrics["accuracy"] == 1.0
-    requests = api.client.requests
-    assert len(requests) == 4  # two calls per rollout
-    assert all(r["tools"] == [PYTHON_TOOL] and r["model"] == "fake-model" for r in requests)
-    second = requests[1]["messages"]
-    assert second[-2]["tool_calls"][0]["function"]["name"] == "python"
-    assert second[-1] == {"role": "tool", "tool_call_id": "call_0", "content": "391"}
+    for api in model.clones:
+        requests = api.client.requests
+        assert len(requests) == 2  # two calls per rollout
+        assert all(r["tools"] == [PYTHON_TOOL] and r["model"] == "fake-model" for r in requests)
+        second = requests[1]["messages"]
+        assert second[-2]["tool_calls"][0]["function"]["name"] == "python"
+        assert second[-1] == {"role": "tool", "tool_call_id": "call_0", "content": "391"}
     assert exps[0].messages[-1] == {"role": "assistant", "content": "It is \\boxed{391}."}
+
+    # a reused instance keeps its clones
+    runner = WorkflowRunner(model, max_timeout=60, max_retry_times=0)
+    for task_id in range(2):
+        res = await runner.run_task(
+            task_for({"question": "q", "answer": "391"}, "python_tool_workflow", 2, task_id)
+        )
+        assert res.ok and len(res.experiences) == 2
+    assert len(model.clones) == 4  # 2 from the first run above, 2 for this runner's instance
+
+    # a model without clone(): its rollouts share it and run one after the other
+    shared = FakeModel(script, can_clone=False)
+    exps = await run(shared, task)
+    assert len(exps) == 2 and len(shared.client.requests) == 4
+    assert [m["role"] for m in shared.client.requests[2]["messages"]] == ["user"]
 
     # unknown tools, bad arguments, failing code, and the turn limit
     script = [
@@ -539,35 +560,134 @@ COMPACT_TOOLS_TEMPLATE = (
 )
 
 
+CALL = '<tool_call>{"name":"python","arguments":{"code":"print(17*23)"}}</tool_call>'
+
+
+class SteeredEngine(RolloutEngine):
+    """The real tiny model, steered on the first turn only.
+
+    A request whose prompt has no tool result yet gets :data:`CALL` as its
+    completion, with the real model's logprobs of those tokens; every later
+    request is the real model's own sampling. First-turn requests are answered
+    only once ``rollouts`` of them have arrived: rollouts that ran one after
+    the other would never get there (the wait fails after 60 s).
+    """
+
+    def __init__(self, inner: Any, rollouts: int) -> None:
+        self.inner = inner
+        tok = inner.tokenizer
+        self.forced = tok.encode(CALL, add_special_tokens=False) + [tok.eos_token_id]
+        self.rollouts = rollouts
+        self.first_turns: list[list[int]] = []
+        self.all_here = anyio.Event()
+
+    @property
+    def tokenizer(self) -> Any:
+        return self.inner.tokenizer
+
+    @property
+    def model_version(self) -> int:
+        return self.inner.model_version
+
+    async def generate(self, prompt_token_ids: list[int], params: Any) -> list[Any]:
+        from rftstream.engines.base import Completion
+
+        if "<|im_start|>tool" in self.inner.tokenizer.decode(prompt_token_ids):
+            return await self.inner.generate(prompt_token_ids, params)
+        self.first_turns.append(list(prompt_token_ids))
+        if len(self.first_turns) >= self.rollouts:
+            self.all_here.set()
+        with anyio.fail_after(60):
+            await self.all_here.wait()
+        scored = await self.inner.score(
+            list(prompt_token_ids) + self.forced,
+            start=len(prompt_token_ids),
+            temperature=params.temperature,
+        )
+        return [
+            Completion(list(self.forced), list(scored.logprobs), "stop", self.model_version)
+            for _ in range(params.n)
+        ]
+
+    async def score(self, token_ids: list[int], **kw: Any) -> Any:
+        return await self.inner.score(token_ids, **kw)
+
+    async def load_weights(self, state_dict: Any, version: int) -> None:
+        await self.inner.load_weights(state_dict, version)
+
+    async def run(self) -> None:
+        await self.inner.run()
+
+    async def aclose(self) -> None:
+        await self.inner.aclose()
+
+
 @pytest.mark.anyio
-async def test_python_tool_workflow_real_api(tiny_model_path: str, tmp_path: Any) -> None:
+async def test_python_tool_workflow_real_api_sandbox_and_concurrent_rollouts(
+    tiny_model_path: str, tmp_path: Any
+) -> None:
+    """The real loopback OpenAI server parses the model's tool call, the workflow runs it in
+    the sandbox, the tool's output reaches the model's next prompt; three rollouts at once."""
     import shutil
     from pathlib import Path
 
-    if not callable(getattr(ModelWrapper, "clone", None)):
-        pytest.skip("ModelWrapper has no OpenAI API / clone() yet")
     path = tmp_path / "tiny-tools"
     shutil.copytree(tiny_model_path, path)
     (Path(path) / "chat_template.jinja").write_text(COMPACT_TOOLS_TEMPLATE)
     task = task_for(
-        {"question": "3+4=", "answer": "7"},
+        {"question": "17*23=", "answer": "391"},
         "python_tool_workflow",
         repeat=3,
         format=FormatConfig(system_prompt=""),
         workflow_args={"max_turns": 2},
-        rollout_args=GenerationConfig(max_tokens=6),
+        rollout_args=GenerationConfig(max_tokens=6, temperature=0.8),
     )
     fn = REWARD_FUNCTIONS.get("math_reward")()
-    async with wrapper(str(path), max_response_tokens=6) as model:
+    inner = create_engine("transformers", str(path), batch_wait_ms=5)
+    engine = SteeredEngine(inner, rollouts=3)
+    tok = inner.tokenizer
+    async with anyio.create_task_group() as tg:
+        await tg.start(inner.run)
+        model = ModelWrapper(engine, model_path=str(path), max_response_tokens=6)
         try:
             exps = await run(model, task)
+            # the logprobs of each experience, recomputed by a full forward pass
+            scores = [
+                (await inner.score(e.tokens.tolist(), start=e.prompt_length, temperature=0.8))
+                for e in exps
+            ]
         finally:
             await model.aclose()
-    assert len(exps) >= 3
-    for e in exps:
-        assert e.response_length > 0 and e.action_mask.shape[0] == e.response_length
-        assert e.logprobs.shape[0] == e.response_length
-        assert e.prompt_text.startswith("<|im_start|>system\ntools: python<|im_end|>")
-        final = e.info["final_response"]
-        assert e.reward == fn(response=final, truth="7")["accuracy"]
-        assert e.metrics["tool_calls"] == e.info["tool_calls"]
+            await inner.aclose()
+            tg.cancel_scope.cancel()
+
+    first_prompt = (
+        "<|im_start|>system\ntools: python<|im_end|>\n<|im_start|>user\n17*23=<|im_end|>\n"
+        "<|im_start|>assistant\n"
+    )
+    assert len(engine.first_turns) == 3  # all three rollouts were waiting at once
+    assert {tuple(p) for p in engine.first_turns} == {
+        tuple(tok.encode(first_prompt, add_special_tokens=False))
+    }
+    # the compact template re-renders the call, so the two calls of a rollout do not chain:
+    # one experience per call (eid.step), both with the rollout's reward
+    assert sorted((e.eid.run, e.eid.step) for e in exps) == [
+        (r, s) for r in range(3) for s in range(2)
+    ]
+    for e, scored in zip(exps, scores, strict=True):
+        assert e.info["tool_calls"] == 1 and e.metrics["tool_calls"] == 1.0
+        assert e.action_mask.shape[0] == e.logprobs.shape[0] == e.response_length > 0
+        assert e.logprobs.tolist() == pytest.approx(scored.logprobs, abs=1e-4)
+        assert e.reward == fn(response=e.info["final_response"], truth="391")["accuracy"]
+        if e.eid.step == 0:  # the steered call, parsed by the server into tool_calls
+            assert e.prompt_text == first_prompt
+            assert e.tokens[e.prompt_length :].tolist() == engine.forced
+            (call,) = e.messages[-1]["tool_calls"]
+            assert call["function"]["name"] == "python"
+            assert json.loads(call["function"]["arguments"]) == {"code": "print(17*23)"}
+        else:  # the sandbox's output went back to the model as the tool message
+            assert e.prompt_text == (
+                first_prompt + "<tool_call>python</tool_call><|im_end|>\n"
+                "<|im_start|>tool\n391<|im_end|>\n<|im_start|>assistant\n"
+            )
+            assert e.info["final_response"] == e.response_text
