@@ -1,5 +1,6 @@
 """Built-in workflows on the tiny model: math_boxed, countdown, env (action mask and logprobs
-checked independently), code, python tool (scripted client, and the real API when present)."""
+checked independently), code, python tool (a scripted client; and the real loopback API with
+the tiny model steered on its first turn, so the sandbox is always reached)."""
 
 from __future__ import annotations
 
