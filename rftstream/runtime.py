@@ -228,8 +228,18 @@ def _check_algorithm(cfg: Config, algorithm: Any) -> None:
 
 
 def roles_for(cfg: Config) -> tuple[str, ...]:
-    """The actors a run needs: only the trainer in ``mode: train``, else all three."""
-    return ("trainer",) if cfg.mode == "train" else ROLES
+    """The actors a run needs, by ``mode``.
+
+    ``both``: all three. ``train``: the trainer (it reads a dataset).
+    ``explore``: explorers and the operator pipeline, no trainer (experience
+    waits on ``exp.train`` for someone else to train on). ``bench``: an
+    explorer that evaluates (see :mod:`rftstream.actors.bench`).
+    """
+    return {
+        "train": ("trainer",),
+        "explore": ("explorer", "operator"),
+        "bench": ("explorer",),
+    }.get(cfg.mode, ROLES)
 
 
 def resolve_model_path(cfg: Config, progress: Callable[[str], None] | None = None) -> str:
@@ -363,12 +373,20 @@ async def run_explorer(
     name: str = "explorer",
     engine: Any = None,
     on_progress: Callable[[dict[str, Any]], None] | None = None,
+    on_eval: Callable[[dict[str, Any]], None] | None = None,
 ) -> None:
+    """One explorer until it is done (``mode: bench``: the benchmark). ``engine``: a
+    ready rollout engine instead of the configured one."""
     from rftstream.actors.explorer import Explorer
 
     async with await Bus.connect(url, run.names, run.cfg.nats, name) as bus:
         explorer = Explorer(
-            run.cfg, bus, model_path=run.model_path, name=name, on_progress=on_progress
+            run.cfg,
+            bus,
+            model_path=run.model_path,
+            name=name,
+            on_progress=on_progress,
+            on_eval=on_eval,
         )
         await explorer.run(engine=engine)
 
@@ -442,12 +460,19 @@ async def run_actors(
     roles: Sequence[str] | None = None,
     *,
     on_step: Callable[[dict[str, Any]], None] | None = None,
+    on_progress: Callable[[dict[str, Any]], None] | None = None,
+    on_eval: Callable[[dict[str, Any]], None] | None = None,
 ) -> None:
-    """Provision, then run ``roles`` concurrently until the trainer finishes.
+    """Provision, then run ``roles`` concurrently until the run ends.
 
     When the trainer is among the roles, its end (the run's end) cancels the
-    other actors. Without a trainer, actors stop when the run status says so.
-    ``roles`` None: :func:`roles_for` the config.
+    other actors. Without a trainer, actors stop when the run status says so:
+    in ``mode: explore`` the explorer sets it when its tasks run out (or at
+    ``buffer.total_steps``), the operator drains what the explorer published,
+    then both return; in ``mode: bench`` the explorer returns after its last
+    evaluation. ``roles`` None: :func:`roles_for` the config. ``on_step``:
+    each trainer step record; ``on_progress`` / ``on_eval``: each explorer
+    step / evaluation record.
     """
     if roles is None:
         roles = roles_for(run.cfg)
@@ -458,7 +483,7 @@ async def run_actors(
     if (
         run.cfg.synchronizer.sync_method == "memory"
         and len(roles) < len(ROLES)
-        and run.cfg.mode != "train"
+        and run.cfg.mode == "both"
     ):
         raise ConfigError(
             "synchronizer.sync_method",
@@ -469,7 +494,7 @@ async def run_actors(
 
     async def explorer() -> None:
         try:
-            await run_explorer(run, url)
+            await run_explorer(run, url, on_progress=on_progress, on_eval=on_eval)
         finally:
             explorer_done.set()
 

@@ -1,6 +1,9 @@
-"""``rftstream up``: a private nats-server plus every actor, with a live display.
+"""``rftstream up``: a private nats-server plus the actors of the run's mode, with a live display.
 
-Blocks until the trainer finishes. SIGINT (Ctrl-C) or SIGTERM cancels the
+Blocks until the run ends: the trainer finishes (``mode: both`` / ``train``),
+the explorer's tasks run out or it reached ``buffer.total_steps`` (``mode:
+explore``: a bar of explorer steps), or the last evaluation is written
+(``mode: bench``: one line per evaluation). SIGINT (Ctrl-C) or SIGTERM cancels the
 actors' task group (each actor's ``finally`` closes its NATS connection), then
 the embedded server is stopped; the whole shutdown takes a few seconds.
 """
@@ -81,6 +84,8 @@ def run_up(run: PreparedRun, *, console: Console) -> int:
     console.print("inspect the run with the NATS CLI:")
     for line in nats_cli_hint(url, run):
         console.print(f"  [dim]$[/] {line}")
+    if cfg.mode in ("explore", "bench"):
+        return _run_without_trainer(run, url, server, console)
     total = cfg.buffer.total_steps
     from rftstream.cli import _step_line
 
@@ -136,4 +141,85 @@ def run_up(run: PreparedRun, *, console: Console) -> int:
         if cfg.monitor.plot and records:
             png = plot_metrics(metrics_path)
             console.print(f"curves: {png}")
+    return 0
+
+
+def _eval_line(record: dict[str, Any]) -> str:
+    """One evaluation record (``eval.jsonl``) as a line: step, checkpoint, each taskset's means."""
+    where = record.get("checkpoint") or ("the given model" if record.get("bench") else "")
+    parts = [f"eval step {record.get('step')}" + (f" ({where})" if where else "")]
+    for key, value in record.items():
+        if key.startswith("eval/") and key.endswith("/mean") and value is not None:
+            parts.append(f"{key[len('eval/') :]} {value:.3f}")
+    return "  ".join(parts)
+
+
+def _run_without_trainer(
+    run: PreparedRun, url: str, server: EmbeddedNatsServer | None, console: Console
+) -> int:
+    """``mode: explore`` (explorer + operators) or ``bench`` (one evaluating explorer)."""
+    cfg = run.cfg
+    explore = cfg.mode == "explore"
+    progress = Progress(
+        TextColumn(f"[bold]{'explorer' if explore else 'bench'}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("{task.fields[info]}"),
+        TimeElapsedColumn(),
+        console=console,
+    )
+    t_start = time.time()
+    counts = {"steps": 0, "groups": 0, "evals": 0}
+    try:
+        with progress:
+            total = cfg.buffer.total_steps if explore else None
+            task = progress.add_task(cfg.mode, total=total, info="starting…")
+
+            def on_progress(info: dict[str, Any]) -> None:
+                counts["steps"] = int(info.get("step", 0))
+                counts["groups"] = int(info.get("groups", 0))
+                mean = info.get("rollout/reward_mean")
+                reward = f"reward {mean:.3f}" if isinstance(mean, float) and mean == mean else ""
+                progress.update(
+                    task,
+                    completed=counts["steps"],
+                    info=f"groups {counts['groups']}  failed {info.get('failed_tasks', 0)}  {reward}",
+                )
+
+            def on_eval(record: dict[str, Any]) -> None:
+                counts["evals"] += 1
+                progress.console.print(_eval_line(record))
+                if not explore:
+                    progress.update(task, completed=counts["evals"], info="evaluating…")
+
+            async def main() -> None:
+                note = await start_fresh(run, url)
+                if note:
+                    progress.console.print(f"[yellow]{note}[/]")
+                await run_actors(run, url, on_progress=on_progress, on_eval=on_eval)
+
+            code = run_with_signals(main)
+    finally:
+        if server is not None:
+            server.stop()
+    elapsed = time.time() - t_start
+    if code:
+        console.print(f"[yellow]stopped by signal after {elapsed:.1f}s[/]; everything shut down")
+        return code
+    evals = run.run_dir / "eval.jsonl"
+    if explore:
+        console.print(
+            f"[bold green]done[/] in {elapsed:.0f}s: {counts['steps']} explorer steps, "
+            f"{counts['groups']} experience groups on {run.names.exp_subject('train')} "
+            f"(stream {run.names.exp_stream}) for a trainer to read"
+        )
+        if server is not None:
+            console.print(
+                f"they stay in the JetStream store {server.store_dir}; set nats.url to share "
+                "them with a trainer on another server"
+            )
+    else:
+        console.print(f"[bold green]done[/] in {elapsed:.0f}s: {counts['evals']} evaluations")
+    if counts["evals"] and evals.exists():
+        console.print(f"eval results: {evals}")
     return 0

@@ -44,7 +44,16 @@ task failed, is left out there) and appends the same record to
 
 Sync: before a step the explorer loads newer weights per the sync policy;
 with ``max_staleness`` it pauses while too much experience waits for the
-trainer.
+trainer. Only in the modes with a trainer (``both``), and never into an
+engine that cannot load weights (``engine_type: openai``); a load that fails
+keeps the current weights (logged).
+
+Modes: ``mode: explore`` has no trainer: no weight sync, no staleness bound;
+the explorer stops when the task queue is drained or after
+``buffer.total_steps`` of its own steps, runs the final evaluation, and sets
+the run status ``finished`` (operators then drain ``exp.raw`` and stop;
+experience stays on ``exp.train`` for a trainer elsewhere). ``mode: bench``
+publishes no tasks and explores nothing: see :mod:`rftstream.actors.bench`.
 """
 
 from __future__ import annotations
@@ -70,7 +79,7 @@ from rftstream.actors.common import (
 from rftstream.bus.client import Bus
 from rftstream.bus.state import RunState
 from rftstream.config.schema import Config, TasksetConfig
-from rftstream.config.validate import eval_tasksets, training_tasksets
+from rftstream.config.validate import TRAINER_MODES, eval_tasksets, training_tasksets
 from rftstream.errors import RftError, SchemaError
 from rftstream.messages import TaskMsg, TasksetClaim, TasksetRecord, decode_json, encode_json
 from rftstream.subjects import (
@@ -315,13 +324,33 @@ class Explorer:
             self._eval_rows.append((ts, rows))
 
     # ------------------------------------------------------------ run
+    @property
+    def explore_only(self) -> bool:
+        """``mode: explore``: no trainer, so no weight sync and no staleness bound; this
+        explorer ends the run when its tasks run out or it reached ``buffer.total_steps``."""
+        return self.cfg.mode == "explore"
+
+    def _syncs_weights(self) -> bool:
+        """Whether weights published by a trainer are loaded into the engine."""
+        return self.cfg.mode in TRAINER_MODES and bool(
+            getattr(self.engine, "can_load_weights", True)
+        )
+
     async def run(self, *, engine: Any = None) -> None:
-        """Explore until the tasks are exhausted or the run ends. Blocks; cancel to stop."""
+        """Explore until the tasks are exhausted or the run ends. Blocks; cancel to stop.
+
+        ``mode: bench`` evaluates instead (:func:`rftstream.actors.bench.run_bench`).
+        """
         from rftstream.engines.rollout import rollout_model
         from workflows.runner import WorkflowRunner
 
         state = RunState(await self.bus.kv())
         self.state = state
+        if self.cfg.mode == "bench":
+            from rftstream.actors.bench import run_bench
+
+            await run_bench(self, state, engine=engine)
+            return
         await self.publish_taskset(state)
         await self._load_eval_tasksets()
         self.step = int(await state.get_json(KV_EXPLORER_STEP.format(name=self.name)) or 0)
@@ -376,15 +405,21 @@ class Explorer:
     ) -> None:
         batch_size = self.cfg.buffer.batch_size
         limiter = anyio.CapacityLimiter(self.cfg.explorer.runner_num)
+        total_steps = self.cfg.buffer.total_steps
         while True:
             status = await state.status()
             if status in ("finished", "failed", "stopped"):
                 await self._final_eval(state, runner, status)
                 return
+            if self.explore_only and total_steps is not None and self.step >= total_steps:
+                log.info("%s: reached buffer.total_steps (%d)", self.name, total_steps)
+                await self._explorer_done(state, runner, "total_steps")
+                return
             next_step = self.step + 1
             t_wait = time.perf_counter()
-            await self._respect_staleness(state, next_step)
-            await self._sync_weights(state, next_step)
+            if self._syncs_weights():
+                await self._respect_staleness(state, next_step)
+                await self._sync_weights(state, next_step)
             wait_sync = time.perf_counter() - t_wait
             msgs: list[Msg] = []
             while len(msgs) < batch_size:
@@ -404,11 +439,7 @@ class Explorer:
                     self.bus, self.names.tasks_stream, self.names.explorer_consumer
                 ):
                     log.info("%s: no tasks left after %d steps", self.name, self.step)
-                    await self._final_eval(state, runner, "drained")
-                    await state.put_json(
-                        KV_EXPLORER_DONE.format(name=self.name),
-                        {"step": self.step, "ts": time.time()},
-                    )
+                    await self._explorer_done(state, runner, "drained")
                     return
             self.step = next_step
             t0 = time.perf_counter()
@@ -447,6 +478,17 @@ class Explorer:
                 or self.step == self.cfg.buffer.total_steps
             ):
                 await self._evaluate(state, runner, final=False)
+
+    async def _explorer_done(self, state: RunState, runner: Any, why: str) -> None:
+        """The final evaluation, the ``explorer.<name>.done`` record and, in ``mode:
+        explore``, the run's end (status ``finished``: operators drain and stop)."""
+        await self._final_eval(state, runner, why)
+        await state.put_json(
+            KV_EXPLORER_DONE.format(name=self.name),
+            {"step": self.step, "ts": time.time(), "why": why},
+        )
+        if self.explore_only and await state.status() not in ("failed", "stopped"):
+            await state.set_status("finished")
 
     async def _fail_task(self, msg: Msg, reason: str, stats: dict[str, float]) -> None:
         """Dead-letter a task message (``dlq.tasks``, reason in headers) and count it as failed."""
@@ -531,16 +573,26 @@ class Explorer:
         await self._load(state, 0)
         await self._evaluate(state, runner, final=True)
 
-    async def _evaluate(self, state: RunState, runner: Any, *, final: bool) -> None:
+    async def _evaluate(
+        self,
+        state: RunState,
+        runner: Any,
+        *,
+        final: bool,
+        claim_key: str | None = None,
+        extra: dict[str, Any] | None = None,
+    ) -> None:
         """Run every eval taskset once with the current weights; publish and record the metrics.
 
-        Blocks exploration meanwhile. One explorer per step number (KV claim);
-        a final evaluation of what was just evaluated is skipped.
+        Blocks exploration meanwhile. One explorer per step number (KV claim
+        ``claim_key``, default ``eval.step.<n>`` / ``eval.final``); a final
+        evaluation of what was just evaluated is skipped. ``extra`` goes into the
+        ``eval.jsonl`` record (bench: the checkpoint).
         """
         version = self._version()
         if final and self._last_eval == (self.step, version):
             return
-        key = KV_EVAL_FINAL if final else KV_EVAL_STEP.format(step=self.step)
+        key = claim_key or (KV_EVAL_FINAL if final else KV_EVAL_STEP.format(step=self.step))
         claim = {"by": self.name, "step": self.step, "model_version": version, "ts": time.time()}
         if not await state.claim(key, claim):
             return
@@ -558,6 +610,7 @@ class Explorer:
             "step": self.step,
             "ts": time.time(),
             "explorer": self.name,
+            **(extra or {}),
             **{k: (v if math.isfinite(v) else None) for k, v in values.items()},
         }
         await self._write_eval_record(record)
@@ -653,16 +706,21 @@ class Explorer:
 
     # ------------------------------------------------------------ sync
     async def _load(self, state: RunState, min_version: int) -> None:
+        """Load the newest published weights if newer than ours (never into an engine that
+        cannot load weights, nor without a trainer); a failure keeps the current ones."""
+        if not self._syncs_weights():
+            return
         ptr = await state.latest_weights()
         current = self._version()
         if ptr is None or ptr.version <= current or ptr.version < min_version:
             return
         try:
             sd = await anyio.to_thread.run_sync(load_weights, ptr, self.names.run)
+            await self.engine.load_weights(sd, ptr.version)
         except (
             RftError,
             OSError,
-        ) as exc:  # replaced by a newer version meanwhile: next sync takes that
+        ) as exc:  # e.g. replaced by a newer version meanwhile: next sync takes that
             log.warning(
                 "%s: could not load weights v%d (%s); keeping v%d",
                 self.name,
@@ -671,10 +729,11 @@ class Explorer:
                 current,
             )
             return
-        await self.engine.load_weights(sd, ptr.version)
         log.info("%s: loaded weights v%d", self.name, ptr.version)
 
     async def _sync_weights(self, state: RunState, step: int) -> None:
+        if not self._syncs_weights():
+            return
         need = self.policy.explorer_waits_for_version(step)
         if need is not None:
             with anyio.fail_after(self.cfg.synchronizer.sync_timeout):

@@ -161,10 +161,14 @@ class BufferConfig(_Base):
 
 
 class RolloutModelConfig(_Base):
-    """``explorer.rollout_model``: the rollout engine."""
+    """``explorer.rollout_model``: the rollout engine.
+
+    ``openai`` (an external OpenAI-compatible server at ``base_url``) cannot
+    load trained weights: it serves ``mode: explore`` and ``bench`` only.
+    """
 
     engine_type: str = "transformers"  # transformers | vllm | openai
-    engine_num: int = 1
+    engine_num: int = 1  # must be 1: one engine per explorer process (start more explorers)
     tensor_parallel_size: int = 1
     enable_openai_api: bool = False
     enable_history: bool = False
@@ -207,6 +211,7 @@ class ExplorerConfig(_Base):
     rollout_model: RolloutModelConfig = msgspec.field(default_factory=RolloutModelConfig)
     auxiliary_models: list[AuxiliaryModelConfig] = msgspec.field(default_factory=list)
     eval_interval: int = 100
+    bench_on_latest_checkpoint: bool = False  # mode: bench: only the newest checkpoint
 
 
 # ----------------------------------------------------------------- synchronizer

@@ -28,6 +28,7 @@ __all__ = [
     "SYNC_STYLES",
     "SYNC_STYLE_ALIASES",
     "TASKSET_NAME_RE",
+    "TRAINER_MODES",
     "eval_tasksets",
     "run_id_from_name",
     "training_tasksets",
@@ -35,6 +36,7 @@ __all__ = [
 ]
 
 MODES = ("both", "explore", "train", "bench")
+TRAINER_MODES = ("both", "train")  # modes that run a trainer
 SYNC_STYLES = ("fixed", "dynamic_by_explorer", "dynamic_by_trainer", "fully_async")
 SYNC_STYLE_ALIASES = {
     "explorer_driven": "dynamic_by_explorer",
@@ -147,9 +149,24 @@ def validate_config(cfg: Config, source: str | None = None) -> Config:
     c.at_least("synchronizer.sync_offset", sync.sync_offset, 0)
     c.at_least("synchronizer.max_staleness", sync.max_staleness, 0, optional=True)
 
-    c.choice(
-        "explorer.rollout_model.engine_type", cfg.explorer.rollout_model.engine_type, ENGINE_TYPES
-    )
+    rm = cfg.explorer.rollout_model
+    c.choice("explorer.rollout_model.engine_type", rm.engine_type, ENGINE_TYPES)
+    if rm.engine_num != 1:
+        c.fail(
+            "explorer.rollout_model.engine_num",
+            "must be 1: an explorer process runs one rollout engine; to scale out, start more "
+            "explorers against the same NATS (`rftstream explorer --name explorer-2 ...`), "
+            "they share the task queue",
+            rm.engine_num,
+        )
+    if rm.engine_type == "openai" and cfg.mode in TRAINER_MODES:
+        c.fail(
+            "explorer.rollout_model.engine_type",
+            f"`openai` is an external server whose weights rftstream cannot update, and "
+            f"mode: {cfg.mode} runs a trainer; use it with mode: explore or bench, or train "
+            "with engine_type transformers or vllm",
+            rm.engine_type,
+        )
     c.at_least("explorer.runner_num", cfg.explorer.runner_num, 1)
     c.at_least("explorer.max_retry_times", cfg.explorer.max_retry_times, 0)
     c.positive("explorer.max_timeout", cfg.explorer.max_timeout)
@@ -167,6 +184,12 @@ def validate_config(cfg: Config, source: str | None = None) -> Config:
     c.at_least("buffer.total_steps", buf.total_steps, 1, optional=True)
     c.at_least("explorer.eval_interval", cfg.explorer.eval_interval, 1)
     inp = _check_tasksets(c, buf.explorer_input)
+    if cfg.mode == "bench" and not inp.eval_tasksets:
+        c.fail(
+            "buffer.explorer_input.eval_tasksets",
+            "mode: bench evaluates the eval tasksets; list at least one",
+            [],
+        )
     if inp is not buf.explorer_input:
         cfg = replace(cfg, buffer=replace(buf, explorer_input=inp))
 

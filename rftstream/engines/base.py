@@ -95,7 +95,12 @@ class RolloutEngine(ABC):
     Lifecycle: construct (may block: loads weights), start :meth:`run` in a
     task group, call :meth:`generate` from any number of tasks, :meth:`aclose`
     at the end. :meth:`generate` waits until :meth:`run` serves it.
+
+    ``can_load_weights`` False (an external server) tells the explorer never
+    to sync weights into this engine.
     """
+
+    can_load_weights: bool = True
 
     @property
     @abstractmethod

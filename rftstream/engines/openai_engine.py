@@ -46,6 +46,8 @@ class OpenAIEngine(RolloutEngine):
     ``sequences`` and ``generated_tokens``.
     """
 
+    can_load_weights = False  # the model is served elsewhere
+
     def __init__(
         self,
         model_path: str,

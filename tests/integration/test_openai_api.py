@@ -320,6 +320,7 @@ async def test_openai_engine_against_our_server(tiny_model_path: str) -> None:
             assert [[t for t, _ in alts] for alts in theirs.top_logprobs] == [
                 [t for t, _ in alts] for alts in ours.top_logprobs
             ]
+            assert not remote.can_load_weights  # the explorer never syncs into it
             with pytest.raises(RftError, match="cannot load new weights"):
                 await remote.load_weights({}, 1)
             await remote.aclose()

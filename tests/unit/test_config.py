@@ -410,6 +410,7 @@ def test_overrides_applied_before_conversion(tmp_path: Path) -> None:
         [
             "buffer.total_steps=3",
             "model.model_path=/m",
+            "mode=explore",
             "explorer.rollout_model.engine_type=openai",
             "data_processor.experience_pipeline.operators[0].args.threshold=0.7",
             "algorithm.optimizer.betas=[0.8, 0.9]",
@@ -418,7 +419,7 @@ def test_overrides_applied_before_conversion(tmp_path: Path) -> None:
     )
     assert cfg.buffer.total_steps == 3
     assert cfg.model.model_path == "/m"
-    assert cfg.explorer.rollout_model.engine_type == "openai"
+    assert cfg.explorer.rollout_model.engine_type == "openai" and cfg.mode == "explore"
     assert cfg.data_processor.experience_pipeline.operators[0].args == {"threshold": 0.7}
     assert cfg.algorithm.optimizer.betas == [0.8, 0.9]
     assert cfg.nats.url == ""
@@ -509,6 +510,22 @@ INVALID = [
     ({"nats": {"max_payload": 1023}}, "nats.max_payload", 1023),
     ({"nats": {"max_payload": 64 * 1024 * 1024 + 1}}, "nats.max_payload", 64 * 1024 * 1024 + 1),
     ({"algorithm": {"repeat_times": 0}}, "algorithm.repeat_times", 0),
+    (
+        {"explorer": {"rollout_model": {"engine_num": 2}}},
+        "explorer.rollout_model.engine_num",
+        2,
+    ),
+    (
+        {"explorer": {"rollout_model": {"engine_type": "openai"}}},  # mode: both
+        "explorer.rollout_model.engine_type",
+        "openai",
+    ),
+    (
+        {"mode": "train", "explorer": {"rollout_model": {"engine_type": "openai"}}},
+        "explorer.rollout_model.engine_type",
+        "openai",
+    ),
+    ({"mode": "bench"}, "buffer.explorer_input.eval_tasksets", []),
     ({"name": "this-name-is-far-too-long"}, "name", "this-name-is-far-too-long"),
     ({"name": "bad name!"}, "name", "bad name!"),
 ]
@@ -546,7 +563,16 @@ VALID_EDGES = [
     {"nats": {"max_payload": 1024}},
     {"nats": {"max_payload": 64 * 1024 * 1024}},
     {"explorer": {"max_retry_times": 0, "runner_num": 1, "max_timeout": 0.001}},
-    {"mode": "bench", "monitor": {"monitor_type": "none"}},
+    {
+        "mode": "bench",
+        "monitor": {"monitor_type": "none"},
+        "buffer": {"explorer_input": {"eval_tasksets": [{"name": "e", "is_eval": True}]}},
+    },
+    {
+        "mode": "bench",
+        "buffer": {"explorer_input": {"eval_tasksets": [{"name": "e", "is_eval": True}]}},
+        "explorer": {"rollout_model": {"engine_type": "openai"}},
+    },
     {"mode": "explore", "explorer": {"rollout_model": {"engine_type": "openai"}}},
     {"mode": "train", "algorithm": {"loss_agg_mode": "seq-mean-token-sum-norm"}},
     {"synchronizer": {"sync_style": "fully_async", "sync_method": "memory"}},
@@ -618,3 +644,14 @@ def test_yaml_1_1_exponent_floats_are_numbers(tmp_path: Path) -> None:
     p.write_text("buffer:\n  batch_size: four\n")
     with pytest.raises(ConfigError, match="buffer.batch_size"):
         load_config(p)
+
+
+def test_engine_errors_say_what_to_do() -> None:
+    err = raises_config_error(
+        validate_config, cfg_with(explorer={"rollout_model": {"engine_num": 3}}), None
+    )
+    assert "rftstream explorer --name" in str(err)
+    err = raises_config_error(
+        validate_config, cfg_with(explorer={"rollout_model": {"engine_type": "openai"}}), None
+    )
+    assert "mode: explore or bench" in str(err) and "mode: both" in str(err)

@@ -268,6 +268,8 @@ async def test_stopped_engine_fails_waiting_requests(tiny_model_path: str) -> No
         await engine.generate(prompt, SamplingParams())
 
 
-def test_create_engine_rejects_later_engines(tiny_model_path: str) -> None:
-    with pytest.raises(RftError, match="unknown engine"):
+def test_create_engine_rejects_unknown_engine_types(tiny_model_path: str) -> None:
+    with pytest.raises(RftError, match="unknown engine 'nope'.*'transformers', 'vllm', 'openai'"):
         create_engine("nope", tiny_model_path)
+    engine = create_engine("transformers", tiny_model_path)
+    assert engine.can_load_weights  # the explorer syncs weights into it

@@ -1,0 +1,140 @@
+"""``mode: bench``: the explorer evaluates a model and its saved checkpoints; nothing is trained.
+
+Trinity-RFT's benchmark mode, run by the explorer actor (``rftstream up`` starts
+only an explorer in this mode, ``rftstream explorer`` does the same against an
+existing NATS). :func:`run_bench`:
+
+1. evaluates every ``buffer.explorer_input.eval_tasksets`` entry with the
+   given model (``model.model_path``, or the external server of
+   ``explorer.rollout_model.engine_type: openai``): step 0;
+2. then, when the engine can load weights, each checkpoint the trainer saved
+   under the run's checkpoint directory (``<checkpoint_root_dir>/<project>/<name>``,
+   or ``<run_dir>/checkpoints``: directories ``global_step_<N>`` in HF
+   safetensors format), in step order, with step ``N`` and weight version ``N``.
+   With ``explorer.bench_on_latest_checkpoint`` only the newest checkpoint is
+   evaluated (the given model when there is none). The ``openai`` engine
+   cannot load weights: checkpoints are skipped with a warning.
+
+Each evaluation is the explorer's own (:meth:`Explorer._evaluate`): the
+``eval/<taskset>/...`` metrics on ``metrics.<explorer>`` and one record in
+``<run_dir>/eval.jsonl``, here with ``"bench": true`` and ``"checkpoint"``
+(the directory, or null for the given model). KV claims ``bench.step.<N>``
+make one explorer evaluate each step. At the end the run status becomes
+``finished``. Blocks until done; cancelling stops after the current await.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import anyio
+import anyio.to_thread
+import torch
+
+from rftstream.actors.common import heartbeat_loop
+from rftstream.bus.state import RunState
+from rftstream.config.schema import Config
+from rftstream.errors import RftError
+
+if TYPE_CHECKING:
+    from rftstream.actors.explorer import Explorer
+
+log = logging.getLogger(__name__)
+
+__all__ = ["checkpoint_dir", "find_checkpoints", "load_hf_state_dict", "run_bench"]
+
+KV_BENCH_STEP = "bench.step.{step}"
+_STEP_DIR = re.compile(r"global_step_(\d+)")
+
+
+def checkpoint_dir(cfg: Config) -> Path:
+    """Where the trainer of this config saves ``global_step_<N>`` checkpoints."""
+    root = cfg.checkpoint_root_dir
+    if root:
+        return Path(root) / cfg.project / cfg.name
+    return Path(cfg.run_dir or Path("runs") / cfg.name) / "checkpoints"
+
+
+def find_checkpoints(directory: Path) -> list[tuple[int, Path]]:
+    """``(step, path)`` of every complete ``global_step_<N>`` checkpoint, by step. Blocks."""
+    if not directory.is_dir():
+        return []
+    out = []
+    for child in directory.iterdir():
+        m = _STEP_DIR.fullmatch(child.name)
+        if m and child.is_dir() and any(child.glob("*.safetensors")):
+            out.append((int(m.group(1)), child))
+    return sorted(out)
+
+
+def load_hf_state_dict(path: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of an HF safetensors checkpoint directory (all shards). Blocks."""
+    from safetensors.torch import load_file
+
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise RftError(f"{path}: no *.safetensors files (not an HF checkpoint)")
+    state: dict[str, torch.Tensor] = {}
+    for f in files:
+        state.update(load_file(str(f)))
+    return state
+
+
+async def run_bench(explorer: Explorer, state: RunState, *, engine: Any = None) -> None:
+    """Evaluate the given model, then the saved checkpoints; see the module docstring."""
+    from rftstream.engines.rollout import rollout_model
+    from workflows.runner import WorkflowRunner
+
+    cfg = explorer.cfg
+    await explorer._load_eval_tasksets()
+    directory = checkpoint_dir(cfg)
+    found = await anyio.to_thread.run_sync(find_checkpoints, directory)
+    async with rollout_model(cfg, explorer.model_path, engine=engine) as (model, aux, _):
+        explorer.engine = model.engine
+        runner = WorkflowRunner(
+            model,
+            max_timeout=cfg.explorer.max_timeout,
+            max_retry_times=cfg.explorer.max_retry_times,
+            auxiliary_models=aux,
+        )
+        can_load = bool(getattr(explorer.engine, "can_load_weights", True))
+        if found and not can_load:
+            log.warning(
+                "%s: engine %s cannot load weights; the %d checkpoints in %s are not evaluated",
+                explorer.name,
+                cfg.explorer.rollout_model.engine_type,
+                len(found),
+                directory,
+            )
+            found = []
+        plan: list[tuple[int, Path | None]] = [(0, None)] + [(s, p) for s, p in found]
+        if cfg.explorer.bench_on_latest_checkpoint:
+            plan = plan[-1:]
+        log.info(
+            "%s: benchmarking %s on %d eval tasksets",
+            explorer.name,
+            ", ".join("the given model" if p is None else p.name for _, p in plan),
+            len(explorer._eval_rows),
+        )
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(
+                heartbeat_loop, state, explorer.name, explorer.role, lambda: explorer._info()
+            )
+            for step, path in plan:
+                if path is not None:
+                    sd = await anyio.to_thread.run_sync(load_hf_state_dict, path)
+                    await explorer.engine.load_weights(sd, step)
+                explorer.step = step
+                await explorer._evaluate(
+                    state,
+                    runner,
+                    final=False,
+                    claim_key=KV_BENCH_STEP.format(step=step),
+                    extra={"bench": True, "checkpoint": str(path) if path else None},
+                )
+            tg.cancel_scope.cancel()
+    if await state.status() not in ("failed", "stopped"):
+        await state.set_status("finished")

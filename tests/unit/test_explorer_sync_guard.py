@@ -1,0 +1,97 @@
+"""The explorer loads published weights only with a trainer and an engine that can load them,
+and a load that fails keeps the current weights instead of crashing the explorer.
+
+Logic above the bus: the run state is a stand-in with the one method ``_load`` reads;
+the weights themselves travel through the real ``memory`` store.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+
+from rftstream.config.schema import Config
+from rftstream.errors import RftError
+from rftstream.messages import WeightsPointer
+from rftstream.subjects import RunNames
+from rftstream.weights import save_weights
+
+pytestmark = pytest.mark.anyio
+
+
+class State:
+    def __init__(self, ptr: WeightsPointer | None) -> None:
+        self.ptr, self.reads = ptr, 0
+
+    async def latest_weights(self) -> WeightsPointer | None:
+        self.reads += 1
+        return self.ptr
+
+
+class Engine:
+    def __init__(self, *, can_load: bool = True, fail: bool = False) -> None:
+        self.can_load_weights = can_load
+        self.fail = fail
+        self.model_version = 0
+        self.loaded: list[tuple[dict[str, torch.Tensor], int]] = []
+
+    async def load_weights(self, state_dict: dict[str, torch.Tensor], version: int) -> None:
+        if self.fail:
+            raise RftError("load_weights: state dict does not match the model")
+        self.loaded.append((state_dict, version))
+        self.model_version = version
+
+
+def _explorer(mode: str, engine: Engine, run: str) -> Any:
+    from rftstream.actors.explorer import Explorer
+
+    bus = SimpleNamespace(names=RunNames(run))
+    explorer = Explorer(Config(mode=mode), bus, model_path="unused")  # type: ignore[arg-type]
+    explorer.engine = engine
+    return explorer
+
+
+def _published(run: str, version: int) -> tuple[WeightsPointer, dict[str, torch.Tensor]]:
+    weights = {"w": torch.full((2,), float(version))}
+    return save_weights("memory", run, version, weights, None, step=version), weights  # type: ignore[arg-type]
+
+
+async def test_weights_load_with_a_trainer_into_an_engine_that_can() -> None:
+    ptr, weights = _published("guard_a", 3)
+    engine = Engine()
+    explorer = _explorer("both", engine, "guard_a")
+    assert explorer._syncs_weights()
+    await explorer._load(State(ptr), 0)
+    assert engine.model_version == 3 and torch.equal(engine.loaded[0][0]["w"], weights["w"])
+
+
+@pytest.mark.parametrize(
+    "mode,engine",
+    [
+        ("both", Engine(can_load=False)),  # an external server (engine_type openai)
+        ("explore", Engine()),  # no trainer: nothing to sync with
+        ("bench", Engine()),  # bench loads saved checkpoints itself
+    ],
+    ids=["cannot-load", "explore", "bench"],
+)
+async def test_no_sync_without_a_trainer_or_into_an_engine_that_cannot(
+    mode: str, engine: Engine
+) -> None:
+    ptr, _ = _published("guard_b", 2)
+    explorer = _explorer(mode, engine, "guard_b")
+    state = State(ptr)
+    assert not explorer._syncs_weights()
+    await explorer._load(state, 0)
+    await explorer._sync_weights(state, 5)
+    assert engine.loaded == [] and engine.model_version == 0 and state.reads == 0
+
+
+async def test_a_failed_load_keeps_the_current_weights() -> None:
+    ptr, _ = _published("guard_c", 4)
+    engine = Engine(fail=True)
+    explorer = _explorer("both", engine, "guard_c")
+    await explorer._load(State(ptr), 0)  # logged, not raised
+    assert engine.model_version == 0 and explorer._version() == 0
