@@ -337,6 +337,7 @@ class ModelWrapper:
         *,
         tools: list[dict[str, Any]] | None,
         template_kwargs: dict[str, Any],
+        chat_template: str | None = None,
     ) -> tuple[list[int], list[Experience]]:
         """A chat request of the OpenAI API: vLLM's template flags, stop strings cut from the text."""
         kwargs = dict(template_kwargs)
@@ -345,6 +346,7 @@ class ModelWrapper:
         _, prompt_ids, exps = await self._chat(
             messages,
             params,
+            chat_template=chat_template,
             tools=tools,
             template_kwargs=kwargs,
             continue_final=cont,

@@ -30,7 +30,8 @@ chat ``logprobs`` + ``top_logprobs``, ``tools`` / ``tool_choice`` (``"none"``
 disables them), ``stream`` (the whole completion is generated, then sent as
 server-sent events), ``stream_options.include_usage``; completions
 ``logprobs: int``, ``echo``, prompts as text, token ids or lists of either;
-vLLM's extensions ``top_k``, ``stop_token_ids``, ``chat_template_kwargs``,
+vLLM's extensions ``top_k``, ``stop_token_ids``, ``chat_template`` (a Jinja
+template for this request), ``chat_template_kwargs``,
 ``return_token_ids`` (adds ``prompt_token_ids`` / ``token_ids``) and
 ``return_tokens_as_token_ids`` (logprob tokens as ``"token_id:<id>"``). Other
 fields (penalties, ``user``, ...) are ignored. Defaults: ``max_tokens`` is the
@@ -488,11 +489,18 @@ async def handle_chat(wrapper: ModelWrapper, body: dict[str, Any]) -> dict[str, 
     template_kwargs = body.get("chat_template_kwargs") or {}
     if not isinstance(template_kwargs, dict):
         raise ApiError("`chat_template_kwargs` must be an object", param="chat_template_kwargs")
+    chat_template = body.get("chat_template")
+    if chat_template is not None and not isinstance(chat_template, str):
+        raise ApiError("`chat_template` must be a string", param="chat_template")
     want_logprobs = bool(body.get("logprobs"))
     top = _top_count(body.get("top_logprobs"), "top_logprobs") if want_logprobs else 0
     as_ids = bool(body.get("return_tokens_as_token_ids"))
     prompt_ids, exps = await wrapper._chat_for_api(
-        body.get("messages"), params, tools=tools, template_kwargs=template_kwargs
+        body.get("messages"),
+        params,
+        tools=tools,
+        template_kwargs=template_kwargs,
+        chat_template=chat_template or None,
     )
     choices = []
     completion_tokens = 0

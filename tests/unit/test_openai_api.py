@@ -325,6 +325,35 @@ async def test_native_tools_template_and_tool_role_fallback(tiny_tokenizer: Any)
 
 
 @pytest.mark.anyio
+async def test_chat_template_per_request(tiny_tokenizer: Any) -> None:
+    """vLLM's ``chat_template`` request field renders that request (the tool workflow sends
+    ``format.chat_template`` this way); a non-string is a 400 naming the field."""
+    async with scripted(tiny_tokenizer, ["ok"]) as (model, engine):
+
+        def calls() -> None:
+            client = model.get_openai_client()
+            msgs = [{"role": "user", "content": "hi"}]
+            client.chat.completions.create(
+                model=client.model_path,
+                messages=msgs,
+                extra_body={
+                    "chat_template": "{% for m in messages %}<{{ m['content'] }}>{% endfor %}"
+                },
+            )
+            client.chat.completions.create(model=client.model_path, messages=msgs)
+            with pytest.raises(openai.BadRequestError, match="chat_template"):
+                client.chat.completions.create(
+                    model=client.model_path, messages=msgs, extra_body={"chat_template": 3}
+                )
+
+        await anyio.to_thread.run_sync(calls)
+        assert engine.prompt_text(0) == "<hi>"
+        assert engine.prompt_text(1) == tiny_tokenizer.apply_chat_template(
+            [{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True
+        )
+
+
+@pytest.mark.anyio
 async def test_chat_completions_fields_stop_stream_and_errors(tiny_tokenizer: Any) -> None:
     async with scripted(tiny_tokenizer, ["hello STOP world"]) as (model, engine):
 
