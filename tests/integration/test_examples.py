@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from rftstream.config import load_config
+from rftstream.errors import ConfigError
 from rftstream.runtime import prepare_run
 from tests.integration._util import run_actors_to_end, user_env
 
@@ -41,6 +42,42 @@ def test_example_config_runs(
         for ts in eval_sets:
             assert any(r.get(f"eval/{ts.name}/reward/mean") is not None for r in evals), ts.name
         assert (tmp_path / "run" / "eval.jsonl").is_file()
+
+
+def test_every_builtin_workflow_has_an_example() -> None:
+    """The README's promise: a runnable tiny-model config per built-in workflow (aliases,
+    such as countdown_workflow for countdown, count once)."""
+    from workflows import WORKFLOWS
+
+    used = {
+        WORKFLOWS.get(load_config(p).buffer.explorer_input.taskset.default_workflow_type)
+        for p in EXAMPLES
+    }
+    builtin = {WORKFLOWS.get(name) for name in WORKFLOWS.names()}
+    assert builtin <= used, sorted(c.__name__ for c in builtin - used)
+
+
+GPU_EXAMPLES = sorted((ROOT / "examples" / "gpu").glob("*.yaml"))
+
+
+@pytest.mark.parametrize("path", GPU_EXAMPLES, ids=[p.stem for p in GPU_EXAMPLES])
+def test_gpu_example_configs_load_and_validate(
+    path: Path, tmp_path: Path, tiny_model_path: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """No GPU here: the GPU configs are loaded, validated and prepared (algorithm, batch
+    sizes, pipeline, model directory), with MODEL_PATH pointing at the tiny model."""
+    monkeypatch.setenv("MODEL_PATH", tiny_model_path)
+    monkeypatch.delenv("TASKSET_PATH", raising=False)
+    cfg = load_config(path)
+    run = prepare_run(cfg, run_dir=str(tmp_path / "run"))
+    assert run.cfg.explorer.rollout_model.engine_type == "vllm"
+    assert run.model_path == tiny_model_path
+    assert run.cfg.buffer.train_batch_size % run.cfg.trainer.ppo_micro_batch_size_per_gpu == 0
+    run.build_pipeline()
+    # without MODEL_PATH the config says which variable is missing
+    monkeypatch.delenv("MODEL_PATH")
+    with pytest.raises(ConfigError, match="MODEL_PATH"):
+        load_config(path)
 
 
 def test_benchmarks_run_quick() -> None:
