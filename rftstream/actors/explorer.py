@@ -40,7 +40,8 @@ and ``eval/final`` on ``metrics.<explorer>`` (role ``explorer``, step = the
 explorer step; a metric without a value, e.g. the mean reward when every
 task failed, is left out there) and appends the same record to
 ``<run_dir>/eval.jsonl`` (``null`` for such values; not when
-``monitor.monitor_type`` is ``none``). Exploration waits meanwhile.
+``monitor.monitor_type`` is ``none``). Exploration waits meanwhile
+(:mod:`rftstream.actors.evaluation`).
 
 Sync: before a step the explorer loads newer weights per the sync policy;
 with ``max_staleness`` it pauses while too much experience waits for the
@@ -58,12 +59,9 @@ publishes no tasks and explores nothing: see :mod:`rftstream.actors.bench`.
 
 from __future__ import annotations
 
-import json
 import logging
-import math
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import anyio
@@ -76,6 +74,7 @@ from rftstream.actors.common import (
     consumer_drained,
     heartbeat_loop,
 )
+from rftstream.actors.evaluation import EvaluationMixin, finite
 from rftstream.bus.client import Bus
 from rftstream.bus.state import RunState
 from rftstream.config.schema import Config, TasksetConfig
@@ -83,8 +82,6 @@ from rftstream.config.validate import TRAINER_MODES, eval_tasksets, training_tas
 from rftstream.errors import RftError, SchemaError
 from rftstream.messages import TaskMsg, TasksetClaim, TasksetRecord, decode_json, encode_json
 from rftstream.subjects import (
-    KV_EVAL_FINAL,
-    KV_EVAL_STEP,
     KV_EXPLORER_DONE,
     KV_EXPLORER_STEP,
     KV_TASKSET,
@@ -105,7 +102,7 @@ class _ClaimLost(Exception):
     """Another explorer took the taskset claim over."""
 
 
-class Explorer:
+class Explorer(EvaluationMixin):
     """One explorer: a rollout engine, a workflow runner and a task loop."""
 
     role = "explorer"
@@ -315,14 +312,6 @@ class Explorer:
             msg_id=f"task:{msg.taskset}:{msg.epoch}:{msg.index}",
         )
 
-    async def _load_eval_tasksets(self) -> None:
-        from workflows.tasksets import load_taskset
-
-        self._eval_rows = []
-        for key, ts in self.eval_sets:
-            rows = await anyio.to_thread.run_sync(load_taskset, ts, key)
-            self._eval_rows.append((ts, rows))
-
     # ------------------------------------------------------------ run
     @property
     def explore_only(self) -> bool:
@@ -469,7 +458,7 @@ class Explorer:
                 "time/explore_step": dt,
                 "time/explorer_wait_sync": wait_sync,
             }
-            await self.bus.publish_metrics(self.role, self.step, _finite(values))
+            await self.bus.publish_metrics(self.role, self.step, finite(values))
             await state.put_json(KV_EXPLORER_STEP.format(name=self.name), self.step)
             if self.on_progress is not None:
                 self.on_progress({"step": self.step, **self._info(), **values})
@@ -565,145 +554,6 @@ class Explorer:
         self.published_groups += 1
         self.published_experiences += len(exps)
 
-    # ------------------------------------------------------------ evaluation
-    async def _final_eval(self, state: RunState, runner: Any, why: str) -> None:
-        """The end-of-run evaluation (newest weights), unless the run failed or was stopped."""
-        if not self._eval_rows or why in ("failed", "stopped"):
-            return
-        await self._load(state, 0)
-        await self._evaluate(state, runner, final=True)
-
-    async def _evaluate(
-        self,
-        state: RunState,
-        runner: Any,
-        *,
-        final: bool,
-        claim_key: str | None = None,
-        extra: dict[str, Any] | None = None,
-    ) -> None:
-        """Run every eval taskset once with the current weights; publish and record the metrics.
-
-        Blocks exploration meanwhile. One explorer per step number (KV claim
-        ``claim_key``, default ``eval.step.<n>`` / ``eval.final``); a final
-        evaluation of what was just evaluated is skipped. ``extra`` goes into the
-        ``eval.jsonl`` record (bench: the checkpoint).
-        """
-        version = self._version()
-        if final and self._last_eval == (self.step, version):
-            return
-        key = claim_key or (KV_EVAL_FINAL if final else KV_EVAL_STEP.format(step=self.step))
-        claim = {"by": self.name, "step": self.step, "model_version": version, "ts": time.time()}
-        if not await state.claim(key, claim):
-            return
-        self._last_eval = (self.step, version)
-        t0 = time.perf_counter()
-        values: dict[str, float] = {}
-        for ts_cfg, rows in self._eval_rows:
-            values.update(await self._eval_taskset(ts_cfg, rows, runner))
-        values["eval/model_version"] = float(version)
-        values["eval/final"] = 1.0 if final else 0.0
-        values["time/eval"] = time.perf_counter() - t0
-        self.evaluations += 1
-        await self.bus.publish_metrics(self.role, self.step, _finite(values))
-        record: dict[str, Any] = {
-            "step": self.step,
-            "ts": time.time(),
-            "explorer": self.name,
-            **(extra or {}),
-            **{k: (v if math.isfinite(v) else None) for k, v in values.items()},
-        }
-        await self._write_eval_record(record)
-        log.info(
-            "%s: evaluation after step %d (weights v%d): %s",
-            self.name,
-            self.step,
-            version,
-            ", ".join(f"{k}={v:.4g}" for k, v in values.items() if k.endswith("/mean")),
-        )
-        if self.on_eval is not None:
-            self.on_eval(record)
-
-    async def _eval_taskset(
-        self, ts_cfg: TasksetConfig, rows: list[dict[str, Any]], runner: Any
-    ) -> dict[str, float]:
-        from workflows.workflow import make_task
-
-        name = ts_cfg.name
-        repeat = int(ts_cfg.repeat_times or 1)
-        limiter = anyio.CapacityLimiter(self.cfg.explorer.runner_num)
-        summaries: list[tuple[list[float], list[float], list[int]] | None] = [None] * len(rows)
-
-        async def one(i: int) -> None:
-            try:
-                task = make_task(
-                    rows[i],
-                    ts_cfg,
-                    repeat_times=repeat,
-                    batch_id=f"eval:{name}",
-                    task_id=i,
-                    index=i,
-                    epoch=0,
-                    is_eval=True,
-                )
-            except RftError as exc:
-                log.warning("%s: eval taskset %s, row %d: %s", self.name, name, i, exc)
-                return
-            async with limiter:
-                result = await runner.run_task(task)
-            if result.error or not result.experiences:
-                log.warning(
-                    "%s: eval taskset %s, row %d failed: %s",
-                    self.name,
-                    name,
-                    i,
-                    result.error or "no experiences",
-                )
-                return
-            exps = result.experiences
-            rewards = [float(e.reward) for e in exps if e.reward is not None]
-            if all("accuracy" in (e.metrics or {}) for e in exps):
-                acc = [float(e.metrics["accuracy"]) for e in exps]
-            elif rewards and all(r in (0.0, 1.0) for r in rewards):
-                acc = list(rewards)
-            else:
-                acc = []
-            summaries[i] = (rewards, acc, [e.response_length for e in exps])
-
-        async with anyio.create_task_group() as tg:
-            for i in range(len(rows)):
-                tg.start_soon(one, i)
-        done = [s for s in summaries if s is not None]
-        rewards = [r for s in done for r in s[0]]
-        p = f"eval/{name}"
-        out = {
-            f"{p}/tasks": float(len(rows)),
-            f"{p}/failed_tasks": float(len(rows) - len(done)),
-            f"{p}/reward/mean": _mean(rewards),
-            f"{p}/response_length/mean": _mean([n for s in done for n in s[2]]),
-        }
-        if done and all(s[1] for s in done):
-            out[f"{p}/accuracy/mean"] = _mean([a for s in done for a in s[1]])
-            if repeat > 1:
-                out[f"{p}/accuracy/best@{repeat}"] = _mean([max(s[1]) for s in done])
-        return out
-
-    async def _write_eval_record(self, record: dict[str, Any]) -> None:
-        if not self.cfg.run_dir or self.cfg.monitor.monitor_type == "none":
-            return
-        path = Path(self.cfg.run_dir) / "eval.jsonl"
-        line = json.dumps(record)
-
-        def append() -> None:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            with open(path, "a") as f:
-                f.write(line + "\n")
-
-        try:
-            await anyio.to_thread.run_sync(append)
-        except OSError as exc:
-            log.warning("%s: cannot write %s: %s", self.name, path, exc)
-
     # ------------------------------------------------------------ sync
     async def _load(self, state: RunState, min_version: int) -> None:
         """Load the newest published weights if newer than ours (never into an engine that
@@ -772,13 +622,3 @@ class Explorer:
             if await state.status() in ("finished", "failed", "stopped"):
                 return
             await anyio.sleep(0.05)
-
-
-def _mean(values: list[float]) -> float:
-    return sum(values) / len(values) if values else float("nan")
-
-
-def _finite(values: dict[str, float]) -> dict[str, float]:
-    """Without NaN / inf: JSON has no such numbers (msgspec writes null, which no
-    ``MetricsMsg`` decodes), so an undefined metric is left out instead."""
-    return {k: v for k, v in values.items() if math.isfinite(v)}
