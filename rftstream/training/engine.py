@@ -107,9 +107,14 @@ class PolicyTrainer:
             self.ref_model = copy.deepcopy(model).eval()
             for p in self.ref_model.parameters():
                 p.requires_grad_(False)
-        available = set(LOSS_TENSORS) | {cf.destination_field for cf in self.custom_fields}
+        provided = getattr(algorithm, "provided_fields", None)
+        if provided is None:
+            provided = {cf.destination_field for cf in self.custom_fields}
+        available = set(LOSS_TENSORS) | set(provided)
         if algorithm.use_critic:
             available.add("values")
+        if not algorithm.use_reference:
+            available.discard("ref_logprob")
         # raises ConfigError naming the loss and the first required field nothing provides
         self.loss_inputs = check_loss_inputs(algorithm.policy_loss_fn, available)
         self.entropy_inputs, self.entropy_var_kw = _entropy_extra_inputs(algorithm.entropy_loss_fn)
@@ -384,6 +389,12 @@ class PolicyTrainer:
             tensors["entropy"] = entropy
         if values is not None:
             tensors["values"] = values[rows]
+        missing = [n for n in self.loss_inputs if n not in tensors]
+        if missing:
+            raise RuntimeError(
+                f"{type(algo.policy_loss_fn).__name__} needs field {missing[0]!r}, which the "
+                f"sample strategy declared but this batch lacks; batch fields: {sorted(tensors)}"
+            )
         pg_loss, pg_metrics = algo.policy_loss_fn(**{n: tensors[n] for n in self.loss_inputs})
         loss = pg_loss
         for k, v in pg_metrics.items():
