@@ -3,6 +3,7 @@ run as plugins from a --plugin-dir through the real actors and NATS."""
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import anyio
@@ -188,7 +189,7 @@ def test_seed_opmd_algorithm_as_plugin(
         assert "rftstream_plugins" in registry.get("opmd").__module__
     assert "rftstream_plugins" in type(run.algorithm.policy_loss_fn).__module__
     for record in steps:
-        assert record["actor/opmd_loss"] == record["actor/opmd_loss"]  # finite
+        assert math.isfinite(record["actor/opmd_loss"])
     # the seed advantage ran in the operator host (its metric arrives with the batches it did)
     assert any("advantage/group_baseline" in record for record in steps)
 

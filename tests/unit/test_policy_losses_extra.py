@@ -199,7 +199,7 @@ def ref_sppo(lp, old, adv, mask, eps, mode):
     loss = ref_agg(tok, mask, mode)
     return (
         loss,
-        {"pg_loss": loss, "pg_clipfrac": masked_avg(out, mask)},
+        {"pg_loss": loss, "sppo_loss": loss, "pg_clipfrac": masked_avg(out, mask)},
         dloss * agg_weights(mask, mode),
     )
 
