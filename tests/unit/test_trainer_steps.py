@@ -277,3 +277,41 @@ def test_mix_step_gradient_is_the_seed_objective(
     torch.testing.assert_close(
         flat_got, flat_want, rtol=1e-3, atol=1e-5 * float(flat_want.abs().max())
     )
+
+
+# ------------------------------------------------------------------ a declared field that never comes
+
+
+class NeedsWeight(PPOPolicyLossFn):
+    def __call__(self, logprob, old_logprob, action_mask, advantages, row_weight, **kwargs):  # type: ignore[override]
+        return super().__call__(logprob, old_logprob, action_mask, advantages)
+
+
+def test_a_declared_field_missing_from_the_batch_is_named(
+    tmp_path: Path, tiny_model_path: str
+) -> None:
+    from algorithms import SAMPLE_STRATEGY
+    from algorithms.sample_strategy import SampleStrategy
+
+    class Declares(SampleStrategy):  # Trinity style: the field is named where it gathers
+        async def sample(self, step: int) -> tuple[list, dict, list]:
+            from algorithms import CustomField
+
+            return [], {"f": [CustomField("w", "row_weight", torch.float32)]}, []
+
+    POLICY_LOSS_FN.register_module("needs_weight")(NeedsWeight)
+    SAMPLE_STRATEGY.register_module("declares_weight")(Declares)
+    trainer = trainer_for(
+        tmp_path,
+        tiny_model_path,
+        algorithm={
+            "algorithm_type": "grpo",
+            "policy_loss_fn": "needs_weight",
+            "sample_strategy": "declares_weight",
+            "kl_loss_fn": "none",
+        },
+        buffer={"train_batch_size": 2},
+    )
+    # config time passed (declared); a batch without it (a plain list) fails by name
+    with pytest.raises(RuntimeError, match="NeedsWeight needs field 'row_weight'"):
+        trainer.train_step([exp(2, 0), exp(3, 1)])
