@@ -224,7 +224,7 @@ def print_table(grpo: Result, mix: Result, args: argparse.Namespace) -> None:
         )
     console.print(table)
     console.print(
-        f"steps to a trailing mean reward of {TARGET} (the first step at which the mean of "
+        f"steps to {TARGET} as a trailing mean (the first step at which the mean of "
         f"the last {WINDOW} reward/mean values reaches it): GRPO {_reached(grpo)}, "
         f"MIX {_reached(mix)}; GRPO steps / MIX steps = {steps_ratio(grpo, mix)}",
         soft_wrap=True,
@@ -309,7 +309,8 @@ def main(argv: list[str] | None = None) -> int:
             return 130
         console.print(
             f"{label}: {len(res.records)} trainer steps in {res.wall_s:.1f}s, "
-            f"steps to a trailing mean (last {WINDOW}) reward of {TARGET}: {_reached(res)}"
+            f"steps to {TARGET} (trailing mean of the last {WINDOW} reward/mean): "
+            f"{_reached(res)}"
         )
         results.append(res)
     grpo, mix = results
