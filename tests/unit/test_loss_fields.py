@@ -9,6 +9,7 @@ field nothing provides fails in ``prepare_run`` with the class and the field.
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -168,14 +169,23 @@ def test_provided_fields_of_each_strategy(registered: None) -> None:
 
 
 def test_the_seed_mix_strategy_declares_its_fields_in_sample() -> None:
-    from rftstream.plugins import load_plugins
+    import importlib.util
 
-    root = Path(__file__).resolve().parents[2]
-    load_plugins([root / "examples" / "seed_mix"])
-    cls = SAMPLE_STRATEGY.get("mix")
-    assert "rftstream_plugins" in cls.__module__
-    assert "custom_fields" not in vars(cls)  # no class-level declaration: found in sample()
-    assert cls.provided_fields() == {"expert_mask", "step"}
+    # executed under a name of its own: load_plugins (which loads a file once per session)
+    # stays untouched for the integration test that runs it as a plugin
+    path = Path(__file__).resolve().parents[2] / "examples" / "seed_mix" / "mix_plugin.py"
+    spec = importlib.util.spec_from_file_location("seed_mix_for_loss_fields", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    try:
+        spec.loader.exec_module(module)
+        cls = module.MixSampleStrategy
+        assert issubclass(cls, SampleStrategy)
+        assert "custom_fields" not in vars(cls)  # no class-level declaration: found in sample()
+        assert cls.provided_fields() == {"expert_mask", "step"}
+    finally:
+        del sys.modules[spec.name]
 
 
 def test_mix_entropy_without_expert_mask_fails_at_config_time(
