@@ -370,10 +370,37 @@ class ResolvedAlgorithm:
         args = {"repeat_times": self.repeat_times, **self.sample_strategy_args, **extra}
         return construct_sample_strategy(self.sample_strategy_cls, buffer_config, source, args)
 
+    @property
+    def provided_fields(self) -> frozenset[str]:
+        """Names of the extra batch tensors the sample strategy declares (see
+        :meth:`SampleStrategy.provided_fields`); nothing else provides custom fields."""
+        return frozenset(self.sample_strategy_cls.provided_fields()) | {
+            cf.destination_field for cf in self.custom_fields
+        }
+
     def check_loss_inputs(self, available: set[str]) -> list[str]:
-        """:func:`check_loss_inputs` on the policy loss, counting the sample strategy's custom fields."""
-        have = set(available) | {cf.destination_field for cf in self.custom_fields}
-        return check_loss_inputs(self.policy_loss_fn, have)
+        """Check the policy and entropy losses against ``available`` plus the strategy's fields.
+
+        ``available`` are the tensors the trainer always has (logprobs, masks,
+        advantages, ...); the sample strategy's :attr:`provided_fields` are
+        added. Returns the policy loss's inputs (:func:`check_loss_inputs`).
+        Raises :class:`ConfigError` naming the loss class and the first field
+        nothing provides (``algorithm.policy_loss_fn`` /
+        ``algorithm.entropy_loss_fn``).
+        """
+        have = set(available) | self.provided_fields
+        names = check_loss_inputs(self.policy_loss_fn, have)
+        required = getattr(self.entropy_loss_fn, "required_fields", frozenset()) or frozenset()
+        for name in sorted(set(required) - have):
+            raise ConfigError(
+                "algorithm.entropy_loss_fn",
+                f"{type(self.entropy_loss_fn).__name__} needs field {name!r} which no experience "
+                f"field provides; sample strategy {self.sample_strategy_name!r} provides "
+                f"{sorted(self.provided_fields) or 'no extra fields'} (sample_strategy 'mix' "
+                f"adds 'expert_mask')",
+                value=self.config.entropy_loss_fn,
+            )
+        return names
 
 
 def _takes_source(cls: type) -> bool:
@@ -423,14 +450,30 @@ def _init_params(cls: type) -> tuple[set[str], bool]:
     return names, any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params)
 
 
+_BOUND_SUFFIXES = ("_low", "_high")
+
+
 def _merge_args(
     key: str, cls: type, preset: dict[str, Any], user: dict[str, Any] | None
 ) -> dict[str, Any]:
+    """``default_args()``, updated with the preset's ``<key>_args``, updated with the user's.
+
+    A user key ``X`` whose bounds ``X_low`` / ``X_high`` came only from the
+    defaults or the preset drops those bounds, so the constructor derives them
+    from ``X``: ``policy_loss_fn_args: {clip_range: 0.1}`` on GSPO (whose
+    ``default_args`` set ``clip_range_low/high``) or DAPO (whose preset does)
+    clips at 0.1 on both sides. Bounds the user sets beside ``X`` stay.
+    """
     args = dict(cls.default_args() or {})
     preset_args = preset.get(f"{key}_args")
     if preset_args:
         args.update(preset_args)
     if user:
+        for name in user:
+            for suffix in _BOUND_SUFFIXES:
+                bound = f"{name}{suffix}"
+                if bound in args and bound not in user:
+                    del args[bound]
         args.update(user)
     return args
 

@@ -9,7 +9,12 @@ any auxiliary sources, e.g. MIX's expert data) and returns the batch as a
 Fields a strategy adds for the loss functions (MIX's ``expert_mask``) are
 declared in :attr:`SampleStrategy.custom_fields`: each names an ``exp.info``
 key and the ``(batch,)`` tensor the trainer builds from it
-(:func:`gather_custom_fields`).
+(:func:`gather_custom_fields`). A Trinity-RFT style strategy declares them
+where it gathers its batch instead
+(``Experiences.gather_experiences(..., custom_fields=[CustomField(...)])``);
+:meth:`SampleStrategy.provided_fields` finds those literal ``CustomField``
+calls in the class's source, so a loss naming such a field passes the
+config-time check. A field nothing declares is a config error.
 
 ``sample`` only awaits its sources; it never blocks the event loop and is
 backend-neutral (asyncio or trio). Cancelling it cancels the pending read.
@@ -17,7 +22,11 @@ backend-neutral (asyncio or trio). Cancelling it cancels the pending read.
 
 from __future__ import annotations
 
+import ast
+import functools
+import inspect
 import math
+import textwrap
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
@@ -75,6 +84,35 @@ def gather_custom_fields(
             values.append(exp.info[cf.source_field])
         out[cf.destination_field] = torch.tensor(values, dtype=cf.data_type)
     return out
+
+
+@functools.cache
+def _custom_fields_in_source(klass: type) -> frozenset[str]:
+    """Literal ``destination_field`` names of the ``CustomField(...)`` calls in ``klass``'s source.
+
+    Empty when the source cannot be read (a class built at run time).
+    """
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(klass)))
+    except (OSError, TypeError, SyntaxError):
+        return frozenset()
+    names: set[str] = set()
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Call):
+            continue
+        func = node.func
+        called = func.id if isinstance(func, ast.Name) else getattr(func, "attr", None)
+        if called != "CustomField":
+            continue
+        value: ast.expr | None = None
+        for kw in node.keywords:
+            if kw.arg == "destination_field":
+                value = kw.value
+        if value is None and len(node.args) >= 2:
+            value = node.args[1]
+        if isinstance(value, ast.Constant) and isinstance(value.value, str):
+            names.add(value.value)
+    return frozenset(names)
 
 
 def resolve_train_batch_size(buffer_config: BufferConfig, repeat_times: int | None = None) -> int:
@@ -135,8 +173,23 @@ class SampleStrategy(ABC):
 
     @classmethod
     def provided_fields(cls) -> frozenset[str]:
-        """Names of the extra batch tensors this strategy provides (for ``check_loss_inputs``)."""
-        return frozenset(cf.destination_field for cf in cls.custom_fields)
+        """Names of the extra batch tensors this strategy provides (for ``check_loss_inputs``).
+
+        The ``destination_field`` of every entry of :attr:`custom_fields`, plus
+        every ``CustomField(..., destination_field="name")`` (or
+        ``CustomField(source, "name", dtype)``) written with a literal name in
+        the source of the class or of a base class below
+        :class:`SampleStrategy`: the way a Trinity-RFT strategy declares
+        them when it gathers its batch.
+        """
+        names = {cf.destination_field for cf in cls.custom_fields}
+        for klass in cls.__mro__:
+            if klass is SampleStrategy or not (
+                isinstance(klass, type) and issubclass(klass, SampleStrategy)
+            ):
+                continue
+            names |= _custom_fields_in_source(klass)
+        return frozenset(names)
 
     @abstractmethod
     async def sample(self, step: int) -> tuple[list[Experience], dict, list]:

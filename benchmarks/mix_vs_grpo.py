@@ -76,13 +76,7 @@ class Result:
 
 def trailing_mean(values: list[float], n: int = WINDOW) -> list[float]:
     """Mean of the last ``n`` values at each index (fewer at the start)."""
-    out, acc = [], 0.0
-    for i, v in enumerate(values):
-        acc += v
-        if i >= n:
-            acc -= values[i - n]
-        out.append(acc / min(i + 1, n))
-    return out
+    return [sum(values[max(0, i + 1 - n) : i + 1]) / min(i + 1, n) for i in range(len(values))]
 
 
 def steps_to_reach(
@@ -213,7 +207,7 @@ def print_table(grpo: Result, mix: Result, args: argparse.Namespace) -> None:
         )
     )
     table.add_column("algorithm")
-    table.add_column(f"steps to {TARGET}", justify="right")
+    table.add_column(f"steps to trailing mean {TARGET}", justify="right")
     table.add_column("reward first 20", justify="right")
     table.add_column("reward last 20", justify="right")
     table.add_column("wall time", justify="right")
@@ -230,9 +224,9 @@ def print_table(grpo: Result, mix: Result, args: argparse.Namespace) -> None:
         )
     console.print(table)
     console.print(
-        f"steps to reward {TARGET} (first step where the mean of the last {WINDOW} "
-        f"reward/mean values reaches it): GRPO {_reached(grpo)}, MIX {_reached(mix)}; "
-        f"GRPO steps / MIX steps = {steps_ratio(grpo, mix)}",
+        f"steps to {TARGET} as a trailing mean (the first step at which the mean of "
+        f"the last {WINDOW} reward/mean values reaches it): GRPO {_reached(grpo)}, "
+        f"MIX {_reached(mix)}; GRPO steps / MIX steps = {steps_ratio(grpo, mix)}",
         soft_wrap=True,
     )
 
@@ -250,7 +244,7 @@ def plot(results: list[Result], out: Path, title: str) -> Path:
         xs, ys = res.curve
         ax.plot(xs, ys, color=color, alpha=0.25, linewidth=1)
         reached = res.steps_to_target
-        note = f"{reached} steps to {TARGET}" if reached is not None else f"not {TARGET}"
+        note = f"reaches {TARGET} at step {reached}" if reached is not None else f"never {TARGET}"
         ax.plot(
             xs,
             trailing_mean(ys),
@@ -315,7 +309,8 @@ def main(argv: list[str] | None = None) -> int:
             return 130
         console.print(
             f"{label}: {len(res.records)} trainer steps in {res.wall_s:.1f}s, "
-            f"steps to {TARGET}: {_reached(res)}"
+            f"steps to {TARGET} (trailing mean of the last {WINDOW} reward/mean): "
+            f"{_reached(res)}"
         )
         results.append(res)
     grpo, mix = results

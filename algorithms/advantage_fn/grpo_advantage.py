@@ -107,7 +107,10 @@ class RLOOGroupAdvantage(GroupAdvantage):
     """RLOO (leave-one-out baseline): ``advantage_i = r_i - mean(r_j for j != i)``.
 
     Equals ``n/(n-1) * (r_i - mean(group))`` as in verl. A group of one keeps its
-    raw reward (verl's baseline 0). Metric ``reward_mean``.
+    raw reward (verl's baseline 0). Metrics (averaged over groups):
+    ``reward_mean`` and ``rloo_baseline``, the mean over the group of each
+    response's leave-one-out baseline ``mean(r_j for j != i)`` (0 for a group
+    of one).
     """
 
     def calculate_group_advantage(
@@ -117,12 +120,16 @@ class RLOOGroupAdvantage(GroupAdvantage):
             rewards = group_rewards(exps)
             n = len(exps)
             if n == 1:
-                scores = rewards.clone()
+                baselines = torch.zeros(1)
             else:
-                scores = (rewards * n - rewards.sum()) / (n - 1)
+                baselines = (rewards.sum() - rewards) / (n - 1)
+            scores = rewards - baselines
             for exp, score in zip(exps, scores, strict=True):
                 set_outcome_advantage(exp, score)
-        return exps, {"reward_mean": float(rewards.mean())}
+        return exps, {
+            "reward_mean": float(rewards.mean()),
+            "rloo_baseline": float(baselines.mean()),
+        }
 
 
 @ADVANTAGE_FN.register_module("reinforce")

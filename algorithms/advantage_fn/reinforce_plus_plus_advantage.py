@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from algorithms.advantage_fn.advantage_fn import ADVANTAGE_FN, AdvantageFn
-from algorithms.utils import masked_whiten
+from algorithms.utils import masked_mean, masked_var, masked_whiten
 from rftstream.experience import Experience
 
 
@@ -60,8 +60,10 @@ class REINFORCEPLUSPLUSAdvantageFn(AdvantageFn):
     With fewer than two masked tokens in the batch the advantages are 0 (the
     centred value of a single token). Both tensors are zeroed where
     ``action_mask`` is False (Trinity-RFT leaves ``returns`` unmasked; the
-    trainer only reads masked positions). Metrics: none (``{}``), as in
-    Trinity-RFT.
+    trainer only reads masked positions). Metrics (Trinity-RFT reports none):
+    ``return_mean`` and ``return_std``, the masked mean and unbiased std of
+    the returns used for the whitening (0 without masked tokens; std 0 with
+    fewer than two).
     """
 
     def __init__(self, gamma: float = 1.0, **kwargs) -> None:
@@ -76,8 +78,12 @@ class REINFORCEPLUSPLUSAdvantageFn(AdvantageFn):
             masks = [e.action_mask.to(torch.bool) for e in exps]
             flat_ret = torch.cat(returns)
             flat_mask = torch.cat(masks)
-            if int(flat_mask.sum()) >= 2:
+            count = int(flat_mask.sum())
+            return_mean = float(masked_mean(flat_ret, flat_mask))
+            return_std = 0.0
+            if count >= 2:
                 flat_adv = masked_whiten(flat_ret, flat_mask)
+                return_std = float(masked_var(flat_ret, flat_mask, unbiased=True).sqrt())
             else:
                 flat_adv = torch.zeros_like(flat_ret)
             offset = 0
@@ -87,7 +93,7 @@ class REINFORCEPLUSPLUSAdvantageFn(AdvantageFn):
                 exp.advantages = (flat_adv[offset : offset + n] * fmask).contiguous()
                 exp.returns = ret * fmask
                 offset += n
-        return exps, {}
+        return exps, {"return_mean": return_mean, "return_std": return_std}
 
     @classmethod
     def default_args(cls) -> dict:

@@ -116,7 +116,7 @@ def check_loss_inputs(
             raise ConfigError(
                 key_path,
                 f"{cls.__name__}.__call__ needs field {p.name!r} which no experience field "
-                f"provides; available: {sorted(have)} (a sample strategy can add fields, "
-                f"e.g. sample_strategy 'mix' adds 'expert_mask')",
+                f"provides; available: {sorted(have)} (fields beyond these come from the "
+                f"sample strategy's custom_fields, e.g. sample_strategy 'mix' adds 'expert_mask')",
             )
     return names

@@ -27,8 +27,9 @@ class SPPOPolicyLossFn(PolicyLossFn):
     Inputs: ``logprob``, ``old_logprob``, ``advantages`` ``(batch, response_len)``
     float; ``action_mask`` same shape, bool or float 0/1.
 
-    Metrics: ``pg_loss``; ``pg_clipfrac`` (fraction of unmasked tokens outside
-    the interval).
+    Metrics: ``pg_loss`` and its alias ``sppo_loss`` (the name that tells
+    sPPO apart from PPO in a run's metrics); ``pg_clipfrac`` (fraction of
+    unmasked tokens outside the interval).
     """
 
     def __init__(
@@ -59,6 +60,7 @@ class SPPOPolicyLossFn(PolicyLossFn):
         metrics = {
             "pg_clipfrac": pg_clipfrac.item(),
             "pg_loss": pg_loss.detach().item(),
+            "sppo_loss": pg_loss.detach().item(),
         }
         return pg_loss, metrics
 

@@ -24,14 +24,14 @@ LOSS_TENSORS: frozenset[str] = frozenset(
         "advantages",
         "returns",
         "entropy",
-        "expert_mask",
         "rollout_logprob",
     }
 )
 """Tensors the trainer can pass to any policy loss, by ``__call__`` parameter name.
 
-Besides these: ``values`` when the algorithm has a critic, and every custom
-field of the sample strategy (MIX: ``expert_mask``, ``step``).
+Besides these: ``values`` when the algorithm has a critic, and only the custom
+fields the sample strategy declares (MIX: ``expert_mask``, ``step``); without
+a reference model ``ref_logprob`` is not available either.
 """
 
 
@@ -99,11 +99,11 @@ def collate(
     """Pad a list of experiences into a :class:`TrainBatch`.
 
     Prompts longer than ``max_prompt`` keep their last tokens; responses longer
-    than ``max_response`` are cut (their mask too). ``fields`` always holds
-    ``expert_mask`` (``info["is_expert"]``, False when absent) plus one
+    than ``max_response`` are cut (their mask too). ``fields`` holds one
     ``(batch,)`` tensor per ``custom_fields`` entry (a sample strategy's
-    ``CustomField``: ``source_field``, ``destination_field``, ``data_type``);
-    raises KeyError naming the first experience without the source field.
+    ``CustomField``: ``source_field``, ``destination_field``, ``data_type``)
+    and nothing else; raises KeyError naming the first experience without the
+    source field.
     """
     if not exps:
         raise ValueError("collate: empty batch")
@@ -128,7 +128,6 @@ def collate(
     returns = torch.zeros((B, R), dtype=torch.float32)
     rollout_lp = torch.zeros((B, R), dtype=torch.float32)
     rewards = torch.zeros(B, dtype=torch.float32)
-    expert = torch.zeros(B, dtype=torch.bool)
     for i, (e, p, r) in enumerate(zip(exps, prompts, responses, strict=True)):
         np_, nr = int(p.numel()), int(r.numel())
         input_ids[i, P - np_ : P] = p
@@ -143,9 +142,8 @@ def collate(
         returns[i] = _resp(e.returns, nr, R)
         rollout_lp[i] = _resp(e.logprobs, nr, R)
         rewards[i] = float(e.reward) if e.reward is not None else 0.0
-        expert[i] = bool(e.info.get("is_expert", False))
     position_ids = (attention_mask.cumsum(dim=1) - 1).clamp(min=0)
-    fields: dict[str, torch.Tensor] = {"expert_mask": expert}
+    fields: dict[str, torch.Tensor] = {}
     for cf in custom_fields:
         values = []
         for e in exps:

@@ -64,7 +64,10 @@ class PolicyTrainer:
        token count when ``trainer.balance_batch`` and the algorithm's
        ``can_balance_batch`` allow it (DPO pairs stay together), and run
        ``ppo_epochs`` passes of policy loss + KL loss + entropy loss (and the
-       critic's value loss).
+       critic's value loss). Each micro-batch counts by its rows (a
+       rows-weighted mean), except for a loss that weights its micro-batches
+       itself as verl expects (MIX): it gets verl's scaling
+       (:func:`verl_micro_batch_scaling`).
     """
 
     def __init__(self, cfg: Config, model_path: str, algorithm: Any) -> None:
@@ -107,9 +110,14 @@ class PolicyTrainer:
             self.ref_model = copy.deepcopy(model).eval()
             for p in self.ref_model.parameters():
                 p.requires_grad_(False)
-        available = set(LOSS_TENSORS) | {cf.destination_field for cf in self.custom_fields}
+        provided = getattr(algorithm, "provided_fields", None)
+        if provided is None:
+            provided = {cf.destination_field for cf in self.custom_fields}
+        available = set(LOSS_TENSORS) | set(provided)
         if algorithm.use_critic:
             available.add("values")
+        if not algorithm.use_reference:
+            available.discard("ref_logprob")
         # raises ConfigError naming the loss and the first required field nothing provides
         self.loss_inputs = check_loss_inputs(algorithm.policy_loss_fn, available)
         self.entropy_inputs, self.entropy_var_kw = _entropy_extra_inputs(algorithm.entropy_loss_fn)
@@ -118,6 +126,9 @@ class PolicyTrainer:
         self.micro = max(1, cfg.trainer.ppo_micro_batch_size_per_gpu)
         self.train_batch_size = max(1, cfg.buffer.train_batch_size)
         self.gas = max(1, math.ceil(self.train_batch_size / self.micro))
+        self.verl_scaling = verl_micro_batch_scaling(
+            algorithm.policy_loss_fn, algorithm.config.policy_loss_fn_args or {}
+        )
         opt_cfg = cfg.algorithm.optimizer
         with HF_LOAD_LOCK:  # DeepSpeed moves the module; keep it apart from concurrent loads
             self.engine, self.optimizer, self.scheduler = self._deepspeed(deepspeed, model, opt_cfg)
@@ -312,13 +323,12 @@ class PolicyTrainer:
                             engine.step()
                     continue
                 rows = rows.to(batch.input_ids.device)
-                weight = (
-                    rows.numel() * self.gas / batch.size
-                )  # rows-weighted mean (DeepSpeed divides by gas)
+                # rows-weighted mean over the micro-batches (DeepSpeed divides by gas)
+                weight = rows.numel() * self.gas / batch.size
                 loss = self._actor_micro_step(
                     batch, rows, old_logprob, ref_logprob, values, metrics
                 )
-                self.engine.backward(loss * weight)
+                self.engine.backward(loss * self._actor_weight(rows.numel(), weight))
                 self.engine.step()
                 metrics["actor/loss"].append(float(loss.detach()))
                 if self.critic is not None and values is not None:
@@ -354,6 +364,23 @@ class PolicyTrainer:
         out["time/train_step"] = time.perf_counter() - t0
         return out
 
+    def _actor_weight(self, rows: int, rows_weight: float) -> float:
+        """The factor on one micro-batch's actor loss before DeepSpeed divides it by ``gas``.
+
+        A loss that weights its micro-batches itself, verl-style (see
+        :func:`verl_micro_batch_scaling`), gets verl's scaling: ``1 /
+        gradient_accumulation`` of its own batch arithmetic, or ``rows /
+        ppo_mini_batch_size_per_gpu`` with ``use_dynamic_bsz``. Every other
+        loss returns a per-micro-batch mean and gets ``rows_weight``
+        (a rows-weighted mean over the step).
+        """
+        if self.verl_scaling is None:
+            return rows_weight
+        dynamic, accumulation, per_gpu = self.verl_scaling
+        if dynamic:
+            return self.gas * rows / per_gpu
+        return self.gas / accumulation
+
     def _actor_micro_step(
         self,
         batch: TrainBatch,
@@ -384,6 +411,12 @@ class PolicyTrainer:
             tensors["entropy"] = entropy
         if values is not None:
             tensors["values"] = values[rows]
+        missing = [n for n in self.loss_inputs if n not in tensors]
+        if missing:
+            raise RuntimeError(
+                f"{type(algo.policy_loss_fn).__name__} needs field {missing[0]!r}, which the "
+                f"sample strategy declared but this batch lacks; batch fields: {sorted(tensors)}"
+            )
         pg_loss, pg_metrics = algo.policy_loss_fn(**{n: tensors[n] for n in self.loss_inputs})
         loss = pg_loss
         for k, v in pg_metrics.items():
@@ -437,6 +470,43 @@ class PolicyTrainer:
             shutil.rmtree(path)
         os.replace(tmp, path)
         return path
+
+
+def verl_micro_batch_scaling(loss_fn: Any, args: dict[str, Any]) -> tuple[bool, int, int] | None:
+    """``(use_dynamic_bsz, gradient_accumulation, mini batch per GPU)`` of a verl-style loss, or None.
+
+    A policy loss whose constructor takes ``ppo_mini_batch_size`` (MIX, seed
+    guide 000) scales each micro-batch itself by its share of the step
+    (``gradient_accumulation / train_batch_size_<kind>``, or
+    ``experience_per_gpu / (rows * train_batch_size_<kind>)`` with
+    ``use_dynamic_bsz``), counting on verl's trainer to divide each
+    micro-batch loss by ``gradient_accumulation = ppo_mini_batch_size //
+    ppo_micro_batch_size_per_gpu`` (or multiply it by ``rows /
+    (ppo_mini_batch_size // ngpus_trainer)`` with ``use_dynamic_bsz``). The
+    values come from ``args`` (the resolved ``policy_loss_fn_args``), else
+    the constructor's defaults. Then the step's gradient is the seed's
+    objective whatever the row counts of the micro-batches (a short last
+    one included).
+    """
+    import inspect
+
+    params = inspect.signature(type(loss_fn).__init__).parameters
+    if "ppo_mini_batch_size" not in params:
+        return None
+
+    def arg(name: str, default: Any) -> Any:
+        if name in args and args[name] is not None:
+            return args[name]
+        p = params.get(name)
+        if p is not None and p.default is not inspect.Parameter.empty and p.default is not None:
+            return p.default
+        return default
+
+    mini = int(arg("ppo_mini_batch_size", 1))
+    micro = int(arg("ppo_micro_batch_size_per_gpu", 1))
+    ngpus = int(arg("ngpus_trainer", 1))
+    dynamic = bool(arg("use_dynamic_bsz", False))
+    return dynamic, max(1, mini // max(1, micro)), max(1, mini // max(1, ngpus))
 
 
 def _fit(t: torch.Tensor | None, n: int) -> torch.Tensor:

@@ -2,7 +2,8 @@
 
 RL presets run explorer → operator → trainer over a real nats-server; ``sft``
 and ``dpo`` run the trainer alone in ``mode: train`` on a jsonl dataset. Each
-must produce finite losses and the metrics its components name.
+must produce finite losses and the metrics its components name, and none that
+another preset's components name (so the test tells which algorithm ran).
 """
 
 from __future__ import annotations
@@ -11,35 +12,65 @@ import json
 import math
 from pathlib import Path
 
+import anyio
 import pytest
 
 from algorithms import ALGORITHM_TYPE
 from rftstream.config import config_from_dict
 from rftstream.runtime import prepare_run
-from tests.integration._util import run_actors_to_end, small_config
+from tests.integration._util import read_stream, run_actors_to_end, small_config
 
 pytestmark = pytest.mark.integration
 
-# preset -> metrics its trainer records must carry (besides actor/loss)
-EXPECTED: dict[str, tuple[str, ...]] = {
-    "grpo": ("actor/pg_loss", "actor/kl_loss", "advantage/reward_mean"),
-    "ppo": ("actor/pg_loss", "critic/vf_loss", "critic/vpred_mean", "advantage/advantages/mean"),
-    "dapo": ("actor/pg_loss", "actor/pg_clipfrac"),
-    "opmd": ("actor/opmd_loss", "advantage/group_baseline"),
-    "asymre": ("actor/opmd_loss", "advantage/group_baseline"),
-    "rloo": ("actor/pg_loss",),
-    "reinforceplusplus": ("actor/pg_loss", "actor/kl_loss"),
-    "gspo": ("actor/pg_loss",),
-    "cispo": ("actor/cispo_loss",),
-    "topr": ("actor/topr_loss",),
-    "sppo": ("actor/pg_loss",),
-    "rec": ("actor/pg_loss",),
-    "multi_step_grpo": ("actor/pg_loss",),
-    "mix": ("actor/usual/pg_loss", "actor/expert/sft_loss", "sample/expert_count"),
-    "raft": ("actor/sft_loss",),
-    "sft": ("actor/sft_loss",),
-    "dpo": ("actor/dpo_loss",),
+# Metrics that tell the presets apart: key -> the presets whose components emit it. Every
+# preset must emit exactly the keys naming it, none of the others. Trainer keys are
+# checked in every step record (metrics.jsonl); pipeline keys (a group advantage run by
+# the operator host) in the operator's messages on the metrics stream, where each batch's
+# figures are stored whatever the timing between the actors.
+KL_LOSS = {
+    "grpo",
+    "ppo",
+    "opmd",
+    "rloo",
+    "reinforceplusplus",
+    "gspo",
+    "cispo",
+    "topr",
+    "rec",
+    "mix",
+    "dpo",
+    "multi_step_grpo",
 }
+PPO_LOSS = {"grpo", "ppo", "dapo", "rloo", "reinforceplusplus", "multi_step_grpo"}
+TRAINER_KEYS: dict[str, set[str]] = {
+    "actor/pg_clipfrac_lower": PPO_LOSS,  # PPO's dual clip
+    "actor/ppo_kl_seq": {"gspo"},  # the sequence-level ratio
+    "actor/sppo_loss": {"sppo"},
+    "actor/cispo_loss": {"cispo"},
+    "actor/topr_loss": {"topr"},
+    "actor/opmd_loss": {"opmd", "asymre"},
+    "actor/sft_loss": {"raft", "sft"},
+    "actor/dpo_loss": {"dpo"},
+    "actor/usual/pg_loss": {"mix"},
+    "actor/expert/sft_loss": {"mix"},
+    "sample/expert_count": {"mix"},
+    "actor/kl_loss": KL_LOSS,  # only with a reference model and a KL loss
+    "critic/vf_loss": {"ppo"},
+    "advantage/advantages/mean": {"ppo"},  # GAE in the trainer
+    "advantage/return_mean": {"reinforceplusplus"},  # REINFORCE++ in the trainer
+}
+PIPELINE_KEYS: dict[str, set[str]] = {
+    "rloo_baseline": {"rloo"},
+    "drop_balance": {"rec"},
+    "experience_count": {"multi_step_grpo"},
+    "group_baseline": {"opmd", "asymre", "sppo"},
+    "reward_std": {"grpo", "dapo", "gspo", "cispo", "rec", "mix", "multi_step_grpo"},
+}
+PRESETS = (
+    "grpo ppo dapo opmd asymre rloo reinforceplusplus gspo cispo topr sppo rec "
+    "multi_step_grpo mix raft sft dpo"
+).split()
+PIPELINE = {p for presets in PIPELINE_KEYS.values() for p in presets} | {"topr"}
 
 
 def _write_jsonl(path: Path, rows: list[dict]) -> str:
@@ -62,7 +93,7 @@ def _expert_rows() -> list[dict]:
 
 def _config(preset: str, tmp_path: Path, tiny_model_path: str) -> dict:
     cfg = small_config(tmp_path, tiny_model_path)
-    cfg["name"] = f"preset{sorted(EXPECTED).index(preset)}"  # run ids are at most 16 chars
+    cfg["name"] = f"preset{sorted(PRESETS).index(preset)}"  # run ids are at most 16 chars
     algo = {"algorithm_type": preset, "repeat_times": 4, "optimizer": {"lr": 1e-3}}
     if preset == "mix":
         algo["sample_strategy_args"] = {"expert_data_ratio": 0.25}
@@ -98,7 +129,23 @@ def _config(preset: str, tmp_path: Path, tiny_model_path: str) -> dict:
     return cfg
 
 
-@pytest.mark.parametrize("preset", sorted(EXPECTED))
+async def _operator_metrics(url: str, run: str) -> list[dict[str, float]]:
+    """The group advantage figures of every batch the operator host published."""
+    out = []
+    for msg in await read_stream(url, f"rft.{run}.metrics.>"):
+        body = json.loads(msg.data)
+        if body["role"] == "operator":
+            out.append(
+                {
+                    k.removeprefix("group_advantage/"): v
+                    for k, v in body["values"].items()
+                    if k.startswith("group_advantage/")
+                }
+            )
+    return out
+
+
+@pytest.mark.parametrize("preset", sorted(PRESETS))
 def test_preset_trains_two_steps(
     preset: str, tmp_path: Path, tiny_model_path: str, nats_url: str
 ) -> None:
@@ -106,12 +153,36 @@ def test_preset_trains_two_steps(
     steps = run_actors_to_end(run, nats_url, timeout=240)
     assert [r["step"] for r in steps] == [1, 2], preset
     lines = [json.loads(x) for x in (run.run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert len(lines) == 2 and [r["step"] for r in lines] == [1, 2]
     for record in lines:
-        for key in ("actor/loss", *EXPECTED[preset]):
-            assert key in record, f"{preset}: {key} missing from {sorted(record)}"
-            value = record[key]
-            assert value is not None and math.isfinite(value), f"{preset}: {key}={value}"
         assert record["experience/trained"] > 0
+        for key, emitters in TRAINER_KEYS.items():
+            if preset in emitters:
+                value = record.get(key)
+                assert value is not None and math.isfinite(value), f"{preset}: {key}={value}"
+            else:
+                assert key not in record, f"{preset} emits {key}, which is not its component's"
+        assert math.isfinite(record["actor/loss"]), preset
+
+    ops = anyio.run(_operator_metrics, nats_url, run.names.run, backend="asyncio")
+    emitted = {k for m in ops for k in m}
+    if preset in PIPELINE:
+        assert ops and "group_count" in emitted, f"{preset}: no group advantage ran"
+    else:
+        assert not emitted, f"{preset}: a group advantage ran in the pipeline: {emitted}"
+    for key, emitters in PIPELINE_KEYS.items():
+        assert (key in emitted) == (preset in emitters), f"{preset}: {key} in {sorted(emitted)}"
+    # the baselines tell OPMD (the group mean) and AsymRE (the mean shifted by -0.1) apart
+    shift = {"opmd": 0.0, "sppo": 0.0, "asymre": -0.1}.get(preset)
+    if shift is not None:
+        for m in ops:
+            assert m["group_baseline"] == pytest.approx(m["reward_mean"] + shift, abs=1e-6)
+    if preset == "dapo":  # DAPO's decoupled clip reached the loss the trainer used
+        fn = run.algorithm.policy_loss_fn
+        assert (fn.clip_range_low, fn.clip_range_high) == (0.2, 0.28)
+    if preset == "rloo":  # over groups of 4 the leave-one-out baselines average to the mean
+        for m in ops:
+            assert m["rloo_baseline"] == pytest.approx(m["reward_mean"], abs=1e-6)
 
 
 def test_every_builtin_preset_is_covered() -> None:
@@ -121,4 +192,4 @@ def test_every_builtin_preset_is_covered() -> None:
         if ALGORITHM_TYPE.get(n).__module__.startswith("algorithms.")
     }
     assert len(builtin) >= 17
-    assert builtin <= set(EXPECTED), sorted(builtin - set(EXPECTED))
+    assert builtin == set(PRESETS), sorted(builtin ^ set(PRESETS))

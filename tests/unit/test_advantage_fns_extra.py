@@ -232,12 +232,17 @@ def test_reinforce_pp_batch_whitening_ragged_and_masked():
     fn = REINFORCEPLUSPLUSAdvantageFn(gamma=gamma)
     out, metrics = fn([e1, e2, e3, e4])
     assert out == [e1, e2, e3, e4]
-    assert metrics == {}
     ref_a, ref_r = ref_reinforce_pp(
         [[0, 0, 0, 1.0], [0, -0.5], [0, 0, 0.3], [0.5, 0.0, 1.0]],
         [[1, 1, 0, 1], [1, 1], [0, 0, 0], [1, 1, 1]],
         gamma,
     )
+    # metrics: mean / unbiased std of the masked returns the whitening used
+    # e1 [0.729, 0.81, (masked), 1], e2 [-0.45, -0.5], e3 none, e4 [0.5 + 0.9 * 0.9, 0.9, 1]
+    masked = np.array([0.729, 0.81, 1.0, -0.45, -0.5, 1.31, 0.9, 1.0])
+    assert set(metrics) == {"return_mean", "return_std"}
+    assert metrics["return_mean"] == pytest.approx(masked.mean(), rel=1e-5)
+    assert metrics["return_std"] == pytest.approx(masked.std(ddof=1), rel=1e-5)
     for exp, a, r in zip(out, ref_a, ref_r, strict=True):
         assert exp.advantages.dtype == torch.float32 and exp.returns.dtype == torch.float32
         assert exp.advantages.shape == (exp.response_length,)
@@ -261,9 +266,14 @@ def test_reinforce_pp_default_gamma_is_undiscounted():
 def test_reinforce_pp_fewer_than_two_masked_tokens_and_bad_reward():
     e1 = mk(2.0, resp=3, mask=[False, False, True])
     e2 = mk(1.0, resp=2, task="b", mask=[False, False])
-    REINFORCEPLUSPLUSAdvantageFn(gamma=0.5)([e1, e2])
+    _, metrics = REINFORCEPLUSPLUSAdvantageFn(gamma=0.5)([e1, e2])
     assert not e1.advantages.any() and not e2.advantages.any()
     np.testing.assert_allclose(e1.returns.numpy(), [0.0, 0.0, 2.0])
+    assert metrics == {"return_mean": 2.0, "return_std": 0.0}  # one masked token
+    e3 = mk(1.0, resp=2, mask=[False, False])
+    _, metrics = REINFORCEPLUSPLUSAdvantageFn()([e3])  # no masked token at all
+    assert not e3.advantages.any() and not e3.returns.any()
+    assert metrics == {"return_mean": 0.0, "return_std": 0.0}
     with pytest.raises(ValueError, match="invalid_reward_filter"):
         REINFORCEPLUSPLUSAdvantageFn()([mk(None), mk(1.0, task="b")])
 

@@ -15,7 +15,7 @@ from algorithms import (
     resolve_algorithm,
 )
 from algorithms.advantage_fn import GRPOGroupedAdvantage, OPMDGroupAdvantage
-from algorithms.entropy_loss_fn import DefaultEntropyLossFn
+from algorithms.entropy_loss_fn import DefaultEntropyLossFn, MixEntropyLossFn
 from algorithms.kl_fn import DummyKLFn, K2Fn
 from algorithms.policy_loss_fn import MIXPolicyLossFn, OPMDPolicyLossFn, PPOPolicyLossFn
 from algorithms.sample_strategy import MixSampleStrategy
@@ -85,8 +85,12 @@ def test_merge_order_global_then_preset_then_user():
     assert mix.repeat_times == 8 and mix.sample_strategy_name == "mix"
     assert isinstance(mix.policy_loss_fn, MIXPolicyLossFn)
     # preset is silent: global defaults fill in
-    assert isinstance(mix.kl_loss_fn, K2Fn) and isinstance(mix.kl_penalty_fn, DummyKLFn)
-    assert isinstance(mix.entropy_loss_fn, DefaultEntropyLossFn)
+    assert type(mix.kl_loss_fn) is K2Fn and type(mix.kl_penalty_fn) is DummyKLFn
+    # the preset names the mix entropy (a DefaultEntropyLossFn subclass: check the exact class)
+    assert type(mix.entropy_loss_fn) is MixEntropyLossFn
+    assert type(resolve_algorithm(AlgorithmConfig(algorithm_type="grpo")).entropy_loss_fn) is (
+        DefaultEntropyLossFn
+    )
     # user keys beat the preset
     user = resolve_algorithm(
         AlgorithmConfig(

@@ -25,7 +25,7 @@ def mk(task: int, info: dict | None = None, n_resp: int = 2) -> Experience:
 # ----------------------------------------------------------------------- collate fields
 
 
-def test_collate_fields_hold_expert_mask_and_custom_fields() -> None:
+def test_collate_fields_hold_exactly_the_custom_fields() -> None:
     exps = [
         mk(0, {"is_expert": True, "step": 3, "w": 0.5}),
         mk(1, {"step": 3, "w": 1.5}),  # no is_expert: False
@@ -40,9 +40,7 @@ def test_collate_fields_hold_expert_mask_and_custom_fields() -> None:
         collate(exps, 0, custom_fields=fields)
     exps[1].info["is_expert"] = False
     batch = collate(exps, 0, custom_fields=fields)
-    assert set(batch.fields) == {"expert_mask", "step", "weight", "expert_copy"}
-    assert batch.fields["expert_mask"].dtype == torch.bool
-    assert batch.fields["expert_mask"].tolist() == [True, False, False]
+    assert set(batch.fields) == {"step", "weight", "expert_copy"}  # no implicit expert_mask
     assert batch.fields["step"].dtype == torch.int32
     assert batch.fields["step"].tolist() == [3, 3, 4]
     assert batch.fields["weight"].dtype == torch.float64
@@ -52,10 +50,17 @@ def test_collate_fields_hold_expert_mask_and_custom_fields() -> None:
         assert t.shape == (3,)
 
 
-def test_collate_without_custom_fields_still_has_expert_mask() -> None:
+def test_collate_without_custom_fields_has_no_fields() -> None:
+    # expert_mask exists only where a sample strategy declares it (MIX's CustomField)
     batch = collate([mk(0), mk(1, {"is_expert": True})], 0)
-    assert list(batch.fields) == ["expert_mask"]
-    assert batch.fields["expert_mask"].tolist() == [False, True]
+    assert batch.fields == {}
+    mix = collate(
+        [mk(0, {"is_expert": False}), mk(1, {"is_expert": True})],
+        0,
+        custom_fields=[CustomField("is_expert", "expert_mask", torch.bool)],
+    )
+    assert mix.fields["expert_mask"].tolist() == [False, True]
+    assert mix.fields["expert_mask"].dtype == torch.bool
 
 
 def test_collate_fields_follow_rows_subsets() -> None:
@@ -63,7 +68,7 @@ def test_collate_fields_follow_rows_subsets() -> None:
     batch = collate(exps, 0, custom_fields=[CustomField("step", "step", torch.int64)])
     sub = batch.rows(torch.tensor([3, 1]))
     assert sub.fields["step"].tolist() == [3, 1]
-    assert sub.fields["expert_mask"].tolist() == [False, False]
+    assert set(sub.fields) == {"step"}
 
 
 def test_collate_missing_source_field_names_the_experience() -> None:

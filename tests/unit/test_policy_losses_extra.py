@@ -199,7 +199,7 @@ def ref_sppo(lp, old, adv, mask, eps, mode):
     loss = ref_agg(tok, mask, mode)
     return (
         loss,
-        {"pg_loss": loss, "pg_clipfrac": masked_avg(out, mask)},
+        {"pg_loss": loss, "sppo_loss": loss, "pg_clipfrac": masked_avg(out, mask)},
         dloss * agg_weights(mask, mode),
     )
 
@@ -705,8 +705,31 @@ def test_resolve_algorithm_args_reach_the_loss():
         )
     )
     fn = r.policy_loss_fn
-    assert (fn.clip_range_low, fn.clip_range_high) == (3e-4, 4e-4)  # default_args beat clip_range
+    # the user's clip_range replaces the bounds default_args() would have set
+    assert (fn.clip_range_low, fn.clip_range_high) == (0.01, 0.01)
+    assert "clip_range_low" not in r.config.policy_loss_fn_args
+    # and it takes effect: a sequence ratio of exp(0.05) with A = 1 is clipped at 1.01
+    lp = torch.full((1, 3), -1.0 + 0.05)
+    loss, _ = fn(lp, torch.full((1, 3), -1.0), torch.ones(1, 3, dtype=torch.bool), torch.ones(1, 3))
+    assert loss.item() == pytest.approx(-1.01, rel=1e-6)
     assert fn.loss_agg_mode == "seq-mean-token-mean"
+    # without a user clip_range the GSPO defaults apply; bounds the user gives stay
+    r = resolve_algorithm(AlgorithmConfig(algorithm_type="gspo"))
+    assert (r.policy_loss_fn.clip_range_low, r.policy_loss_fn.clip_range_high) == (3e-4, 4e-4)
+    r = resolve_algorithm(
+        AlgorithmConfig(
+            algorithm_type="gspo",
+            policy_loss_fn_args={"clip_range": 0.01, "clip_range_high": 0.05},
+        )
+    )
+    assert (r.policy_loss_fn.clip_range_low, r.policy_loss_fn.clip_range_high) == (0.01, 0.05)
+    # a preset's bounds yield to the user's clip_range too (DAPO: 0.2 / 0.28)
+    r = resolve_algorithm(AlgorithmConfig(algorithm_type="dapo"))
+    assert (r.policy_loss_fn.clip_range_low, r.policy_loss_fn.clip_range_high) == (0.2, 0.28)
+    r = resolve_algorithm(
+        AlgorithmConfig(algorithm_type="dapo", policy_loss_fn_args={"clip_range": 0.3})
+    )
+    assert (r.policy_loss_fn.clip_range_low, r.policy_loss_fn.clip_range_high) == (0.3, 0.3)
     r = resolve_algorithm(
         AlgorithmConfig(
             algorithm_type="grpo",
