@@ -48,6 +48,7 @@ import copy
 import functools
 import threading
 import uuid
+import weakref
 from collections.abc import Awaitable, Callable, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -85,6 +86,8 @@ class _Shared:
         self.server_lock = threading.Lock()
         self.token: Any = None  # anyio EventLoopToken of the engine's loop
         self.loop_thread: int | None = None
+        # every wrapper of this model (root and clones): the root's aclose closes their clients
+        self.wrappers: weakref.WeakSet[ModelWrapper] = weakref.WeakSet()
 
 
 class ModelWrapper:
@@ -127,6 +130,7 @@ class ModelWrapper:
         self._history_lock = threading.Lock()
         self._clients: dict[str, Any] = {}
         self._shared = _Shared(self)
+        self._shared.wrappers.add(self)
 
     # ------------------------------------------------------------ properties
     @property
@@ -153,6 +157,7 @@ class ModelWrapper:
         other.session_id = uuid.uuid4().hex
         other._history_lock = threading.Lock()
         other._clients = {}
+        self._shared.wrappers.add(other)
         if enable_history is not None:
             other.enable_history = enable_history
         return other
@@ -299,18 +304,28 @@ class ModelWrapper:
         return self._server().register(self)
 
     async def aclose(self) -> None:
-        """Close this wrapper's clients; the root wrapper also stops the server. Idempotent."""
-        for kind, client in list(self._clients.items()):
+        """Close this wrapper's clients; the root wrapper also closes every clone's clients and
+        stops the server. Idempotent.
+
+        Clients left open would be closed by the garbage collector later, on whatever event
+        loop runs then (or on a closed one), so the model's owner closes the root.
+        """
+        shared = self._shared
+        wrappers = list(shared.wrappers) if shared.root is self else [self]
+        for wrapper in wrappers:
+            await wrapper._close_clients()
+        if shared.root is self and shared.server is not None:
+            server, shared.server = shared.server, None
+            await server.aclose()
+
+    async def _close_clients(self) -> None:
+        clients, self._clients = list(self._clients.items()), {}
+        for kind, client in clients:
             with contextlib.suppress(Exception):
                 if kind == "async":
                     await client.close()
                 else:
                     client.close()
-        self._clients.clear()
-        shared = self._shared
-        if shared.root is self and shared.server is not None:
-            server, shared.server = shared.server, None
-            await server.aclose()
 
     # ------------------------------------------------------------ history
     def extract_experience_from_history(

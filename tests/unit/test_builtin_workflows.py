@@ -47,7 +47,11 @@ async def wrapper(path: str, max_response_tokens: int = 8) -> AsyncIterator[Mode
     async with anyio.create_task_group() as tg:
         await tg.start(engine.run)
         try:
-            yield ModelWrapper(engine, model_path=path, max_response_tokens=max_response_tokens)
+            model = ModelWrapper(engine, model_path=path, max_response_tokens=max_response_tokens)
+            try:
+                yield model
+            finally:
+                await model.aclose()  # its clients, its clones' clients and the API server
         finally:
             await engine.aclose()
             tg.cancel_scope.cancel()

@@ -485,3 +485,18 @@ async def test_clone_sessions_keep_separate_histories(tiny_tokenizer: Any) -> No
         assert status == 404 and "unknown session" in payload["error"]["message"]
         status, payload = await anyio.to_thread.run_sync(post, base + "/chat/completions", b"{nope")
         assert status == 400 and "JSON" in payload["error"]["message"]
+
+
+@pytest.mark.anyio
+async def test_closing_the_root_wrapper_closes_every_clones_clients(tiny_tokenizer: Any) -> None:
+    async with scripted(tiny_tokenizer, ["4"]) as (model, _):
+        clones = [model.clone(enable_history=True) for _ in range(2)]
+        clients = [c.get_openai_async_client() for c in clones] + [model.get_openai_async_client()]
+        reply = await clients[0].chat.completions.create(
+            model="scripted", messages=[{"role": "user", "content": "2+2="}]
+        )
+        assert reply.choices[0].message.content == "4"
+        assert not any(c.is_closed() for c in clients)
+        await clones[1].aclose()  # a clone closes only its own clients
+        assert [c.is_closed() for c in clients] == [False, True, False]
+    assert all(c.is_closed() for c in clients)  # the root closed the rest

@@ -99,7 +99,11 @@ async def wrapper(path: str, **engine_kwargs: Any) -> AsyncIterator[ModelWrapper
     async with anyio.create_task_group() as tg:
         await tg.start(engine.run)
         try:
-            yield ModelWrapper(engine, model_path=path, max_response_tokens=8)
+            model = ModelWrapper(engine, model_path=path, max_response_tokens=8)
+            try:
+                yield model
+            finally:
+                await model.aclose()  # its clients, its clones' clients and the API server
         finally:
             await engine.aclose()
             tg.cancel_scope.cancel()
