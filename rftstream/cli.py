@@ -419,7 +419,9 @@ def cmd_actor(args: argparse.Namespace) -> int:
             pipelines=pipelines,
             name=args.name,
             stop=stop,
-            say=lambda line: progress.console.print(line, markup=False, highlight=False),
+            say=lambda line: progress.console.print(
+                line, markup=False, highlight=False, soft_wrap=True
+            ),
             on_progress=operator_progress,
             unsplice_now=bool(args.unsplice),
         )
