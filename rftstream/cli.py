@@ -454,6 +454,7 @@ def cmd_unsplice(args: argparse.Namespace) -> int:
         f"removed exp.{stage} ({result.get('operator')}): the trainer reads "
         f"exp.{result.get('from_stage')} again from sequence {int(result['cut_seq']) + 1}",
         markup=False,
+        soft_wrap=True,
     )
     return 0
 

@@ -98,8 +98,8 @@ def status_report(
 ) -> dict[str, Any]:
     """``rftstream status`` from a dump of the run's KV bucket (key -> decoded JSON value).
 
-    ``trainer``: its step and version (the version of its weights: its
-    heartbeat's, else the published pointer's). ``explorers``: each one's step,
+    ``trainer``: its step and version (its step: the newest of ``trainer.step``,
+    its heartbeat's and the published weights' version). ``explorers``: each one's step,
     ``model_version`` (weights it generates with, from its heartbeat) and
     ``staleness`` = trainer version - model_version. ``heartbeats``: every
     actor's role, age in seconds and the rest of its record. ``chain``: the
@@ -123,9 +123,14 @@ def status_report(
     heartbeats.sort(key=lambda h: (h["role"], h["actor"]))
     weights = values.get(KV_WEIGHTS) if isinstance(values.get(KV_WEIGHTS), dict) else {}
     trainer_hb = next((h for h in heartbeats if h["role"] == "trainer"), None)
-    version = _int((trainer_hb or {}).get("info", {}).get("version"))
-    if version is None:
-        version = _int(weights.get("version"))
+    # the trainer's version is its step (trainer.step is written every step; a heartbeat
+    # or the published weights may lag behind it)
+    known = [
+        _int(values.get("trainer.step")),
+        _int((trainer_hb or {}).get("info", {}).get("version")),
+        _int(weights.get("version")),
+    ]
+    version = max((v for v in known if v is not None), default=None)
     trainer = {
         "step": _int(values.get("trainer.step")),
         "version": version,

@@ -291,6 +291,9 @@ class Trainer:
                 await monitor.stop()
                 await feed.consumer.unsubscribe()
                 try:
+                    await state.heartbeat(
+                        self.name, self.role, step=self.step, version=self.version, status=status
+                    )
                     await state.put_json(
                         "trainer.done", {"step": self.step, "status": status, "ts": time.time()}
                     )
