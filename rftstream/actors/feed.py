@@ -1,4 +1,5 @@
-"""The trainer's experience source: a durable pull consumer on ``exp.train``.
+"""The trainer's experience source: a durable pull consumer on ``exp.train`` (or on the
+stage a splice moved it to, see :mod:`rftstream.splice`).
 
 :class:`ExperienceFeed` implements ``algorithms.sample_strategy.ExperienceSource``:
 :meth:`read` blocks until ``n`` experiences are buffered, or returns fewer
@@ -13,6 +14,11 @@ the trainer. Experiences are deduplicated by ``eid.uid``, so a
 redelivered message is never trained twice. A body that does not decode goes
 to ``dlq.train`` with the reason. Cancelling :meth:`read` loses nothing: held
 messages are simply redelivered after ``ack_wait`` if the process dies.
+
+After a splice or an unsplice the feed reads a new consumer and keeps
+draining the *retired* one up to its cut (see :meth:`switch_to`); ``on_idle``
+(the trainer's :class:`~rftstream.actors.topology.TrainerTopology`) runs
+between two fetches, where a cut is exact.
 """
 
 from __future__ import annotations

@@ -1,5 +1,6 @@
-"""Splice an operator in front of a reading trainer, crash it, resume it, remove it, splice and
-remove again, while experiences keep flowing; then check every experience by id.
+"""Splice an operator in front of a reading trainer, crash it, resume it, remove it; splice
+and remove it with ``--unsplice``; splice, crash and remove it with ``NAME --unsplice``; all
+while experiences keep flowing; then check every experience by id.
 
 The trainer side is the real :class:`ExperienceFeed` and :class:`TrainerTopology` on a real
 nats-server (the DeepSpeed step is left out: ``test_splice_cli`` runs the whole trainer).
@@ -124,15 +125,16 @@ def test_splice_crash_resume_unsplice_twice_exactly_once(
                         while len(trainer.trained) < target:
                             await anyio.sleep(0.05)
 
-                async def through_filter(k: int) -> None:
+                async def on_filtered() -> int:
                     subject = run.names.exp_subject("filtered")
+                    info = await bus.js.stream_info(run.names.exp_stream, subjects_filter=subject)
+                    return int((info.state.subjects or {}).get(subject, 0))
+
+                async def through_filter(more: int) -> None:
+                    """Wait until ``more`` groups more than now went through the filter."""
+                    target = await on_filtered() + more
                     with anyio.fail_after(120):
-                        while True:
-                            info = await bus.js.stream_info(
-                                run.names.exp_stream, subjects_filter=subject
-                            )
-                            if (info.state.subjects or {}).get(subject, 0) >= k:
-                                return
+                        while await on_filtered() < target:
                             await anyio.sleep(0.05)
 
                 def operator(stop: anyio.Event, **kw) -> functools.partial:
@@ -169,7 +171,7 @@ def test_splice_crash_resume_unsplice_twice_exactly_once(
 
                     async with anyio.create_task_group() as op:
                         op.start_soon(resumed_then_stopped)
-                        await through_filter(8)
+                        await through_filter(5)
                         stop1.set()
                     assert outcomes == ["removed"]
                     assert await splice.stage_record(state, "filtered") is None
@@ -181,19 +183,30 @@ def test_splice_crash_resume_unsplice_twice_exactly_once(
 
                     async with anyio.create_task_group() as op:
                         op.start_soon(spliced_then_asked)
-                        await through_filter(14)
+                        await through_filter(5)
                         ask = await splice.ask_unsplice(state, "filtered")
                         done = await splice.wait_unsplice(state, ask, "filtered")
                         assert done["state"] in ("drained", "done")
                     assert outcomes == ["removed", "removed"]
                     await trained_more(24)
+
+                    # 4. splice, crash, then `rftstream operator NAME --unsplice`: resume to remove
+                    async with anyio.create_task_group() as op:
+                        op.start_soon(operator(anyio.Event(), pipelines=_pipelines(1)))
+                        await through_filter(5)
+                        op.cancel_scope.cancel()
+                    outcomes.append(
+                        await operator(anyio.Event(), pipelines=_pipelines(1), unsplice_now=True)()
+                    )
+                    assert outcomes == ["removed"] * 3
+                    await trained_more(16)
                     stop_producing.set()
                 topology = await state.get_json(KV_TOPOLOGY)
             return trainer, topology
 
     trainer, topology = anyio.run(main, backend="asyncio")
     assert any(line.startswith("resuming exp.filtered") for line in lines), lines
-    assert [e["op"] for e in topology] == ["splice", "unsplice", "splice", "unsplice"]
+    assert [e["op"] for e in topology] == ["splice", "unsplice"] * 3
 
     async def train_messages() -> list:
         return await read_stream(nats_url, run.names.exp_subject("train"))
@@ -204,7 +217,7 @@ def test_splice_crash_resume_unsplice_twice_exactly_once(
     filtered: list[str] = []
     for m in msgs:
         seq = m.metadata.sequence.stream
-        through = cuts[0] <= seq < cuts[1] or cuts[2] <= seq < cuts[3]
+        through = any(cuts[k] <= seq < cuts[k + 1] for k in (0, 2, 4))
         for e in decode_group(m.data):
             if through and e.reward < THRESHOLD:
                 filtered.append(e.eid.uid)
