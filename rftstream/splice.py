@@ -192,8 +192,9 @@ def stage_chain(
             break
         spliced.append({"stage": current, "operator": rec.get("operator")})
         current = str(rec.get("from_stage"))
+    spliced_names = {s["stage"] for s in spliced}
     stages = dict.fromkeys([input_stage, output_stage, current])
-    base = [{"stage": s, "operator": None} for s in stages]
+    base = [{"stage": s, "operator": None} for s in stages if s not in spliced_names]
     return base + list(reversed(spliced))
 
 
