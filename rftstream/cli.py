@@ -36,6 +36,9 @@ from rich.markup import escape
 
 from rftstream.errors import RftError
 
+if sys.version_info < (3, 11):  # pragma: no cover - anyio depends on the backport there
+    from exceptiongroup import BaseExceptionGroup
+
 console = Console(stderr=False)
 
 
@@ -684,6 +687,12 @@ def _step_line(r: dict[str, Any]) -> str:
     )
 
 
+def _first_leaf(group: BaseException) -> BaseException:
+    while isinstance(group, BaseExceptionGroup):
+        group = group.exceptions[0]
+    return group
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
@@ -704,6 +713,13 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "debug":
             return cmd_debug(args)
     except RftError as exc:  # one line, never re-wrapped, brackets in it kept (not markup)
+        console.print(f"[bold red]error:[/] {escape(str(exc))}", soft_wrap=True)
+        return 2
+    except BaseExceptionGroup as group:  # an actor's RftError, raised inside a task group
+        errors, rest = group.split(RftError)
+        if errors is None or rest is not None:
+            raise
+        exc = _first_leaf(errors)
         console.print(f"[bold red]error:[/] {escape(str(exc))}", soft_wrap=True)
         return 2
     except KeyboardInterrupt:  # Ctrl-C before the actors started (model build, config)

@@ -204,6 +204,17 @@ def test_splice_kill_resume_unsplice_resplice_sigint(
         _wait(lambda: _kv(nats_url, run, KV_TRAINER_WAITING) is not None, "trainer.waiting")
         waiting = status()["waiting"]
         assert "reward_filter" in waiting and "--splice --to filtered" in waiting, waiting
+        # --unsplice needs the operator running: one line saying how to restart it
+        out = subprocess.run(
+            [*CLI, "operator", "--unsplice", "filtered", *common],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            env=env,
+        )
+        assert out.returncode == 2, out.stdout + out.stderr
+        assert "is not running" in out.stdout and "--splice --to filtered" in out.stdout
+        assert "Traceback" not in out.stdout + out.stderr
         human = subprocess.run(
             [*CLI, "status", *common], capture_output=True, text=True, timeout=60, env=env
         )

@@ -93,3 +93,35 @@ def test_bad_names_and_args() -> None:
     assert "not valid JSON" in error_of(ns("reward_filter", "{threshold: 1}"))
     assert "expected a JSON object" in error_of(ns("reward_filter", "[1]"))
     assert "--to" in error_of(ns("reward_filter", to=None))
+
+
+def test_an_actors_error_inside_a_task_group_is_one_line(monkeypatch, capsys) -> None:
+    import anyio
+
+    from rftstream import cli
+
+    async def actors() -> None:
+        async with anyio.create_task_group() as tg:
+
+            async def fail() -> None:
+                raise RftError("splice reward_filter -> exp.f: no trainer [is running]")
+
+            tg.start_soon(fail)
+            tg.start_soon(anyio.sleep, 10)
+
+    monkeypatch.setattr(cli, "cmd_status", lambda args: anyio.run(actors) or 0)
+    assert cli.main(["status", "--nats-url", "nats://127.0.0.1:9"]) == 2
+    out = capsys.readouterr().out
+    assert out.strip() == "error: splice reward_filter -> exp.f: no trainer [is running]"
+
+    async def bug() -> None:
+        async with anyio.create_task_group() as tg:
+
+            async def fail() -> None:
+                raise KeyError("a bug")
+
+            tg.start_soon(fail)
+
+    monkeypatch.setattr(cli, "cmd_status", lambda args: anyio.run(bug) or 0)
+    with pytest.raises(BaseException, match="unhandled errors"):  # a bug keeps its traceback
+        cli.main(["status", "--nats-url", "nats://127.0.0.1:9"])
