@@ -14,8 +14,9 @@ so each operator also has an async face:
   (an operator that awaits I/O, e.g. a reward model server) and may use
   :meth:`prepare` / :meth:`close` to open and release resources.
 
-Cancellation: cancelling ``process_async`` of a sync operator abandons the
-worker thread's result (the thread itself runs to completion).
+Cancellation: cancelling ``process_async`` of a sync operator (e.g. the
+operator host's ``process_timeout``) returns at once and abandons the worker
+thread's result; the thread itself runs to completion.
 """
 
 from __future__ import annotations
@@ -51,7 +52,7 @@ class ExperienceOperator(ABC):
 
     async def process_async(self, exps: list[Experience]) -> tuple[list[Experience], dict]:
         """Run :meth:`process` in a worker thread; the event loop stays free meanwhile."""
-        return await anyio.to_thread.run_sync(self.process, exps)
+        return await anyio.to_thread.run_sync(self.process, exps, abandon_on_cancel=True)
 
     async def close(self) -> None:
         """Release resources after the last batch (no-op by default)."""

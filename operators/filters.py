@@ -217,10 +217,15 @@ class DAPODynamicSampling(ExperienceOperator):
     variance); so is a group containing a None reward (put
     ``invalid_reward_filter`` first to drop only the bad experiences).
 
-    DAPO "keeps sampling until the batch is full"; in a streaming pipeline the
-    refill is the explorer's job, so this operator only tracks progress:
-    ``min_groups`` is the quota and ``quota_met`` is 1.0 once the groups kept
-    by this instance over all batches so far reach it (``min_groups=0``: always 1.0).
+    DAPO "keeps sampling until the batch is full". In rftstream the batch is
+    filled downstream: the trainer takes exactly ``train_batch_size``
+    experiences per step and waits for more while the explorers keep
+    producing, so dropped groups are replaced by later ones and never shrink a
+    step. This operator only reports progress: ``min_groups`` is a quota and
+    ``quota_met`` is 1.0 once the groups kept by *this instance* over all
+    batches so far reach it (``min_groups=0``: always 1.0). The count is per
+    instance, so per replica: with ``--replicas N`` each replica counts only
+    the groups it kept itself.
 
     Metrics: ``filtered_count`` (experiences), ``kept_groups`` and
     ``dropped_groups`` (this batch), ``kept_groups_total`` (all batches so

@@ -5,7 +5,9 @@
     rftstream up [--config C] [--steps N] [--run-dir D] [--nats-url U] [--plugin-dir D] [--set k=v]
     rftstream explorer|operator|trainer --config C --nats-url U [--run-dir D] [--name N]
     rftstream operator NAME|module:Class --from STAGE --to STAGE [--args JSON] [--replicas N] ...
-    rftstream status|streams --config C --nats-url U
+    rftstream operator NAME|module:Class --splice --to STAGE [--args JSON] ...   # Ctrl-C removes it
+    rftstream operator --unsplice STAGE --config C --nats-url U
+    rftstream status [--json] [--all]|streams --config C --nats-url U
     rftstream tail STAGE [-n N] [--no-follow] [--dlq] [--json] --config C --nats-url U
     rftstream decode < body    # nats stream view ... --translate "rftstream decode"
     rftstream debug workflow [--config C] [--task N] [--taskset NAME] [--plugin-dir D] [--json]
@@ -22,7 +24,9 @@ import dataclasses
 import functools
 import json
 import logging
+import signal
 import sys
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +35,9 @@ from rich.console import Console
 from rich.markup import escape
 
 from rftstream.errors import RftError
+
+if sys.version_info < (3, 11):  # pragma: no cover - anyio depends on the backport there
+    from exceptiongroup import BaseExceptionGroup
 
 console = Console(stderr=False)
 
@@ -105,10 +112,24 @@ def build_parser() -> argparse.ArgumentParser:
         "--splice",
         action="store_true",
         help="insert this operator in front of the running trainer: it takes over the stage the "
-        "trainer reads, from the next message on, and writes --to, which the trainer reads instead",
+        "trainer reads, from the next message on, and writes --to, which the trainer reads "
+        "instead. Ctrl-C / SIGTERM removes it again (a second Ctrl-C aborts, leaving it spliced); "
+        "after a crash, the same command resumes it",
     )
-    st = sub.add_parser("status", help="print the run's state from its KV bucket")
+    op.add_argument(
+        "--unsplice",
+        metavar="STAGE",
+        help="remove the operator spliced in as exp.STAGE: the running one drains and exits, "
+        "and the trainer reads the stage before it again. With an operator NAME, this process "
+        "resumes that stage only to remove it (when its own process is gone)",
+    )
+    st = sub.add_parser(
+        "status",
+        help="steps, weight versions, staleness, heartbeats and the stage chain, from the KV bucket",
+    )
     _common(st, need_url=True)
+    st.add_argument("--json", action="store_true", help="one JSON document")
+    st.add_argument("--all", action="store_true", help="also every KV key and value")
     sm = sub.add_parser(
         "streams", help="the run's streams, subject depths, consumers and their lag"
     )
@@ -234,25 +255,72 @@ def cmd_up(args: argparse.Namespace) -> int:
 
 
 def _operator_pipeline(args: argparse.Namespace) -> Any:
-    """``rftstream operator NAME --args JSON``: a pipeline of that one operator (None: the configured one)."""
+    """``rftstream operator NAME --args JSON``: a pipeline of that one operator (None: the configured one).
+
+    Every way this can fail (unknown name, a module that does not import, a
+    class that is not an :class:`~operators.ExperienceOperator`, a constructor
+    that raises) is one :class:`RftError` line naming the operator and its args.
+    """
     if not getattr(args, "operator", None):
         return None
-    from operators import EXPERIENCE_OPERATORS, ExperiencePipeline
+    from operators import EXPERIENCE_OPERATORS, ExperienceOperator, ExperiencePipeline
 
+    name = args.operator
     try:
         op_args = json.loads(args.args)
     except json.JSONDecodeError as exc:
-        raise RftError(f"--args: not valid JSON ({exc})") from exc
+        raise RftError(f"--args for operator {name!r}: not valid JSON ({exc})") from exc
     if not isinstance(op_args, dict):
-        raise RftError(f"--args: expected a JSON object, got {type(op_args).__name__}")
+        raise RftError(
+            f"--args for operator {name!r}: expected a JSON object, got {type(op_args).__name__}"
+        )
     if not args.to_stage:
         raise RftError("--to: a single operator needs the stage it writes to (e.g. --to filtered)")
-    cls = EXPERIENCE_OPERATORS.get(args.operator)
+    cls = EXPERIENCE_OPERATORS.get(name)  # RegistryError names the registered ones
+    if not (isinstance(cls, type) and issubclass(cls, ExperienceOperator)):
+        what = cls.__name__ if isinstance(cls, type) else type(cls).__name__
+        raise RftError(
+            f"operator {name!r}: {what} is not an ExperienceOperator; subclass "
+            "operators.ExperienceOperator and implement process(exps) -> (exps, metrics)"
+        )
     try:
         op = cls(**op_args)
-    except TypeError as exc:
-        raise RftError(f"--args for operator {args.operator!r}: {exc}") from exc
+    except Exception as exc:  # noqa: BLE001 - a user's constructor may raise anything
+        detail = " ".join(f"{type(exc).__name__}: {exc}".split())
+        raise RftError(
+            f"operator {name!r} ({cls.__name__}) with --args {json.dumps(op_args)}: {detail}"
+        ) from exc
     return ExperiencePipeline([op])
+
+
+def _run_graceful(main: Callable[[anyio.Event], Awaitable[None]]) -> int:
+    """Like :func:`rftstream.up.run_with_signals`, but the first SIGINT/SIGTERM only sets the
+    event ``main`` gets (a spliced operator then removes itself); a second one cancels."""
+    signals_seen: list[int] = []
+
+    async def wrapper() -> None:
+        stop = anyio.Event()
+        async with anyio.create_task_group() as tg:
+
+            async def watch() -> None:
+                with anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+                    async for signum in signals:
+                        signals_seen.append(signum)
+                        if stop.is_set():
+                            tg.cancel_scope.cancel()
+                            return
+                        console.print(
+                            "[yellow]stopping: removing the stage (Ctrl-C again to abort and "
+                            "leave it spliced)…[/]"
+                        )
+                        stop.set()
+
+            tg.start_soon(watch)
+            await main(stop)
+            tg.cancel_scope.cancel()
+
+    anyio.run(wrapper, backend="asyncio")
+    return 130 if len(signals_seen) > 1 else 0
 
 
 def cmd_actor(args: argparse.Namespace) -> int:
@@ -302,23 +370,27 @@ def cmd_actor(args: argparse.Namespace) -> int:
         progress.console.print(_step_line(r))
         progress.update(task, info=f"step {r['step']}/{run.cfg.buffer.total_steps or '?'}")
 
+    pipelines: list[Any] = []
+    if args.command == "operator":  # every operator error before anything connects
+        if args.replicas < 1:
+            raise RftError(f"--replicas must be >= 1, got {args.replicas}")
+        if (args.splice or args.unsplice) and args.from_stage:
+            raise RftError("--from: a spliced operator reads the stage the trainer read; drop it")
+        if args.splice and args.unsplice:
+            raise RftError("--splice and --unsplice: choose one")
+        if args.splice and not args.operator:
+            raise RftError("--splice needs an operator NAME (and the stage it writes, --to)")
+        if args.unsplice and args.operator:
+            if args.to_stage and args.to_stage != args.unsplice:
+                raise RftError(f"--to {args.to_stage} and --unsplice {args.unsplice} disagree")
+            args.to_stage = args.unsplice
+        pipelines = [_operator_pipeline(args) for _ in range(args.replicas)]
+
     async def main() -> None:
         await runtime.provision(run, url)
         if args.command == "explorer":
             await runtime.run_explorer(run, url, name=args.name, on_progress=explorer_progress)
         elif args.command == "operator":
-            pipelines = [_operator_pipeline(args) for _ in range(max(1, args.replicas))]
-            from_stage, to_stage, start_seq = args.from_stage, args.to_stage, None
-            if args.splice:
-                if not args.operator or not args.to_stage:
-                    raise RftError("--splice needs an operator NAME and the stage it writes (--to)")
-                progress.update(task, info="asking the trainer to splice this operator in…")
-                cut = await runtime.splice_in(run, url, args.operator, args.to_stage)
-                from_stage, to_stage, start_seq = cut.from_stage, cut.to_stage, cut.start_seq
-                progress.console.print(
-                    f"spliced in: reads exp.{from_stage} from sequence {start_seq}, writes "
-                    f"exp.{to_stage}; the trainer reads exp.{to_stage} from now on"
-                )
             async with anyio.create_task_group() as tg:
                 for i, pipeline in enumerate(pipelines):
                     tg.start_soon(
@@ -328,45 +400,138 @@ def cmd_actor(args: argparse.Namespace) -> int:
                             url,
                             name=args.name if len(pipelines) == 1 else f"{args.name}-{i}",
                             pipeline=pipeline,
-                            from_stage=from_stage,
-                            to_stage=to_stage,
+                            from_stage=args.from_stage,
+                            to_stage=args.to_stage,
                             on_progress=operator_progress,
-                            start_seq=start_seq,
                         )
                     )
         else:
             await runtime.run_trainer(run, url, name=args.name, on_step=trainer_step)
 
+    async def spliced(stop: anyio.Event) -> None:
+        from rftstream.actors.spliced import run_spliced
+
+        await runtime.provision(run, url)
+        progress.update(task, info="asking the trainer to splice this operator in…")
+        outcome = await run_spliced(
+            run,
+            url,
+            operator=args.operator,
+            args=json.loads(args.args),
+            to_stage=args.to_stage,
+            pipelines=pipelines,
+            name=args.name,
+            stop=stop,
+            say=lambda line: progress.console.print(
+                line, markup=False, highlight=False, soft_wrap=True
+            ),
+            on_progress=operator_progress,
+            unsplice_now=bool(args.unsplice),
+        )
+        progress.console.print(f"{args.name}: {outcome}", markup=False)
+
     with progress:
+        if args.command == "operator" and (args.splice or args.unsplice):
+            return _run_graceful(spliced)
         return run_with_signals(main)
 
 
+def cmd_unsplice(args: argparse.Namespace) -> int:
+    """``rftstream operator --unsplice STAGE`` (no NAME): ask the stage's operator to leave."""
+    from rftstream import splice
+    from rftstream.bus.client import Bus
+    from rftstream.bus.state import RunState
+
+    cfg, names = _names(args)
+    stage = args.unsplice
+
+    async def main() -> dict[str, Any]:
+        async with await Bus.connect(args.nats_url, names, cfg.nats, "unsplice") as bus:
+            state = RunState(await bus.kv())
+            splice_id = await splice.ask_unsplice(state, stage)
+            console.print(f"asked the operator of exp.{stage} to remove itself; waiting…")
+            return await splice.wait_unsplice(state, splice_id, stage)
+
+    result = anyio.run(main, backend="asyncio")
+    console.print(
+        f"removed exp.{stage} ({result.get('operator')}): the trainer reads "
+        f"exp.{result.get('from_stage')} again from sequence {int(result['cut_seq']) + 1}",
+        markup=False,
+        soft_wrap=True,
+    )
+    return 0
+
+
 def cmd_status(args: argparse.Namespace) -> int:
+    """``rftstream status``: a :func:`rftstream.inspect.status_report` of the KV bucket."""
+    import time
 
     from rftstream.bus.client import Bus
     from rftstream.bus.state import RunState
-    from rftstream.config.validate import run_id_from_name
-    from rftstream.subjects import RunNames
+    from rftstream.inspect import status_report
 
-    cfg, _ = load_run_config(args)
-    names = RunNames(run_id_from_name(cfg.name))
+    cfg, names = _names(args)
 
-    async def main() -> None:
+    async def main() -> dict[str, Any]:
         async with await Bus.connect(args.nats_url, names, cfg.nats, "status") as bus:
-            state = RunState(await bus.kv())
-            values = await state.all()
-            for key, value in values.items():
-                console.print(f"[cyan]{key}[/] = {value}")
-            current = cfg.data_processor.experience_pipeline.output_stage
-            chain = ["raw", current]
-            for edge in values.get("topology") or []:
-                if isinstance(edge, dict) and edge.get("from") == current:
-                    current = str(edge.get("to"))
-                    chain.append(f"{current} ({edge.get('by')})")
-            console.print("stages: " + " -> ".join(chain) + " -> trainer", markup=False)
+            return await RunState(await bus.kv()).all()
 
-    anyio.run(main)
+    values = anyio.run(main, backend="asyncio")
+    p = cfg.data_processor.experience_pipeline
+    report = status_report(values, time.time(), p.input_stage, p.output_stage)
+    report["run"] = names.run
+    if args.all:
+        report["kv"] = values
+    if args.json:
+        print(json.dumps(report, default=str))
+        return 0
+    _print_status(report)
     return 0
+
+
+def _print_status(r: dict[str, Any]) -> None:
+    from rich.table import Table
+
+    def age(v: Any) -> str:
+        return "-" if v is None else f"{v:.0f}s ago"
+
+    t = r["trainer"]
+    console.print(
+        f"run [cyan]{r['run']}[/]  status [bold]{r['status'] or '-'}[/]  trainer step "
+        f"[bold]{_fmt(t['step'], 'd')}[/]  weights v{_fmt(r['weights']['version'], 'd')} "
+        f"({r['weights']['method'] or '-'}, published {age(r['weights']['age'])})"
+    )
+    console.print("stages: " + r["chain"], markup=False)
+    if r.get("change"):
+        c = r["change"]
+        console.print(
+            f"[yellow]under way:[/] {c.get('kind')} of exp.{c.get('to_stage')} "
+            f"({c.get('operator')}): {c.get('state')}"
+        )
+    if r.get("waiting"):
+        console.print(f"[bold red]waiting:[/] {escape(str(r['waiting']))}")
+    if r["explorers"]:
+        ex = Table(title="explorers")
+        for col in ("explorer", "step", "model version", "staleness", "heartbeat"):
+            ex.add_column(col)
+        for e in r["explorers"]:
+            ex.add_row(
+                e["name"],
+                _fmt(e["step"], "d"),
+                _fmt(e["model_version"], "d"),
+                _fmt(e["staleness"], "d"),
+                age(e["heartbeat_age"]),
+            )
+        console.print(ex)
+    hb = Table(title="heartbeats")
+    for col in ("actor", "role", "age", "info"):
+        hb.add_column(col, overflow="fold")
+    for h in r["heartbeats"]:
+        info = ", ".join(f"{k}={v}" for k, v in h["info"].items())
+        hb.add_row(h["actor"], h["role"], age(h["age"]), info)
+    console.print(hb)
+    for key, value in (r.get("kv") or {}).items():
+        console.print(f"[cyan]{key}[/] = {escape(str(value))}")
 
 
 def _names(args: argparse.Namespace) -> tuple[Any, Any]:
@@ -522,11 +687,19 @@ def _step_line(r: dict[str, Any]) -> str:
     )
 
 
+def _first_leaf(group: BaseException) -> BaseException:
+    while isinstance(group, BaseExceptionGroup):
+        group = group.exceptions[0]
+    return group
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         if args.command == "up":
             return cmd_up(args)
+        if args.command == "operator" and args.unsplice and not args.operator:
+            return cmd_unsplice(args)
         if args.command in ("explorer", "operator", "trainer"):
             return cmd_actor(args)
         if args.command == "status":
@@ -540,6 +713,13 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "debug":
             return cmd_debug(args)
     except RftError as exc:  # one line, never re-wrapped, brackets in it kept (not markup)
+        console.print(f"[bold red]error:[/] {escape(str(exc))}", soft_wrap=True)
+        return 2
+    except BaseExceptionGroup as group:  # an actor's RftError, raised inside a task group
+        errors, rest = group.split(RftError)
+        if errors is None or rest is not None:
+            raise
+        exc = _first_leaf(errors)
         console.print(f"[bold red]error:[/] {escape(str(exc))}", soft_wrap=True)
         return 2
     except KeyboardInterrupt:  # Ctrl-C before the actors started (model build, config)

@@ -84,3 +84,91 @@ def summarize_message(
         out["undecodable"] = str(exc)
         out["bytes"] = len(body)
     return out
+
+
+def _int(v: Any) -> int | None:
+    try:
+        return None if v is None else int(v)
+    except (TypeError, ValueError):
+        return None
+
+
+def status_report(
+    values: dict[str, Any], now: float, input_stage: str = "raw", output_stage: str = "train"
+) -> dict[str, Any]:
+    """``rftstream status`` from a dump of the run's KV bucket (key -> decoded JSON value).
+
+    ``trainer``: its step and version (its step: the newest of ``trainer.step``,
+    its heartbeat's and the published weights' version). ``explorers``: each one's step,
+    ``model_version`` (weights it generates with, from its heartbeat) and
+    ``staleness`` = trainer version - model_version. ``heartbeats``: every
+    actor's role, age in seconds and the rest of its record. ``chain``: the
+    stages from ``exp.<input_stage>`` to the trainer, spliced operators named.
+    """
+    from rftstream.splice import in_flight, stage_chain
+    from rftstream.subjects import KV_SPLICE, KV_TRAINER_WAITING, KV_WEIGHTS
+
+    heartbeats: list[dict[str, Any]] = []
+    for key, value in values.items():
+        if key.startswith("heartbeat.") and isinstance(value, dict):
+            info = {k: v for k, v in value.items() if k not in ("actor", "role", "ts")}
+            heartbeats.append(
+                {
+                    "actor": str(value.get("actor") or key[len("heartbeat.") :]),
+                    "role": str(value.get("role") or ""),
+                    "age": max(0.0, now - float(value.get("ts") or 0.0)),
+                    "info": info,
+                }
+            )
+    heartbeats.sort(key=lambda h: (h["role"], h["actor"]))
+    weights = values.get(KV_WEIGHTS) if isinstance(values.get(KV_WEIGHTS), dict) else {}
+    trainer_hb = next((h for h in heartbeats if h["role"] == "trainer"), None)
+    # the trainer's version is its step (trainer.step is written every step; a heartbeat
+    # or the published weights may lag behind it)
+    known = [
+        _int(values.get("trainer.step")),
+        _int((trainer_hb or {}).get("info", {}).get("version")),
+        _int(weights.get("version")),
+    ]
+    version = max((v for v in known if v is not None), default=None)
+    trainer = {
+        "step": _int(values.get("trainer.step")),
+        "version": version,
+        "heartbeat_age": trainer_hb["age"] if trainer_hb else None,
+        "done": values.get("trainer.done"),
+    }
+    names = {k.split(".")[1] for k in values if k.startswith("explorer.") and k.count(".") >= 2}
+    names |= {h["actor"] for h in heartbeats if h["role"] == "explorer"}
+    explorers = []
+    for name in sorted(names):
+        hb = next((h for h in heartbeats if h["role"] == "explorer" and h["actor"] == name), None)
+        mv = _int((hb or {}).get("info", {}).get("model_version"))
+        explorers.append(
+            {
+                "name": name,
+                "step": _int(values.get(f"explorer.{name}.step")),
+                "model_version": mv,
+                "staleness": None if mv is None or version is None else version - mv,
+                "heartbeat_age": hb["age"] if hb else None,
+                "done": values.get(f"explorer.{name}.done") is not None,
+            }
+        )
+    chain = stage_chain(values, input_stage, output_stage)
+    text = " -> ".join(s["stage"] + (f" ({s['operator']})" if s["operator"] else "") for s in chain)
+    waiting = values.get(KV_TRAINER_WAITING)
+    change = values.get(KV_SPLICE)
+    return {
+        "status": values.get("status"),
+        "trainer": trainer,
+        "weights": {
+            "version": _int(weights.get("version")),
+            "method": weights.get("method"),
+            "age": max(0.0, now - float(weights["ts"])) if weights.get("ts") else None,
+        },
+        "explorers": explorers,
+        "heartbeats": heartbeats,
+        "stages": chain,
+        "chain": text + " -> trainer",
+        "change": change if in_flight(change) else None,
+        "waiting": waiting.get("message") if isinstance(waiting, dict) else None,
+    }

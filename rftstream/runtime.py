@@ -401,6 +401,7 @@ async def run_operator(
     to_stage: str | None = None,
     on_progress: Callable[[dict[str, Any]], None] | None = None,
     start_seq: int | None = None,
+    control: Any = None,
 ) -> None:
     from rftstream.actors.operator_host import OperatorHost
 
@@ -413,8 +414,12 @@ async def run_operator(
             to_stage=to_stage or p.output_stage,
             name=name,
             batch_messages=p.batch_messages,
+            max_retries=p.max_retries,
+            retry_backoff=p.retry_backoff,
+            process_timeout=p.process_timeout,
             on_progress=on_progress,
             start_seq=start_seq,
+            control=control,
         )
         await host.run()
 

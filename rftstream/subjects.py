@@ -132,3 +132,13 @@ KV_TRAINER_STARVING = (
 )
 KV_WEIGHTS = "weights.latest"  # JSON: {"version", "method", "uri", "sha256"}
 KV_HEARTBEAT = "heartbeat.{actor}"
+# the trainer's input and the spliced stages (see rftstream.splice)
+KV_SPLICE = "splice"  # the one topology change in flight (splice or unsplice)
+KV_TRAINER_INPUT = (
+    "trainer.input"  # {"stage", "consumer", "retired": [...]}: what the trainer reads
+)
+KV_TOPOLOGY = "topology"  # [{"op", "from", "to", "by", "seq", "ts"}, ...]: every change so far
+KV_STAGE = "stage.{stage}"  # a spliced stage: its operator, durable and owner process
+KV_TRAINER_WAITING = (
+    "trainer.waiting"  # {"stage", "message", "since"} while a dead stage starves it
+)

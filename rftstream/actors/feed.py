@@ -1,4 +1,5 @@
-"""The trainer's experience source: a durable pull consumer on ``exp.train``.
+"""The trainer's experience source: a durable pull consumer on ``exp.train`` (or on the
+stage a splice moved it to, see :mod:`rftstream.splice`).
 
 :class:`ExperienceFeed` implements ``algorithms.sample_strategy.ExperienceSource``:
 :meth:`read` blocks until ``n`` experiences are buffered, or returns fewer
@@ -13,6 +14,11 @@ the trainer. Experiences are deduplicated by ``eid.uid``, so a
 redelivered message is never trained twice. A body that does not decode goes
 to ``dlq.train`` with the reason. Cancelling :meth:`read` loses nothing: held
 messages are simply redelivered after ``ack_wait`` if the process dies.
+
+After a splice or an unsplice the feed reads a new consumer and keeps
+draining the *retired* one up to its cut (see :meth:`switch_to`); ``on_idle``
+(the trainer's :class:`~rftstream.actors.topology.TrainerTopology`) runs
+between two fetches, where a cut is exact.
 """
 
 from __future__ import annotations
@@ -44,10 +50,13 @@ class _Held:
 
 @dataclass
 class _Retired:
-    """A consumer the trainer stopped reading at a splice: its messages up to ``cut_seq``."""
+    """A consumer the trainer stopped reading: its messages up to ``cut_seq`` are still the
+    trainer's. ``cut_seq`` None (an unsplice under way): everything on it, until the spliced
+    operator has drained and says where its stage ends."""
 
     consumer: PullConsumer
-    cut_seq: int
+    cut_seq: int | None
+    splice_id: str | None = None
 
 
 class ExperienceFeed:
@@ -84,16 +93,41 @@ class ExperienceFeed:
         self.wait_time = 0.0
         self.retired: list[_Retired] = []
         self.on_idle: Callable[[], Awaitable[None]] | None = None  # splice polling
+        self.on_retired_change: Callable[[], Awaitable[None]] | None = None  # persist them
         self.taken_stages: dict[str, int] = {}
+        self.last_received = time.monotonic()
 
-    async def switch_to(self, consumer: PullConsumer, cut_seq: int) -> None:
+    async def switch_to(
+        self, consumer: PullConsumer, cut_seq: int | None, splice_id: str | None = None
+    ) -> None:
         """Read ``consumer`` from now on; keep draining the current one up to ``cut_seq``.
 
         Messages already buffered or held stay as they are. The old consumer
-        is deleted once its ack floor reaches ``cut_seq`` (see :mod:`rftstream.splice`).
+        is deleted once its ack floor reaches ``cut_seq`` (see :mod:`rftstream.splice`);
+        ``cut_seq`` None: not before :meth:`set_retired_cut` gave it one.
         """
-        self.retired.append(_Retired(self.consumer, cut_seq))
+        self.retired.append(_Retired(self.consumer, cut_seq, splice_id))
         self.consumer = consumer
+
+    def retire(self, consumer: PullConsumer, cut_seq: int | None, splice_id: str | None) -> None:
+        """Drain ``consumer`` (not the one read now) up to ``cut_seq``: a trainer restart
+        picks up where the previous process left its retired consumers."""
+        self.retired.append(_Retired(consumer, cut_seq, splice_id))
+
+    def set_retired_cut(self, splice_id: str, cut_seq: int) -> bool:
+        """Close the open cut of the consumer retired by ``splice_id``. False: none."""
+        for r in self.retired:
+            if r.splice_id == splice_id:
+                r.cut_seq = cut_seq
+                return True
+        return False
+
+    def retired_records(self) -> list[dict[str, object]]:
+        """The retired consumers, as stored in the ``trainer.input`` KV record."""
+        return [
+            {"consumer": r.consumer.durable, "cut_seq": r.cut_seq, "splice_id": r.splice_id}
+            for r in self.retired
+        ]
 
     @property
     def retired_names(self) -> set[str]:
@@ -101,15 +135,18 @@ class ExperienceFeed:
 
     async def _drain_retired(self) -> None:
         """Take redeliveries up to the cut from retired consumers; ack later ones; delete when done."""
+        changed = False
         for r in list(self.retired):
             msgs = await r.consumer.fetch(self.fetch_batch, timeout=0.05)
             keep = []
             for m in msgs:
-                if m.metadata.sequence.stream > r.cut_seq:
+                if r.cut_seq is not None and m.metadata.sequence.stream > r.cut_seq:
                     await m.ack()  # the spliced operator's, from cut_seq + 1 on
                 else:
                     keep.append(m)
             await self._accept(keep)
+            if r.cut_seq is None:
+                continue
             info = await r.consumer.info()
             if int(info.ack_floor.stream_seq or 0) >= r.cut_seq:  # all of its messages acked
                 await r.consumer.unsubscribe()
@@ -118,6 +155,9 @@ class ExperienceFeed:
                 except Exception as exc:  # noqa: BLE001 - best effort; it only costs space
                     log.warning("could not delete retired consumer %s: %s", r.consumer.durable, exc)
                 self.retired.remove(r)
+                changed = True
+        if changed and self.on_retired_change is not None:
+            await self.on_retired_change()
 
     @property
     def buffered(self) -> int:
@@ -171,6 +211,7 @@ class ExperienceFeed:
                 self._held_by_uid[e.eid.uid] = held
                 self._buffer.append((e, held))
             self.received += len(fresh)
+            self.last_received = time.monotonic()
 
     async def read(self, n: int) -> list[Experience]:
         """Take ``n`` experiences (fewer only when the upstream is exhausted). Blocks."""

@@ -7,9 +7,27 @@ once, regroups the survivors by task group and publishes each group to
 is never stored twice downstream), then acks the inputs.
 
 Failures: a body that does not decode is dead-lettered at once. When the
-pipeline raises, the batch is retried with backoff up to ``max_retries``
-times, then every input of the batch goes to ``dlq.<from>`` with the exception
-and the stage in its headers, and the stage keeps running.
+pipeline raises (or runs longer than ``process_timeout``), a batch of several
+messages is split and each message retried on its own: up to ``max_retries``
+more attempts, waiting ``retry_backoff`` s, doubling (at most 10 s, or
+``retry_backoff`` if larger). A message that still fails goes to
+``dlq.<from>`` with the exception and the stage in its headers
+(``Rft-Dlq-Reason``, ``Rft-Dlq-Stage``); the stage keeps running.
+
+Metrics (one record per batch on ``metrics.<actor>``): messages and
+experiences in and out, ``operator/experiences_filtered`` and, by the
+operator that dropped them, ``operator/filtered/<operator>``;
+``operator/dead_lettered`` (messages) and ``operator/failed_batches``
+(pipeline calls that raised), each also as a ``_total`` over the host's life;
+latency per batch (``time/operator_batch``), per message
+(``time/operator_per_message``) and from a message's arrival on its stage to
+its processing (``latency/message_mean``, ``latency/message_max``).
+
+Stopping for an unsplice (see :mod:`rftstream.splice`): with a
+:class:`DrainControl`, the hosts of one process stop fetching when asked
+(after acking the batch in hand), wait for the cut ``C``, then drain: messages
+up to ``C`` are processed, later ones acked unprocessed (the trainer reads
+them itself), until the durable's ack floor reaches ``C``.
 
 Cancelling :meth:`OperatorHost.run` leaves the current batch unacked: it is
 redelivered (to this or another replica) after ``ack_wait``.
@@ -21,18 +39,96 @@ import logging
 import time
 from collections import defaultdict
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 import anyio
 from nats.aio.msg import Msg
 
-from rftstream.actors.common import InProgressTicker, heartbeat_loop
-from rftstream.bus.client import Bus
+from rftstream.actors.common import END_STATUSES, InProgressTicker, heartbeat_loop
+from rftstream.bus.client import Bus, PullConsumer
 from rftstream.bus.state import RunState
-from rftstream.errors import RftError, SchemaError
+from rftstream.errors import ConfigError, RftError, SchemaError
 from rftstream.experience import H_MSG_ID, Experience, decode_group
 
 log = logging.getLogger(__name__)
+
+_KEY = "data_processor.experience_pipeline"
+MAX_BACKOFF_S = 10.0
+
+
+class DrainControl:
+    """Stops the hosts of one stage in one process, then drains them up to a cut.
+
+    :meth:`stop` asks every host to stop fetching; each finishes (and acks)
+    the batch in hand and parks. ``all_parked`` is set once all have. The
+    coordinator takes the cut and calls :meth:`set_cut`; the hosts then drain
+    and return from ``run()``; ``all_drained`` is set when all have. A host
+    that leaves for another reason (the run ended, an error) counts as both.
+    Create it inside the event loop (it holds anyio events).
+    """
+
+    def __init__(self, hosts: int) -> None:
+        self.hosts = hosts
+        self.stopping = False
+        self.cut: int | None = None
+        self._parked = 0
+        self._left = 0
+        self.all_parked = anyio.Event()
+        self.cut_known = anyio.Event()
+        self.all_drained = anyio.Event()
+
+    def stop(self) -> None:
+        self.stopping = True
+
+    def set_cut(self, cut: int) -> None:
+        self.stopping = True
+        self.cut = int(cut)
+        self.cut_known.set()
+
+    async def park(self) -> None:
+        self._parked += 1
+        self._check()
+        try:
+            await self.cut_known.wait()
+        finally:
+            self._parked -= 1
+
+    def leave(self) -> None:
+        self._left += 1
+        self._check()
+
+    def _check(self) -> None:
+        if self._parked + self._left >= self.hosts:
+            self.all_parked.set()
+        if self._left >= self.hosts:
+            self.all_drained.set()
+
+
+@dataclass
+class _Stats:
+    """What one ``process_batch`` call did (published as one metrics record)."""
+
+    messages_in: int = 0
+    messages_out: int = 0
+    experiences_in: int = 0
+    experiences_out: int = 0
+    filtered: int = 0
+    dead_lettered: int = 0
+    dead_lettered_exps: int = 0
+    failed_batches: int = 0
+    latencies: list[float] = field(default_factory=list)
+    op_metrics: dict[str, float] = field(default_factory=dict)
+
+    def add_metrics(self, metrics: dict[str, Any]) -> None:
+        """Counts (``filtered/*``, ``*_count``, times) add up over the calls; others: the last."""
+        for key, value in metrics.items():
+            if not isinstance(value, (int, float)) or isinstance(value, bool):
+                continue
+            additive = key.startswith(("filtered/", "pipeline/")) or key.endswith("_count")
+            self.op_metrics[key] = (
+                self.op_metrics.get(key, 0.0) + float(value) if additive else float(value)
+            )
 
 
 class OperatorHost:
@@ -50,10 +146,23 @@ class OperatorHost:
         name: str = "operator",
         batch_messages: int = 16,
         max_retries: int = 3,
+        retry_backoff: float = 0.5,
+        process_timeout: float | None = None,
         fetch_timeout: float = 0.5,
         on_progress: Callable[[dict[str, Any]], None] | None = None,
         start_seq: int | None = None,
+        control: DrainControl | None = None,
     ) -> None:
+        if max_retries < 0:
+            raise ConfigError(f"{_KEY}.max_retries", "must be >= 0", value=max_retries)
+        if retry_backoff < 0:
+            raise ConfigError(f"{_KEY}.retry_backoff", "must be >= 0", value=retry_backoff)
+        if process_timeout is not None and not process_timeout > 0:
+            raise ConfigError(
+                f"{_KEY}.process_timeout", "must be > 0 (or null: no limit)", value=process_timeout
+            )
+        if batch_messages < 1:
+            raise ConfigError(f"{_KEY}.batch_messages", "must be >= 1", value=batch_messages)
         self.start_seq = start_seq  # a spliced stage starts where the trainer stopped reading
         self.on_progress = on_progress
         self.bus = bus
@@ -64,67 +173,160 @@ class OperatorHost:
         self.name = name
         self.batch_messages = batch_messages
         self.max_retries = max_retries
+        self.retry_backoff = retry_backoff
+        self.process_timeout = process_timeout
         self.fetch_timeout = fetch_timeout
+        self.control = control
         self.counters: dict[str, float] = defaultdict(float)
         self.batches = 0
 
+    @property
+    def durable(self) -> str:
+        return self.names.stage_consumer(self.from_stage, self.to_stage)
+
     async def run(self) -> None:
-        """Process until the run ends. Blocks; cancel to stop."""
+        """Process until the run ends (or, with a :class:`DrainControl`, until drained). Blocks."""
+        try:
+            await self._run()
+        finally:
+            if self.control is not None:
+                self.control.leave()
+
+    async def _run(self) -> None:
         await self.bus.ensure_consumer(
             self.names.exp_stream,
-            self.names.stage_consumer(self.from_stage, self.to_stage),
+            self.durable,
             self.names.exp_subject(self.from_stage),
             description=f"run {self.names.run}: operator pipeline {self.from_stage} -> {self.to_stage}",
             role="operator",
             start_seq=self.start_seq,
         )
-        consumer = await self.bus.pull(
-            self.names.exp_stream, self.names.stage_consumer(self.from_stage, self.to_stage)
-        )
+        consumer = await self.bus.pull(self.names.exp_stream, self.durable)
         state = RunState(await self.bus.kv())
         ticker = InProgressTicker(self.bus.cfg.ack_wait / 3)
         await self.pipeline.prepare()
         try:
             async with anyio.create_task_group() as tg:
                 tg.start_soon(ticker.run)
-                tg.start_soon(
-                    heartbeat_loop, state, self.name, self.role, lambda: dict(self.counters)
-                )
-                idle_checks = 0
-                while True:
-                    msgs = await consumer.fetch(self.batch_messages, timeout=self.fetch_timeout)
-                    if not msgs:
-                        idle_checks += 1
-                        if idle_checks % 4 == 0 and await state.status() in (
-                            "finished",
-                            "failed",
-                            "stopped",
-                        ):
-                            break
-                        continue
-                    for m in msgs:
-                        ticker.hold(m)
-                    try:
-                        await self.process_batch(msgs)
-                    finally:
-                        for m in msgs:
-                            ticker.release(m)
+                tg.start_soon(heartbeat_loop, state, self.name, self.role, self._heartbeat)
+                await self._loop(consumer, state, ticker)
                 tg.cancel_scope.cancel()
         finally:
             with anyio.CancelScope(shield=True):
                 await consumer.unsubscribe()
                 await self.pipeline.close()
 
+    def _heartbeat(self) -> dict[str, Any]:
+        return {**self.counters, "from_stage": self.from_stage, "to_stage": self.to_stage}
+
+    async def _loop(
+        self, consumer: PullConsumer, state: RunState, ticker: InProgressTicker
+    ) -> None:
+        idle_checks = 0
+        while True:
+            control = self.control
+            if control is not None and control.stopping and control.cut is None:
+                await control.park()  # the batch in hand is acked; wait for the cut
+            if control is not None and control.cut is not None:
+                if await self._drained_to(consumer, control.cut):
+                    return
+                msgs = await consumer.fetch(self.batch_messages, timeout=self.fetch_timeout)
+                mine = []
+                for m in msgs:
+                    if m.metadata.sequence.stream > control.cut:
+                        await m.ack()  # after the cut: the trainer reads it itself
+                        self.counters["skipped_after_cut"] += 1
+                    else:
+                        mine.append(m)
+                if mine:
+                    await self._process_held(mine, ticker)
+                continue
+            msgs = await consumer.fetch(self.batch_messages, timeout=self.fetch_timeout)
+            if not msgs:
+                idle_checks += 1
+                if idle_checks % 4 == 0 and await state.status() in END_STATUSES:
+                    return
+                continue
+            await self._process_held(msgs, ticker)
+
+    async def _drained_to(self, consumer: PullConsumer, cut: int) -> bool:
+        """Every message up to ``cut`` acked (or dead-lettered)."""
+        info = await consumer.info()
+        return int(info.num_ack_pending or 0) == 0 or int(info.ack_floor.stream_seq or 0) >= cut
+
+    async def _process_held(self, msgs: list[Msg], ticker: InProgressTicker) -> None:
+        for m in msgs:
+            ticker.hold(m)
+        try:
+            await self.process_batch(msgs)
+        finally:
+            for m in msgs:
+                ticker.release(m)
+
     async def process_batch(self, msgs: list[Msg]) -> None:
-        """Decode, run the pipeline, publish survivors, ack inputs (or dead-letter them)."""
+        """Decode, run the pipeline, publish survivors, ack inputs (or dead-letter them).
+
+        Publishes one metrics record for the batch.
+        """
         t0 = time.perf_counter()
+        now = time.time()
+        stats = _Stats(messages_in=len(msgs))
+        for m in msgs:
+            try:
+                stats.latencies.append(max(0.0, now - m.metadata.timestamp.timestamp()))
+            except Exception:  # noqa: BLE001 - not a JetStream message
+                pass
+        await self._handle(msgs, stats)
+        dt = time.perf_counter() - t0
+        self.batches += 1
+        c = self.counters
+        c["messages_in"] += stats.messages_in
+        c["messages_out"] += stats.messages_out
+        c["experiences_in"] += stats.experiences_in
+        c["experiences_out"] += stats.experiences_out
+        c["dead_lettered_messages"] += stats.dead_lettered
+        c["failed_batches"] += stats.failed_batches
+        values: dict[str, float] = {
+            "operator/messages_in": float(stats.messages_in),
+            "operator/messages_out": float(stats.messages_out),
+            "operator/experiences_in": float(stats.experiences_in),
+            "operator/experiences_out": float(stats.experiences_out),
+            "operator/experiences_filtered": float(stats.filtered),
+            "operator/dead_lettered": float(stats.dead_lettered),
+            "operator/dead_lettered_experiences": float(stats.dead_lettered_exps),
+            "operator/dead_lettered_total": c["dead_lettered_messages"],
+            "operator/failed_batches": float(stats.failed_batches),
+            "operator/failed_batches_total": c["failed_batches"],
+            "time/operator_batch": dt,
+            "time/operator_per_message": dt / max(1, len(msgs)),
+        }
+        if stats.latencies:
+            values["latency/message_mean"] = sum(stats.latencies) / len(stats.latencies)
+            values["latency/message_max"] = max(stats.latencies)
+        for key, value in stats.op_metrics.items():
+            values[key] = value
+            if key.startswith("filtered/"):
+                values[f"operator/{key}"] = value  # by the operator (reason) that dropped them
+        if self.on_progress is not None:
+            self.on_progress(dict(c))
+        try:
+            await self.bus.publish_metrics(self.role, self.batches, values)
+        except Exception as exc:  # noqa: BLE001 - metrics must not stop the stage
+            log.warning("%s: metrics publish failed: %s", self.name, exc)
+
+    async def _dead_letter(self, m: Msg, reason: str, n_exps: int, stats: _Stats) -> None:
+        await self.bus.dead_letter(self.from_stage, m, reason)
+        stats.dead_lettered += 1
+        stats.dead_lettered_exps += n_exps
+
+    async def _handle(self, msgs: list[Msg], stats: _Stats) -> None:
+        """Process ``msgs`` as one pipeline call; on failure, each message on its own."""
         decoded: list[tuple[Msg, list[Experience]]] = []
         for m in msgs:
             try:
                 decoded.append((m, decode_group(m.data)))
             except SchemaError as exc:
-                await self.bus.dead_letter(self.from_stage, m, f"{self.name}: {exc}")
-                self.counters["dead_lettered_messages"] += 1
+                await self._dead_letter(m, f"{self.name}: {exc}", 0, stats)
         if not decoded:
             return
         exps = [e for _, group in decoded for e in group]
@@ -132,19 +334,18 @@ class OperatorHost:
         for m, group in decoded:
             mid = (m.headers or {}).get(H_MSG_ID) or f"{m.subject}:{m.metadata.sequence.stream}"
             for e in group:
-                group_msg_id.setdefault(
-                    e.group_id, mid
-                )  # keep "#<part>": parts must not dedup each other
+                # keep "#<part>": parts must not dedup each other
+                group_msg_id.setdefault(e.group_id, mid)
+        single = len(decoded) == 1
         out, metrics, reason = await self._process_with_retry(
-            exps, retries=self.max_retries if len(decoded) == 1 else 1
+            exps, stats, retries=self.max_retries if single else 0
         )
         if out is None:
-            if len(decoded) > 1:  # isolate the poison message: every input on its own
+            if not single:  # isolate the poison message: every input on its own
                 for m, _ in decoded:
-                    await self.process_batch([m])
+                    await self._handle([m], stats)
                 return
-            await self.bus.dead_letter(self.from_stage, decoded[0][0], reason)
-            self.counters["dead_lettered_messages"] += 1
+            await self._dead_letter(decoded[0][0], reason, len(exps), stats)
             return
         groups: dict[str, list[Experience]] = defaultdict(list)
         for e in out:
@@ -156,65 +357,55 @@ class OperatorHost:
                     self.to_stage, group, msg_id=f"{self.to_stage}:{base}", group_id=gid
                 )
         except RftError as exc:  # e.g. an operator left something unencodable in `info`
-            if len(decoded) > 1:
+            if not single:
                 for m, _ in decoded:
-                    await self.process_batch([m])
+                    await self._handle([m], stats)
                 return
-            await self.bus.dead_letter(
-                self.from_stage, decoded[0][0], f"{self.name}: output not publishable: {exc}"
+            await self._dead_letter(
+                decoded[0][0], f"{self.name}: output not publishable: {exc}", len(exps), stats
             )
-            self.counters["dead_lettered_messages"] += 1
             return
         for m, _ in decoded:
             await m.ack()
-        dt = time.perf_counter() - t0
-        self.batches += 1
-        self.counters["messages_in"] += len(decoded)
-        self.counters["messages_out"] += len(groups)
-        self.counters["experiences_in"] += len(exps)
-        self.counters["experiences_out"] += len(out)
-        values = {
-            "operator/messages_in": float(len(decoded)),
-            "operator/messages_out": float(len(groups)),
-            "operator/experiences_in": float(len(exps)),
-            "operator/experiences_out": float(len(out)),
-            "operator/experiences_filtered": float(len(exps) - len(out)),
-            "time/operator_batch": dt,
-        }
-        values.update({k: float(v) for k, v in metrics.items() if isinstance(v, (int, float))})
-        if self.on_progress is not None:
-            self.on_progress(dict(self.counters))
-        try:
-            await self.bus.publish_metrics(self.role, self.batches, values)
-        except Exception as exc:  # noqa: BLE001 - metrics must not stop the stage
-            log.warning("%s: metrics publish failed: %s", self.name, exc)
+        stats.messages_out += len(groups)
+        stats.experiences_in += len(exps)
+        stats.experiences_out += len(out)
+        stats.filtered += len(exps) - len(out)
+        stats.add_metrics(metrics)
 
     async def _process_with_retry(
-        self, exps: list[Experience], *, retries: int
+        self, exps: list[Experience], stats: _Stats, *, retries: int
     ) -> tuple[list[Experience] | None, dict[str, Any], str]:
         """Run the pipeline, retrying with backoff; on final failure return ``(None, {}, reason)``."""
-        delay = 0.5
+        delay = self.retry_backoff
         last: BaseException | None = None
         for attempt in range(retries + 1):
             try:
-                out, metrics = await self.pipeline.process(exps)
+                if self.process_timeout is None:
+                    out, metrics = await self.pipeline.process(exps)
+                else:
+                    with anyio.fail_after(self.process_timeout):
+                        out, metrics = await self.pipeline.process(exps)
                 return out, metrics, ""
+            except TimeoutError:
+                last = TimeoutError(
+                    f"the pipeline took longer than process_timeout={self.process_timeout:g}s"
+                )
             except Exception as exc:  # noqa: BLE001 - user operators may raise anything
                 last = exc
-                log.warning(
-                    "%s: pipeline failed (attempt %d/%d): %s",
-                    self.name,
-                    attempt + 1,
-                    retries + 1,
-                    exc,
-                )
-                if attempt < retries:
-                    await anyio.sleep(delay)
-                    delay = min(delay * 2, 10.0)
+            stats.failed_batches += 1
+            log.warning(
+                "%s: pipeline failed (attempt %d/%d): %s", self.name, attempt + 1, retries + 1, last
+            )
+            if attempt < retries:
+                await anyio.sleep(delay)
+                delay = min(delay * 2, max(MAX_BACKOFF_S, self.retry_backoff))
         reason = (
             f"{self.name} stage {self.from_stage}->{self.to_stage}: {type(last).__name__}: {last}"
         )
         cause = last.__cause__ if last is not None else None
         if cause is not None:
             reason += f" (caused by {type(cause).__name__}: {cause})"
+        if retries:
+            reason += f" [{retries + 1} attempts]"
         return None, {}, reason

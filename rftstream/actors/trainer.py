@@ -30,9 +30,9 @@ from typing import Any
 import anyio
 import msgspec
 
-from rftstream import splice
 from rftstream.actors.common import InProgressTicker, consumer_drained, heartbeat_loop
 from rftstream.actors.feed import ExperienceFeed
+from rftstream.actors.topology import TrainerTopology
 from rftstream.buffer import TrainerInputs, trainer_inputs
 from rftstream.bus.client import Bus
 from rftstream.bus.state import RunState
@@ -183,7 +183,6 @@ class Trainer:
         )
         self.metrics_path = self.run_dir / "metrics.jsonl"
         self.feed: ExperienceFeed | None = None
-        self._splice_checked = 0.0
 
     async def _exhausted(self) -> bool:
         """Every task done, every stage before the trainer drained, nothing left on exp.train."""
@@ -194,13 +193,12 @@ class Trainer:
         if not await consumer_drained(self.bus, n.tasks_stream, n.explorer_consumer):
             return False
         infos = await self.bus.js.consumers_info(n.exp_stream)
+        if self.feed is not None and self.feed.retired:
+            return False  # still draining a stage it stopped reading
         mine = self.feed.consumer.durable if self.feed is not None else n.trainer_consumer
-        retired = self.feed.retired_names if self.feed is not None else set()
         for info in infos:
             pending = int(info.num_pending or 0)
             unacked = int(info.num_ack_pending or 0)
-            if info.name in retired:
-                continue  # drained by the feed up to its cut; later messages are spliced away
             if info.name == mine:
                 if pending:
                     return False
@@ -208,53 +206,14 @@ class Trainer:
                 return False
         return True
 
-    async def _poll_splice(self, state: RunState) -> None:
-        """Answer a pending splice request (see :mod:`rftstream.splice`); at most every 0.5 s.
-
-        Runs between two fetches of the feed, so the cut sequence is exact.
-        """
-        now = time.monotonic()
-        if now - self._splice_checked < 0.5 or self.feed is None:
-            return
-        self._splice_checked = now
-        request = await splice.pending_request(state)
-        if request is None:
-            return
-        feed = self.feed
-        old = feed.consumer
-        from_stage, _ = await splice.trainer_input(state)
-        to_stage = str(request["to_stage"])
-        info = await old.info()
-        cut = int(info.delivered.stream_seq or 0)
-        durable = splice.trainer_durable(to_stage)
-        n = self.names
-        await self.bus.ensure_consumer(
-            n.exp_stream,
-            durable,
-            n.exp_subject(to_stage),
-            description=f"run {n.run}: the trainer reads exp.{to_stage} (spliced by "
-            f"{request.get('operator')})",
-            role="trainer",
-        )
-        await feed.switch_to(await self.bus.pull(n.exp_stream, durable), cut)
-        await splice.answer_request(state, request, from_stage, cut + 1, durable)
-        log.info(
-            "%s: spliced %s in: exp.%s from seq %d belongs to it; reading exp.%s now",
-            self.name,
-            request.get("operator"),
-            from_stage,
-            cut + 1,
-            to_stage,
-        )
-
     async def run(self) -> None:
         """Train until ``buffer.total_steps`` or until the upstream is exhausted. Blocks."""
         from rftstream.training.engine import PolicyTrainer
 
         state = RunState(await self.bus.kv())
         await state.put_json("trainer.started", {"actor": self.name, "ts": time.time()})
-        _stage, durable = await splice.trainer_input(state)  # moved by a splice, if any
-        consumer = await self.bus.pull(self.names.exp_stream, durable)
+        topology = TrainerTopology(self.bus, state, self.name)
+        consumer = await topology.open()  # moved by a splice, if any
         ticker = InProgressTicker(self.cfg.nats.ack_wait / 3)
 
         async def starving(flag: bool) -> None:
@@ -262,7 +221,7 @@ class Trainer:
 
         feed = ExperienceFeed(self.bus, consumer, ticker, self._exhausted, starving=starving)
         self.feed = feed
-        feed.on_idle = lambda: self._poll_splice(state)
+        await topology.attach(feed)  # answers splice/unsplice requests between fetches
         monitor = RawMonitor()
         await monitor.start(self.bus)
         trainer = await anyio.to_thread.run_sync(
@@ -330,8 +289,11 @@ class Trainer:
         finally:
             with anyio.CancelScope(shield=True):
                 await monitor.stop()
-                await consumer.unsubscribe()
+                await feed.consumer.unsubscribe()
                 try:
+                    await state.heartbeat(
+                        self.name, self.role, step=self.step, version=self.version, status=status
+                    )
                     await state.put_json(
                         "trainer.done", {"step": self.step, "status": status, "ts": time.time()}
                     )

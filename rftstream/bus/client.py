@@ -45,7 +45,7 @@ from rftstream.messages import (
     MetricsMsg,
     encode_json,
 )
-from rftstream.subjects import RAW_STAGE, TRAIN_STAGE, RunNames
+from rftstream.subjects import KV_TRAINER_INPUT, RAW_STAGE, TRAIN_STAGE, RunNames
 
 log = logging.getLogger(__name__)
 
@@ -305,14 +305,19 @@ class Bus:
                 description=f"run {n.run}: operator pipeline {from_stage} -> {to_stage}",
                 role="operator",
             )
-        await self.ensure_consumer(
-            n.exp_stream,
-            n.trainer_consumer,
-            n.exp_subject(TRAIN_STAGE),
-            description=f"run {n.run}: the trainer reads exp.train",
-            role="trainer",
-        )
-        await self.kv()
+        kv = await self.kv()
+        try:
+            moved = (await kv.get(KV_TRAINER_INPUT)).value is not None
+        except (nats.js.errors.KeyNotFoundError, nats.js.errors.KeyDeletedError):
+            moved = False
+        if not moved:  # a splice moved the trainer elsewhere: never recreate `trainer` then
+            await self.ensure_consumer(
+                n.exp_stream,
+                n.trainer_consumer,
+                n.exp_subject(TRAIN_STAGE),
+                description=f"run {n.run}: the trainer reads exp.train",
+                role="trainer",
+            )
 
     async def kv(self) -> KeyValue:
         """The run's state bucket (created on first use)."""

@@ -50,6 +50,50 @@ class RunState:
             return msgspec.json.decode(raw)
         return decode_json(raw, typ, f"KV key {key!r}")
 
+    async def get_entry(self, key: str) -> tuple[Any | None, int | None]:
+        """``(decoded value, revision)``; ``(None, None)`` when the key is absent or deleted."""
+        try:
+            entry = await self.kv.get(key)
+        except (nats.js.errors.KeyNotFoundError, nats.js.errors.KeyDeletedError):
+            return None, None
+        if entry.value is None:
+            return None, None
+        return msgspec.json.decode(entry.value), entry.revision
+
+    async def compare_and_put(self, key: str, value: Any, revision: int | None) -> int | None:
+        """Put ``value`` only if ``key`` is still at ``revision`` (None: only if absent).
+
+        Returns the new revision, or None when someone else wrote the key first.
+        """
+        data = msgspec.json.encode(value)
+        try:
+            if revision is None:
+                return await self.kv.create(key, data)
+            return await self.kv.update(key, data, last=revision)
+        except (nats.js.errors.KeyWrongLastSequenceError, nats.js.errors.APIError):
+            return None
+
+    async def delete(self, key: str) -> None:
+        """Delete ``key`` (no error if absent)."""
+        try:
+            await self.kv.delete(key)
+        except nats.js.errors.KeyNotFoundError:
+            pass
+
+    async def heartbeats(self) -> dict[str, dict[str, Any]]:
+        """Every ``heartbeat.<actor>`` record, by actor."""
+        out: dict[str, dict[str, Any]] = {}
+        try:
+            keys = await self.kv.keys()
+        except nats.js.errors.NoKeysError:
+            return out
+        for key in keys:
+            if key.startswith("heartbeat."):
+                value = await self.get_json(key)
+                if isinstance(value, dict):
+                    out[key[len("heartbeat.") :]] = value
+        return out
+
     async def claim(self, key: str, value: Any) -> bool:
         """Atomically create ``key``; False if it already exists (someone else claimed it)."""
         data = (

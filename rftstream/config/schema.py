@@ -284,6 +284,9 @@ class ExperiencePipelineConfig(_Base):
     input_stage: str = "raw"
     output_stage: str = "train"
     batch_messages: int = 16  # messages fetched per pipeline call
+    max_retries: int = 3  # more attempts for a message whose pipeline call raised, then dead-letter
+    retry_backoff: float = 0.5  # seconds before the first retry; doubles (at most 10 s)
+    process_timeout: float | None = None  # seconds one pipeline call may take (None: no limit)
 
 
 class DataProcessorConfig(_Base):

@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import anyio
+import nats.js.errors
 import pytest
 import yaml
 
@@ -73,7 +74,8 @@ def test_operator_name_from_to_then_streams_tail_decode(
                         if (info.state.subjects or {}).get("rft.itest.exp.filtered", 0) >= 2:
                             break
                         await anyio.sleep(0.3)
-                # both replicas share one durable
+                # the stage's one durable (test_module_class_replicas_share_one_durable
+                # shows both replicas take work from it)
                 c = await bus.js.consumer_info(run.names.exp_stream, "op_raw_to_filtered")
                 assert c.config.filter_subject == "rft.itest.exp.raw"
                 await RunState(await bus.kv()).set_status("finished")
@@ -139,3 +141,169 @@ def test_operator_name_from_to_then_streams_tail_decode(
         [*CLI, "decode"], input=b"\x01garbage", capture_output=True, timeout=60, env=env
     )
     assert bad.returncode == 1 and "undecodable" in json.loads(bad.stdout)
+
+
+BOTH_REPLICAS = """
+import threading
+
+from operators import ExperienceOperator
+
+_BARRIER = threading.Barrier(2, timeout=60)
+
+
+class BothReplicas(ExperienceOperator):
+    \"\"\"Each replica's first batch waits for the other replica's first batch: it passes
+    only if both replicas were given messages from the shared durable.\"\"\"
+
+    def __init__(self, keep_min: float = 0.0) -> None:
+        self.keep_min = keep_min
+        self.first = True
+
+    def process(self, exps):
+        if self.first:
+            self.first = False
+            _BARRIER.wait()
+        return [e for e in exps if e.reward >= self.keep_min], {"seen": len(exps)}
+"""
+
+
+def test_module_class_replicas_share_one_durable(
+    tmp_path: Path, tiny_model_path: str, nats_url: str
+) -> None:
+    """`rftstream operator module:Class --replicas 2`: one durable, both replicas consume it."""
+    mod = tmp_path / "mods"
+    mod.mkdir()
+    (mod / "my_ops.py").write_text(BOTH_REPLICAS)
+    cfg = small_config(tmp_path, tiny_model_path)
+    cfg["data_processor"] = {"experience_pipeline": {"batch_messages": 1}}
+    cfg_path = tmp_path / "run.yaml"
+    cfg_path.write_text(yaml.safe_dump(cfg))
+    run = prepare_run(config_from_dict(cfg))
+    groups = [_group(i, float(i % 2)) for i in range(6)]
+
+    async def publish() -> None:
+        await provision(run, nats_url)
+        async with await Bus.connect(nats_url, run.names, run.cfg.nats, "producer") as bus:
+            for i, g in enumerate(groups):
+                await bus.publish_group("raw", g, msg_id=f"g{i}")
+
+    anyio.run(publish, backend="asyncio")
+    env = user_env(tiny_model_path)
+    env["PYTHONPATH"] = str(mod) + ":" + env.get("PYTHONPATH", "")
+    log = tmp_path / "op.log"
+    with open(log, "w") as out:
+        op = subprocess.Popen(
+            [
+                *CLI,
+                "operator",
+                "my_ops:BothReplicas",
+                "--args",
+                '{"keep_min": 0.5}',
+                "--from",
+                "raw",
+                "--to",
+                "kept",
+                "--replicas",
+                "2",
+                "--name",
+                "both",
+                "--config",
+                str(cfg_path),
+                "--nats-url",
+                nats_url,
+            ],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env=env,
+        )
+    try:
+
+        async def wait_and_finish() -> None:
+            async with await Bus.connect(nats_url, run.names, run.cfg.nats, "checker") as bus:
+                with anyio.fail_after(120):
+                    while True:
+                        assert op.poll() is None, log.read_text()[-3000:]
+                        try:
+                            info = await bus.js.consumer_info(
+                                run.names.exp_stream, "op_raw_to_kept"
+                            )
+                        except nats.js.errors.NotFoundError:
+                            info = None  # the process has not created it yet
+                        if info and info.num_pending == 0 and info.num_ack_pending == 0:
+                            break
+                        await anyio.sleep(0.3)
+                await RunState(await bus.kv()).set_status("finished")
+
+        anyio.run(wait_and_finish, backend="asyncio")
+        op.wait(timeout=60)
+        assert op.returncode == 0, log.read_text()[-3000:]
+    finally:
+        if op.poll() is None:
+            op.kill()
+
+    async def check() -> None:
+        async with await Bus.connect(nats_url, run.names, run.cfg.nats, "checker") as bus:
+            infos = await bus.js.consumers_info(run.names.exp_stream)
+            # one consumer for this stage (besides the configured pipeline's own on exp.raw)
+            mine = [c for c in infos if c.name not in ("op_raw_to_train", "trainer")]
+            assert [c.name for c in mine] == ["op_raw_to_kept"]
+            assert mine[0].config.filter_subject == "rft.itest.exp.raw"
+            assert mine[0].delivered.consumer_seq == len(groups)  # each delivered once
+        import msgspec
+
+        from rftstream.messages import MetricsMsg
+
+        per_replica = {}
+        for actor in ("both-0", "both-1"):
+            records = [
+                msgspec.json.decode(m.data, type=MetricsMsg)
+                for m in await read_stream(nats_url, f"rft.itest.metrics.{actor}")
+            ]
+            per_replica[actor] = sum(r.values["operator/messages_in"] for r in records)
+        # both replicas processed messages from the shared durable, together all of them
+        assert all(n >= 1 for n in per_replica.values()), per_replica
+        assert sum(per_replica.values()) == len(groups)
+        kept = [
+            e
+            for m in await read_stream(nats_url, "rft.itest.exp.kept")
+            for e in decode_group(m.data)
+        ]
+        assert sorted(e.eid.uid for e in kept) == sorted(
+            e.eid.uid for g in groups for e in g if e.reward >= 0.5
+        )
+        assert await read_stream(nats_url, "rft.itest.dlq.>") == []
+
+    anyio.run(check, backend="asyncio")
+
+
+def test_operator_errors_are_one_line_before_connecting(
+    tmp_path: Path, tiny_model_path: str
+) -> None:
+    """A constructor that raises, and a class that is no operator: exit 2, one line, no
+    traceback, and nothing connects (the NATS URL points nowhere)."""
+    mod = tmp_path / "mods"
+    mod.mkdir()
+    (mod / "bad_ops.py").write_text(
+        "class Plain:\n    def process(self, exps):\n        return exps, {}\n"
+    )
+    cfg_path = tmp_path / "run.yaml"
+    cfg_path.write_text(yaml.safe_dump(small_config(tmp_path, tiny_model_path)))
+    env = user_env(tiny_model_path)
+    env["PYTHONPATH"] = str(mod) + ":" + env.get("PYTHONPATH", "")
+    common = ["--to", "x", "--config", str(cfg_path), "--nats-url", "nats://127.0.0.1:9"]
+    for operator, args, expected in [
+        ("staleness_filter", '{"max_staleness": -3}', "operator 'staleness_filter'"),
+        ("bad_ops:Plain", "{}", "Plain is not an ExperienceOperator"),
+    ]:
+        out = subprocess.run(
+            [*CLI, "operator", operator, "--args", args, *common],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            env=env,
+        )
+        assert out.returncode == 2, out.stdout + out.stderr
+        lines = [x for x in out.stdout.splitlines() if x.strip()]
+        errors = [x for x in lines if x.startswith("error:")]
+        assert len(errors) == 1 and expected in errors[0], out.stdout
+        assert "Traceback" not in out.stdout + out.stderr

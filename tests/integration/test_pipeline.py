@@ -7,6 +7,7 @@ from pathlib import Path
 
 import anyio
 import msgspec
+import nats
 import pytest
 
 from rftstream.bus.client import Bus
@@ -21,9 +22,10 @@ pytestmark = pytest.mark.integration
 
 
 def test_explorer_operator_trainer_steps(
-    tmp_path: Path, tiny_model_path: str, nats_url: str
+    tmp_path: Path, tiny_model_path: str, nats_url: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    run = prepare_run(config_from_dict(small_config(tmp_path, tiny_model_path)))
+    data = small_config(tmp_path, tiny_model_path)
+    run = prepare_run(config_from_dict(data))
     steps = run_actors_to_end(run, nats_url, timeout=240)
     assert [r["step"] for r in steps] == [1, 2]
     lines = [json.loads(x) for x in (run.run_dir / "metrics.jsonl").read_text().splitlines()]
@@ -76,6 +78,58 @@ def test_explorer_operator_trainer_steps(
             )
 
     anyio.run(inspect, backend="asyncio")
+    check_status_cli(tmp_path, data, nats_url, capsys)
+
+
+def check_status_cli(
+    tmp_path: Path, data: dict, nats_url: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`rftstream status` of the finished run agrees with the KV bucket's raw records."""
+    import time
+
+    import yaml
+
+    from rftstream.cli import main
+
+    cfg_path = tmp_path / "status.yaml"
+    cfg_path.write_text(yaml.safe_dump(data))
+
+    async def raw_kv() -> dict:
+        nc = await nats.connect(nats_url)
+        kv = await nc.jetstream().key_value("rft_itest_state")
+        out = {k: json.loads((await kv.get(k)).value) for k in await kv.keys()}
+        await nc.close()
+        return out
+
+    kv = anyio.run(raw_kv, backend="asyncio")
+    t0 = time.time()
+    capsys.readouterr()
+    assert main(["status", "--json", "--config", str(cfg_path), "--nats-url", nats_url]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["run"] == "itest" and report["status"] == "finished"
+    assert report["trainer"]["step"] == 2
+    assert report["weights"]["version"] == 2 == kv["weights.latest"]["version"]
+    assert report["trainer"]["version"] == kv["trainer.step"] == 2
+    assert kv["heartbeat.trainer"]["version"] == 2  # the trainer's last heartbeat, at its end
+    assert report["chain"] == "raw -> train -> trainer"
+    [explorer] = report["explorers"]
+    hb = kv["heartbeat.explorer"]
+    assert explorer["name"] == "explorer"
+    assert explorer["step"] == kv["explorer.explorer.step"] >= 1
+    assert explorer["model_version"] == hb["model_version"]
+    assert explorer["staleness"] == 2 - hb["model_version"]
+    assert explorer["heartbeat_age"] == pytest.approx(t0 - hb["ts"], abs=5.0)
+    roles = {h["actor"]: h["role"] for h in report["heartbeats"]}
+    assert roles == {"explorer": "explorer", "operator": "operator", "trainer": "trainer"}
+    for h in report["heartbeats"]:
+        assert h["age"] >= 0 and h["age"] == pytest.approx(
+            t0 - kv[f"heartbeat.{h['actor']}"]["ts"], abs=5.0
+        )
+    # the readable form says the same
+    assert main(["status", "--config", str(cfg_path), "--nats-url", nats_url]) == 0
+    text = capsys.readouterr().out
+    assert "trainer step 2" in text and "weights v2" in text and "raw -> train -> trainer" in text
+    assert "explorer" in text and "heartbeats" in text
 
 
 def test_same_msg_id_is_trained_once(tmp_path: Path, tiny_model_path: str, nats_url: str) -> None:

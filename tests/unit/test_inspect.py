@@ -36,3 +36,68 @@ def test_task_json_passes_through_and_garbage_is_reported() -> None:
         summarize_body(b'{"a": 1}')
     m = summarize_message("rft.r.dlq.raw", 7, {H_DLQ_REASON: "boom", "Other": "x"}, b"\x00")
     assert m["dead_letter"] == {H_DLQ_REASON: "boom"} and m["seq"] == 7 and "undecodable" in m
+
+
+def test_status_report_versions_staleness_heartbeats_and_chain() -> None:
+    from rftstream.inspect import status_report
+
+    now = 1000.0
+    values = {
+        "status": "running",
+        "trainer.step": 5,
+        "weights.latest": {"version": 4, "method": "checkpoint", "uri": "x", "ts": 990.0},
+        "heartbeat.trainer": {"actor": "trainer", "role": "trainer", "ts": 999.0, "version": 4},
+        "heartbeat.e1": {"actor": "e1", "role": "explorer", "ts": 997.0, "model_version": 3},
+        "heartbeat.e2": {"actor": "e2", "role": "explorer", "ts": 980.0, "model_version": 5},
+        "heartbeat.f-0": {"actor": "f-0", "role": "operator", "ts": 998.5, "messages_in": 7},
+        "explorer.e1.step": 7,
+        "explorer.e2.step": 9,
+        "explorer.e2.done": {"step": 9},
+        "trainer.input": {"stage": "f2", "consumer": "trainer_f2"},
+        "stage.f2": {"operator": "dedup", "from_stage": "filtered"},
+        "stage.filtered": {"operator": "reward_filter", "from_stage": "train"},
+        "splice": {"id": "a", "kind": "unsplice", "state": "cut", "to_stage": "x"},
+        "trainer.waiting": {"message": "restart it", "ts": 999.0},
+    }
+    r = status_report(values, now)
+    assert r["status"] == "running"
+    assert r["trainer"]["step"] == 5 and r["trainer"]["version"] == 5  # newest of step/hb/weights
+    assert r["weights"] == {"version": 4, "method": "checkpoint", "age": 10.0}
+    assert r["explorers"] == [
+        {
+            "name": "e1",
+            "step": 7,
+            "model_version": 3,
+            "staleness": 2,
+            "heartbeat_age": 3.0,
+            "done": False,
+        },
+        {
+            "name": "e2",
+            "step": 9,
+            "model_version": 5,
+            "staleness": 0,
+            "heartbeat_age": 20.0,
+            "done": True,
+        },
+    ]
+    ages = {h["actor"]: (h["role"], h["age"]) for h in r["heartbeats"]}
+    assert ages == {
+        "trainer": ("trainer", 1.0),
+        "e1": ("explorer", 3.0),
+        "e2": ("explorer", 20.0),
+        "f-0": ("operator", 1.5),
+    }
+    assert r["chain"] == "raw -> train -> filtered (reward_filter) -> f2 (dedup) -> trainer"
+    assert r["change"]["kind"] == "unsplice" and r["waiting"] == "restart it"
+
+
+def test_status_report_of_an_empty_bucket() -> None:
+    from rftstream.inspect import status_report
+
+    r = status_report({}, 5.0)
+    assert r["trainer"] == {"step": None, "version": None, "heartbeat_age": None, "done": None}
+    assert r["explorers"] == [] and r["heartbeats"] == [] and r["change"] is None
+    assert r["chain"] == "raw -> train -> trainer"
+    done = status_report({"splice": {"kind": "splice", "state": "cut"}}, 5.0)
+    assert done["change"] is None  # a finished change is not "under way"

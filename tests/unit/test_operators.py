@@ -72,6 +72,23 @@ async def test_invalid_reward_filter():
 # ------------------------------------------------------------------ pipeline
 
 
+async def test_reward_filter_through_the_pipeline(anyio_backend):
+    rewards = [0.9, 0.1, 0.5, -2.0, 0.49, 3.0]
+    exps = [mk(r, task=f"t{i // 2}", run=i) for i, r in enumerate(rewards)]
+    pipeline = ExperiencePipeline.from_config(
+        [OperatorConfig(name="reward_filter", args={"threshold": 0.5})]
+    )
+    async with pipeline:
+        out, metrics = await pipeline.process(exps)
+    kept = [e for e, r in zip(exps, rewards, strict=True) if r >= 0.5]  # 0.9, 0.5, 3.0
+    assert out == kept and len(kept) == 3
+    assert metrics["pipeline/in"] == 6 and metrics["pipeline/out"] == 3
+    assert metrics["filtered/reward_filter"] == 3
+    assert metrics["reward_filter/filtered_count"] == 3
+    again, _ = await pipeline.process(out)  # idempotent on what it kept
+    assert again == kept
+
+
 async def test_pipeline_filters_then_grpo_advantage(anyio_backend):
     configs = [
         OperatorConfig(name="invalid_reward_filter"),

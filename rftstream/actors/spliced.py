@@ -1,0 +1,273 @@
+"""A spliced operator process: splice in (or resume), serve the stage, take itself out again.
+
+``rftstream operator NAME --splice --to Y`` runs :func:`run_spliced`; the
+protocol is in :mod:`rftstream.splice`. What a user sees:
+
+* First start: the trainer cuts over to ``exp.Y``; this process reads the
+  trainer's old stage from the cut on (``--replicas`` hosts sharing one durable).
+* Ctrl-C / SIGTERM (``stop`` set), or ``rftstream operator --unsplice Y`` from
+  another shell: the process removes the stage (every replica stops fetching,
+  acks its batch, the trainer reads the old stage again from the cut, leftovers
+  up to the cut are processed) and exits. A second Ctrl-C aborts at once; the
+  stage then stays spliced.
+* After a crash (SIGKILL, OOM): the same command resumes the stage, or an
+  unsplice that was under way, instead of splicing again.
+* The run ends: the hosts stop, the stage stays in the KV record (harmless).
+
+:func:`run_spliced` blocks until one of these ends it; cancelling it stops
+the hosts where they are (their batches are redelivered after ``ack_wait``).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import time
+import uuid
+from collections.abc import Callable
+from typing import Any
+
+import anyio
+import nats.js.errors
+
+from rftstream import splice
+from rftstream.actors.operator_host import DrainControl
+from rftstream.bus.client import Bus
+from rftstream.bus.state import RunState
+from rftstream.errors import RftError
+from rftstream.subjects import KV_SPLICE
+
+log = logging.getLogger(__name__)
+
+
+async def last_seq_on(bus: Bus, stage: str) -> int:
+    """The stream sequence of the last message on ``exp.<stage>`` (0: none)."""
+    try:
+        msg = await bus.js.get_last_msg(bus.names.exp_stream, bus.names.exp_subject(stage))
+    except nats.js.errors.NotFoundError:
+        return 0
+    return int(msg.seq or 0)
+
+
+async def _our_unsplice(state: RunState, stage: str) -> dict[str, Any] | None:
+    value = await state.get_json(KV_SPLICE)
+    if (
+        isinstance(value, dict)
+        and value.get("kind") == "unsplice"
+        and value.get("to_stage") == stage
+        and splice.in_flight(value)
+    ):
+        return value
+    return None
+
+
+async def run_spliced(
+    run: Any,
+    url: str,
+    *,
+    operator: str,
+    args: dict[str, Any],
+    to_stage: str,
+    pipelines: list[Any],
+    name: str,
+    stop: anyio.Event,
+    say: Callable[[str], None],
+    on_progress: Callable[[dict[str, Any]], None] | None = None,
+    unsplice_now: bool = False,
+) -> str:
+    """Serve ``exp.<to_stage>`` in front of the trainer until removed or the run ends.
+
+    Returns ``"removed"``, ``"run ended"`` or ``"cancelled"`` (stopped before
+    the trainer answered the splice). ``unsplice_now``: resume the stage only
+    to remove it (``rftstream operator NAME --unsplice Y``).
+    """
+    from rftstream.runtime import run_operator
+
+    n = run.names
+    async with await Bus.connect(url, n, run.cfg.nats, f"{name}-splice") as bus:
+        state = RunState(await bus.kv())
+        record = await splice.stage_record(state, to_stage)
+        if record is None and unsplice_now:
+            raise RftError(f"--unsplice {to_stage}: exp.{to_stage} is not a spliced stage")
+        if record is None:
+            cut = None
+            async with anyio.create_task_group() as tg:
+
+                async def request() -> None:
+                    nonlocal cut
+                    cut = await splice.request_splice(
+                        state, operator, to_stage, args=args, actor=name
+                    )
+                    tg.cancel_scope.cancel()
+
+                async def stopper() -> None:
+                    await stop.wait()
+                    tg.cancel_scope.cancel()
+
+                tg.start_soon(request)
+                tg.start_soon(stopper)
+            if cut is None:  # stopped while waiting for the trainer
+                if await _abandon_own_request(state, to_stage):
+                    say("stopped before the trainer answered; nothing was spliced")
+                    return "cancelled"
+                record = await _wait_record(state, to_stage)  # the trainer took it meanwhile
+                say(f"the trainer switched to exp.{to_stage} meanwhile; removing it again")
+            else:
+                say(
+                    f"spliced in: reads exp.{cut.from_stage} from sequence {cut.start_seq}, "
+                    f"writes exp.{to_stage}; the trainer reads exp.{to_stage} from now on"
+                )
+                record = await splice.stage_record(state, to_stage)
+                if record is None:
+                    raise RftError(
+                        f"exp.{to_stage}: the trainer answered but wrote no stage record"
+                    )
+        else:
+            if str(record.get("operator")) != operator:
+                raise RftError(
+                    f"exp.{to_stage} is spliced with operator {record.get('operator')!r}, not "
+                    f"{operator!r}; restart that one, or remove it first"
+                )
+            say(
+                f"resuming exp.{to_stage}: reads exp.{record.get('from_stage')} through its "
+                f"durable {record.get('durable')}"
+            )
+        await splice.claim_stage(state, to_stage, name)
+        from_stage = str(record["from_stage"])
+        pending = await _our_unsplice(state, to_stage)
+        start_seq = int(record.get("start_seq") or 1)
+        if pending is not None and pending.get("cut_seq") is not None:
+            start_seq = int(pending["cut_seq"]) + 1  # never re-create the durable before its cut
+        control = DrainControl(len(pipelines))
+        outcome = "run ended"
+
+        async with anyio.create_task_group() as tg:
+
+            async def hosts() -> None:
+                async with anyio.create_task_group() as htg:
+                    for i, pipeline in enumerate(pipelines):
+                        htg.start_soon(
+                            functools.partial(
+                                run_operator,
+                                run,
+                                url,
+                                name=name if len(pipelines) == 1 else f"{name}-{i}",
+                                pipeline=pipeline,
+                                from_stage=from_stage,
+                                to_stage=to_stage,
+                                on_progress=on_progress,
+                                start_seq=start_seq,
+                                control=control,
+                            )
+                        )
+                if not control.stopping:  # the run ended
+                    tg.cancel_scope.cancel()
+
+            async def trigger() -> None:
+                nonlocal outcome
+                resume = await _our_unsplice(state, to_stage)
+                while resume is None and not unsplice_now and not stop.is_set():
+                    with anyio.move_on_after(0.3):
+                        await stop.wait()
+                    asked = await _our_unsplice(state, to_stage)
+                    if asked is not None and asked.get("state") == "asked":
+                        resume = asked
+                        say(f"asked to remove exp.{to_stage} (rftstream operator --unsplice)")
+                await unsplice(
+                    bus, state, control, operator, from_stage, to_stage, resume or {}, say
+                )
+                outcome = "removed"
+                tg.cancel_scope.cancel()
+
+            tg.start_soon(hosts)
+            tg.start_soon(splice.refresh_owner, state, to_stage, name)
+            tg.start_soon(trigger)
+        return outcome
+
+
+async def unsplice(
+    bus: Bus,
+    state: RunState,
+    control: DrainControl,
+    operator: str,
+    from_stage: str,
+    to_stage: str,
+    resume: dict[str, Any],
+    say: Callable[[str], None],
+) -> None:
+    """Take ``exp.<to_stage>`` out (steps 2 and 4 of :mod:`rftstream.splice`). Blocks.
+
+    ``resume``: the ``splice`` record of an unsplice already under way for
+    this stage (empty: start one).
+    """
+    n = bus.names
+    durable = n.stage_consumer(from_stage, to_stage)
+    st = resume.get("state")
+    splice_id = str(resume.get("id") or uuid.uuid4().hex[:12])
+    if st in (None, "asked"):
+        control.stop()
+        say(f"removing exp.{to_stage}: every replica finishes the batch in hand…")
+        await control.all_parked.wait()
+        info = await bus.js.consumer_info(n.exp_stream, durable)
+        cut = int(info.delivered.stream_seq or 0)
+        say(f"cut at sequence {cut} of exp.{from_stage}; asking the trainer to read it again")
+        await splice.request_unsplice(
+            state,
+            splice_id,
+            operator=operator,
+            from_stage=from_stage,
+            to_stage=to_stage,
+            cut_seq=cut,
+        )
+    else:
+        cut = int(resume["cut_seq"])
+        say(f"resuming the removal of exp.{to_stage} (cut at sequence {cut} of exp.{from_stage})")
+        if st in ("requested", "claimed"):
+            control.stop()
+            await splice.wait_unsplice_cut(state, splice_id, to_stage)
+    control.set_cut(cut)
+    say(
+        f"the trainer reads exp.{from_stage} from sequence {cut + 1}; "
+        f"processing what is left up to {cut}…"
+    )
+    t0 = time.monotonic()
+    await control.all_drained.wait()
+    end = await last_seq_on(bus, to_stage)
+    try:
+        await bus.js.delete_consumer(n.exp_stream, durable)
+    except nats.js.errors.NotFoundError:
+        pass
+    await splice.finish_unsplice(state, splice_id, to_stage, end)
+    log.info("unsplice of exp.%s drained in %.1fs", to_stage, time.monotonic() - t0)
+    say(
+        f"removed: exp.{to_stage} ends at sequence {end}; the trainer drains it, then reads "
+        f"only exp.{from_stage}"
+    )
+
+
+async def _abandon_own_request(state: RunState, to_stage: str) -> bool:
+    """Abandon this process's splice request for ``to_stage`` if the trainer has not taken it."""
+    import os
+
+    value, rev = await state.get_entry(KV_SPLICE)
+    if not (
+        isinstance(value, dict)
+        and value.get("kind", "splice") == "splice"
+        and value.get("to_stage") == to_stage
+        and (value.get("owner") or {}).get("pid") == os.getpid()
+    ):
+        return True  # never written
+    if value.get("state") != "requested":
+        return value.get("state") in ("abandoned", "refused")
+    new = {**value, "state": "abandoned", "reason": "the operator was stopped"}
+    return await state.compare_and_put(KV_SPLICE, new, rev) is not None
+
+
+async def _wait_record(state: RunState, to_stage: str) -> dict[str, Any]:
+    with anyio.fail_after(120):
+        while True:
+            value = await state.get_json(KV_SPLICE)
+            record = await splice.stage_record(state, to_stage)
+            if record is not None and isinstance(value, dict) and value.get("state") == "cut":
+                return record
+            await anyio.sleep(0.2)

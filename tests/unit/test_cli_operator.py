@@ -1,0 +1,127 @@
+"""`rftstream operator NAME|module:Class --args JSON`: every failure is one line naming the
+operator and its args; a class that is not an ExperienceOperator is refused."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import pytest
+
+from operators import ExperiencePipeline, RewardFilter
+from rftstream.cli import _operator_pipeline
+from rftstream.errors import RftError
+
+MODULE = """
+from operators import ExperienceOperator
+
+
+class NotAnOperator:
+    def process(self, exps):
+        return exps, {}
+
+
+class Grumpy(ExperienceOperator):
+    def __init__(self, mood: str = "bad") -> None:
+        raise RuntimeError(f"refusing to start:\\n  mood is {mood}\\n  (really)")
+
+    def process(self, exps):
+        return exps, {}
+
+
+class NoProcess(ExperienceOperator):
+    pass
+
+
+def make_filter():
+    return None
+"""
+
+
+@pytest.fixture
+def user_module(tmp_path, monkeypatch):
+    (tmp_path / "user_ops_cli.py").write_text(MODULE)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    yield "user_ops_cli"
+    sys.modules.pop("user_ops_cli", None)
+
+
+def ns(operator: str, args: str = "{}", to: str | None = "out") -> argparse.Namespace:
+    return argparse.Namespace(operator=operator, args=args, to_stage=to)
+
+
+def error_of(namespace: argparse.Namespace) -> str:
+    with pytest.raises(RftError) as info:
+        _operator_pipeline(namespace)
+    text = str(info.value)
+    assert "\n" not in text, text  # one line
+    return text
+
+
+def test_registered_operator_builds_a_pipeline() -> None:
+    pipe = _operator_pipeline(ns("reward_filter", '{"threshold": 0.3}'))
+    assert isinstance(pipe, ExperiencePipeline)
+    [op] = pipe.operators
+    assert isinstance(op, RewardFilter) and op.threshold == 0.3
+    assert _operator_pipeline(argparse.Namespace(operator=None)) is None  # the configured one
+
+
+def test_constructor_errors_name_the_operator_and_args(user_module: str) -> None:
+    text = error_of(ns("staleness_filter", '{"max_staleness": -1}'))
+    assert "operator 'staleness_filter' (StalenessFilter)" in text
+    assert '--args {"max_staleness": -1}' in text and "ValueError" in text
+    text = error_of(ns("reward_filter", '{"treshold": 1}'))  # a typo: TypeError
+    assert "operator 'reward_filter'" in text and "TypeError" in text and "treshold" in text
+    text = error_of(ns(f"{user_module}:Grumpy", '{"mood": "awful"}'))
+    assert f"operator '{user_module}:Grumpy' (Grumpy)" in text
+    assert "RuntimeError: refusing to start: mood is awful (really)" in text
+    text = error_of(ns(f"{user_module}:NoProcess"))  # abstract: cannot be built
+    assert "NoProcess" in text and "abstract" in text
+
+
+def test_a_class_that_is_not_an_operator_is_refused(user_module: str) -> None:
+    text = error_of(ns(f"{user_module}:NotAnOperator"))
+    assert "NotAnOperator is not an ExperienceOperator" in text
+    assert "operators.ExperienceOperator" in text
+    text = error_of(ns(f"{user_module}:make_filter"))
+    assert "is not an ExperienceOperator" in text and "function" in text
+
+
+def test_bad_names_and_args() -> None:
+    assert "registered:" in error_of(ns("no_such_operator"))
+    assert "cannot import module" in error_of(ns("no_such_module_xyz:Op"))
+    assert "not valid JSON" in error_of(ns("reward_filter", "{threshold: 1}"))
+    assert "expected a JSON object" in error_of(ns("reward_filter", "[1]"))
+    assert "--to" in error_of(ns("reward_filter", to=None))
+
+
+def test_an_actors_error_inside_a_task_group_is_one_line(monkeypatch, capsys) -> None:
+    import anyio
+
+    from rftstream import cli
+
+    async def actors() -> None:
+        async with anyio.create_task_group() as tg:
+
+            async def fail() -> None:
+                raise RftError("splice reward_filter -> exp.f: no trainer [is running]")
+
+            tg.start_soon(fail)
+            tg.start_soon(anyio.sleep, 10)
+
+    monkeypatch.setattr(cli, "cmd_status", lambda args: anyio.run(actors) or 0)
+    assert cli.main(["status", "--nats-url", "nats://127.0.0.1:9"]) == 2
+    out = capsys.readouterr().out
+    assert out.strip() == "error: splice reward_filter -> exp.f: no trainer [is running]"
+
+    async def bug() -> None:
+        async with anyio.create_task_group() as tg:
+
+            async def fail() -> None:
+                raise KeyError("a bug")
+
+            tg.start_soon(fail)
+
+    monkeypatch.setattr(cli, "cmd_status", lambda args: anyio.run(bug) or 0)
+    with pytest.raises(BaseException, match="unhandled errors"):  # a bug keeps its traceback
+        cli.main(["status", "--nats-url", "nats://127.0.0.1:9"])
