@@ -28,13 +28,16 @@ import signal
 import sys
 from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import anyio
 from rich.console import Console
 from rich.markup import escape
 
 from rftstream.errors import RftError
+
+if TYPE_CHECKING:
+    from rftstream.config.schema import Config
 
 if sys.version_info < (3, 11):  # pragma: no cover - anyio depends on the backport there
     from exceptiongroup import BaseExceptionGroup
@@ -323,6 +326,21 @@ def _run_graceful(main: Callable[[anyio.Event], Awaitable[None]]) -> int:
     return 130 if len(signals_seen) > 1 else 0
 
 
+def check_standalone_sync(cfg: Config, command: str) -> None:
+    """Refuse ``sync_method: memory`` for an actor started alone whose weights must travel.
+
+    Weights move from trainer to explorers only when both run (``mode: both``);
+    operators never touch them, a ``mode: train`` trainer is the only actor, and
+    explore/bench explorers are never synced.
+    """
+    weights_travel = cfg.mode == "both" and command in ("explorer", "trainer")
+    if cfg.synchronizer.sync_method == "memory" and weights_travel:
+        raise RftError(
+            "config key `synchronizer.sync_method`: `memory` needs all actors in one process; "
+            "use `checkpoint` when running actors separately"
+        )
+
+
 def cmd_actor(args: argparse.Namespace) -> int:
     from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
@@ -331,14 +349,7 @@ def cmd_actor(args: argparse.Namespace) -> int:
 
     run = _prepare(args)
     url = args.nats_url
-    weights_travel = args.command == "explorer" or (
-        args.command == "trainer" and run.cfg.mode != "train"
-    )  # operators never touch weights; a train-mode trainer is the only actor
-    if run.cfg.synchronizer.sync_method == "memory" and weights_travel:
-        raise RftError(
-            "config key `synchronizer.sync_method`: `memory` needs all actors in one process; "
-            "use `checkpoint` when running actors separately"
-        )
+    check_standalone_sync(run.cfg, args.command)
     console.print(
         f"[bold]{args.command}[/] [cyan]{args.name}[/] of run [cyan]{run.names.run}[/] on {url}"
     )

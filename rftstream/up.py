@@ -61,6 +61,40 @@ def nats_cli_hint(url: str, run: PreparedRun) -> list[str]:
     ]
 
 
+def _drive(
+    run: PreparedRun,
+    url: str,
+    server: EmbeddedNatsServer | None,
+    progress: Progress,
+    console: Console,
+    **callbacks: Any,
+) -> tuple[int, float]:
+    """Start the run afresh and its actors under ``progress`` until they end or a signal stops
+    them; then stop the embedded server. Returns ``(exit code, seconds)``; blocks throughout.
+
+    ``callbacks`` go to :func:`rftstream.runtime.run_actors` (``on_step``, ``on_progress``,
+    ``on_eval``).
+    """
+    t_start = time.time()
+    try:
+        with progress:
+
+            async def main() -> None:
+                note = await start_fresh(run, url)
+                if note:
+                    progress.console.print(f"[yellow]{note}[/]")
+                await run_actors(run, url, **callbacks)
+
+            code = run_with_signals(main)
+    finally:
+        if server is not None:
+            server.stop()
+    elapsed = time.time() - t_start
+    if code:
+        console.print(f"[yellow]stopped by signal after {elapsed:.1f}s[/]; everything shut down")
+    return code, elapsed
+
+
 def run_up(run: PreparedRun, *, console: Console) -> int:
     """Start the embedded server (unless ``nats.url`` is set) and all actors; show progress."""
     cfg = run.cfg
@@ -97,35 +131,17 @@ def run_up(run: PreparedRun, *, console: Console) -> int:
         TimeElapsedColumn(),
         console=console,
     )
-    t_start = time.time()
-    code = 0
-    try:
-        with progress:
-            task = progress.add_task("train", total=total, info="waiting for experience…")
+    task = progress.add_task("train", total=total, info="waiting for experience…")
+    last_reward = [0.0]
 
-            last_reward = [0.0]
+    def on_step(record: dict[str, Any]) -> None:
+        progress.console.print(_step_line(record))
+        if record.get("reward/mean") is not None:
+            last_reward[0] = record["reward/mean"]
+        progress.update(task, completed=record["step"], info=f"raw reward {last_reward[0]:.3f}")
 
-            def on_step(record: dict[str, Any]) -> None:
-                progress.console.print(_step_line(record))
-                if record.get("reward/mean") is not None:
-                    last_reward[0] = record["reward/mean"]
-                progress.update(
-                    task, completed=record["step"], info=f"raw reward {last_reward[0]:.3f}"
-                )
-
-            async def main() -> None:
-                note = await start_fresh(run, url)
-                if note:
-                    progress.console.print(f"[yellow]{note}[/]")
-                await run_actors(run, url, on_step=on_step)
-
-            code = run_with_signals(main)
-    finally:
-        if server is not None:
-            server.stop()
-    elapsed = time.time() - t_start
+    code, elapsed = _drive(run, url, server, progress, console, on_step=on_step)
     if code:
-        console.print(f"[yellow]stopped by signal after {elapsed:.1f}s[/]; everything shut down")
         return code
     metrics_path = run.run_dir / "metrics.jsonl"
     if metrics_path.exists():
@@ -168,43 +184,31 @@ def _run_without_trainer(
         TimeElapsedColumn(),
         console=console,
     )
-    t_start = time.time()
     counts = {"steps": 0, "groups": 0, "evals": 0}
-    try:
-        with progress:
-            total = cfg.buffer.total_steps if explore else None
-            task = progress.add_task(cfg.mode, total=total, info="starting…")
+    total = cfg.buffer.total_steps if explore else None
+    task = progress.add_task(cfg.mode, total=total, info="starting…")
 
-            def on_progress(info: dict[str, Any]) -> None:
-                counts["steps"] = int(info.get("step", 0))
-                counts["groups"] = int(info.get("groups", 0))
-                mean = info.get("rollout/reward_mean")
-                reward = f"reward {mean:.3f}" if isinstance(mean, float) and mean == mean else ""
-                progress.update(
-                    task,
-                    completed=counts["steps"],
-                    info=f"groups {counts['groups']}  failed {info.get('failed_tasks', 0)}  {reward}",
-                )
+    def on_progress(info: dict[str, Any]) -> None:
+        counts["steps"] = int(info.get("step", 0))
+        counts["groups"] = int(info.get("groups", 0))
+        mean = info.get("rollout/reward_mean")
+        reward = f"reward {mean:.3f}" if isinstance(mean, float) and mean == mean else ""
+        progress.update(
+            task,
+            completed=counts["steps"],
+            info=f"groups {counts['groups']}  failed {info.get('failed_tasks', 0)}  {reward}",
+        )
 
-            def on_eval(record: dict[str, Any]) -> None:
-                counts["evals"] += 1
-                progress.console.print(_eval_line(record))
-                if not explore:
-                    progress.update(task, completed=counts["evals"], info="evaluating…")
+    def on_eval(record: dict[str, Any]) -> None:
+        counts["evals"] += 1
+        progress.console.print(_eval_line(record))
+        if not explore:
+            progress.update(task, completed=counts["evals"], info="evaluating…")
 
-            async def main() -> None:
-                note = await start_fresh(run, url)
-                if note:
-                    progress.console.print(f"[yellow]{note}[/]")
-                await run_actors(run, url, on_progress=on_progress, on_eval=on_eval)
-
-            code = run_with_signals(main)
-    finally:
-        if server is not None:
-            server.stop()
-    elapsed = time.time() - t_start
+    code, elapsed = _drive(
+        run, url, server, progress, console, on_progress=on_progress, on_eval=on_eval
+    )
     if code:
-        console.print(f"[yellow]stopped by signal after {elapsed:.1f}s[/]; everything shut down")
         return code
     evals = run.run_dir / "eval.jsonl"
     if explore:

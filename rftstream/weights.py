@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
+from rftstream.config import Config
 from rftstream.errors import RftError
 from rftstream.messages import WeightsPointer
 
@@ -134,3 +135,15 @@ def load_weights(ptr: WeightsPointer, run: str) -> dict[str, torch.Tensor]:
             raise WeightSyncError(f"weights v{ptr.version}: sha256 mismatch for {path}")
         return load_file(str(path))
     raise WeightSyncError(f"unknown weights method {ptr.method!r}")
+
+
+def checkpoint_dir(cfg: Config, run_dir: str | Path | None = None) -> Path:
+    """Where the trainer of ``cfg`` saves its ``global_step_<N>`` checkpoints.
+
+    ``<checkpoint_root_dir>/<project>/<name>`` when ``checkpoint_root_dir`` is set,
+    else ``<run_dir>/checkpoints`` (``run_dir`` defaults to the config's, then
+    ``runs/<name>``).
+    """
+    if cfg.checkpoint_root_dir:
+        return Path(cfg.checkpoint_root_dir) / cfg.project / cfg.name
+    return Path(run_dir or cfg.run_dir or Path("runs") / cfg.name) / "checkpoints"

@@ -36,8 +36,8 @@ import torch
 
 from rftstream.actors.common import heartbeat_loop
 from rftstream.bus.state import RunState
-from rftstream.config.schema import Config
 from rftstream.errors import RftError
+from rftstream.weights import checkpoint_dir
 
 if TYPE_CHECKING:
     from rftstream.actors.explorer import Explorer
@@ -48,14 +48,6 @@ __all__ = ["checkpoint_dir", "find_checkpoints", "load_hf_state_dict", "run_benc
 
 KV_BENCH_STEP = "bench.step.{step}"
 _STEP_DIR = re.compile(r"global_step_(\d+)")
-
-
-def checkpoint_dir(cfg: Config) -> Path:
-    """Where the trainer of this config saves ``global_step_<N>`` checkpoints."""
-    root = cfg.checkpoint_root_dir
-    if root:
-        return Path(root) / cfg.project / cfg.name
-    return Path(cfg.run_dir or Path("runs") / cfg.name) / "checkpoints"
 
 
 def find_checkpoints(directory: Path) -> list[tuple[int, Path]]:

@@ -365,6 +365,10 @@ class Explorer(EvaluationMixin):
             with anyio.CancelScope(shield=True):
                 await self._nak_unacked()
                 await consumer.unsubscribe()
+                try:  # the last word on this explorer's step and weights (the loop's may lag)
+                    await state.heartbeat(self.name, self.role, **self._info())
+                except Exception as exc:  # noqa: BLE001 - the connection may be gone
+                    log.warning("%s: could not write the final heartbeat: %s", self.name, exc)
 
     async def _nak_unacked(self) -> None:
         """Give the tasks this explorer still holds back to the queue (redelivered at once)."""

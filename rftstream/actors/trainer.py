@@ -43,7 +43,7 @@ from rftstream.messages import MetricsMsg
 from rftstream.subjects import KV_TRAINER_STARVING, KV_TRAINER_STEP, RAW_STAGE
 from rftstream.sync import SyncPolicy
 from rftstream.training.datasets import DatasetSource, load_dataset_experiences
-from rftstream.weights import save_weights
+from rftstream.weights import checkpoint_dir, save_weights
 
 log = logging.getLogger(__name__)
 
@@ -177,10 +177,7 @@ class Trainer:
         self.step = 0
         self.version = 0
         self.trained = 0
-        ckpt = cfg.checkpoint_root_dir
-        self.checkpoint_dir = (
-            Path(ckpt) / cfg.project / cfg.name if ckpt else self.run_dir / "checkpoints"
-        )
+        self.checkpoint_dir = checkpoint_dir(cfg, self.run_dir)
         self.metrics_path = self.run_dir / "metrics.jsonl"
         self.feed: ExperienceFeed | None = None
 

@@ -116,6 +116,9 @@ def check_status_cli(
     hb = kv["heartbeat.explorer"]
     assert explorer["name"] == "explorer"
     assert explorer["step"] == kv["explorer.explorer.step"] >= 1
+    # the explorer's final heartbeat, written at its end: the step it was on (one the run's end
+    # cut short is not recorded as done) and the weights it had
+    assert kv["explorer.explorer.step"] <= hb["step"] <= kv["explorer.explorer.step"] + 1
     assert explorer["model_version"] == hb["model_version"]
     assert explorer["staleness"] == 2 - hb["model_version"]
     assert explorer["heartbeat_age"] == pytest.approx(t0 - hb["ts"], abs=5.0)
