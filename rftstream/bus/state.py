@@ -12,13 +12,25 @@ import time
 from typing import Any, TypeVar
 
 import msgspec
+import nats.errors
 import nats.js.errors
 from nats.js.kv import KeyValue
 
+from rftstream.errors import BusError
 from rftstream.messages import TasksetRecord, WeightsPointer, decode_json, encode_json
 from rftstream.subjects import KV_HEARTBEAT, KV_STATUS, KV_TASKSET, KV_TRAINER_STEP, KV_WEIGHTS
 
 T = TypeVar("T")
+
+# JSStreamWrongLastSequenceErrF / JSStreamWrongLastSequenceConstantErr: the key moved on
+_WRONG_LAST_SEQUENCE = (10071, 10164)
+
+
+def _lost_race(exc: Exception) -> bool:
+    """Whether a failed conditional KV write failed only because another writer was first."""
+    if isinstance(exc, nats.js.errors.KeyWrongLastSequenceError):
+        return True
+    return isinstance(exc, nats.js.errors.APIError) and exc.err_code in _WRONG_LAST_SEQUENCE
 
 
 class RunState:
@@ -26,6 +38,10 @@ class RunState:
 
     def __init__(self, kv: KeyValue) -> None:
         self.kv = kv
+
+    def _where(self, key: str) -> str:
+        """``<bucket>/<key>`` for error messages."""
+        return f"{getattr(self.kv, '_name', None) or 'bucket'}/{key}"
 
     async def get_raw(self, key: str) -> bytes | None:
         try:
@@ -63,15 +79,19 @@ class RunState:
     async def compare_and_put(self, key: str, value: Any, revision: int | None) -> int | None:
         """Put ``value`` only if ``key`` is still at ``revision`` (None: only if absent).
 
-        Returns the new revision, or None when someone else wrote the key first.
+        Returns the new revision, or None when someone else wrote the key first
+        (the server's "wrong last sequence"). Any other failure (a timeout, a
+        rejected write, a lost connection) raises :class:`BusError` naming the key.
         """
         data = msgspec.json.encode(value)
         try:
             if revision is None:
                 return await self.kv.create(key, data)
             return await self.kv.update(key, data, last=revision)
-        except (nats.js.errors.KeyWrongLastSequenceError, nats.js.errors.APIError):
-            return None
+        except (nats.errors.Error, TimeoutError) as exc:
+            if _lost_race(exc):
+                return None
+            raise BusError(f"KV {self._where(key)}: conditional write failed: {exc}") from exc
 
     async def delete(self, key: str) -> None:
         """Delete ``key`` (no error if absent)."""
@@ -101,8 +121,10 @@ class RunState:
         )
         try:
             await self.kv.create(key, data)
-        except (nats.js.errors.KeyWrongLastSequenceError, nats.js.errors.APIError):
-            return False
+        except (nats.errors.Error, TimeoutError) as exc:
+            if _lost_race(exc):
+                return False
+            raise BusError(f"KV {self._where(key)}: claim failed: {exc}") from exc
         return True
 
     # -- typed helpers -------------------------------------------------------
