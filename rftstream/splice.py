@@ -15,8 +15,9 @@ bucket; every key is readable with ``nats kv get rft_<run>_state KEY``:
     ``train`` through the durable ``trainer``). Written by the trainer only.
 ``stage.<Y>``
     A spliced stage: ``{"operator", "args", "from_stage", "to_stage",
-    "durable", "owner": {"actor", "pid", "host", "ts"}}``. The owner (the
-    process serving it) refreshes ``ts`` every few seconds.
+    "durable", "owner": {"actor", "pid", "host", "ts", "token"}}``. The owner
+    (the process serving it) refreshes ``ts`` every few seconds; a process
+    that finds another owner there (it took a stale stage over) stops serving.
 ``topology``
     ``[{"op": "splice"|"unsplice", "from", "to", "by", "seq", "ts"}, ...]``.
 
@@ -51,6 +52,7 @@ under way) instead of splicing again. While it is down, the trainer writes
 
 from __future__ import annotations
 
+import logging
 import os
 import socket
 import time
@@ -72,6 +74,8 @@ from rftstream.subjects import (
     TRAIN_STAGE,
     check_stage,
 )
+
+log = logging.getLogger(__name__)
 
 __all__ = [
     "KV_SPLICE",
@@ -134,8 +138,22 @@ def owner_alive(record: dict[str, Any] | None, now: float | None = None) -> bool
     return (now or time.time()) - float(owner.get("ts", 0)) < OWNER_STALE_S
 
 
-def owner_info(actor: str) -> dict[str, Any]:
-    return {"actor": actor, "pid": os.getpid(), "host": socket.gethostname(), "ts": time.time()}
+def owner_info(actor: str, token: str | None = None) -> dict[str, Any]:
+    """This process as the owner of a stage; ``token`` tells two claims of one process apart."""
+    return {
+        "actor": actor,
+        "pid": os.getpid(),
+        "host": socket.gethostname(),
+        "ts": time.time(),
+        "token": token or uuid.uuid4().hex[:12],
+    }
+
+
+def same_owner(a: dict[str, Any] | None, b: dict[str, Any] | None) -> bool:
+    """Whether two ``owner`` entries are the same claim (process and token)."""
+    if not (isinstance(a, dict) and isinstance(b, dict)):
+        return False
+    return all(a.get(k) == b.get(k) for k in ("pid", "host", "token"))
 
 
 def restart_hint(record: dict[str, Any]) -> str:
@@ -199,10 +217,16 @@ def stage_chain(
 
 
 async def trainer_alive(state: RunState, now: float | None = None) -> bool:
-    """A trainer heartbeat younger than 30 s exists and the trainer is not done."""
+    """A trainer heartbeat younger than 30 s exists and the trainer is not done.
+
+    A trainer's last heartbeat carries its end ``status`` (finished, stopped,
+    failed); such a heartbeat does not count, however fresh.
+    """
     now = now or time.time()
     for hb in (await state.heartbeats()).values():
-        if hb.get("role") == "trainer" and now - float(hb.get("ts", 0)) < 30.0:
+        if hb.get("role") != "trainer" or hb.get("status"):
+            continue
+        if now - float(hb.get("ts", 0)) < 30.0:
             return True
     return False
 
@@ -246,6 +270,37 @@ class TrainerGone(RftError):
     """No trainer answers a splice or unsplice request."""
 
 
+async def _wait_answer(
+    state: RunState,
+    what: str,
+    done: Callable[[dict[str, Any]], bool],
+    *,
+    splice_id: str,
+    patience: float = TRAINER_PATIENCE_S,
+) -> dict[str, Any]:
+    """:func:`_wait_for` the trainer's answer to a request this process wrote.
+
+    When no trainer has been alive for ``patience`` s, the request is
+    abandoned (compare-and-set) and :class:`TrainerGone` raised, unless a
+    trainer claimed it meanwhile: a claimed request is completed by a
+    restarted trainer, so this keeps waiting for it (logging a warning each
+    ``patience`` s), until the run ends.
+    """
+    while True:
+        try:
+            return await _wait_for(state, what, done, splice_id=splice_id, patience=patience)
+        except TrainerGone:
+            st = await abandon(state, splice_id, "no trainer answered")
+            if st in (None, "abandoned"):
+                raise
+            if st == "claimed":
+                log.warning(
+                    "%s: a trainer claimed the request, then stopped; a restarted trainer "
+                    "completes it: waiting for one (run `rftstream status` to see the run)",
+                    what,
+                )
+
+
 async def _wait_quiet(state: RunState, what: str, patience: float = 60.0) -> tuple[Any, int | None]:
     """Wait until no other topology change is in flight; ``(value, revision)`` of ``splice``."""
     deadline = time.monotonic() + patience
@@ -281,9 +336,10 @@ async def request_splice(
 
     Blocks (polling the KV bucket) until the trainer has switched; raises
     :class:`RftError` when the trainer already reads ``to_stage``, another
-    change is under way for over a minute, or no trainer has been alive for
-    ``patience`` s. If no trainer answers, the request is abandoned
-    (compare-and-set, so a trainer that claimed it meanwhile still wins).
+    change is under way for over a minute, the run ends, or no trainer has
+    been alive for ``patience`` s. If no trainer answers, the request is
+    abandoned (compare-and-set); one a trainer claimed meanwhile is waited
+    for (see :func:`_wait_answer`).
     """
     check_stage(to_stage)
     current, _ = await trainer_input(state)
@@ -305,19 +361,9 @@ async def request_splice(
     if await state.compare_and_put(KV_SPLICE, request, rev) is None:
         raise RftError("another splice or unsplice was requested at the same moment; try again")
     what = f"splice {operator} -> exp.{to_stage}"
-    try:
-        value = await _wait_for(
-            state,
-            what,
-            lambda v: v.get("state") == "cut",
-            splice_id=request["id"],
-            patience=patience,
-        )
-    except TrainerGone:
-        await _abandon(state, request["id"], "no trainer answered")
-        value = await state.get_json(KV_SPLICE)
-        if not (isinstance(value, dict) and value.get("state") == "cut"):
-            raise
+    value = await _wait_answer(
+        state, what, lambda v: v.get("state") == "cut", splice_id=request["id"], patience=patience
+    )
     return SpliceCut(
         id=request["id"],
         from_stage=str(value["from_stage"]),
@@ -326,15 +372,30 @@ async def request_splice(
     )
 
 
-async def _abandon(state: RunState, splice_id: str, reason: str) -> bool:
-    """Mark the request abandoned unless someone moved it on meanwhile."""
-    value, rev = await state.get_entry(KV_SPLICE)
-    if not (isinstance(value, dict) and value.get("id") == splice_id):
-        return False
-    if value.get("state") not in ("asked", "requested"):
-        return False
-    new = {**value, "state": "abandoned", "reason": reason, "ts_abandoned": time.time()}
-    return await state.compare_and_put(KV_SPLICE, new, rev) is not None
+async def abandon(
+    state: RunState,
+    which: str | Callable[[dict[str, Any]], bool],
+    reason: str,
+) -> str | None:
+    """Mark a request abandoned unless the trainer took it up meanwhile (compare-and-set).
+
+    ``which``: the request's id, or a test on the ``splice`` record. Returns
+    the request's state afterwards: ``"abandoned"`` (by this call or
+    before), the state the trainer moved it on to (``"claimed"``, ``"cut"``,
+    ``"refused"``, ...), or None when ``splice`` holds no such request.
+    """
+    match = which if callable(which) else (lambda v: v.get("id") == which)
+    while True:
+        value, rev = await state.get_entry(KV_SPLICE)
+        if not (isinstance(value, dict) and match(value)):
+            return None
+        st = value.get("state")
+        if st not in ("asked", "requested"):
+            return str(st)
+        new = {**value, "state": "abandoned", "reason": reason, "ts_abandoned": time.time()}
+        if await state.compare_and_put(KV_SPLICE, new, rev) is not None:
+            return "abandoned"
+        # moved on meanwhile: look at its new state
 
 
 # ----------------------------------------------------------------- unsplice: asking and owning
@@ -392,41 +453,77 @@ async def ask_unsplice(state: RunState, stage: str) -> str:
     return str(ask["id"])
 
 
-async def wait_unsplice(state: RunState, splice_id: str, stage: str) -> dict[str, Any]:
-    """``--unsplice``: wait until the owner has drained (``"drained"`` or ``"done"``).
+async def wait_unsplice(
+    state: RunState, splice_id: str, stage: str, *, patience: float = TRAINER_PATIENCE_S
+) -> dict[str, Any]:
+    """``--unsplice``: wait until the owner has drained (``"drained"`` or ``"done"``). Blocks.
 
-    Raises :class:`RftError` when the owner stops running before it took the
-    request up (the request is then abandoned).
+    Raises :class:`RftError` when the stage's owner is not running, whatever
+    the state of the request (with the command that restarts it: before it
+    took the request up, the request is abandoned; after, the restarted
+    operator finishes the removal itself), when the run ends, and
+    (:class:`TrainerGone`) when no trainer has been running for ``patience``
+    s while the request waits for one (the operator keeps it: a restarted
+    trainer completes it).
     """
+    what = f"--unsplice {stage}"
+    last_alive = time.monotonic()
+    checked = 0.0
     while True:
         value = await state.get_json(KV_SPLICE)
         if not isinstance(value, dict) or value.get("id") != splice_id:
-            raise RftError(f"--unsplice {stage}: the request was replaced by another: {value}")
+            raise RftError(f"{what}: the request was replaced by another: {value}")
         st = value.get("state")
         if st in ("drained", "done"):
             return value
         if st in ("abandoned", "refused"):
-            raise RftError(f"--unsplice {stage}: {value.get('reason') or st}")
+            raise RftError(f"{what}: {value.get('reason') or st}")
         record = await stage_record(state, stage)
-        if record is not None and not owner_alive(record) and st == "asked":
-            await _abandon(state, splice_id, "the stage's operator stopped running")
+        if record is not None and not owner_alive(record):
+            hint = restart_hint(record)
+            if st == "asked":
+                took = await abandon(state, splice_id, "the stage's operator stopped running")
+                if took in (None, "abandoned"):
+                    raise RftError(
+                        f"{what}: its operator stopped before removing itself; start it "
+                        f"again with `{hint}`, then retry"
+                    )
+                st = took
             raise RftError(
-                f"--unsplice {stage}: its operator stopped before removing itself; start it "
-                f"again with `{restart_hint(record)}`, then retry"
+                f"{what}: its operator stopped in the middle of removing itself (request "
+                f"{splice_id} is {st!r}); start it again with `{hint}`: it resumes the "
+                "removal and finishes it"
             )
+        now = time.monotonic()
+        if now - checked > 3.0:
+            checked = now
+            status = await state.status()
+            if status in ("finished", "failed", "stopped"):
+                raise RftError(f"{what}: the run is {status}; the stage was not removed")
+            if st not in ("requested", "claimed") or await trainer_alive(state):
+                last_alive = now
+            elif now - last_alive > patience:
+                raise TrainerGone(
+                    f"{what}: no trainer has been running for {patience:.0f}s (request "
+                    f"{splice_id} is {st!r}); the operator keeps the request, and a restarted "
+                    "trainer completes it"
+                )
         await anyio.sleep(0.3)
 
 
 async def claim_stage(state: RunState, stage: str, actor: str) -> dict[str, Any]:
     """Owner side: become the process serving a spliced stage (its record must exist).
 
-    Raises :class:`RftError` when another live process owns it.
+    Raises :class:`RftError` when another live process owns it. The record
+    returned carries this claim's ``owner`` (pass it to :func:`refresh_owner`).
     """
     key = KV_STAGE.format(stage=stage)
     record, rev = await state.get_entry(key)
     if not isinstance(record, dict):
         raise RftError(f"exp.{stage} is not a spliced stage")
-    if owner_alive(record) and (record.get("owner") or {}).get("pid") != os.getpid():
+    current = record.get("owner") or {}
+    mine = (current.get("pid"), current.get("host")) == (os.getpid(), socket.gethostname())
+    if owner_alive(record) and not mine:
         owner = record["owner"]
         raise RftError(
             f"exp.{stage} is already served by {owner.get('actor')!r} (pid {owner.get('pid')} "
@@ -439,18 +536,36 @@ async def claim_stage(state: RunState, stage: str, actor: str) -> dict[str, Any]
     return new
 
 
-async def refresh_owner(state: RunState, stage: str, actor: str) -> None:
-    """Keep the ``stage.<Y>`` owner fresh every :data:`OWNER_REFRESH_S` s until cancelled."""
+async def refresh_owner(state: RunState, stage: str, owner: dict[str, Any]) -> None:
+    """Keep this process's claim on ``stage.<Y>`` fresh every :data:`OWNER_REFRESH_S` s.
+
+    ``owner``: the ``owner`` entry :func:`claim_stage` wrote. Returns when the
+    record is gone (unspliced); runs until cancelled otherwise. Raises
+    :class:`RftError` when another process owns the stage now (it claimed it
+    while this one looked gone): this process must stop serving it, so two
+    never process one stage. A KV error is logged and retried at the next
+    refresh.
+    """
     key = KV_STAGE.format(stage=stage)
+    actor = str(owner.get("actor"))
     while True:
         await anyio.sleep(OWNER_REFRESH_S)
         try:
             record, rev = await state.get_entry(key)
             if not isinstance(record, dict):
                 return  # unspliced
-            await state.compare_and_put(key, {**record, "owner": owner_info(actor)}, rev)
-        except Exception:  # noqa: BLE001 - the next refresh retries
-            pass
+            if not same_owner(record.get("owner"), owner):
+                break
+            new = {**record, "owner": owner_info(actor, token=owner.get("token"))}
+            await state.compare_and_put(key, new, rev)  # lost to a writer: checked next time
+        except Exception as exc:  # noqa: BLE001 - KV trouble: the next refresh retries
+            log.warning("%s: could not refresh its claim on exp.%s: %s", actor, stage, exc)
+    other = record.get("owner") or {}
+    raise RftError(
+        f"exp.{stage}: {other.get('actor')!r} (pid {other.get('pid')} on {other.get('host')}) "
+        f"took the stage over while {actor!r} (pid {owner.get('pid')}) looked gone (no refresh "
+        f"for {OWNER_STALE_S:.0f}s); this process stops serving it"
+    )
 
 
 async def request_unsplice(
@@ -492,20 +607,22 @@ async def request_unsplice(
     await wait_unsplice_cut(state, splice_id, to_stage)
 
 
-async def wait_unsplice_cut(state: RunState, splice_id: str, to_stage: str) -> dict[str, Any]:
-    """Owner side: wait until the trainer reads the upstream stage again (``"cut"``)."""
-    what = f"unsplice exp.{to_stage}"
-    try:
-        return await _wait_for(
-            state,
-            what,
-            lambda v: v.get("state") in ("cut", "drained", "done"),
-            splice_id=splice_id,
-        )
-    except TrainerGone:
-        if await _abandon(state, splice_id, "no trainer answered"):
-            raise
-        return await wait_unsplice_cut(state, splice_id, to_stage)  # claimed meanwhile
+async def wait_unsplice_cut(
+    state: RunState, splice_id: str, to_stage: str, *, patience: float = TRAINER_PATIENCE_S
+) -> dict[str, Any]:
+    """Owner side: wait until the trainer reads the upstream stage again (``"cut"``). Blocks.
+
+    No trainer for a while: the request is abandoned and :class:`TrainerGone`
+    raised, unless a trainer claimed it (then this keeps waiting, see
+    :func:`_wait_answer`), exactly as for a splice.
+    """
+    return await _wait_answer(
+        state,
+        f"unsplice exp.{to_stage}",
+        lambda v: v.get("state") in ("cut", "drained", "done"),
+        splice_id=splice_id,
+        patience=patience,
+    )
 
 
 async def finish_unsplice(state: RunState, splice_id: str, stage: str, drain_until: int) -> None:

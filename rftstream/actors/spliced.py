@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 import time
 import uuid
 from collections.abc import Callable
@@ -107,7 +108,10 @@ async def run_spliced(
                 tg.start_soon(request)
                 tg.start_soon(stopper)
             if cut is None:  # stopped while waiting for the trainer
-                if await _abandon_own_request(state, to_stage):
+                took = await splice.abandon(
+                    state, functools.partial(_own_request, to_stage), "the operator was stopped"
+                )
+                if took in (None, "abandoned", "refused"):
                     say("stopped before the trainer answered; nothing was spliced")
                     return "cancelled"
                 record = await _wait_record(state, to_stage)  # the trainer took it meanwhile
@@ -132,13 +136,19 @@ async def run_spliced(
                 f"resuming exp.{to_stage}: reads exp.{record.get('from_stage')} through its "
                 f"durable {record.get('durable')}"
             )
-        await splice.claim_stage(state, to_stage, name)
+        claimed = await splice.claim_stage(state, to_stage, name)
         from_stage = str(record["from_stage"])
         pending = await _our_unsplice(state, to_stage)
         start_seq = int(record.get("start_seq") or 1)
-        if pending is not None and pending.get("cut_seq") is not None:
-            start_seq = int(pending["cut_seq"]) + 1  # never re-create the durable before its cut
         control = DrainControl(len(pipelines))
+        if pending is not None and pending.get("cut_seq") is not None:
+            # an unsplice under way: the hosts must not process past its cut, not even once
+            cut_seq = int(pending["cut_seq"])
+            start_seq = cut_seq + 1  # never re-create the durable before its cut
+            if pending.get("state") in ("requested", "claimed"):
+                control.stop()
+            else:  # "cut" / "drained": the trainer reads from cut_seq + 1 already
+                control.set_cut(cut_seq)
         outcome = "run ended"
 
         async with anyio.create_task_group() as tg:
@@ -165,7 +175,7 @@ async def run_spliced(
 
             async def trigger() -> None:
                 nonlocal outcome
-                resume = await _our_unsplice(state, to_stage)
+                resume = pending
                 while resume is None and not unsplice_now and not stop.is_set():
                     with anyio.move_on_after(0.3):
                         await stop.wait()
@@ -180,7 +190,7 @@ async def run_spliced(
                 tg.cancel_scope.cancel()
 
             tg.start_soon(hosts)
-            tg.start_soon(splice.refresh_owner, state, to_stage, name)
+            tg.start_soon(splice.refresh_owner, state, to_stage, claimed["owner"])
             tg.start_soon(trigger)
         return outcome
 
@@ -245,29 +255,31 @@ async def unsplice(
     )
 
 
-async def _abandon_own_request(state: RunState, to_stage: str) -> bool:
-    """Abandon this process's splice request for ``to_stage`` if the trainer has not taken it."""
-    import os
-
-    value, rev = await state.get_entry(KV_SPLICE)
-    if not (
-        isinstance(value, dict)
-        and value.get("kind", "splice") == "splice"
+def _own_request(to_stage: str, value: dict[str, Any]) -> bool:
+    """Whether the ``splice`` record is this process's splice request for ``to_stage``."""
+    return (
+        value.get("kind", "splice") == "splice"
         and value.get("to_stage") == to_stage
         and (value.get("owner") or {}).get("pid") == os.getpid()
-    ):
-        return True  # never written
-    if value.get("state") != "requested":
-        return value.get("state") in ("abandoned", "refused")
-    new = {**value, "state": "abandoned", "reason": "the operator was stopped"}
-    return await state.compare_and_put(KV_SPLICE, new, rev) is not None
+    )
 
 
-async def _wait_record(state: RunState, to_stage: str) -> dict[str, Any]:
-    with anyio.fail_after(120):
+async def _wait_record(state: RunState, to_stage: str, patience: float = 120.0) -> dict[str, Any]:
+    """The trainer took this process's splice request before it could be abandoned: wait for
+    its cut and the ``stage.<to_stage>`` record (polls KV). Raises :class:`RftError` naming the
+    stage and the request after ``patience`` s without them."""
+    value: Any = None
+    with anyio.move_on_after(patience):
         while True:
             value = await state.get_json(KV_SPLICE)
             record = await splice.stage_record(state, to_stage)
             if record is not None and isinstance(value, dict) and value.get("state") == "cut":
                 return record
             await anyio.sleep(0.2)
+    value = value if isinstance(value, dict) else {}
+    raise RftError(
+        f"exp.{to_stage}: the trainer took splice {value.get('id')!r} up (state "
+        f"{value.get('state')!r}) but has not cut over within {patience:.0f}s; a restarted "
+        f"trainer completes it: then remove the stage with `rftstream operator "
+        f"{value.get('operator')} --unsplice {to_stage}` (`rftstream status` shows the splice)"
+    )

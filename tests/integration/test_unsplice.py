@@ -236,3 +236,100 @@ def test_splice_crash_resume_unsplice_twice_exactly_once(
     }
     assert any(published[u] < THRESHOLD for u in after & set(trainer.trained))
     assert filtered and all(published[u] < THRESHOLD for u in filtered)
+
+
+@pytest.mark.parametrize("crashed_in", ["requested", "cut"])
+def test_resumed_unsplice_never_processes_past_its_cut(
+    tmp_path: Path, tiny_model_path: str, nats_url: str, crashed_in: str
+) -> None:
+    """The owner died during an unsplice (``requested``: its durable acked up to the cut;
+    ``cut``: it had deleted its durable already). The resumed process must not process one
+    message after the cut: from there on the trainer reads exp.train itself."""
+    from rftstream.subjects import KV_SPLICE, KV_STAGE
+
+    run = prepare_run(config_from_dict(small_config(tmp_path, tiny_model_path)))
+    cut = 4
+    lines: list[str] = []
+
+    async def main() -> dict:
+        await provision(run, nats_url)
+        n = run.names
+        durable = n.stage_consumer("train", "filtered")
+        async with await Bus.connect(nats_url, n, run.cfg.nats, "test") as bus:
+            state = RunState(await bus.kv())
+            for i in range(10):
+                await bus.publish_group("train", _groups(i), msg_id=f"g{i}")
+            if crashed_in == "requested":  # the parked replicas acked everything up to the cut
+                await bus.ensure_consumer(
+                    n.exp_stream,
+                    durable,
+                    n.exp_subject("train"),
+                    description="test",
+                    role="operator",
+                    start_seq=1,
+                )
+                consumer = await bus.pull(n.exp_stream, durable)
+                for m in await consumer.fetch(cut, timeout=5.0):
+                    await m.ack()
+                await consumer.unsubscribe()
+            gone = {"actor": "filter", "pid": 0, "host": "elsewhere", "ts": 0}
+            await state.put_json(
+                KV_STAGE.format(stage="filtered"),
+                {
+                    "operator": "reward_filter",
+                    "args": {"threshold": THRESHOLD},
+                    "from_stage": "train",
+                    "to_stage": "filtered",
+                    "durable": durable,
+                    "start_seq": 1,
+                    "owner": gone,
+                },
+            )
+            await state.put_json(
+                KV_SPLICE,
+                {
+                    "id": "u1",
+                    "kind": "unsplice",
+                    "state": crashed_in,
+                    "operator": "reward_filter",
+                    "from_stage": "train",
+                    "to_stage": "filtered",
+                    "cut_seq": cut,
+                    "ts": time.time(),
+                },
+            )
+
+            async def trainer() -> None:  # answers the request (its KV side only)
+                while True:
+                    value, rev = await state.get_entry(KV_SPLICE)
+                    if value.get("state") == "requested":
+                        assert await splice.claim(state, value, rev) is not None
+                        await splice.answer(state, value, state="cut")
+                    if value.get("state") == "drained":
+                        return
+                    await anyio.sleep(0.05)
+
+            with anyio.fail_after(120):
+                async with anyio.create_task_group() as tg:
+                    tg.start_soon(trainer)
+                    outcome = await run_spliced(
+                        run,
+                        nats_url,
+                        operator="reward_filter",
+                        args={"threshold": THRESHOLD},
+                        to_stage="filtered",
+                        pipelines=_pipelines(2),
+                        name="filter",
+                        stop=anyio.Event(),
+                        say=lines.append,
+                        unsplice_now=True,
+                    )
+            assert outcome == "removed", lines
+            assert await splice.stage_record(state, "filtered") is None
+            return await state.get_json(KV_SPLICE)
+
+    final = anyio.run(main, backend="asyncio")
+    assert final["state"] == "drained" and final["cut_seq"] == cut
+    processed = anyio.run(read_stream, nats_url, run.names.exp_subject("filtered"))
+    assert processed == [], [m.headers for m in processed]  # past the cut: the trainer's own
+    assert final["drain_until"] == 0
