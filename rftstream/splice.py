@@ -19,7 +19,7 @@ bucket; every key is readable with ``nats kv get rft_<run>_state KEY``:
     (the process serving it) refreshes ``ts`` every few seconds; a process
     that finds another owner there (it took a stale stage over) stops serving.
 ``topology``
-    ``[{"op": "splice"|"unsplice", "from", "to", "by", "seq", "ts"}, ...]``.
+    ``[{"op": "splice"|"unsplice", "from", "to", "by", "seq", "ts", "splice_id"}, ...]``.
 
 Splice (``kind: "splice"``): the operator writes ``state: "requested"``; the
 trainer claims it between two fetches, takes ``S``, the last stream sequence
@@ -669,12 +669,31 @@ async def claim(state: RunState, request: dict[str, Any], revision: int) -> int 
 
 
 async def record_topology(
-    state: RunState, op: str, from_stage: str, to_stage: str, by: Any, seq: int
+    state: RunState,
+    op: str,
+    from_stage: str,
+    to_stage: str,
+    by: Any,
+    seq: int,
+    splice_id: str | None = None,
 ) -> None:
+    """Append one change to ``topology``; once per ``splice_id`` (a retried answer adds none)."""
     topology = await state.get_json(KV_TOPOLOGY)
     edges = list(topology) if isinstance(topology, list) else []
+    if splice_id is not None and any(
+        isinstance(e, dict) and e.get("splice_id") == splice_id for e in edges
+    ):
+        return
     edges.append(
-        {"op": op, "from": from_stage, "to": to_stage, "by": by, "seq": int(seq), "ts": time.time()}
+        {
+            "op": op,
+            "from": from_stage,
+            "to": to_stage,
+            "by": by,
+            "seq": int(seq),
+            "ts": time.time(),
+            "splice_id": splice_id,
+        }
     )
     await state.put_json(KV_TOPOLOGY, edges)
 

@@ -137,7 +137,9 @@ KV_SPLICE = "splice"  # the one topology change in flight (splice or unsplice)
 KV_TRAINER_INPUT = (
     "trainer.input"  # {"stage", "consumer", "retired": [...]}: what the trainer reads
 )
-KV_TOPOLOGY = "topology"  # [{"op", "from", "to", "by", "seq", "ts"}, ...]: every change so far
+KV_TOPOLOGY = (
+    "topology"  # [{"op", "from", "to", "by", "seq", "ts", "splice_id"}, ...]: every change so far
+)
 KV_STAGE = "stage.{stage}"  # a spliced stage: its operator, durable and owner process
 KV_TRAINER_WAITING = (
     "trainer.waiting"  # {"stage", "message", "since"} while a dead stage starves it

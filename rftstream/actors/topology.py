@@ -14,6 +14,10 @@ once the stage runs again.
 Every method does a few KV / JetStream API round trips (blocks for them);
 cancelling one mid-way leaves the KV state consistent: a claimed request is
 taken up again by the next :meth:`poll` (of this or a restarted trainer).
+A NATS error inside :meth:`poll` (a KV timeout, a JetStream API error, a
+lost connection) is logged and the poll retried 0.5 s later, the same way:
+a hiccup never fails the training run. Errors of the protocol itself (the
+``splice`` record replaced under the trainer's feet) propagate.
 """
 
 from __future__ import annotations
@@ -22,12 +26,14 @@ import logging
 import time
 from typing import Any
 
+import nats.errors
 import nats.js.errors
 
 from rftstream import splice
 from rftstream.actors.feed import ExperienceFeed
 from rftstream.bus.client import Bus, PullConsumer
 from rftstream.bus.state import RunState
+from rftstream.errors import BusError
 from rftstream.subjects import KV_SPLICE, KV_TRAINER_INPUT, KV_TRAINER_WAITING
 
 log = logging.getLogger(__name__)
@@ -52,6 +58,7 @@ class TrainerTopology:
         self._waiting_checked = 0.0
         self.waiting: str | None = None
         self._warned: str | None = None
+        self.poll_errors = 0
 
     async def open(self) -> PullConsumer:
         """Bind the consumer ``trainer.input`` names (``trainer`` on ``exp.train`` if none)."""
@@ -90,11 +97,26 @@ class TrainerTopology:
     # ------------------------------------------------------------------ polling
 
     async def poll(self) -> None:
-        """Act on a pending request; watch the stage read. At most every 0.5 s."""
+        """Act on a pending request; watch the stage read. At most every 0.5 s.
+
+        A NATS failure is logged and retried at the next poll (see the module docstring).
+        """
         now = time.monotonic()
         if now - self._polled < POLL_S or self.feed is None:
             return
         self._polled = now
+        try:
+            await self._poll(now)
+        except (nats.errors.Error, TimeoutError, BusError) as exc:
+            self.poll_errors += 1
+            log.warning(
+                "%s: splice polling failed (%s: %s); retrying at the next poll",
+                self.name,
+                type(exc).__name__,
+                exc,
+            )
+
+    async def _poll(self, now: float) -> None:
         if now - self._waiting_checked >= WAITING_CHECK_S:
             self._waiting_checked = now
             await self._check_waiting()
@@ -140,7 +162,9 @@ class TrainerTopology:
         assert self.feed is not None
         to_stage = str(request["to_stage"])
         if self.record.get("splice_id") == request["id"] and self.stage == to_stage:
-            # switched already (a trainer that died before answering): answer again
+            # switched already (a poll that failed, or a trainer that died, before answering):
+            # write what may be missing, then answer again
+            await self.persist()
             from_stage = str(self.record.get("from_stage"))
             if await splice.stage_record(self.state, to_stage) is None:
                 await splice.put_stage_record(
@@ -150,6 +174,15 @@ class TrainerTopology:
                     self.names.stage_consumer(from_stage, to_stage),
                     int(self.record.get("start_seq") or 1),
                 )
+            await splice.record_topology(
+                self.state,
+                "splice",
+                from_stage,
+                to_stage,
+                request.get("operator"),
+                int(self.record.get("start_seq") or 1),
+                str(request["id"]),
+            )
             await splice.answer(
                 self.state,
                 request,
@@ -183,7 +216,13 @@ class TrainerTopology:
             cut + 1,
         )
         await splice.record_topology(
-            self.state, "splice", from_stage, to_stage, request.get("operator"), cut + 1
+            self.state,
+            "splice",
+            from_stage,
+            to_stage,
+            request.get("operator"),
+            cut + 1,
+            str(request["id"]),
         )
         await splice.answer(
             self.state,
@@ -207,6 +246,17 @@ class TrainerTopology:
         to_stage, from_stage = str(request["to_stage"]), str(request["from_stage"])
         cut = int(request["cut_seq"])
         if self.record.get("splice_id") == request["id"] and self.stage == from_stage:
+            # switched already (a poll that failed, or a trainer that died, before answering)
+            await self.persist()
+            await splice.record_topology(
+                self.state,
+                "unsplice",
+                to_stage,
+                from_stage,
+                request.get("operator"),
+                cut + 1,
+                str(request["id"]),
+            )
             await splice.answer(
                 self.state, request, state="cut", consumer=self.feed.consumer.durable
             )
@@ -226,7 +276,13 @@ class TrainerTopology:
         self.stage = from_stage
         await self.persist(splice_id=request["id"], from_stage=to_stage, start_seq=cut + 1)
         await splice.record_topology(
-            self.state, "unsplice", to_stage, from_stage, request.get("operator"), cut + 1
+            self.state,
+            "unsplice",
+            to_stage,
+            from_stage,
+            request.get("operator"),
+            cut + 1,
+            str(request["id"]),
         )
         await splice.answer(self.state, request, state="cut", consumer=new.durable)
         log.info(

@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 
 import anyio
+import nats.errors
 import pytest
 
 from operators import EXPERIENCE_OPERATORS, ExperiencePipeline
@@ -333,3 +334,111 @@ def test_resumed_unsplice_never_processes_past_its_cut(
     processed = anyio.run(read_stream, nats_url, run.names.exp_subject("filtered"))
     assert processed == [], [m.headers for m in processed]  # past the cut: the trainer's own
     assert final["drain_until"] == 0
+
+
+class FlakyKV:
+    """A real KV bucket whose every kind of call (method and key) times out the first time
+    it is made while ``on``: each step of answering a request hits a hiccup once."""
+
+    CALLS = ("get", "put", "update", "create", "delete", "keys")
+
+    def __init__(self, kv) -> None:
+        self._kv = kv
+        self.on = False
+        self.failed: list[tuple[str, str | None]] = []
+
+    def __getattr__(self, name: str):
+        attr = getattr(self._kv, name)
+        if name not in self.CALLS:
+            return attr
+
+        async def call(*args, **kwargs):
+            what = (name, args[0] if args else None)
+            if self.on and what not in self.failed:
+                self.failed.append(what)
+                raise nats.errors.TimeoutError
+            return await attr(*args, **kwargs)
+
+        return call
+
+
+def test_kv_hiccups_do_not_fail_the_trainer_while_it_answers_splices(
+    tmp_path: Path, tiny_model_path: str, nats_url: str
+) -> None:
+    """The trainer's KV calls time out (each kind once) while an operator splices in and out;
+    the trainer's reads go on, and each change is answered (and recorded) exactly once."""
+    from rftstream.subjects import KV_TRAINER_INPUT
+
+    run = prepare_run(config_from_dict(small_config(tmp_path, tiny_model_path)))
+
+    async def main() -> tuple[list, dict, list, int]:
+        await provision(run, nats_url)
+        n = run.names
+        async with (
+            await Bus.connect(nats_url, n, run.cfg.nats, "trainer") as tbus,
+            await Bus.connect(nats_url, n, run.cfg.nats, "operator") as obus,
+        ):
+            state = RunState(await obus.kv())
+            flaky = FlakyKV(await tbus.kv())
+            topology = TrainerTopology(tbus, RunState(flaky), "trainer")
+            consumer = await topology.open()
+            ticker = InProgressTicker(1.0)
+
+            async def never() -> bool:
+                return False
+
+            feed = ExperienceFeed(tbus, consumer, ticker, never, fetch_batch=4)
+            await topology.attach(feed)
+            for i in range(6):
+                await obus.publish_group("train", _groups(i), msg_id=f"g{i}")
+            read: list[str] = []
+
+            async def trainer() -> None:
+                while True:
+                    batch = await feed.read(4)
+                    read.extend(e.eid.uid for e in batch)
+                    await feed.commit()
+
+            async def read_at_least(k: int) -> None:
+                while len(read) < k:
+                    await anyio.sleep(0.05)
+
+            with anyio.fail_after(90):
+                async with anyio.create_task_group() as tg:
+                    tg.start_soon(ticker.run)
+                    tg.start_soon(heartbeat_loop, state, "trainer", "trainer", lambda: {}, 1.0)
+                    tg.start_soon(trainer)
+                    await read_at_least(8)
+                    flaky.on = True
+                    cut = await splice.request_splice(state, "reward_filter", "filtered")
+                    await obus.publish_group("filtered", _groups(100), msg_id="f100")
+                    await read_at_least(
+                        6 * 4 + 4
+                    )  # all of exp.train (4 a group), then exp.filtered
+                    await splice.request_unsplice(
+                        state,
+                        "u1",
+                        operator="reward_filter",
+                        from_stage="train",
+                        to_stage="filtered",
+                        cut_seq=cut.start_seq - 1,
+                    )
+                    end = int((await obus.js.stream_info(n.exp_stream)).state.last_seq)
+                    await splice.finish_unsplice(state, "u1", "filtered", end)
+                    while (await state.get_json(splice.KV_SPLICE))["state"] != "done":
+                        await anyio.sleep(0.05)
+                    tg.cancel_scope.cancel()
+            return (
+                await state.get_json(KV_TOPOLOGY),
+                await state.get_json(KV_TRAINER_INPUT),
+                flaky.failed,
+                topology.poll_errors,
+            )
+
+    edges, trainer_input, failed, poll_errors = anyio.run(main, backend="asyncio")
+    # the hiccups happened inside poll, on every step of answering (claim, switch, answer)
+    assert ("update", "splice") in failed and ("put", "trainer.input") in failed, failed
+    assert ("put", "topology") in failed and ("put", "splice") in failed, failed
+    assert poll_errors == len(failed), (poll_errors, failed)  # every one inside poll
+    assert [e["op"] for e in edges] == ["splice", "unsplice"]  # each recorded once
+    assert trainer_input["stage"] == "train"
