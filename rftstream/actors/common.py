@@ -1,4 +1,5 @@
-"""Pieces every actor uses: heartbeats, in-progress ticking, run-end watching.
+"""Pieces every actor uses: heartbeats, in-progress ticking, run-end watching, draining a
+consumer up to a cut.
 
 All of these are long-running coroutines meant to be started in the actor's own
 anyio task group; they return only when cancelled (or, for
@@ -9,13 +10,13 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import anyio
 import nats.js.errors
 from nats.aio.msg import Msg
 
-from rftstream.bus.client import Bus
+from rftstream.bus.client import Bus, PullConsumer
 from rftstream.bus.state import RunState
 
 log = logging.getLogger(__name__)
@@ -103,3 +104,50 @@ async def consumer_drained(bus: Bus, stream: str, durable: str) -> bool:
     except nats.js.errors.NotFoundError:
         return True
     return int(info.num_pending or 0) == 0 and int(info.num_ack_pending or 0) == 0
+
+
+class DrainStep(NamedTuple):
+    """What one :func:`drain_step` did."""
+
+    mine: list[Msg]  # fetched messages up to the cut: the caller's to process and ack
+    done: bool  # every message up to the cut is acked: the consumer may go
+    skipped: int  # fetched messages after the cut, acked unprocessed
+
+
+async def drained_to(consumer: PullConsumer, cut: int) -> bool:
+    """Whether every message of ``consumer`` up to stream sequence ``cut`` is acked.
+
+    True when the ack floor reached ``cut``, or when nothing is left to
+    deliver and nothing is unacked (the floor of a filtered consumer stops at
+    its last message, which may lie before ``cut``). A cut is never beyond the
+    stream's end when it is taken, so no message up to it can arrive later.
+    One JetStream API round trip.
+    """
+    info = await consumer.info()
+    if int(info.ack_floor.stream_seq or 0) >= cut:
+        return True
+    return int(info.num_pending or 0) == 0 and int(info.num_ack_pending or 0) == 0
+
+
+async def drain_step(
+    consumer: PullConsumer, cut: int | None, *, batch: int, timeout: float
+) -> DrainStep:
+    """One step of draining ``consumer`` up to ``cut`` (after a splice or an unsplice).
+
+    ``cut`` None (not known yet): fetch and return everything. Otherwise
+    first check :func:`drained_to` (then nothing is fetched); else fetch up
+    to ``batch`` messages (waiting up to ``timeout`` s), ack the ones after
+    the cut unprocessed (they belong to whoever reads from ``cut + 1``) and
+    return the others unacked. Blocks for the API round trips and the fetch.
+    """
+    if cut is not None and await drained_to(consumer, cut):
+        return DrainStep([], True, 0)
+    mine: list[Msg] = []
+    skipped = 0
+    for m in await consumer.fetch(batch, timeout=timeout):
+        if cut is not None and m.metadata.sequence.stream > cut:
+            await m.ack()
+            skipped += 1
+        else:
+            mine.append(m)
+    return DrainStep(mine, False, skipped)

@@ -30,11 +30,12 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 import anyio
+import nats.errors
 from nats.aio.msg import Msg
 
-from rftstream.actors.common import InProgressTicker
+from rftstream.actors.common import InProgressTicker, drain_step
 from rftstream.bus.client import Bus, PullConsumer
-from rftstream.errors import SchemaError
+from rftstream.errors import BusError, SchemaError
 from rftstream.experience import Experience, decode_group
 from rftstream.subjects import TRAIN_STAGE
 
@@ -94,6 +95,7 @@ class ExperienceFeed:
         self.retired: list[_Retired] = []
         self.on_idle: Callable[[], Awaitable[None]] | None = None  # splice polling
         self.on_retired_change: Callable[[], Awaitable[None]] | None = None  # persist them
+        self._retired_changed = False
         self.taken_stages: dict[str, int] = {}
         self.last_received = time.monotonic()
 
@@ -134,37 +136,40 @@ class ExperienceFeed:
         return {r.consumer.durable for r in self.retired}
 
     async def _drain_retired(self) -> None:
-        """Take redeliveries up to the cut from retired consumers; ack later ones; delete when done."""
-        changed = False
+        """Take redeliveries up to the cut from retired consumers; ack later ones; delete when done.
+
+        A NATS error on one of them is logged and retried at the next fill.
+        """
         for r in list(self.retired):
-            msgs = await r.consumer.fetch(self.fetch_batch, timeout=0.05)
-            keep = []
-            for m in msgs:
-                if r.cut_seq is not None and m.metadata.sequence.stream > r.cut_seq:
-                    await m.ack()  # the spliced operator's, from cut_seq + 1 on
-                else:
-                    keep.append(m)
-            await self._accept(keep)
-            if r.cut_seq is None:
+            try:
+                step = await drain_step(r.consumer, r.cut_seq, batch=self.fetch_batch, timeout=0.05)
+            except (nats.errors.Error, TimeoutError, BusError) as exc:
+                log.warning("draining retired consumer %s failed: %s", r.consumer.durable, exc)
                 continue
-            info = await r.consumer.info()
-            if int(info.ack_floor.stream_seq or 0) >= r.cut_seq:  # all of its messages acked
-                await r.consumer.unsubscribe()
-                try:
-                    await self.bus.js.delete_consumer(r.consumer.stream, r.consumer.durable)
-                except Exception as exc:  # noqa: BLE001 - best effort; it only costs space
-                    log.warning("could not delete retired consumer %s: %s", r.consumer.durable, exc)
-                self.retired.remove(r)
-                changed = True
-        if changed and self.on_retired_change is not None:
-            await self.on_retired_change()
+            if not step.done:
+                await self._accept(step.mine)
+                continue
+            await r.consumer.unsubscribe()
+            try:
+                await self.bus.js.delete_consumer(r.consumer.stream, r.consumer.durable)
+            except Exception as exc:  # noqa: BLE001 - best effort; it only costs space
+                log.warning("could not delete retired consumer %s: %s", r.consumer.durable, exc)
+            self.retired.remove(r)
+            self._retired_changed = True
+        if self._retired_changed:
+            try:
+                if self.on_retired_change is not None:
+                    await self.on_retired_change()
+                self._retired_changed = False
+            except (nats.errors.Error, TimeoutError, BusError) as exc:
+                log.warning("could not record the retired consumers (retrying): %s", exc)
 
     @property
     def buffered(self) -> int:
         return len(self._buffer)
 
     async def _fill_once(self) -> bool:
-        if self.retired:
+        if self.retired or self._retired_changed:
             await self._drain_retired()
         msgs = await self.consumer.fetch(self.fetch_batch, timeout=self.fetch_timeout)
         await self._accept(msgs)

@@ -27,7 +27,8 @@ Stopping for an unsplice (see :mod:`rftstream.splice`): with a
 :class:`DrainControl`, the hosts of one process stop fetching when asked
 (after acking the batch in hand), wait for the cut ``C``, then drain: messages
 up to ``C`` are processed, later ones acked unprocessed (the trainer reads
-them itself), until the durable's ack floor reaches ``C``.
+them itself), until every message up to ``C`` is acked
+(:func:`~rftstream.actors.common.drain_step`).
 
 Cancelling :meth:`OperatorHost.run` leaves the current batch unacked: it is
 redelivered (to this or another replica) after ``ack_wait``.
@@ -45,7 +46,7 @@ from typing import Any
 import anyio
 from nats.aio.msg import Msg
 
-from rftstream.actors.common import END_STATUSES, InProgressTicker, heartbeat_loop
+from rftstream.actors.common import END_STATUSES, InProgressTicker, drain_step, heartbeat_loop
 from rftstream.bus.client import Bus, PullConsumer
 from rftstream.bus.state import RunState
 from rftstream.errors import ConfigError, RftError, SchemaError
@@ -228,18 +229,15 @@ class OperatorHost:
             if control is not None and control.stopping and control.cut is None:
                 await control.park()  # the batch in hand is acked; wait for the cut
             if control is not None and control.cut is not None:
-                if await self._drained_to(consumer, control.cut):
+                # after the cut the trainer reads exp.<from> itself: those are acked unprocessed
+                step = await drain_step(
+                    consumer, control.cut, batch=self.batch_messages, timeout=self.fetch_timeout
+                )
+                if step.done:
                     return
-                msgs = await consumer.fetch(self.batch_messages, timeout=self.fetch_timeout)
-                mine = []
-                for m in msgs:
-                    if m.metadata.sequence.stream > control.cut:
-                        await m.ack()  # after the cut: the trainer reads it itself
-                        self.counters["skipped_after_cut"] += 1
-                    else:
-                        mine.append(m)
-                if mine:
-                    await self._process_held(mine, ticker)
+                self.counters["skipped_after_cut"] += step.skipped
+                if step.mine:
+                    await self._process_held(step.mine, ticker)
                 continue
             msgs = await consumer.fetch(self.batch_messages, timeout=self.fetch_timeout)
             if not msgs:
@@ -248,11 +246,6 @@ class OperatorHost:
                     return
                 continue
             await self._process_held(msgs, ticker)
-
-    async def _drained_to(self, consumer: PullConsumer, cut: int) -> bool:
-        """Every message up to ``cut`` acked (or dead-lettered)."""
-        info = await consumer.info()
-        return int(info.num_ack_pending or 0) == 0 or int(info.ack_floor.stream_seq or 0) >= cut
 
     async def _process_held(self, msgs: list[Msg], ticker: InProgressTicker) -> None:
         for m in msgs:
