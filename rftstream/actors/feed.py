@@ -4,7 +4,9 @@ stage a splice moved it to, see :mod:`rftstream.splice`).
 :class:`ExperienceFeed` implements ``algorithms.sample_strategy.ExperienceSource``:
 :meth:`read` blocks until ``n`` experiences are buffered, or returns fewer
 only once the run's upstream is exhausted (every task done and every stage
-drained).
+drained). It fetches only about as many messages as the ``n`` asked for
+still needs (a message carries one group: ``group_size`` experiences at
+first, then the mean seen so far), so little is fetched ahead of a step.
 
 Acks: a message is held (``in_progress()`` ticks keep it from redelivery during
 long steps) until every experience it carried has been trained; then
@@ -18,12 +20,14 @@ messages are simply redelivered after ``ack_wait`` if the process dies.
 After a splice or an unsplice the feed reads a new consumer and keeps
 draining the *retired* one up to its cut (see :meth:`switch_to`); ``on_idle``
 (the trainer's :class:`~rftstream.actors.topology.TrainerTopology`) runs
-between two fetches, where a cut is exact.
+between two fetches, where a cut is exact, and at least once per :meth:`read`,
+so a splice is answered before the next step.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable
@@ -72,6 +76,7 @@ class ExperienceFeed:
         *,
         fetch_batch: int = 64,
         fetch_timeout: float = 0.5,
+        group_size: int = 1,
         starving: Callable[[bool], Awaitable[None]] | None = None,
         validate: Callable[[Experience], str | None] | None = None,
     ) -> None:
@@ -81,7 +86,9 @@ class ExperienceFeed:
         self.consumer = consumer
         self.ticker = ticker
         self.exhausted = exhausted
-        self.fetch_batch = fetch_batch
+        self.fetch_batch = fetch_batch  # the most messages one fetch takes
+        self.group_size = max(1, group_size)  # experiences a message carries, until measured
+        self.messages_accepted = 0
         self.fetch_timeout = fetch_timeout
         self._buffer: deque[tuple[Experience, _Held]] = deque()
         self._taken: list[_Held] = []
@@ -135,14 +142,14 @@ class ExperienceFeed:
     def retired_names(self) -> set[str]:
         return {r.consumer.durable for r in self.retired}
 
-    async def _drain_retired(self) -> None:
+    async def _drain_retired(self, batch: int) -> None:
         """Take redeliveries up to the cut from retired consumers; ack later ones; delete when done.
 
         A NATS error on one of them is logged and retried at the next fill.
         """
         for r in list(self.retired):
             try:
-                step = await drain_step(r.consumer, r.cut_seq, batch=self.fetch_batch, timeout=0.05)
+                step = await drain_step(r.consumer, r.cut_seq, batch=batch, timeout=0.05)
             except (nats.errors.Error, TimeoutError, BusError) as exc:
                 log.warning("draining retired consumer %s failed: %s", r.consumer.durable, exc)
                 continue
@@ -168,10 +175,21 @@ class ExperienceFeed:
     def buffered(self) -> int:
         return len(self._buffer)
 
-    async def _fill_once(self) -> bool:
+    def _to_fetch(self, n: int) -> int:
+        """Messages to fetch so that about ``n`` experiences are buffered (at least one)."""
+        need = n - len(self._buffer)
+        if self.messages_accepted:
+            per = self.received / self.messages_accepted
+        else:
+            per = float(self.group_size)
+        return max(1, min(self.fetch_batch, math.ceil(need / max(per, 1.0))))
+
+    async def _fill_once(self, n: int) -> bool:
+        batch = self._to_fetch(n)
         if self.retired or self._retired_changed:
-            await self._drain_retired()
-        msgs = await self.consumer.fetch(self.fetch_batch, timeout=self.fetch_timeout)
+            await self._drain_retired(batch)
+            batch = self._to_fetch(n)
+        msgs = await self.consumer.fetch(batch, timeout=self.fetch_timeout)
         await self._accept(msgs)
         return bool(msgs)
 
@@ -216,6 +234,7 @@ class ExperienceFeed:
                 self._held_by_uid[e.eid.uid] = held
                 self._buffer.append((e, held))
             self.received += len(fresh)
+            self.messages_accepted += 1
             self.last_received = time.monotonic()
 
     async def read(self, n: int) -> list[Experience]:
@@ -224,10 +243,12 @@ class ExperienceFeed:
         idle = 0
         announced = False
         try:
+            if self.on_idle is not None and len(self._buffer) >= n:
+                await self.on_idle()  # a splice is answered at every step, however full
             while len(self._buffer) < n:
                 if self.on_idle is not None:
                     await self.on_idle()
-                if await self._fill_once():
+                if await self._fill_once(n):
                     idle = 0
                     continue
                 idle += 1
@@ -236,7 +257,7 @@ class ExperienceFeed:
                     announced = True
                 if idle % 2 == 0 and await self.exhausted():
                     # one last look: something may have landed after the check
-                    if not await self._fill_once():
+                    if not await self._fill_once(n):
                         break
         finally:
             if announced and self.starving is not None:

@@ -216,7 +216,14 @@ class Trainer:
         async def starving(flag: bool) -> None:
             await state.put_json(KV_TRAINER_STARVING, {"since": time.time() if flag else None})
 
-        feed = ExperienceFeed(self.bus, consumer, ticker, self._exhausted, starving=starving)
+        feed = ExperienceFeed(
+            self.bus,
+            consumer,
+            ticker,
+            self._exhausted,
+            starving=starving,
+            group_size=int(self.cfg.algorithm.repeat_times or 1),
+        )
         self.feed = feed
         await topology.attach(feed)  # answers splice/unsplice requests between fetches
         monitor = RawMonitor()

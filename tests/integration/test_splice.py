@@ -42,7 +42,13 @@ def _config(tmp_path: Path, tiny_model_path: str) -> dict:
     cfg = small_config(tmp_path, tiny_model_path)
     cfg["name"] = "splice"
     cfg["buffer"].update({"batch_size": 4, "total_steps": None, "total_epochs": 1})
-    cfg["synchronizer"] = {"sync_method": "memory", "sync_style": "dynamic_by_explorer"}
+    # the explorer may not run far ahead of the trainer, or the trainer has fetched
+    # everything before the cut (as in the CLI test below)
+    cfg["synchronizer"] = {
+        "sync_method": "memory",
+        "sync_style": "dynamic_by_explorer",
+        "max_staleness": 1,
+    }
     return cfg
 
 
@@ -118,7 +124,11 @@ def check_gate_and_accounts(run, nats_url: str) -> None:
         for r in records
     ]
     # the cut: once a step is all from the filter's stage, the trainer never reads exp.train again
-    first_all_filtered = next(i for i, (old, new) in enumerate(sources) if new and not old)
+    first_all_filtered = next((i for i, (old, new) in enumerate(sources) if new and not old), None)
+    assert first_all_filtered is not None, (
+        f"no step trained only from exp.filtered after the splice; (exp.train, exp.filtered) "
+        f"per step: {sources}"
+    )
     assert all(old == 0 for old, _ in sources[first_all_filtered:])
     assert any(old for old, _ in sources[:first_all_filtered])  # it did read exp.train before
     for r, (old, _new) in zip(records, sources, strict=True):
@@ -154,10 +164,8 @@ def test_rftstream_operator_splice_against_a_running_up(
     (plugin_dir / "reward_filter.py").write_text(REWARD_FILTER)
     data = _config(tmp_path, tiny_model_path)
     data["name"] = "splicecli"
-    # long enough for the operator process to start mid-run, and the explorer may not run
-    # far ahead of the trainer (else the trainer has fetched everything before the cut)
+    # long enough for the operator process to start mid-run
     data["buffer"]["total_epochs"] = 4
-    data["synchronizer"]["max_staleness"] = 1
     cfg_path = tmp_path / "run.yaml"
     cfg_path.write_text(yaml.safe_dump(data))
     run = prepare_run(config_from_dict(data))
