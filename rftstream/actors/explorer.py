@@ -22,7 +22,15 @@ Acks: a task is acked only after its group is stored in ``exp.raw`` (or after
 it went to ``dlq.tasks`` with the error), so a task of an explorer that dies is
 redelivered to another one after the consumer's ack wait; the group's
 ``Nats-Msg-Id`` (``raw:<taskset>:<epoch>:<index>``) stops a redone task from
-being stored twice. Cancelling :meth:`Explorer.run` stops after the current
+being stored twice. A publish that fails for NATS reasons (timed out after its
+retries, a 503, a lost connection) is retried with the same group until it is
+stored (the task stays held meanwhile; ``rollout/publish_failures``): the
+group is split the same way with the same ids, so the parts of a split group
+an earlier attempt stored are deduplicated (within ``nats.dedup_window``) and
+the group on ``exp.raw`` is whole; only a group that cannot be published as
+it is (it does not encode, one experience exceeds ``max_payload``) sends the
+task to ``dlq.tasks``. A task that cannot be dead-lettered for NATS reasons
+is given back (redelivered later). Cancelling :meth:`Explorer.run` stops after the current
 await and naks the tasks it holds, so they are redelivered at once.
 
 Evaluation: with ``buffer.explorer_input.eval_tasksets``, after every
@@ -79,7 +87,8 @@ from rftstream.bus.client import Bus
 from rftstream.bus.state import RunState
 from rftstream.config.schema import Config, TasksetConfig
 from rftstream.config.validate import TRAINER_MODES, eval_tasksets, training_tasksets
-from rftstream.errors import RftError, SchemaError
+from rftstream.errors import BusError, PayloadTooLargeError, RftError, SchemaError
+from rftstream.experience import Experience
 from rftstream.messages import TaskMsg, TasksetClaim, TasksetRecord, decode_json, encode_json
 from rftstream.subjects import (
     KV_EXPLORER_DONE,
@@ -96,6 +105,7 @@ log = logging.getLogger(__name__)
 
 TASKS_DLQ_STAGE = "tasks"
 PUBLISH_CHUNK = 64  # tasks published concurrently between two progress records
+RETRY_MAX_S = 30.0  # the longest wait between two attempts to publish a group
 
 
 class _ClaimLost(Exception):
@@ -443,6 +453,7 @@ class Explorer(EvaluationMixin):
                 "experiences": 0.0,
                 "failed": 0.0,
                 "retries": 0.0,
+                "publish_failures": 0.0,
             }
             async with anyio.create_task_group() as tg:
                 for msg in msgs:
@@ -458,6 +469,7 @@ class Explorer(EvaluationMixin):
                 "rollout/experiences": stats["experiences"],
                 "rollout/failed_tasks": stats["failed"],
                 "rollout/retries": stats["retries"],
+                "rollout/publish_failures": stats["publish_failures"],
                 "explorer/model_version": float(self._version()),
                 "time/explore_step": dt,
                 "time/explorer_wait_sync": wait_sync,
@@ -484,8 +496,23 @@ class Explorer(EvaluationMixin):
             await state.set_status("finished")
 
     async def _fail_task(self, msg: Msg, reason: str, stats: dict[str, float]) -> None:
-        """Dead-letter a task message (``dlq.tasks``, reason in headers) and count it as failed."""
-        await self.bus.dead_letter(TASKS_DLQ_STAGE, msg, reason)
+        """Dead-letter a task message (``dlq.tasks``, reason in headers) and count it as failed.
+
+        When the dead letter cannot be published (NATS trouble), the task is
+        nak'ed instead: it comes back and is tried again.
+        """
+        try:
+            await self.bus.dead_letter(TASKS_DLQ_STAGE, msg, reason)
+        except BusError as exc:
+            log.warning(
+                "%s: could not dead-letter a task (%s); it comes back: %s", self.name, exc, reason
+            )
+            self._unacked.pop(id(msg), None)
+            try:
+                await msg.nak(delay=RETRY_MAX_S)
+            except Exception:  # noqa: BLE001 - connection gone: ack wait redelivers it
+                pass
+            return
         self._unacked.pop(id(msg), None)
         stats["failed"] += 1
         self.failed_tasks += 1
@@ -540,9 +567,9 @@ class Explorer(EvaluationMixin):
                 await self._fail_task(msg, f"{where}: {reason}", stats)
                 return
             exps = result.experiences
-            await self.bus.publish_group(
-                RAW_STAGE, exps, msg_id=f"raw:{ts_cfg.name}:{tmsg.epoch}:{tmsg.index}"
-            )
+            msg_id = f"raw:{ts_cfg.name}:{tmsg.epoch}:{tmsg.index}"
+            if not await self._publish_group(exps, msg_id, where, stats):
+                return  # the run ended first: the task stays unacked (nak'ed at the end)
             await msg.ack()
             self._unacked.pop(id(msg), None)
         except RftError as exc:
@@ -557,6 +584,43 @@ class Explorer(EvaluationMixin):
         stats["experiences"] += len(exps)
         self.published_groups += 1
         self.published_experiences += len(exps)
+
+    async def _publish_group(
+        self, exps: list[Experience], msg_id: str, where: str, stats: dict[str, float]
+    ) -> bool:
+        """Publish a task's group to ``exp.raw``, retrying NATS trouble until it is stored.
+
+        Every attempt publishes the same group, split the same way under the
+        same ``Nats-Msg-Id`` s, so what an earlier attempt stored is
+        deduplicated. Backoff from 1 s, doubling, at most ``RETRY_MAX_S``.
+        Returns False when the run ended meanwhile. :class:`SchemaError` and
+        :class:`PayloadTooLargeError` (the group itself is at fault) propagate.
+        Blocks; cancelling leaves the task unacked.
+        """
+        delay = 1.0
+        while True:
+            try:
+                await self.bus.publish_group(RAW_STAGE, exps, msg_id=msg_id)
+                return True
+            except PayloadTooLargeError:
+                raise
+            except BusError as exc:
+                stats["publish_failures"] += 1
+                log.warning(
+                    "%s: %s: publishing its group failed (%s); retrying in %.0fs",
+                    self.name,
+                    where,
+                    exc,
+                    delay,
+                )
+            await anyio.sleep(delay)
+            delay = min(delay * 2, RETRY_MAX_S)
+            if self.state is not None:
+                try:
+                    if await self.state.status() in ("finished", "failed", "stopped"):
+                        return False
+                except Exception:  # noqa: BLE001 - NATS trouble: keep trying
+                    pass
 
     # ------------------------------------------------------------ sync
     async def _load(self, state: RunState, min_version: int) -> None:

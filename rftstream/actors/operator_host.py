@@ -12,13 +12,24 @@ messages is split and each message retried on its own: up to ``max_retries``
 more attempts, waiting ``retry_backoff`` s, doubling (at most 10 s, or
 ``retry_backoff`` if larger). A message that still fails goes to
 ``dlq.<from>`` with the exception and the stage in its headers
-(``Rft-Dlq-Reason``, ``Rft-Dlq-Stage``); the stage keeps running.
+(``Rft-Dlq-Reason``, ``Rft-Dlq-Stage``); the stage keeps running. Output
+that cannot be published because of what it is (it does not encode, or one
+experience exceeds ``max_payload``) dead-letters its input the same way.
+
+A NATS failure (a publish that timed out after its retries, a 503, a lost
+connection) dead-letters nothing: the batch's inputs are nak'ed (redelivered
+after ``retry_backoff`` s, at least 1 s) and processed again; their outputs
+carry the same ``Nats-Msg-Id`` s, so the parts a failed attempt had stored
+already are deduplicated (for a deterministic pipeline: one that samples
+may produce other parts the second time). Counted in
+``operator/publish_failures``.
 
 Metrics (one record per batch on ``metrics.<actor>``): messages and
 experiences in and out, ``operator/experiences_filtered`` and, by the
 operator that dropped them, ``operator/filtered/<operator>``;
-``operator/dead_lettered`` (messages) and ``operator/failed_batches``
-(pipeline calls that raised), each also as a ``_total`` over the host's life;
+``operator/dead_lettered`` (messages), ``operator/failed_batches``
+(pipeline calls that raised) and ``operator/publish_failures`` (batches given
+back after a NATS failure), each also as a ``_total`` over the host's life;
 latency per batch (``time/operator_batch``), per message
 (``time/operator_per_message``) and from a message's arrival on its stage to
 its processing (``latency/message_mean``, ``latency/message_max``).
@@ -49,7 +60,7 @@ from nats.aio.msg import Msg
 from rftstream.actors.common import END_STATUSES, InProgressTicker, drain_step, heartbeat_loop
 from rftstream.bus.client import Bus, PullConsumer
 from rftstream.bus.state import RunState
-from rftstream.errors import ConfigError, RftError, SchemaError
+from rftstream.errors import BusError, ConfigError, PayloadTooLargeError, SchemaError
 from rftstream.experience import H_MSG_ID, Experience, decode_group
 
 log = logging.getLogger(__name__)
@@ -118,6 +129,7 @@ class _Stats:
     dead_lettered: int = 0
     dead_lettered_exps: int = 0
     failed_batches: int = 0
+    publish_failures: int = 0
     latencies: list[float] = field(default_factory=list)
     op_metrics: dict[str, float] = field(default_factory=dict)
 
@@ -259,6 +271,7 @@ class OperatorHost:
     async def process_batch(self, msgs: list[Msg]) -> None:
         """Decode, run the pipeline, publish survivors, ack inputs (or dead-letter them).
 
+        A NATS failure naks the inputs instead (see the module docstring).
         Publishes one metrics record for the batch.
         """
         t0 = time.perf_counter()
@@ -269,7 +282,24 @@ class OperatorHost:
                 stats.latencies.append(max(0.0, now - m.metadata.timestamp.timestamp()))
             except Exception:  # noqa: BLE001 - not a JetStream message
                 pass
-        await self._handle(msgs, stats)
+        try:
+            await self._handle(msgs, stats)
+        except BusError as exc:
+            # NATS trouble, not the messages' fault: they come back and are processed again
+            stats.publish_failures += 1
+            delay = max(1.0, self.retry_backoff)
+            log.warning(
+                "%s: %s; giving the batch of %d back (redelivered in %.0fs)",
+                self.name,
+                exc,
+                len(msgs),
+                delay,
+            )
+            for m in msgs:
+                try:
+                    await m.nak(delay=delay)
+                except Exception:  # noqa: BLE001 - acked already, or the connection is gone
+                    pass
         dt = time.perf_counter() - t0
         self.batches += 1
         c = self.counters
@@ -279,6 +309,7 @@ class OperatorHost:
         c["experiences_out"] += stats.experiences_out
         c["dead_lettered_messages"] += stats.dead_lettered
         c["failed_batches"] += stats.failed_batches
+        c["publish_failures"] += stats.publish_failures
         values: dict[str, float] = {
             "operator/messages_in": float(stats.messages_in),
             "operator/messages_out": float(stats.messages_out),
@@ -290,6 +321,8 @@ class OperatorHost:
             "operator/dead_lettered_total": c["dead_lettered_messages"],
             "operator/failed_batches": float(stats.failed_batches),
             "operator/failed_batches_total": c["failed_batches"],
+            "operator/publish_failures": float(stats.publish_failures),
+            "operator/publish_failures_total": c["publish_failures"],
             "time/operator_batch": dt,
             "time/operator_per_message": dt / max(1, len(msgs)),
         }
@@ -349,7 +382,9 @@ class OperatorHost:
                 await self.bus.publish_group(
                     self.to_stage, group, msg_id=f"{self.to_stage}:{base}", group_id=gid
                 )
-        except RftError as exc:  # e.g. an operator left something unencodable in `info`
+        except (SchemaError, PayloadTooLargeError) as exc:
+            # the output itself is at fault (e.g. an operator left something unencodable in
+            # `info`); any other BusError is NATS trouble: process_batch gives the inputs back
             if not single:
                 for m, _ in decoded:
                     await self._handle([m], stats)
