@@ -19,8 +19,11 @@ Each evaluation is the explorer's own (:meth:`Explorer._evaluate`): the
 ``eval/<taskset>/...`` metrics on ``metrics.<explorer>`` and one record in
 ``<run_dir>/eval.jsonl``, here with ``"bench": true`` and ``"checkpoint"``
 (the directory, or null for the given model). KV claims ``bench.step.<N>``
-make one explorer evaluate each step. At the end the run status becomes
-``finished``. Blocks until done; cancelling stops after the current await.
+make one explorer evaluate each step; an evaluation that is cancelled or
+fails releases its claim (deletes the key), so a later explorer evaluates
+that step instead of skipping it. At the end the run status becomes
+``finished``. Blocks until done; cancelling stops after the current await
+(the steps already evaluated keep their claims and records).
 """
 
 from __future__ import annotations

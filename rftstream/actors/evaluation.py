@@ -82,7 +82,9 @@ class EvaluationMixin:
         Blocks exploration meanwhile. One explorer per step number (KV claim
         ``claim_key``, default ``eval.step.<n>`` / ``eval.final``); a final
         evaluation of what was just evaluated is skipped. ``extra`` goes into the
-        ``eval.jsonl`` record (bench: the checkpoint).
+        ``eval.jsonl`` record (bench: the checkpoint). Cancelled or failed
+        before its metrics and record are out, it releases the claim (deletes
+        the key), so a later explorer evaluates that step instead of skipping it.
         """
         version = self._version()
         if final and self._last_eval == (self.step, version):
@@ -91,24 +93,16 @@ class EvaluationMixin:
         claim = {"by": self.name, "step": self.step, "model_version": version, "ts": time.time()}
         if not await state.claim(key, claim):
             return
+        try:
+            values, record = await self._evaluate_claimed(final, version, extra, runner)
+        except BaseException:
+            with anyio.CancelScope(shield=True), anyio.move_on_after(5.0):
+                try:
+                    await state.delete(key)
+                except Exception as exc:  # noqa: BLE001 - the connection may be gone
+                    log.warning("%s: could not release the claim %s: %s", self.name, key, exc)
+            raise
         self._last_eval = (self.step, version)
-        t0 = time.perf_counter()
-        values: dict[str, float] = {}
-        for ts_cfg, rows in self._eval_rows:
-            values.update(await self._eval_taskset(ts_cfg, rows, runner))
-        values["eval/model_version"] = float(version)
-        values["eval/final"] = 1.0 if final else 0.0
-        values["time/eval"] = time.perf_counter() - t0
-        self.evaluations += 1
-        await self.bus.publish_metrics(self.role, self.step, finite(values))
-        record: dict[str, Any] = {
-            "step": self.step,
-            "ts": time.time(),
-            "explorer": self.name,
-            **(extra or {}),
-            **{k: (v if math.isfinite(v) else None) for k, v in values.items()},
-        }
-        await self._write_eval_record(record)
         log.info(
             "%s: evaluation after step %d (weights v%d): %s",
             self.name,
@@ -118,6 +112,30 @@ class EvaluationMixin:
         )
         if self.on_eval is not None:
             self.on_eval(record)
+
+    async def _evaluate_claimed(
+        self, final: bool, version: int, extra: dict[str, Any] | None, runner: Any
+    ) -> tuple[dict[str, float], dict[str, Any]]:
+        """The evaluation :meth:`_evaluate` claimed: run it, publish the metrics, write the
+        ``eval.jsonl`` record. Returns ``(values, record)``."""
+        t0 = time.perf_counter()
+        values: dict[str, float] = {}
+        for ts_cfg, rows in self._eval_rows:
+            values.update(await self._eval_taskset(ts_cfg, rows, runner))
+        values["eval/model_version"] = float(version)
+        values["eval/final"] = 1.0 if final else 0.0
+        values["time/eval"] = time.perf_counter() - t0
+        await self.bus.publish_metrics(self.role, self.step, finite(values))
+        record: dict[str, Any] = {
+            "step": self.step,
+            "ts": time.time(),
+            "explorer": self.name,
+            **(extra or {}),
+            **{k: (v if math.isfinite(v) else None) for k, v in values.items()},
+        }
+        await self._write_eval_record(record)
+        self.evaluations += 1
+        return values, record
 
     async def _eval_taskset(
         self, ts_cfg: TasksetConfig, rows: list[dict[str, Any]], runner: Any

@@ -280,3 +280,47 @@ def test_bench_mode_evaluates_each_checkpoint(
     run = prepare_run(config_from_dict(data))
     anyio.run(main, backend="asyncio")
     assert [r["step"] for r in _evals(tmp_path / "run")] == [2]
+
+
+def test_a_cancelled_bench_releases_its_step_so_a_later_explorer_evaluates_it(
+    tmp_path: Path, tiny_model_path: str, nats_url: str
+) -> None:
+    from rftstream.actors.explorer import Explorer
+    from rftstream.bus.client import Bus
+    from rftstream.runtime import provision
+    from workflows import WORKFLOWS, MathWorkflow
+
+    started = anyio.Event()
+    gate = {"closed": True}
+
+    @WORKFLOWS.register_module("gated_eval")
+    class GatedEval(MathWorkflow):
+        async def run_async(self):  # type: ignore[no-untyped-def]
+            while gate["closed"]:
+                started.set()
+                await anyio.sleep(0.05)
+            return await super().run_async()
+
+    data = _eval_config(tmp_path, tiny_model_path)
+    data["buffer"]["explorer_input"]["eval_tasksets"][0]["default_workflow_type"] = "gated_eval"
+    run = prepare_run(config_from_dict(data))
+
+    async def main() -> tuple[Any, dict[str, Any]]:
+        await provision(run, nats_url)
+        async with await Bus.connect(nats_url, run.names, run.cfg.nats, "explorer") as bus:
+            with anyio.fail_after(240):
+                async with anyio.create_task_group() as tg:
+                    tg.start_soon(Explorer(run.cfg, bus, model_path=run.model_path).run)
+                    await started.wait()  # step 0 is claimed and under way
+                    tg.cancel_scope.cancel()
+                released = await _kv(nats_url, run.names.kv_bucket)
+                gate["closed"] = False
+                await Explorer(run.cfg, bus, model_path=run.model_path, name="later").run()
+        return released, await _kv(nats_url, run.names.kv_bucket)
+
+    released, after = anyio.run(main, backend="asyncio")
+    assert "bench.step.0" not in released  # the cancelled bench let go of it
+    assert after["bench.step.0"]["by"] == "later"
+    (record,) = _evals(tmp_path / "run")
+    assert record["step"] == 0 and record["explorer"] == "later" and record["bench"] is True
+    assert record["eval/arith/tasks"] == 4
