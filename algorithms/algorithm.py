@@ -347,6 +347,9 @@ class ResolvedAlgorithm:
     use_critic: bool
     compute_advantage_in_trainer: bool
     sample_strategy_cls: type[SampleStrategy] = field(default=SampleStrategy)
+    # verl's batch arithmetic for a loss that weights its micro-batches itself (MIX): a
+    # rftstream.training.batch.VerlBatchShape, set when the run is prepared; None otherwise
+    batch_shape: Any = None
 
     @property
     def custom_fields(self) -> tuple[CustomField, ...]:

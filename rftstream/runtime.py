@@ -92,54 +92,52 @@ def _check_components(cfg: Config) -> None:
         )
 
 
-def _fill_batch_args(cfg: Config, algorithm: Any) -> Config:
+def _fill_batch_args(cfg: Config, algorithm: Any) -> tuple[Config, Any]:
     """Fill the batch-shape arguments a policy loss takes from the run (MIX's weighting).
 
     MIX (seed guide 000) weights each micro-batch by ``gradient_accumulation /
     train_batch_size_<kind>``; in Trinity-RFT the user copies those sizes into
-    ``policy_loss_fn_args``. Here every one the loss accepts and the user did
-    not set is derived: ``ppo_mini_batch_size`` (the train batch),
-    ``ppo_micro_batch_size_per_gpu``, ``ngpus_trainer`` (1) and
-    ``train_batch_size_usual`` / ``train_batch_size_expert`` (from
-    ``sample_strategy_args.expert_data_ratio``). Returns ``cfg`` unchanged
-    when nothing is filled.
+    ``policy_loss_fn_args``. Here every one the loss accepts and nobody set is
+    derived (:func:`rftstream.training.batch.loss_batch_args`):
+    ``ppo_mini_batch_size`` (the train batch), ``ppo_micro_batch_size_per_gpu``,
+    ``ngpus_trainer`` (1) and ``train_batch_size_usual`` /
+    ``train_batch_size_expert`` (from ``sample_strategy_args.expert_data_ratio``).
+    Returns ``(cfg, algorithm)``: the algorithm is resolved again when
+    something was filled, and carries the loss's verl batch arithmetic in
+    ``batch_shape`` (computed here, once; the trainer applies it).
     """
-    import inspect
-    import math
+    import dataclasses
 
-    loss_cls = type(algorithm.policy_loss_fn)
-    params = inspect.signature(loss_cls.__init__).parameters
-    user = dict(cfg.algorithm.policy_loss_fn_args or {})
+    from algorithms import resolve_algorithm
+    from rftstream.training.batch import loss_batch_args
+
     total = cfg.buffer.train_batch_size or cfg.buffer.batch_size * int(algorithm.repeat_times or 1)
     micro = max(1, cfg.trainer.ppo_micro_batch_size_per_gpu)
-    ss_defaults = algorithm.sample_strategy_cls.default_args() or {}
     ratio = algorithm.sample_strategy_args.get("expert_data_ratio")
     if ratio is None:  # the strategy's own default (the guide's MIX reads 0.5 when unset)
-        ratio = ss_defaults.get("expert_data_ratio", 0.5)
-    ratio = float(ratio)
-    expert = math.ceil(ratio * total)
-    mini = int(user.get("ppo_mini_batch_size", total))
-    derived = {
-        "ppo_mini_batch_size": total,
-        "ppo_micro_batch_size_per_gpu": max(1, min(micro, mini)),
-        "ngpus_trainer": 1,
-        "train_batch_size_usual": max(1, total - expert),
-        "train_batch_size_expert": max(1, expert),
-    }
-    fill = {k: v for k, v in derived.items() if k in params and k not in user}
-    if not fill:
-        return cfg
-    mb = fill.get("ppo_micro_batch_size_per_gpu", micro)
-    if "ppo_mini_batch_size" in fill and total % mb:
-        raise ConfigError(
-            "trainer.ppo_micro_batch_size_per_gpu",
-            f"{type(algorithm.policy_loss_fn).__name__} weights each micro-batch by "
-            f"ppo_mini_batch_size // micro batch; the train batch {total} is not a multiple of "
-            f"the micro batch {mb} (set buffer.train_batch_size or this key so it divides)",
-            value=mb,
-        )
-    algo_cfg = msgspec.structs.replace(cfg.algorithm, policy_loss_fn_args={**user, **fill})
-    return msgspec.structs.replace(cfg, algorithm=algo_cfg)
+        ratio = (algorithm.sample_strategy_cls.default_args() or {}).get("expert_data_ratio", 0.5)
+    fill, shape = loss_batch_args(
+        type(algorithm.policy_loss_fn),
+        dict(algorithm.config.policy_loss_fn_args or {}),
+        train_batch_size=total,
+        micro_batch=micro,
+        expert_ratio=float(ratio),
+    )
+    if fill:
+        mb = fill.get("ppo_micro_batch_size_per_gpu", micro)
+        if "ppo_mini_batch_size" in fill and total % mb:
+            raise ConfigError(
+                "trainer.ppo_micro_batch_size_per_gpu",
+                f"{type(algorithm.policy_loss_fn).__name__} weights each micro-batch by "
+                f"ppo_mini_batch_size // micro batch; the train batch {total} is not a multiple "
+                f"of the micro batch {mb} (set buffer.train_batch_size or this key so it divides)",
+                value=mb,
+            )
+        user = dict(cfg.algorithm.policy_loss_fn_args or {})
+        algo_cfg = msgspec.structs.replace(cfg.algorithm, policy_loss_fn_args={**user, **fill})
+        cfg = msgspec.structs.replace(cfg, algorithm=algo_cfg)
+        algorithm = resolve_algorithm(cfg.algorithm, cfg.buffer)
+    return cfg, dataclasses.replace(algorithm, batch_shape=shape)
 
 
 def _preset_check_config(cfg: Config) -> Config:
@@ -279,10 +277,7 @@ def prepare_run(
         buffer = msgspec.structs.replace(buffer, total_steps=steps)
     cfg = _preset_check_config(msgspec.structs.replace(cfg, buffer=buffer))
     algorithm = resolve_algorithm(cfg.algorithm, cfg.buffer)
-    filled = _fill_batch_args(cfg, algorithm)
-    if filled is not cfg:
-        cfg = filled
-        algorithm = resolve_algorithm(cfg.algorithm, cfg.buffer)
+    cfg, algorithm = _fill_batch_args(cfg, algorithm)
     _check_algorithm(cfg, algorithm)
     repeat = int(algorithm.repeat_times or 1)
     buffer = cfg.buffer

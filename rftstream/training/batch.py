@@ -35,6 +35,95 @@ a reference model ``ref_logprob`` is not available either.
 """
 
 
+@dataclass(frozen=True)
+class VerlBatchShape:
+    """verl's batch arithmetic, for a policy loss that weights each micro-batch itself.
+
+    Such a loss (its constructor takes ``ppo_mini_batch_size``; MIX, seed guide
+    000) scales each micro-batch by its share of the step
+    (``gradient_accumulation / train_batch_size_<kind>``, or
+    ``experience_per_gpu / (rows * train_batch_size_<kind>)`` with
+    ``use_dynamic_bsz``), counting on verl's trainer to divide each
+    micro-batch loss by :attr:`gradient_accumulation` (or multiply it by
+    ``rows /`` :attr:`mini_per_gpu` with ``use_dynamic_bsz``). Computed once,
+    when the run is prepared (:func:`loss_batch_args`), from the arguments
+    the loss is built with; the trainer applies it.
+    """
+
+    use_dynamic_bsz: bool
+    mini_batch: int  # ppo_mini_batch_size
+    micro_batch: int  # ppo_micro_batch_size_per_gpu
+    ngpus: int  # ngpus_trainer
+
+    @property
+    def gradient_accumulation(self) -> int:
+        """``ppo_mini_batch_size // ppo_micro_batch_size_per_gpu`` (at least 1)."""
+        return max(1, self.mini_batch // max(1, self.micro_batch))
+
+    @property
+    def mini_per_gpu(self) -> int:
+        """``ppo_mini_batch_size // ngpus_trainer`` (at least 1)."""
+        return max(1, self.mini_batch // max(1, self.ngpus))
+
+
+def loss_batch_args(
+    loss_cls: type,
+    args: dict[str, Any],
+    *,
+    train_batch_size: int,
+    micro_batch: int,
+    expert_ratio: float,
+) -> tuple[dict[str, int], VerlBatchShape | None]:
+    """The batch-shape arguments to fill in for a policy loss, and its verl arithmetic.
+
+    ``args``: the loss's arguments so far (``policy_loss_fn_args``). Filled
+    are those the constructor of ``loss_cls`` accepts and ``args`` does not
+    set: ``ppo_mini_batch_size`` (the train batch),
+    ``ppo_micro_batch_size_per_gpu`` (``micro_batch``, at most the mini
+    batch), ``ngpus_trainer`` (1), ``train_batch_size_expert`` (``ceil(ratio
+    * train batch)``) and ``train_batch_size_usual`` (the rest). The shape is
+    None unless the constructor takes ``ppo_mini_batch_size``; its values
+    come from ``args``, then the filled ones, then the constructor's
+    defaults. Pure; inspects the constructor once.
+    """
+    import inspect
+    import math
+
+    params = inspect.signature(loss_cls.__init__).parameters
+    total = train_batch_size
+    micro = max(1, micro_batch)
+    expert = math.ceil(expert_ratio * total)
+    mini = int(args["ppo_mini_batch_size"]) if args.get("ppo_mini_batch_size") else total
+    derived = {
+        "ppo_mini_batch_size": total,
+        "ppo_micro_batch_size_per_gpu": max(1, min(micro, mini)),
+        "ngpus_trainer": 1,
+        "train_batch_size_usual": max(1, total - expert),
+        "train_batch_size_expert": max(1, expert),
+    }
+    fill = {k: v for k, v in derived.items() if k in params and k not in args}
+    if "ppo_mini_batch_size" not in params:
+        return fill, None
+
+    def value(name: str, default: Any) -> Any:
+        if args.get(name) is not None:
+            return args[name]
+        if name in fill:
+            return fill[name]
+        p = params.get(name)
+        if p is not None and p.default is not inspect.Parameter.empty and p.default is not None:
+            return p.default
+        return default
+
+    shape = VerlBatchShape(
+        use_dynamic_bsz=bool(value("use_dynamic_bsz", False)),
+        mini_batch=int(value("ppo_mini_batch_size", 1)),
+        micro_batch=int(value("ppo_micro_batch_size_per_gpu", 1)),
+        ngpus=int(value("ngpus_trainer", 1)),
+    )
+    return fill, shape
+
+
 @dataclass
 class TrainBatch:
     input_ids: torch.Tensor  # [B, P+R] long

@@ -67,7 +67,8 @@ class PolicyTrainer:
        critic's value loss). Each micro-batch counts by its rows (a
        rows-weighted mean), except for a loss that weights its micro-batches
        itself as verl expects (MIX): it gets verl's scaling
-       (:func:`verl_micro_batch_scaling`).
+       (:class:`~rftstream.training.batch.VerlBatchShape`, computed when the
+       run is prepared and carried by ``algorithm.batch_shape``).
     """
 
     def __init__(self, cfg: Config, model_path: str, algorithm: Any) -> None:
@@ -126,9 +127,7 @@ class PolicyTrainer:
         self.micro = max(1, cfg.trainer.ppo_micro_batch_size_per_gpu)
         self.train_batch_size = max(1, cfg.buffer.train_batch_size)
         self.gas = max(1, math.ceil(self.train_batch_size / self.micro))
-        self.verl_scaling = verl_micro_batch_scaling(
-            algorithm.policy_loss_fn, algorithm.config.policy_loss_fn_args or {}
-        )
+        self.verl_scaling = getattr(algorithm, "batch_shape", None)  # from prepare_run
         opt_cfg = cfg.algorithm.optimizer
         with HF_LOAD_LOCK:  # DeepSpeed moves the module; keep it apart from concurrent loads
             self.engine, self.optimizer, self.scheduler = self._deepspeed(deepspeed, model, opt_cfg)
@@ -368,18 +367,18 @@ class PolicyTrainer:
         """The factor on one micro-batch's actor loss before DeepSpeed divides it by ``gas``.
 
         A loss that weights its micro-batches itself, verl-style (see
-        :func:`verl_micro_batch_scaling`), gets verl's scaling: ``1 /
+        :class:`~rftstream.training.batch.VerlBatchShape`), gets verl's scaling: ``1 /
         gradient_accumulation`` of its own batch arithmetic, or ``rows /
         ppo_mini_batch_size_per_gpu`` with ``use_dynamic_bsz``. Every other
         loss returns a per-micro-batch mean and gets ``rows_weight``
         (a rows-weighted mean over the step).
         """
-        if self.verl_scaling is None:
+        shape = self.verl_scaling
+        if shape is None:
             return rows_weight
-        dynamic, accumulation, per_gpu = self.verl_scaling
-        if dynamic:
-            return self.gas * rows / per_gpu
-        return self.gas / accumulation
+        if shape.use_dynamic_bsz:
+            return self.gas * rows / shape.mini_per_gpu
+        return self.gas / shape.gradient_accumulation
 
     def _actor_micro_step(
         self,
@@ -470,43 +469,6 @@ class PolicyTrainer:
             shutil.rmtree(path)
         os.replace(tmp, path)
         return path
-
-
-def verl_micro_batch_scaling(loss_fn: Any, args: dict[str, Any]) -> tuple[bool, int, int] | None:
-    """``(use_dynamic_bsz, gradient_accumulation, mini batch per GPU)`` of a verl-style loss, or None.
-
-    A policy loss whose constructor takes ``ppo_mini_batch_size`` (MIX, seed
-    guide 000) scales each micro-batch itself by its share of the step
-    (``gradient_accumulation / train_batch_size_<kind>``, or
-    ``experience_per_gpu / (rows * train_batch_size_<kind>)`` with
-    ``use_dynamic_bsz``), counting on verl's trainer to divide each
-    micro-batch loss by ``gradient_accumulation = ppo_mini_batch_size //
-    ppo_micro_batch_size_per_gpu`` (or multiply it by ``rows /
-    (ppo_mini_batch_size // ngpus_trainer)`` with ``use_dynamic_bsz``). The
-    values come from ``args`` (the resolved ``policy_loss_fn_args``), else
-    the constructor's defaults. Then the step's gradient is the seed's
-    objective whatever the row counts of the micro-batches (a short last
-    one included).
-    """
-    import inspect
-
-    params = inspect.signature(type(loss_fn).__init__).parameters
-    if "ppo_mini_batch_size" not in params:
-        return None
-
-    def arg(name: str, default: Any) -> Any:
-        if name in args and args[name] is not None:
-            return args[name]
-        p = params.get(name)
-        if p is not None and p.default is not inspect.Parameter.empty and p.default is not None:
-            return p.default
-        return default
-
-    mini = int(arg("ppo_mini_batch_size", 1))
-    micro = int(arg("ppo_micro_batch_size_per_gpu", 1))
-    ngpus = int(arg("ngpus_trainer", 1))
-    dynamic = bool(arg("use_dynamic_bsz", False))
-    return dynamic, max(1, mini // max(1, micro)), max(1, mini // max(1, ngpus))
 
 
 def _fit(t: torch.Tensor | None, n: int) -> torch.Tensor:

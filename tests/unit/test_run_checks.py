@@ -300,3 +300,53 @@ def test_mix_micro_batch_never_exceeds_a_user_mini_batch(cfg: dict[str, Any], da
     assert args["ppo_mini_batch_size"] == 3  # the user's value stays
     assert args["ppo_micro_batch_size_per_gpu"] == 3  # min(4, 3): gradient accumulation 1, not 0
     assert run.algorithm.policy_loss_fn.gradient_accumulation == 1
+
+
+def test_mix_batch_shape_is_computed_once_for_the_trainer(
+    cfg: dict[str, Any], dataset: str
+) -> None:
+    """prepare_run hands the trainer verl's arithmetic for the args the loss was built with."""
+    shape = prep(mix(cfg, dataset)).algorithm.batch_shape
+    # train batch 2 x 4 = 8 (the mini batch), micro batch 4: accumulation 8 // 4 = 2
+    assert (shape.use_dynamic_bsz, shape.mini_batch, shape.micro_batch, shape.ngpus) == (
+        False,
+        8,
+        4,
+        1,
+    )
+    assert (shape.gradient_accumulation, shape.mini_per_gpu) == (2, 8)
+    data = mix(cfg, dataset)
+    data["algorithm"]["policy_loss_fn_args"] = {"use_dynamic_bsz": True, "ngpus_trainer": 2}
+    run = prep(data)
+    shape = run.algorithm.batch_shape
+    assert shape.use_dynamic_bsz and shape.ngpus == 2 and shape.mini_per_gpu == 8 // 2
+    assert run.algorithm.policy_loss_fn.experience_per_gpu == shape.mini_per_gpu  # as built
+
+
+def test_non_mix_losses_get_no_batch_shape(cfg: dict[str, Any]) -> None:
+    assert prep(cfg).algorithm.batch_shape is None
+
+
+def test_loss_batch_args_fall_back_to_the_constructor_defaults() -> None:
+    from rftstream.training.batch import loss_batch_args
+
+    class TakesSome:
+        def __init__(self, ppo_mini_batch_size: int = 1, ngpus_trainer: int = 4) -> None:
+            pass
+
+    fill, shape = loss_batch_args(
+        TakesSome, {"ngpus_trainer": 2}, train_batch_size=12, micro_batch=5, expert_ratio=0.5
+    )
+    assert fill == {"ppo_mini_batch_size": 12}  # the only one it takes that is not set
+    # micro batch: not a constructor argument, not filled: verl's default 1
+    assert (shape.mini_batch, shape.micro_batch, shape.ngpus) == (12, 1, 2)
+    assert (shape.gradient_accumulation, shape.mini_per_gpu) == (12, 6)
+
+    class TakesNone:
+        def __init__(self, train_batch_size_usual: int = 1) -> None:
+            pass
+
+    fill, shape = loss_batch_args(
+        TakesNone, {}, train_batch_size=10, micro_batch=2, expert_ratio=0.25
+    )
+    assert fill == {"train_batch_size_usual": 10 - 3} and shape is None  # ceil(2.5) experts
