@@ -180,12 +180,16 @@ class Explorer(EvaluationMixin):
             if await state.taskset() is not None:
                 return None
             try:
-                rev = await kv.create(
-                    KV_TASKSET_CLAIM, encode_json(TasksetClaim(by=self.name, ts=time.time()))
+                rev = await state.compare_and_put(
+                    KV_TASKSET_CLAIM, TasksetClaim(by=self.name, ts=time.time()), None
                 )
+            except BusError as exc:  # not a lost race: a KV hiccup; try again shortly
+                log.warning("%s: taskset claim: %s; retrying", self.name, exc)
+                await anyio.sleep(0.5)
+                continue
+            if rev is not None:
                 return int(rev), 0
-            except nats.js.errors.APIError:
-                pass  # claimed already
+            # claimed already
             try:
                 entry = await kv.get(KV_TASKSET_CLAIM)
                 claim = decode_json(entry.value or b"", TasksetClaim, "KV taskset claim")
@@ -202,10 +206,13 @@ class Explorer(EvaluationMixin):
                     by=self.name, ts=time.time(), seq=claim.seq, taken_over_from=claim.by
                 )
                 try:
-                    rev = await kv.update(KV_TASKSET_CLAIM, encode_json(mine), last=seen_rev)
-                except nats.js.errors.APIError:
+                    rev = await state.compare_and_put(KV_TASKSET_CLAIM, mine, seen_rev)
+                except BusError as exc:
+                    log.warning("%s: taskset claim take-over: %s; retrying", self.name, exc)
+                    rev = None
+                if rev is None:
                     await anyio.sleep(0.2)
-                    continue  # someone else was quicker
+                    continue  # someone else was quicker, or the KV hiccupped
                 log.warning(
                     "%s: taking the taskset over from %s at task %d (%s)",
                     self.name,
