@@ -248,20 +248,7 @@ class TrainerTopology:
         if self.record.get("splice_id") == request["id"] and self.stage == from_stage:
             # switched already (a poll that failed, or a trainer that died, before answering)
             await self.persist()
-            await splice.record_topology(
-                self.state,
-                "unsplice",
-                to_stage,
-                from_stage,
-                request.get("operator"),
-                cut + 1,
-                str(request["id"]),
-            )
-            await splice.answer(
-                self.state, request, state="cut", consumer=self.feed.consumer.durable
-            )
-            return
-        if self.stage != to_stage:
+        elif self.stage != to_stage:
             await splice.answer(
                 self.state,
                 request,
@@ -269,12 +256,13 @@ class TrainerTopology:
                 reason=f"the trainer reads exp.{self.stage}, not exp.{to_stage}",
             )
             return
-        new = await self._new_durable(
-            from_stage, cut + 1, f"{request.get('operator')} removed from exp.{to_stage}"
-        )
-        await self.feed.switch_to(new, None, splice_id=str(request["id"]))
-        self.stage = from_stage
-        await self.persist(splice_id=request["id"], from_stage=to_stage, start_seq=cut + 1)
+        else:
+            new = await self._new_durable(
+                from_stage, cut + 1, f"{request.get('operator')} removed from exp.{to_stage}"
+            )
+            await self.feed.switch_to(new, None, splice_id=str(request["id"]))
+            self.stage = from_stage
+            await self.persist(splice_id=request["id"], from_stage=to_stage, start_seq=cut + 1)
         await splice.record_topology(
             self.state,
             "unsplice",
@@ -284,7 +272,7 @@ class TrainerTopology:
             cut + 1,
             str(request["id"]),
         )
-        await splice.answer(self.state, request, state="cut", consumer=new.durable)
+        await splice.answer(self.state, request, state="cut", consumer=self.feed.consumer.durable)
         log.info(
             "%s: removed %s: reading exp.%s from seq %d again; draining exp.%s",
             self.name,
