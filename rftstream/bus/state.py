@@ -103,16 +103,42 @@ class RunState:
     async def heartbeats(self) -> dict[str, dict[str, Any]]:
         """Every ``heartbeat.<actor>`` record, by actor."""
         out: dict[str, dict[str, Any]] = {}
-        try:
-            keys = await self.kv.keys()
-        except nats.js.errors.NoKeysError:
-            return out
-        for key in keys:
-            if key.startswith("heartbeat."):
-                value = await self.get_json(key)
-                if isinstance(value, dict):
-                    out[key[len("heartbeat.") :]] = value
+        for key in await self.keys("heartbeat."):
+            value = await self.get_json(key)
+            if isinstance(value, dict):
+                out[key[len("heartbeat.") :]] = value
         return out
+
+    async def keys(self, prefix: str = "") -> list[str]:
+        """Keys starting with ``prefix`` that have a stored value, sorted.
+
+        Lists the bucket stream's subjects through one stream-info request
+        rather than ``KeyValue.keys()``: that one runs a watcher whose
+        "no more keys" marker can race ahead of a just-stored key and then
+        reports none. Keys whose last entry is a delete or purge marker are
+        left out (one extra ``get`` each).
+        """
+        stream = getattr(self.kv, "_stream", None)
+        pre = getattr(self.kv, "_pre", None)
+        js = getattr(self.kv, "_js", None)
+        if stream is None or pre is None or js is None:  # not a nats-py KeyValue
+            try:
+                return sorted(k for k in await self.kv.keys() if k.startswith(prefix))
+            except nats.js.errors.NoKeysError:
+                return []
+        # a subject filter must end on a token boundary: "heartbeat.>" but not "explorer>"
+        token_prefix = prefix if prefix.endswith(".") else ""
+        try:
+            info = await js.stream_info(stream, subjects_filter=f"{pre}{token_prefix}>")
+        except (nats.errors.Error, TimeoutError) as exc:
+            raise BusError(f"KV {self._where(prefix + '*')}: listing keys failed: {exc}") from exc
+        subjects = sorted((info.state.subjects or {}) if info.state else {})
+        keys = [s[len(pre) :] for s in subjects if s[len(pre) :].startswith(prefix)]
+        present: list[str] = []
+        for key in keys:
+            if await self.get_raw(key) is not None:
+                present.append(key)
+        return present
 
     async def claim(self, key: str, value: Any) -> bool:
         """Atomically create ``key``; False if it already exists (someone else claimed it)."""
@@ -155,10 +181,6 @@ class RunState:
     async def all(self) -> dict[str, Any]:
         """Every key and its decoded value (for ``rftstream status``)."""
         out: dict[str, Any] = {}
-        try:
-            keys = await self.kv.keys()
-        except nats.js.errors.NoKeysError:
-            return out
-        for key in sorted(keys):
+        for key in await self.keys():
             out[key] = await self.get_json(key)
         return out

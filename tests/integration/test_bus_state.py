@@ -56,3 +56,44 @@ def test_compare_and_put_other_failures_raise_bus_error(nats_url: str) -> None:
             await nc.close()
 
     anyio.run(main, backend="asyncio")
+
+
+def test_keys_lists_every_stored_key_right_after_its_put(nats_url: str) -> None:
+    """``keys`` sees a key as soon as its put returned (nats-py's watcher-based
+    ``KeyValue.keys`` could report none here), leaves deleted keys out and
+    filters by prefix, on a token boundary or not."""
+
+    async def main() -> None:
+        nc = await nats.connect(nats_url)
+        try:
+            js = nc.jetstream()
+            # a fresh bucket, one put, one listing: the old watcher-based listing
+            # missed the key here about once in 150 rounds
+            for i in range(300):
+                fresh = RunState(await js.create_key_value(api.KeyValueConfig(bucket=f"one{i}")))
+                await fresh.heartbeat("trainer", "trainer", step=1)
+                assert await fresh.keys() == ["heartbeat.trainer"], f"round {i}"
+                await js.delete_key_value(f"one{i}")
+            kv = await js.create_key_value(api.KeyValueConfig(bucket="listing"))
+            state = RunState(kv)
+            assert await state.keys() == []
+            assert await state.heartbeats() == {}
+            for i in range(40):  # put, then list at once: every round must see the new key
+                await state.heartbeat(f"a{i}", "explorer", step=i)
+                listed = await state.keys("heartbeat.")
+                assert f"heartbeat.a{i}" in listed
+                assert len(listed) == i + 1
+            await state.put_json("explorer.e1.step", 3)
+            await state.put_json("explorer.e2.step", 4)
+            await state.delete("explorer.e2.step")
+            assert await state.keys("explorer.") == ["explorer.e1.step"]
+            assert await state.keys("explorer.e") == ["explorer.e1.step"]
+            everything = await state.all()
+            assert everything["explorer.e1.step"] == 3
+            assert "explorer.e2.step" not in everything
+            assert len([k for k in everything if k.startswith("heartbeat.")]) == 40
+            assert (await state.heartbeats())["a7"]["step"] == 7
+        finally:
+            await nc.close()
+
+    anyio.run(main, backend="asyncio")
