@@ -102,43 +102,33 @@ class RunState:
 
     async def heartbeats(self) -> dict[str, dict[str, Any]]:
         """Every ``heartbeat.<actor>`` record, by actor."""
-        out: dict[str, dict[str, Any]] = {}
-        for key in await self.keys("heartbeat."):
-            value = await self.get_json(key)
-            if isinstance(value, dict):
-                out[key[len("heartbeat.") :]] = value
-        return out
+        prefix = "heartbeat."
+        records = await self.all(prefix)
+        return {k[len(prefix) :]: v for k, v in records.items() if isinstance(v, dict)}
 
     async def keys(self, prefix: str = "") -> list[str]:
-        """Keys starting with ``prefix`` that have a stored value, sorted.
+        """Keys starting with ``prefix`` that have a stored value, sorted."""
+        return list(await self.all(prefix))
 
-        Lists the bucket stream's subjects through one stream-info request
-        rather than ``KeyValue.keys()``: that one runs a watcher whose
-        "no more keys" marker can race ahead of a just-stored key and then
-        reports none. Keys whose last entry is a delete or purge marker are
-        left out (one extra ``get`` each).
+    async def _listed_keys(self, prefix: str) -> list[str]:
+        """Keys starting with ``prefix`` that the bucket's stream holds an entry for,
+        sorted; the last entry may be a delete or purge marker.
+
+        One stream-info request for the stream's subjects, rather than
+        ``KeyValue.keys()``: that one runs a watcher whose "no more keys"
+        marker can race ahead of a just-stored key and then reports none.
         """
-        stream = getattr(self.kv, "_stream", None)
-        pre = getattr(self.kv, "_pre", None)
-        js = getattr(self.kv, "_js", None)
-        if stream is None or pre is None or js is None:  # not a nats-py KeyValue
-            try:
-                return sorted(k for k in await self.kv.keys() if k.startswith(prefix))
-            except nats.js.errors.NoKeysError:
-                return []
+        pre = self.kv._pre
         # a subject filter must end on a token boundary: "heartbeat.>" but not "explorer>"
         token_prefix = prefix if prefix.endswith(".") else ""
         try:
-            info = await js.stream_info(stream, subjects_filter=f"{pre}{token_prefix}>")
+            info = await self.kv._js.stream_info(
+                self.kv._stream, subjects_filter=f"{pre}{token_prefix}>"
+            )
         except (nats.errors.Error, TimeoutError) as exc:
             raise BusError(f"KV {self._where(prefix + '*')}: listing keys failed: {exc}") from exc
-        subjects = sorted((info.state.subjects or {}) if info.state else {})
-        keys = [s[len(pre) :] for s in subjects if s[len(pre) :].startswith(prefix)]
-        present: list[str] = []
-        for key in keys:
-            if await self.get_raw(key) is not None:
-                present.append(key)
-        return present
+        keys = (s[len(pre) :] for s in (info.state.subjects or {}))
+        return sorted(k for k in keys if k.startswith(prefix))
 
     async def claim(self, key: str, value: Any) -> bool:
         """Atomically create ``key``; False if it already exists (someone else claimed it)."""
@@ -178,9 +168,12 @@ class RunState:
             {"actor": actor, "role": role, "ts": time.time(), **info},
         )
 
-    async def all(self) -> dict[str, Any]:
-        """Every key and its decoded value (for ``rftstream status``)."""
+    async def all(self, prefix: str = "") -> dict[str, Any]:
+        """Every key starting with ``prefix`` and its decoded value, sorted by key;
+        deleted keys left out (for ``rftstream status``). One ``get`` per key."""
         out: dict[str, Any] = {}
-        for key in await self.keys():
-            out[key] = await self.get_json(key)
+        for key in await self._listed_keys(prefix):
+            raw = await self.get_raw(key)
+            if raw is not None:
+                out[key] = msgspec.json.decode(raw)
         return out
