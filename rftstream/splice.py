@@ -63,7 +63,7 @@ from typing import Any
 
 import anyio
 
-from rftstream.bus.state import RunState
+from rftstream.bus.state import END_STATUSES, RunState
 from rftstream.errors import RftError
 from rftstream.subjects import (
     KV_SPLICE,
@@ -177,12 +177,17 @@ async def trainer_input_record(state: RunState) -> dict[str, Any]:
     return value if isinstance(value, dict) else {}
 
 
+def input_of(record: Any) -> tuple[str, str]:
+    """``(stage, durable)`` a ``trainer.input`` record names (``exp.train`` if none)."""
+    if isinstance(record, dict) and record.get("stage"):
+        stage = str(record["stage"])
+        return stage, str(record.get("consumer") or trainer_durable(stage))
+    return TRAIN_STAGE, trainer_durable(TRAIN_STAGE)
+
+
 async def trainer_input(state: RunState) -> tuple[str, str]:
     """``(stage, durable)`` the trainer reads now."""
-    value = await trainer_input_record(state)
-    if value.get("stage"):
-        return str(value["stage"]), str(value.get("consumer") or trainer_durable(value["stage"]))
-    return TRAIN_STAGE, trainer_durable(TRAIN_STAGE)
+    return input_of(await trainer_input_record(state))
 
 
 async def stage_record(state: RunState, stage: str) -> dict[str, Any] | None:
@@ -199,8 +204,7 @@ def stage_chain(
     stages). Walks back from the stage the trainer reads through the spliced
     stages' ``from_stage``.
     """
-    inp = values.get(KV_TRAINER_INPUT)
-    current = str(inp["stage"]) if isinstance(inp, dict) and inp.get("stage") else TRAIN_STAGE
+    current, _ = input_of(values.get(KV_TRAINER_INPUT))
     spliced: list[dict[str, Any]] = []
     seen: set[str] = set()
     while current not in seen:
@@ -254,14 +258,15 @@ async def _wait_for(
         now = time.monotonic()
         if now - checked > 3.0:
             checked = now
-            if await state.status() in ("finished", "failed", "stopped"):
-                raise RftError(f"{what}: the run is {await state.status()}")
+            status = await state.status()
+            if status in END_STATUSES:
+                raise RftError(f"{what}: the run is {status}")
             if await trainer_alive(state):
                 last_alive = now
             elif now - last_alive > patience:
                 raise TrainerGone(
                     f"{what}: no trainer has been running for {patience:.0f}s "
-                    f"(no fresh trainer heartbeat; run status {await state.status()!r})"
+                    f"(no fresh trainer heartbeat; run status {status!r})"
                 )
         await anyio.sleep(0.2)
 
@@ -498,7 +503,7 @@ async def wait_unsplice(
         if now - checked > 3.0:
             checked = now
             status = await state.status()
-            if status in ("finished", "failed", "stopped"):
+            if status in END_STATUSES:
                 raise RftError(f"{what}: the run is {status}; the stage was not removed")
             if st not in ("requested", "claimed") or await trainer_alive(state):
                 last_alive = now

@@ -17,11 +17,9 @@ import nats.js.errors
 from nats.aio.msg import Msg
 
 from rftstream.bus.client import Bus, PullConsumer
-from rftstream.bus.state import RunState
+from rftstream.bus.state import END_STATUSES, RunState
 
 log = logging.getLogger(__name__)
-
-END_STATUSES = ("finished", "failed", "stopped")
 
 
 async def heartbeat_loop(

@@ -84,7 +84,7 @@ from rftstream.actors.common import (
 )
 from rftstream.actors.evaluation import EvaluationMixin, finite
 from rftstream.bus.client import Bus
-from rftstream.bus.state import RunState
+from rftstream.bus.state import END_STATUSES, RunState
 from rftstream.config.schema import Config, TasksetConfig
 from rftstream.config.validate import TRAINER_MODES, eval_tasksets, training_tasksets
 from rftstream.errors import BusError, PayloadTooLargeError, RftError, SchemaError
@@ -418,7 +418,7 @@ class Explorer(EvaluationMixin):
         total_steps = self.cfg.buffer.total_steps
         while True:
             status = await state.status()
-            if status in ("finished", "failed", "stopped"):
+            if status in END_STATUSES:
                 await self._final_eval(state, runner, status)
                 return
             if self.explore_only and total_steps is not None and self.step >= total_steps:
@@ -442,7 +442,7 @@ class Explorer(EvaluationMixin):
                 if msgs:
                     break
                 status = await state.status()
-                if status in ("finished", "failed", "stopped"):
+                if status in END_STATUSES:
                     await self._final_eval(state, runner, status)
                     return
                 if await consumer_drained(
@@ -624,7 +624,7 @@ class Explorer(EvaluationMixin):
             delay = min(delay * 2, RETRY_MAX_S)
             if self.state is not None:
                 try:
-                    if await self.state.status() in ("finished", "failed", "stopped"):
+                    if await self.state.status() in END_STATUSES:
                         return False
                 except Exception:  # noqa: BLE001 - NATS trouble: keep trying
                     pass
@@ -666,7 +666,7 @@ class Explorer(EvaluationMixin):
                     ptr = await state.latest_weights()
                     if ptr is not None and ptr.version >= need:
                         break
-                    if await state.status() in ("finished", "failed", "stopped"):
+                    if await state.status() in END_STATUSES:
                         return
                     await anyio.sleep(0.1)
             await self._load(state, need)
@@ -694,6 +694,6 @@ class Explorer(EvaluationMixin):
             starving = await state.get_json(KV_TRAINER_STARVING)
             if isinstance(starving, dict) and starving.get("since"):
                 return  # filters dropped what was waiting: never stall a starving trainer
-            if await state.status() in ("finished", "failed", "stopped"):
+            if await state.status() in END_STATUSES:
                 return
             await anyio.sleep(0.05)

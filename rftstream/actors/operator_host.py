@@ -57,9 +57,9 @@ from typing import Any
 import anyio
 from nats.aio.msg import Msg
 
-from rftstream.actors.common import END_STATUSES, InProgressTicker, drain_step, heartbeat_loop
+from rftstream.actors.common import InProgressTicker, drain_step, heartbeat_loop
 from rftstream.bus.client import Bus, PullConsumer
-from rftstream.bus.state import RunState
+from rftstream.bus.state import END_STATUSES, RunState
 from rftstream.errors import BusError, ConfigError, PayloadTooLargeError, SchemaError
 from rftstream.experience import H_MSG_ID, Experience, decode_group
 
@@ -409,13 +409,10 @@ class OperatorHost:
         last: BaseException | None = None
         for attempt in range(retries + 1):
             try:
-                if self.process_timeout is None:
+                with anyio.fail_after(self.process_timeout):  # None: no deadline
                     out, metrics = await self.pipeline.process(exps)
-                else:
-                    with anyio.fail_after(self.process_timeout):
-                        out, metrics = await self.pipeline.process(exps)
                 return out, metrics, ""
-            except TimeoutError:
+            except TimeoutError:  # the deadline: operators' own errors come as OperatorError
                 last = TimeoutError(
                     f"the pipeline took longer than process_timeout={self.process_timeout:g}s"
                 )

@@ -63,7 +63,7 @@ class TrainerTopology:
     async def open(self) -> PullConsumer:
         """Bind the consumer ``trainer.input`` names (``trainer`` on ``exp.train`` if none)."""
         self.record = await splice.trainer_input_record(self.state)
-        self.stage, durable = await splice.trainer_input(self.state)
+        self.stage, durable = splice.input_of(self.record)
         return await self.bus.pull(self.names.exp_stream, durable)
 
     async def attach(self, feed: ExperienceFeed) -> None:

@@ -22,6 +22,9 @@ from rftstream.subjects import KV_HEARTBEAT, KV_STATUS, KV_TASKSET, KV_TRAINER_S
 
 T = TypeVar("T")
 
+#: run statuses after which nothing more happens in the run
+END_STATUSES = ("finished", "failed", "stopped")
+
 # JSStreamWrongLastSequenceErrF / JSStreamWrongLastSequenceConstantErr: the key moved on
 _WRONG_LAST_SEQUENCE = (10071, 10164)
 
@@ -31,6 +34,11 @@ def _lost_race(exc: Exception) -> bool:
     if isinstance(exc, nats.js.errors.KeyWrongLastSequenceError):
         return True
     return isinstance(exc, nats.js.errors.APIError) and exc.err_code in _WRONG_LAST_SEQUENCE
+
+
+def _encode(value: Any) -> bytes:
+    """A KV value as JSON: structs through the project's encoder, the rest as plain JSON."""
+    return encode_json(value) if isinstance(value, msgspec.Struct) else msgspec.json.encode(value)
 
 
 class RunState:
@@ -53,10 +61,7 @@ class RunState:
         return entry.value
 
     async def put_json(self, key: str, value: Any) -> None:
-        data = (
-            encode_json(value) if isinstance(value, msgspec.Struct) else msgspec.json.encode(value)
-        )
-        await self.kv.put(key, data)
+        await self.kv.put(key, _encode(value))
 
     async def get_json(self, key: str, typ: type[T] | None = None) -> T | Any | None:
         raw = await self.get_raw(key)
@@ -83,7 +88,7 @@ class RunState:
         (the server's "wrong last sequence"). Any other failure (a timeout, a
         rejected write, a lost connection) raises :class:`BusError` naming the key.
         """
-        data = msgspec.json.encode(value)
+        data = _encode(value)
         try:
             if revision is None:
                 return await self.kv.create(key, data)
@@ -131,17 +136,11 @@ class RunState:
         return sorted(k for k in keys if k.startswith(prefix))
 
     async def claim(self, key: str, value: Any) -> bool:
-        """Atomically create ``key``; False if it already exists (someone else claimed it)."""
-        data = (
-            encode_json(value) if isinstance(value, msgspec.Struct) else msgspec.json.encode(value)
-        )
-        try:
-            await self.kv.create(key, data)
-        except (nats.errors.Error, TimeoutError) as exc:
-            if _lost_race(exc):
-                return False
-            raise BusError(f"KV {self._where(key)}: claim failed: {exc}") from exc
-        return True
+        """Atomically create ``key``; False if it already exists (someone else claimed it).
+
+        Any other failure raises :class:`BusError` naming the key (see :meth:`compare_and_put`).
+        """
+        return await self.compare_and_put(key, value, None) is not None
 
     # -- typed helpers -------------------------------------------------------
     async def status(self) -> str:

@@ -67,6 +67,10 @@ def test_keys_lists_every_stored_key_right_after_its_put(nats_url: str) -> None:
         nc = await nats.connect(nats_url)
         try:
             js = nc.jetstream()
+            # created first: the server's stream directory is never left empty by the
+            # deletes below (nats-server removes it then, and a create at that moment fails)
+            kv = await js.create_key_value(api.KeyValueConfig(bucket="listing"))
+            state = RunState(kv)
             # a fresh bucket, one put, one listing: the old watcher-based listing
             # missed the key here about once in 150 rounds
             for i in range(300):
@@ -74,8 +78,6 @@ def test_keys_lists_every_stored_key_right_after_its_put(nats_url: str) -> None:
                 await fresh.heartbeat("trainer", "trainer", step=1)
                 assert await fresh.keys() == ["heartbeat.trainer"], f"round {i}"
                 await js.delete_key_value(f"one{i}")
-            kv = await js.create_key_value(api.KeyValueConfig(bucket="listing"))
-            state = RunState(kv)
             assert await state.keys() == []
             assert await state.heartbeats() == {}
             for i in range(40):  # put, then list at once: every round must see the new key

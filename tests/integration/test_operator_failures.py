@@ -285,3 +285,57 @@ def test_retry_settings_are_checked_with_their_key() -> None:
         host(retry_backoff=-0.1)
     with pytest.raises(ConfigError, match=r"experience_pipeline\.process_timeout"):
         host(process_timeout=0)
+
+
+class RaisesItsOwnTimeout(ExperienceOperator):
+    """Raises a ``TimeoutError`` of its own (a reward server that timed out) on task ``bad``."""
+
+    def __init__(self, bad: int) -> None:
+        self.bad = bad
+
+    def process(self, exps):
+        if any(str(e.eid.task) == str(self.bad) for e in exps):
+            raise TimeoutError("reward server timed out")
+        return exps, {}
+
+
+@pytest.mark.parametrize("process_timeout", [None, 30.0])
+def test_an_operators_own_timeout_error_is_dead_lettered_as_itself(
+    tmp_path: Path, tiny_model_path: str, nats_url: str, process_timeout: float | None
+) -> None:
+    """A TimeoutError the operator raises is a failure like any other: its own text is the
+    reason, with or without ``process_timeout``; only the deadline is reported as one."""
+    cfg: dict[str, object] = {"max_retries": 0, "batch_messages": 1}
+    if process_timeout is not None:
+        cfg["process_timeout"] = process_timeout
+    run = _run(tmp_path, tiny_model_path, **cfg)
+    groups = _groups(range(0, 3))
+
+    async def main() -> None:
+        await provision(run, nats_url)
+        async with await Bus.connect(nats_url, run.names, run.cfg.nats, "producer") as bus:
+            for g in groups:
+                await bus.publish_group("raw", g, msg_id=f"raw-{g[0].eid.task}")
+            async with anyio.create_task_group() as tg:
+                pipeline = ExperiencePipeline([RaisesItsOwnTimeout(1)])
+                tg.start_soon(lambda: run_operator(run, nats_url, pipeline=pipeline))
+
+                async def all_done() -> bool:
+                    info = await bus.js.consumer_info(run.names.exp_stream, "op_raw_to_train")
+                    return info.num_pending == 0 and info.num_ack_pending == 0
+
+                await _wait(all_done)
+                tg.cancel_scope.cancel()
+
+    anyio.run(main, backend="asyncio")
+
+    async def check() -> None:
+        dead = await read_stream(nats_url, "rft.itest.dlq.>")
+        assert len(dead) == 1
+        reason = dead[0].headers[H_DLQ_REASON]
+        assert "TimeoutError: reward server timed out" in reason
+        assert "process_timeout" not in reason
+        expected = sorted(e.eid.uid for g in groups for e in g if e.eid.task != 1)
+        assert sorted(await _train_uids(nats_url)) == expected
+
+    anyio.run(check, backend="asyncio")
