@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import copy
 import dataclasses
-import functools
 import json
 import logging
 import signal
@@ -45,18 +44,10 @@ if sys.version_info < (3, 11):  # pragma: no cover - anyio depends on the backpo
 console = Console(stderr=False)
 
 
-def _common(p: argparse.ArgumentParser, *, need_url: bool) -> None:
+def _config_args(p: argparse.ArgumentParser, *, log_help: str) -> None:
+    """``--config``, ``--plugin-dir``, ``--set`` and ``--log-level``: what names a run's config."""
     p.add_argument(
         "--config", "-c", help="YAML config (Trinity-RFT keys); default: the embedded default run"
-    )
-    p.add_argument(
-        "--nats-url",
-        required=need_url,
-        help="use this NATS server instead of starting an embedded one",
-    )
-    p.add_argument(
-        "--run-dir",
-        help="run directory (NATS store, checkpoints, logs, metrics.jsonl); default runs/<name>",
     )
     p.add_argument(
         "--plugin-dir",
@@ -71,10 +62,21 @@ def _common(p: argparse.ArgumentParser, *, need_url: bool) -> None:
         metavar="KEY=VALUE",
         help="override a config key, e.g. buffer.total_steps=3",
     )
-    p.add_argument("--steps", type=int, help="override buffer.total_steps")
+    p.add_argument("--log-level", default="WARNING", help=log_help)
+
+
+def _common(p: argparse.ArgumentParser, *, need_url: bool) -> None:
+    _config_args(p, log_help="console log level (the run log always gets INFO)")
     p.add_argument(
-        "--log-level", default="WARNING", help="console log level (the run log always gets INFO)"
+        "--nats-url",
+        required=need_url,
+        help="use this NATS server instead of starting an embedded one",
     )
+    p.add_argument(
+        "--run-dir",
+        help="run directory (NATS store, checkpoints, logs, metrics.jsonl); default runs/<name>",
+    )
+    p.add_argument("--steps", type=int, help="override buffer.total_steps")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -167,28 +169,13 @@ def build_parser() -> argparse.ArgumentParser:
         choices=["workflow"],
         help="same as the positional (Trinity-RFT's spelling)",
     )
-    dbg.add_argument(
-        "--config", "-c", help="YAML config (Trinity-RFT keys); default: the embedded default run"
-    )
+    _config_args(dbg, log_help="console log level (stderr)")
     dbg.add_argument(
         "--task", type=int, default=0, help="row index in the training taskset (default 0)"
     )
     dbg.add_argument(
         "--taskset",
         help="name of the training taskset when `tasksets` lists several (default: the first)",
-    )
-    dbg.add_argument(
-        "--plugin-dir",
-        action="append",
-        default=[],
-        help="import every *.py in this directory (repeatable)",
-    )
-    dbg.add_argument(
-        "--set",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="override a config key, e.g. algorithm.repeat_times=2",
     )
     dbg.add_argument("--json", action="store_true", help="one JSON document instead of panels")
     dbg.add_argument(
@@ -199,7 +186,6 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="also print the workflow's traceback when it raises",
     )
-    dbg.add_argument("--log-level", default="WARNING", help="console log level (stderr)")
     return parser
 
 
@@ -212,6 +198,12 @@ def load_run_config(args: argparse.Namespace) -> tuple[Any, str]:
         return load_config(args.config, list(args.set), validate=False), args.config
     data = apply_overrides(copy.deepcopy(DEFAULT_CONFIG), list(args.set))
     return config_from_dict(data, source="<embedded default>"), "<embedded default>"
+
+
+def _quiet_noisy_loggers() -> None:
+    """DeepSpeed, torch.distributed and nats-py log only warnings and errors."""
+    for noisy in ("DeepSpeed", "deepspeed", "torch.distributed", "nats"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
 
 
 def _setup_logging(run_dir: Path, level: str) -> None:
@@ -227,8 +219,7 @@ def _setup_logging(run_dir: Path, level: str) -> None:
         console=console, show_path=False, level=getattr(logging, level.upper(), logging.WARNING)
     )
     root.addHandler(ch)
-    for noisy in ("DeepSpeed", "deepspeed", "torch.distributed", "nats"):
-        logging.getLogger(noisy).setLevel(logging.WARNING)
+    _quiet_noisy_loggers()
 
 
 def _prepare(args: argparse.Namespace) -> Any:
@@ -402,20 +393,15 @@ def cmd_actor(args: argparse.Namespace) -> int:
         if args.command == "explorer":
             await runtime.run_explorer(run, url, name=args.name, on_progress=explorer_progress)
         elif args.command == "operator":
-            async with anyio.create_task_group() as tg:
-                for i, pipeline in enumerate(pipelines):
-                    tg.start_soon(
-                        functools.partial(
-                            runtime.run_operator,
-                            run,
-                            url,
-                            name=args.name if len(pipelines) == 1 else f"{args.name}-{i}",
-                            pipeline=pipeline,
-                            from_stage=args.from_stage,
-                            to_stage=args.to_stage,
-                            on_progress=operator_progress,
-                        )
-                    )
+            await runtime.run_operator_replicas(
+                run,
+                url,
+                pipelines,
+                name=args.name,
+                from_stage=args.from_stage,
+                to_stage=args.to_stage,
+                on_progress=operator_progress,
+            )
         else:
             await runtime.run_trainer(run, url, name=args.name, on_step=trainer_step)
 
@@ -655,8 +641,7 @@ def cmd_debug(args: argparse.Namespace) -> int:
         level=getattr(logging, str(args.log_level).upper(), logging.WARNING),
     )
     root.addHandler(handler)
-    for noisy in ("DeepSpeed", "deepspeed", "torch.distributed", "nats"):
-        logging.getLogger(noisy).setLevel(logging.WARNING)
+    _quiet_noisy_loggers()
     if not args.traceback:  # one attempt: the runner's warning would repeat the error line
         logging.getLogger("workflows.runner").setLevel(logging.ERROR)
     else:  # the runner logs a raising workflow's traceback at DEBUG

@@ -10,6 +10,7 @@ runs one). Actors never call each other: they share only the bus.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 from collections.abc import Callable, Sequence
@@ -417,6 +418,30 @@ async def run_operator(
             control=control,
         )
         await host.run()
+
+
+async def run_operator_replicas(
+    run: PreparedRun,
+    url: str,
+    pipelines: Sequence[Any],
+    *,
+    name: str = "operator",
+    **host_args: Any,
+) -> None:
+    """One :func:`run_operator` per pipeline, concurrently, sharing the stage's durable.
+
+    The hosts are named ``name`` (one pipeline) or ``<name>-<i>``; ``host_args``
+    go to every :func:`run_operator`. Returns when all hosts have returned;
+    cancelling cancels them all.
+    """
+    async with anyio.create_task_group() as tg:
+        for i, pipeline in enumerate(pipelines):
+            replica = name if len(pipelines) == 1 else f"{name}-{i}"
+            tg.start_soon(
+                functools.partial(
+                    run_operator, run, url, name=replica, pipeline=pipeline, **host_args
+                )
+            )
 
 
 async def splice_in(run: PreparedRun, url: str, operator: str, to_stage: str) -> Any:

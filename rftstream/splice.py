@@ -119,6 +119,16 @@ def in_flight(value: Any) -> bool:
     return value.get("kind") == "unsplice" and st in ("cut", "drained")
 
 
+def unsplice_in_flight(value: Any, stage: str | None = None) -> bool:
+    """True while ``value`` (the ``splice`` record) is an unsplice not finished yet, of
+    ``exp.<stage>`` when ``stage`` is given."""
+    return (
+        in_flight(value)
+        and value.get("kind") == "unsplice"
+        and (stage is None or value.get("to_stage") == stage)
+    )
+
+
 def owner_alive(record: dict[str, Any] | None, now: float | None = None) -> bool:
     """Whether the process serving a spliced stage (``stage.<Y>`` record) still runs.
 
@@ -422,12 +432,7 @@ async def ask_unsplice(state: RunState, stage: str) -> str:
         )
     current, _ = await trainer_input(state)
     value = await state.get_json(KV_SPLICE)
-    resuming = (
-        isinstance(value, dict)
-        and value.get("kind") == "unsplice"
-        and value.get("to_stage") == stage
-        and in_flight(value)
-    )
+    resuming = unsplice_in_flight(value, stage)
     if current != stage and not resuming:
         raise RftError(
             f"--unsplice {stage}: the trainer reads exp.{current}, which is spliced after "
@@ -651,9 +656,9 @@ async def finish_unsplice(state: RunState, splice_id: str, stage: str, drain_unt
 # ----------------------------------------------------------------- trainer side
 
 
-async def pending_for_trainer(state: RunState) -> tuple[dict[str, Any], int] | None:
-    """The request the trainer has to act on, with its revision, if any."""
-    value, rev = await state.get_entry(KV_SPLICE)
+def pending_for_trainer(value: Any, rev: int | None) -> tuple[dict[str, Any], int] | None:
+    """The request the trainer has to act on, with its revision, if ``value`` (the
+    ``splice`` record at revision ``rev``) is one."""
     if not isinstance(value, dict) or rev is None:
         return None
     st = value.get("state")

@@ -52,14 +52,7 @@ async def last_seq_on(bus: Bus, stage: str) -> int:
 
 async def _our_unsplice(state: RunState, stage: str) -> dict[str, Any] | None:
     value = await state.get_json(KV_SPLICE)
-    if (
-        isinstance(value, dict)
-        and value.get("kind") == "unsplice"
-        and value.get("to_stage") == stage
-        and splice.in_flight(value)
-    ):
-        return value
-    return None
+    return value if splice.unsplice_in_flight(value, stage) else None
 
 
 async def run_spliced(
@@ -82,7 +75,7 @@ async def run_spliced(
     the trainer answered the splice). ``unsplice_now``: resume the stage only
     to remove it (``rftstream operator NAME --unsplice Y``).
     """
-    from rftstream.runtime import run_operator
+    from rftstream.runtime import run_operator_replicas
 
     n = run.names
     async with await Bus.connect(url, n, run.cfg.nats, f"{name}-splice") as bus:
@@ -154,22 +147,17 @@ async def run_spliced(
         async with anyio.create_task_group() as tg:
 
             async def hosts() -> None:
-                async with anyio.create_task_group() as htg:
-                    for i, pipeline in enumerate(pipelines):
-                        htg.start_soon(
-                            functools.partial(
-                                run_operator,
-                                run,
-                                url,
-                                name=name if len(pipelines) == 1 else f"{name}-{i}",
-                                pipeline=pipeline,
-                                from_stage=from_stage,
-                                to_stage=to_stage,
-                                on_progress=on_progress,
-                                start_seq=start_seq,
-                                control=control,
-                            )
-                        )
+                await run_operator_replicas(
+                    run,
+                    url,
+                    pipelines,
+                    name=name,
+                    from_stage=from_stage,
+                    to_stage=to_stage,
+                    on_progress=on_progress,
+                    start_seq=start_seq,
+                    control=control,
+                )
                 if not control.stopping:  # the run ended
                     tg.cancel_scope.cancel()
 

@@ -117,10 +117,11 @@ class TrainerTopology:
             )
 
     async def _poll(self, now: float) -> None:
+        value, rev = await self.state.get_entry(KV_SPLICE)
         if now - self._waiting_checked >= WAITING_CHECK_S:
             self._waiting_checked = now
-            await self._check_waiting()
-        pending = await splice.pending_for_trainer(self.state)
+            await self._check_waiting(value)
+        pending = splice.pending_for_trainer(value, rev)
         if pending is None:
             return
         request, rev = pending
@@ -166,33 +167,9 @@ class TrainerTopology:
             # write what may be missing, then answer again
             await self.persist()
             from_stage = str(self.record.get("from_stage"))
-            if await splice.stage_record(self.state, to_stage) is None:
-                await splice.put_stage_record(
-                    self.state,
-                    request,
-                    from_stage,
-                    self.names.stage_consumer(from_stage, to_stage),
-                    int(self.record.get("start_seq") or 1),
-                )
-            await splice.record_topology(
-                self.state,
-                "splice",
-                from_stage,
-                to_stage,
-                request.get("operator"),
-                int(self.record.get("start_seq") or 1),
-                str(request["id"]),
-            )
-            await splice.answer(
-                self.state,
-                request,
-                state="cut",
-                from_stage=self.record.get("from_stage"),
-                start_seq=self.record.get("start_seq"),
-                consumer=self.feed.consumer.durable,
-            )
-            return
-        if to_stage == self.stage:
+            start_seq = int(self.record.get("start_seq") or 1)
+            stage_missing = await splice.stage_record(self.state, to_stage) is None
+        elif to_stage == self.stage:
             await splice.answer(
                 self.state,
                 request,
@@ -200,28 +177,34 @@ class TrainerTopology:
                 reason=f"the trainer already reads exp.{to_stage}",
             )
             return
-        from_stage = self.stage
-        info = await self.feed.consumer.info()
-        cut = int(info.delivered.stream_seq or 0)
-        last = int((await self.bus.js.stream_info(self.names.exp_stream)).state.last_seq or 0)
-        new = await self._new_durable(to_stage, last + 1, f"spliced by {request.get('operator')}")
-        await self.feed.switch_to(new, cut, splice_id=str(request["id"]))
-        self.stage = to_stage
-        await self.persist(splice_id=request["id"], from_stage=from_stage, start_seq=cut + 1)
-        await splice.put_stage_record(
-            self.state,
-            request,
-            from_stage,
-            self.names.stage_consumer(from_stage, to_stage),
-            cut + 1,
-        )
+        else:
+            from_stage = self.stage
+            info = await self.feed.consumer.info()
+            cut = int(info.delivered.stream_seq or 0)
+            start_seq = cut + 1
+            last = int((await self.bus.js.stream_info(self.names.exp_stream)).state.last_seq or 0)
+            new = await self._new_durable(
+                to_stage, last + 1, f"spliced by {request.get('operator')}"
+            )
+            await self.feed.switch_to(new, cut, splice_id=str(request["id"]))
+            self.stage = to_stage
+            await self.persist(splice_id=request["id"], from_stage=from_stage, start_seq=start_seq)
+            stage_missing = True
+        if stage_missing:
+            await splice.put_stage_record(
+                self.state,
+                request,
+                from_stage,
+                self.names.stage_consumer(from_stage, to_stage),
+                start_seq,
+            )
         await splice.record_topology(
             self.state,
             "splice",
             from_stage,
             to_stage,
             request.get("operator"),
-            cut + 1,
+            start_seq,
             str(request["id"]),
         )
         await splice.answer(
@@ -229,15 +212,15 @@ class TrainerTopology:
             request,
             state="cut",
             from_stage=from_stage,
-            start_seq=cut + 1,
-            consumer=new.durable,
+            start_seq=start_seq,
+            consumer=self.feed.consumer.durable,
         )
         log.info(
             "%s: spliced %s in: exp.%s from seq %d belongs to it; reading exp.%s now",
             self.name,
             request.get("operator"),
             from_stage,
-            cut + 1,
+            start_seq,
             to_stage,
         )
 
@@ -296,13 +279,15 @@ class TrainerTopology:
 
     # ------------------------------------------------------------------ a stage that died
 
-    async def _check_waiting(self) -> None:
-        """Say so (KV ``trainer.waiting``, a warning) when a dead spliced operator starves us."""
+    async def _check_waiting(self, request: Any) -> None:
+        """Say so (KV ``trainer.waiting``, a warning) when a dead spliced operator starves us.
+
+        ``request``: the ``splice`` record as this poll read it.
+        """
         assert self.feed is not None
         stages = [self.stage]
-        value = await self.state.get_json(KV_SPLICE)
-        if isinstance(value, dict) and value.get("kind") == "unsplice" and splice.in_flight(value):
-            stages.append(str(value.get("to_stage")))  # an unsplice that must still drain
+        if splice.unsplice_in_flight(request):
+            stages.append(str(request.get("to_stage")))  # an unsplice that must still drain
         message = None
         dead = None
         for stage in stages:

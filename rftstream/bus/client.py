@@ -32,6 +32,7 @@ from nats.aio.msg import Msg
 from nats.js import api
 from nats.js.kv import KeyValue
 
+from rftstream.bus.state import RunState
 from rftstream.config.schema import NatsConfig
 from rftstream.errors import BusError, PayloadTooLargeError
 from rftstream.experience import H_MSG_ID, EncodedMessage, Experience, headers_size, pack_group
@@ -305,11 +306,7 @@ class Bus:
                 description=f"run {n.run}: operator pipeline {from_stage} -> {to_stage}",
                 role="operator",
             )
-        kv = await self.kv()
-        try:
-            moved = (await kv.get(KV_TRAINER_INPUT)).value is not None
-        except (nats.js.errors.KeyNotFoundError, nats.js.errors.KeyDeletedError):
-            moved = False
+        moved = await RunState(await self.kv()).get_raw(KV_TRAINER_INPUT) is not None
         if not moved:  # a splice moved the trainer elsewhere: never recreate `trainer` then
             await self.ensure_consumer(
                 n.exp_stream,
