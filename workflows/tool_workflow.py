@@ -45,7 +45,7 @@ import anyio.to_thread
 from rftstream.errors import WorkflowError
 from rftstream.experience import Experience
 from workflows.math_workflow import SimpleWorkflow
-from workflows.sandbox import run_python, run_python_async
+from workflows.sandbox import run_python_async
 from workflows.workflow import WORKFLOWS, Task, Workflow, call_reward_fn
 
 __all__ = ["PYTHON_TOOL", "PythonToolWorkflow", "format_tool_result"]
@@ -166,18 +166,9 @@ class PythonToolWorkflow(SimpleWorkflow):
             return None, "[missing string argument `code`]"
         return code, ""
 
-    def call_tool(self, call: Any) -> str:
-        """Run one tool call; returns the ``tool`` message content. Blocks."""
-        code, message = self.tool_code(call)
-        if code is None:
-            return message
-        res = run_python(code, timeout=self.tool_timeout, memory_limit_mb=self.tool_memory_limit_mb)
-        return format_tool_result(
-            res.stdout, res.stderr, res.exit_code, res.timed_out, self.max_tool_output_chars
-        )
-
     async def call_tool_async(self, call: Any) -> str:
-        """:meth:`call_tool` with the sandbox in a worker thread (the event loop never blocks)."""
+        """Run one tool call; returns the ``tool`` message content. The sandbox runs in a
+        worker thread, so the event loop never blocks."""
         code, message = self.tool_code(call)
         if code is None:
             return message
