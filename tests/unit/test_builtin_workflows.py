@@ -468,6 +468,7 @@ class FakeModel:
         exps = list(self.history)
         self.history.clear()
         if merge_turns and exps:  # stand-in for merge_history: one per conversation
+            exps[-1].info["merged"] = len(exps)
             return [exps[-1]]
         return exps
 
@@ -503,6 +504,15 @@ async def test_python_tool_workflow_scripted() -> None:
         )
         assert res.ok and len(res.experiences) == 2
     assert len(model.clones) == 4  # 2 from the first run above, 2 for this runner's instance
+
+    # what a clone's history still holds (say, from a run that raised) is not merged into
+    # the next run's experiences: each rollout's experience is made of its own two calls
+    wf = PythonToolWorkflow(task=task, model=model)
+    assert [e.info["merged"] for e in await wf.run_async()] == [2, 2]
+    for r in range(2):
+        wf.api_model(r).history.append(Experience(tokens=[9, 9, 9], prompt_length=1))
+    wf.reset(task)
+    assert [e.info["merged"] for e in await wf.run_async()] == [2, 2]
 
     # a model without clone(): its rollouts share it and run one after the other
     shared = FakeModel(script, can_clone=False)
