@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
 from types import SimpleNamespace
 from typing import Any
 
@@ -16,9 +14,10 @@ import anyio.lowlevel
 import pytest
 import torch
 
-from rftstream.config.schema import FormatConfig, GenerationConfig, TasksetConfig
+from rftstream.config.schema import FormatConfig, GenerationConfig
 from rftstream.engines import RolloutEngine, create_engine
 from rftstream.errors import WorkflowError
+from tests.unit._util import task_for, wrapper
 from workflows import (
     ENVS,
     REWARD_FUNCTIONS,
@@ -33,37 +32,11 @@ from workflows import (
     Task,
     TextEnv,
     WorkflowRunner,
-    make_task,
 )
 from workflows.envs import FrozenLakeEnv, GuessNumberEnv, normalize_step
 from workflows.tool_workflow import PYTHON_TOOL, format_tool_result
 
 IM_START, IM_END = "<|im_start|>", "<|im_end|>"
-
-
-@asynccontextmanager
-async def wrapper(path: str, max_response_tokens: int = 8) -> AsyncIterator[ModelWrapper]:
-    engine = create_engine("transformers", path, batch_wait_ms=5)
-    async with anyio.create_task_group() as tg:
-        await tg.start(engine.run)
-        try:
-            model = ModelWrapper(engine, model_path=path, max_response_tokens=max_response_tokens)
-            try:
-                yield model
-            finally:
-                await model.aclose()  # its clients, its clones' clients and the API server
-        finally:
-            await engine.aclose()
-            tg.cancel_scope.cancel()
-
-
-def task_for(
-    row: dict[str, Any], workflow: str, repeat: int = 4, task_id: int = 0, **cfg: Any
-) -> Task:
-    ts = TasksetConfig(default_workflow_type=workflow, **cfg)
-    return make_task(
-        row, ts, repeat_times=repeat, batch_id=1, task_id=task_id, index=task_id, epoch=0
-    )
 
 
 async def run(model: Any, task: Task) -> list[Experience]:
