@@ -1,5 +1,6 @@
 """Helpers shared by the workflow unit tests (tests/unit/test_workflows.py,
-tests/unit/test_builtin_workflows.py): a ModelWrapper on the tiny model, and a Task."""
+tests/unit/test_builtin_workflows.py): a ModelWrapper on the tiny model, a model that
+replies from a script, and a Task."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import anyio
 
 from rftstream.config.schema import TasksetConfig
 from rftstream.engines import create_engine
-from workflows import ModelWrapper, Task, make_task
+from workflows import Experience, ModelWrapper, Task, make_task
 
 
 @asynccontextmanager
@@ -51,3 +52,26 @@ def task_for(
     if not isinstance(workflow, str):
         task.workflow = workflow
     return task
+
+
+class ScriptedModel:
+    """Returns fixed replies (no engine), enough for SimpleWorkflow-based workflows.
+
+    Reply ``i`` of a call is ``replies[i % len(replies)]``; ``sent`` holds the messages
+    of every call."""
+
+    def __init__(self, replies: list[str]) -> None:
+        self.replies = replies
+        self.model_version = 0
+        self.sent: list[list[dict[str, Any]]] = []
+
+    async def chat_async(
+        self, messages: list[dict[str, Any]], n: int = 1, **kw: Any
+    ) -> list[Experience]:
+        self.sent.append(messages)
+        return [
+            Experience(
+                tokens=[1, 2, 3], prompt_length=2, response_text=self.replies[i % len(self.replies)]
+            )
+            for i in range(n)
+        ]

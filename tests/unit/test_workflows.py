@@ -13,7 +13,7 @@ import pytest
 
 from rftstream.config.schema import FormatConfig, TasksetConfig
 from rftstream.errors import ConfigError, RftError, WorkflowError
-from tests.unit._util import task_for, wrapper
+from tests.unit._util import ScriptedModel, task_for, wrapper
 from workflows import (
     REWARD_FUNCTIONS,
     WORKFLOWS,
@@ -244,6 +244,24 @@ async def test_messages_key_and_reply_prefix_through_the_runner(tiny_model_path:
         # the reply continues the prefix: the recorded assistant turn is prefix + response
         assert e.messages == [shown[0], {"role": "assistant", "content": prefix + e.response_text}]
         assert e.reward == math_reward(response=e.response_text, truth="7")["accuracy"]
+
+
+@pytest.mark.anyio
+async def test_math_workflow_scores_replies() -> None:
+    """Fixed replies, rewards written out: math_reward's final answer is the last box, else
+    the last <answer> tag, else the last number; the reply_prefix is sent, not scored."""
+    replies = ["\\boxed{7}", "<answer>7</answer>", "3+4 = 7.", "7 or \\boxed{8}", "no idea"]
+    prefix = "Is it \\boxed{8}? No:"
+    fmt = FormatConfig(prompt_key="q", response_key="a", reply_prefix=prefix)
+    model = ScriptedModel(replies)
+    runner = WorkflowRunner(model, max_timeout=30, max_retry_times=0)
+    res = await runner.run_task(task_for({"q": "3+4=", "a": "7"}, "math_workflow", 5, format=fmt))
+    assert res.ok, res.error
+    assert [e.reward for e in res.experiences] == [1.0, 1.0, 1.0, 0.0, 0.0]
+    assert [e.metrics["accuracy"] for e in res.experiences] == [1.0, 1.0, 1.0, 0.0, 0.0]
+    assert model.sent == [
+        [{"role": "user", "content": "3+4="}, {"role": "assistant", "content": prefix}]
+    ]
 
 
 @pytest.mark.anyio
