@@ -40,7 +40,7 @@ from rftstream.experience import Experience
 from workflows.math_workflow import SimpleWorkflow
 from workflows.rewards import REWARD_FUNCTIONS, RewardFn
 from workflows.sandbox import run_python
-from workflows.workflow import WORKFLOWS, Task, call_reward_fn
+from workflows.workflow import WORKFLOWS, Task
 
 __all__ = ["CODE_PROMPT", "CodeReward", "CodeWorkflow", "extract_code", "run_tests"]
 
@@ -201,28 +201,20 @@ class CodeWorkflow(SimpleWorkflow):
     async def run_async(self) -> list[Experience]:
         """One batched model call, then every reply's tests in parallel worker threads."""
         responses = await self.generate_async()
-        for i, exp in enumerate(responses):
-            exp.eid.run = self.run_id_base + i
         if getattr(self.reward_fn, "fast", False):
             return self.score(responses)
+        for i, exp in enumerate(responses):
+            exp.eid.run = self.run_id_base + i
 
         async def one(exp: Experience) -> None:
-            await anyio.to_thread.run_sync(self.score, [exp], abandon_on_cancel=True)
+            await anyio.to_thread.run_sync(self.score_one, exp, abandon_on_cancel=True)
 
         async with anyio.create_task_group() as tg:
             for exp in responses:
                 tg.start_soon(one, exp)
         return responses
 
-    def score(self, responses: list[Experience]) -> list[Experience]:
-        for exp in responses:
-            scores = call_reward_fn(
-                self.reward_fn,
-                response=exp.response_text or "",
-                truth=self.truth,
-                **self.reward_kwargs(),
-            )
-            exp.reward = float(sum(scores.values()))
-            exp.metrics.update(scores)
-            exp.info["code"] = extract_code(exp.response_text)
-        return responses
+    def score_one(self, exp: Experience) -> None:
+        """Score as ``simple_workflow`` does, and keep the extracted code in ``info["code"]``."""
+        super().score_one(exp)
+        exp.info["code"] = extract_code(exp.response_text)

@@ -140,19 +140,24 @@ class SimpleWorkflow(Workflow):
         return await anyio.to_thread.run_sync(self.score, responses, abandon_on_cancel=True)
 
     def score(self, responses: list[Experience]) -> list[Experience]:
-        """Set ``reward`` (sum of the scores), ``metrics`` (the scores) and ``eid.run``
-        (``run_id_base`` + its index) on each response."""
+        """Set ``eid.run`` (``run_id_base`` + its index) on each response, then
+        :meth:`score_one` it."""
         for i, exp in enumerate(responses):
             exp.eid.run = self.run_id_base + i
-            scores = call_reward_fn(
-                self.reward_fn,
-                response=exp.response_text or "",
-                truth=self.truth,
-                **self.reward_kwargs(),
-            )
-            exp.reward = float(sum(scores.values()))
-            exp.metrics.update(scores)
+            self.score_one(exp)
         return responses
+
+    def score_one(self, exp: Experience) -> None:
+        """Set ``reward`` (sum of the scores) and ``metrics`` (the scores) on one response.
+        Blocks for as long as the reward fn does."""
+        scores = call_reward_fn(
+            self.reward_fn,
+            response=exp.response_text or "",
+            truth=self.truth,
+            **self.reward_kwargs(),
+        )
+        exp.reward = float(sum(scores.values()))
+        exp.metrics.update(scores)
 
 
 @WORKFLOWS.register_module("math_workflow")

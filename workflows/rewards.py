@@ -50,7 +50,6 @@ comparison is numeric, then on normalised strings.
 from __future__ import annotations
 
 import ast
-import importlib
 import json
 import math
 import operator
@@ -60,7 +59,7 @@ from collections.abc import Callable
 from fractions import Fraction
 from typing import Any
 
-from rftstream.errors import WorkflowError
+from rftstream.errors import RegistryError, WorkflowError
 from rftstream.registry import Registry
 
 __all__ = [
@@ -175,25 +174,12 @@ def extract_answer(text: str | None) -> str | None:
     return extract_last_number(text)
 
 
-ANSWER_PARSERS: dict[str, Callable[[str], str | None]] = {
-    "final_answer": extract_answer,
-    "boxed": extract_boxed,
-    "answer_tag": extract_answer_tag,
-    "last_number": extract_last_number,
-    "strip": lambda text: text.strip() if text is not None else None,
-}
-
-
-def _import_object(path: str) -> Any:
-    """``pkg.mod.name`` or ``pkg.mod:name``; ``None`` if it cannot be imported."""
-    module_name, _, attr = path.partition(":") if ":" in path else path.rpartition(".")
-    try:
-        obj: Any = importlib.import_module(module_name)
-        for part in attr.split("."):
-            obj = getattr(obj, part)
-    except (ImportError, AttributeError, ValueError):
-        return None
-    return obj
+ANSWER_PARSERS: Registry[Callable[[str], str | None]] = Registry("answer_parsers")
+ANSWER_PARSERS.register_module("final_answer", extract_answer)
+ANSWER_PARSERS.register_module("boxed", extract_boxed)
+ANSWER_PARSERS.register_module("answer_tag", extract_answer_tag)
+ANSWER_PARSERS.register_module("last_number", extract_last_number)
+ANSWER_PARSERS.register_module("strip", lambda text: text.strip() if text is not None else None)
 
 
 def _resolve_parser(spec: Any) -> Callable[[str], Any] | None:
@@ -201,15 +187,15 @@ def _resolve_parser(spec: Any) -> Callable[[str], Any] | None:
     if spec is None or callable(spec):
         return spec
     if isinstance(spec, str):
-        if spec in ANSWER_PARSERS:
-            return ANSWER_PARSERS[spec]
-        if "." in spec or ":" in spec:
-            fn = _import_object(spec)
-            if callable(fn):
-                return fn
+        try:
+            fn = ANSWER_PARSERS.get(spec)
+        except RegistryError:
+            fn = None
+        if callable(fn):
+            return fn
     raise WorkflowError(
         "buffer.explorer_input.taskset.reward_fn_args.answer_parser: expected one of "
-        f"{sorted(ANSWER_PARSERS)}, a dotted path to a function or a callable, got {spec!r}"
+        f"{ANSWER_PARSERS.names()}, a dotted path to a function or a callable, got {spec!r}"
     )
 
 

@@ -46,7 +46,6 @@ from pathlib import Path
 from typing import Any
 
 from rftstream.config.schema import TasksetConfig
-from rftstream.config.validate import eval_tasksets, training_tasksets
 from rftstream.errors import ConfigError
 
 __all__ = [
@@ -56,14 +55,11 @@ __all__ = [
     "TasksetPlan",
     "builtin_arithmetic_tasks",
     "epoch_order",
-    "eval_tasksets",
     "load_taskset",
     "plan_tasks",
     "taskset_files",
-    "training_tasksets",
 ]
 
-KEY = "buffer.explorer_input.taskset.path"
 DEFAULT_KEY = "buffer.explorer_input.taskset"
 DATA_SUFFIXES = (".jsonl", ".json", ".parquet", ".csv", ".arrow")
 _METADATA_FILES = {"dataset_info.json", "state.json", "dataset_dict.json"}

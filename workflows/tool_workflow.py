@@ -16,8 +16,9 @@ Concurrency: the rollouts of a task run concurrently on the event loop
 (an anyio task group; the engine batches their requests), each through its
 own ``model.clone(enable_history=True)`` (its own API session and history),
 so their recorded calls never mix. The clones are kept for the next task of
-a reused instance. A model without ``clone`` is shared: its rollouts then
-run one after the other.
+a reused instance; ``run_async`` first drops whatever their histories still
+hold. A model without ``clone`` is shared: its rollouts then run one after
+the other.
 
 Experiences: every completion the server produced for a rollout is recorded
 in its clone's history; they are merged into one Experience per rollout when
@@ -45,7 +46,7 @@ import anyio.to_thread
 from rftstream.errors import WorkflowError
 from rftstream.experience import Experience
 from workflows.math_workflow import SimpleWorkflow
-from workflows.sandbox import run_python, run_python_async
+from workflows.sandbox import run_python_async
 from workflows.workflow import WORKFLOWS, Task, Workflow, call_reward_fn
 
 __all__ = ["PYTHON_TOOL", "PythonToolWorkflow", "format_tool_result"]
@@ -113,9 +114,6 @@ class PythonToolWorkflow(SimpleWorkflow):
         self.max_tool_output_chars = int(wa.get("max_tool_output_chars", 1000))
         if wa.get("model_name"):
             self._model_name = str(wa["model_name"])
-        for api in self._api_models:
-            if hasattr(api, "history"):
-                api.history.clear()
 
     # ------------------------------------------------------------ API plumbing
     def api_model(self, rollout: int = 0) -> Any:
@@ -166,18 +164,9 @@ class PythonToolWorkflow(SimpleWorkflow):
             return None, "[missing string argument `code`]"
         return code, ""
 
-    def call_tool(self, call: Any) -> str:
-        """Run one tool call; returns the ``tool`` message content. Blocks."""
-        code, message = self.tool_code(call)
-        if code is None:
-            return message
-        res = run_python(code, timeout=self.tool_timeout, memory_limit_mb=self.tool_memory_limit_mb)
-        return format_tool_result(
-            res.stdout, res.stderr, res.exit_code, res.timed_out, self.max_tool_output_chars
-        )
-
     async def call_tool_async(self, call: Any) -> str:
-        """:meth:`call_tool` with the sandbox in a worker thread (the event loop never blocks)."""
+        """Run one tool call; returns the ``tool`` message content. The sandbox runs in a
+        worker thread, so the event loop never blocks."""
         code, message = self.tool_code(call)
         if code is None:
             return message
@@ -273,7 +262,7 @@ class PythonToolWorkflow(SimpleWorkflow):
                 "set explorer.rollout_model.enable_history: true"
             )
         for api in {id(a): a for a in apis}.values():
-            self.collect(api)  # nothing of an earlier (failed) attempt
+            api.extract_experience_from_history()  # drop what an earlier run left behind
         shared = len({id(a) for a in apis}) < len(apis)
         limiter = anyio.CapacityLimiter(1 if shared else max(1, len(apis)))
         results: list[list[Experience]] = [[] for _ in apis]

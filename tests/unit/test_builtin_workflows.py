@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
 from types import SimpleNamespace
 from typing import Any
 
@@ -16,9 +14,10 @@ import anyio.lowlevel
 import pytest
 import torch
 
-from rftstream.config.schema import FormatConfig, GenerationConfig, TasksetConfig
+from rftstream.config.schema import FormatConfig, GenerationConfig
 from rftstream.engines import RolloutEngine, create_engine
 from rftstream.errors import WorkflowError
+from tests.unit._util import ScriptedModel, task_for, wrapper
 from workflows import (
     ENVS,
     REWARD_FUNCTIONS,
@@ -33,37 +32,11 @@ from workflows import (
     Task,
     TextEnv,
     WorkflowRunner,
-    make_task,
 )
 from workflows.envs import FrozenLakeEnv, GuessNumberEnv, normalize_step
 from workflows.tool_workflow import PYTHON_TOOL, format_tool_result
 
 IM_START, IM_END = "<|im_start|>", "<|im_end|>"
-
-
-@asynccontextmanager
-async def wrapper(path: str, max_response_tokens: int = 8) -> AsyncIterator[ModelWrapper]:
-    engine = create_engine("transformers", path, batch_wait_ms=5)
-    async with anyio.create_task_group() as tg:
-        await tg.start(engine.run)
-        try:
-            model = ModelWrapper(engine, model_path=path, max_response_tokens=max_response_tokens)
-            try:
-                yield model
-            finally:
-                await model.aclose()  # its clients, its clones' clients and the API server
-        finally:
-            await engine.aclose()
-            tg.cancel_scope.cancel()
-
-
-def task_for(
-    row: dict[str, Any], workflow: str, repeat: int = 4, task_id: int = 0, **cfg: Any
-) -> Task:
-    ts = TasksetConfig(default_workflow_type=workflow, **cfg)
-    return make_task(
-        row, ts, repeat_times=repeat, batch_id=1, task_id=task_id, index=task_id, epoch=0
-    )
 
 
 async def run(model: Any, task: Task) -> list[Experience]:
@@ -147,6 +120,35 @@ async def test_math_boxed_workflow(tiny_model_path: str) -> None:
         check_shapes(exps, 2)
 
 
+@pytest.mark.anyio
+async def test_math_boxed_workflow_scores_replies() -> None:
+    """Fixed replies, rewards written out: only the last box counts, and with_think charges
+    format_score_coef to a reply without one <think>...</think> pair."""
+    replies = ["so it is \\boxed{7}", "7", "\\boxed{8}", "<think>3+4</think> \\boxed{7}"]
+    row = {"question": "3+4=", "answer": "7"}
+    exps = await run(ScriptedModel(replies), task_for(row, "math_boxed_workflow", repeat=4))
+    assert [e.reward for e in exps] == [1.0, 0.0, 0.0, 1.0]
+    assert [e.metrics["accuracy"] for e in exps] == [1.0, 0.0, 0.0, 1.0]
+    assert [e.metrics["format_score"] for e in exps] == [0.0, 0.0, 0.0, 0.0]
+    assert [e.eid.run for e in exps] == [0, 1, 2, 3]
+
+    think = task_for(
+        row,
+        "math_boxed_workflow",
+        repeat=4,
+        workflow_args={"with_think": True, "format_score_coef": 0.25},
+    )
+    exps = await run(ScriptedModel(replies), think)
+    assert [e.reward for e in exps] == [0.75, -0.25, -0.25, 1.0]
+    assert [e.metrics["format_score"] for e in exps] == [-0.25, -0.25, -0.25, 0.0]
+
+    # a GSM8K truth: its final answer (after ####) is the one compared
+    gsm = task_for(
+        {"question": "3+4=", "answer": "3 plus 4 is 7.\n#### 7"}, "math_boxed_workflow", repeat=4
+    )
+    assert [e.reward for e in await run(ScriptedModel(replies), gsm)] == [1.0, 0.0, 0.0, 1.0]
+
+
 # ---------------------------------------------------------------------------
 # countdown
 # ---------------------------------------------------------------------------
@@ -183,6 +185,32 @@ async def test_countdown_workflow(tiny_model_path: str) -> None:
         assert "1, 2, 3, 4" in wf.task_desc and "24" in wf.task_desc
         with pytest.raises(WorkflowError, match="nums"):
             task_for({"question": "x"}, "countdown").to_workflow(model)
+
+
+@pytest.mark.anyio
+async def test_countdown_workflow_scores_replies() -> None:
+    """Fixed replies, rewards written out: ``score`` for an equation using each number once
+    that makes the target, ``format_score`` for any other answer tag, 0 without one."""
+    replies = [
+        "<answer>3 + 5</answer>",
+        "I think <answer>(5+3)</answer>",
+        "<answer>3*5</answer>",  # wrong value
+        "<answer>3+5+0</answer>",  # a number that was not given
+        "<answer>oops</answer>",
+        "3 + 5 = 8",  # no answer tag
+    ]
+    row = {"target": 8, "nums": [3, 5]}
+    exps = await run(ScriptedModel(replies), task_for(row, "countdown", repeat=6))
+    assert [e.reward for e in exps] == [1.0, 1.0, 0.1, 0.1, 0.1, 0.0]
+    assert [e.metrics["score"] for e in exps] == [1.0, 1.0, 0.1, 0.1, 0.1, 0.0]
+    paid = task_for(row, "countdown", repeat=6, reward_fn_args={"format_score": 0.2, "score": 2.0})
+    exps = await run(ScriptedModel(replies), paid)
+    assert [e.reward for e in exps] == [2.0, 2.0, 0.2, 0.2, 0.2, 0.0]
+    # Trinity-RFT's rows: the truth as JSON under the response key
+    truth = json.dumps({"target": 3, "numbers": [1, 2]})
+    task = task_for({"question": "1 2 -> 3", "answer": truth}, "countdown_workflow", repeat=3)
+    replies = ["<answer>1+2</answer>", "<answer>2-1</answer>", "3"]
+    assert [e.reward for e in await run(ScriptedModel(replies), task)] == [1.0, 0.1, 0.0]
 
 
 # ---------------------------------------------------------------------------
@@ -357,24 +385,6 @@ async def test_code_workflow_on_the_tiny_model(tiny_model_path: str) -> None:
         assert e.metrics["accuracy"] == e.reward
 
 
-class ScriptedModel:
-    """Returns fixed replies (no engine), enough for SimpleWorkflow-based workflows."""
-
-    def __init__(self, replies: list[str]) -> None:
-        self.replies = replies
-        self.model_version = 0
-
-    async def chat_async(
-        self, messages: list[dict[str, Any]], n: int = 1, **kw: Any
-    ) -> list[Experience]:
-        return [
-            Experience(
-                tokens=[1, 2, 3], prompt_length=2, response_text=self.replies[i % len(self.replies)]
-            )
-            for i in range(n)
-        ]
-
-
 @pytest.mark.anyio
 async def test_code_workflow_scores_replies() -> None:
     replies = [
@@ -468,6 +478,7 @@ class FakeModel:
         exps = list(self.history)
         self.history.clear()
         if merge_turns and exps:  # stand-in for merge_history: one per conversation
+            exps[-1].info["merged"] = len(exps)
             return [exps[-1]]
         return exps
 
@@ -494,6 +505,13 @@ async def test_python_tool_workflow_scripted() -> None:
         assert second[-2]["tool_calls"][0]["function"]["name"] == "python"
         assert second[-1] == {"role": "tool", "tool_call_id": "call_0", "content": "391"}
     assert exps[0].messages[-1] == {"role": "assistant", "content": "It is \\boxed{391}."}
+    # the final reply is what is scored: a wrong one gets nothing, however it used the tool
+    wrong = FakeModel([script[0], _message("It is \\boxed{390}.")])
+    exps = await run(wrong, task)
+    assert [(e.reward, e.metrics["accuracy"], e.info["tool_calls"]) for e in exps] == [
+        (0.0, 0.0, 1),
+        (0.0, 0.0, 1),
+    ]
 
     # a reused instance keeps its clones
     runner = WorkflowRunner(model, max_timeout=60, max_retry_times=0)
@@ -503,6 +521,15 @@ async def test_python_tool_workflow_scripted() -> None:
         )
         assert res.ok and len(res.experiences) == 2
     assert len(model.clones) == 4  # 2 from the first run above, 2 for this runner's instance
+
+    # what a clone's history still holds (say, from a run that raised) is not merged into
+    # the next run's experiences: each rollout's experience is made of its own two calls
+    wf = PythonToolWorkflow(task=task, model=model)
+    assert [e.info["merged"] for e in await wf.run_async()] == [2, 2]
+    for r in range(2):
+        wf.api_model(r).history.append(Experience(tokens=[9, 9, 9], prompt_length=1))
+    wf.reset(task)
+    assert [e.info["merged"] for e in await wf.run_async()] == [2, 2]
 
     # a model without clone(): its rollouts share it and run one after the other
     shared = FakeModel(script, can_clone=False)

@@ -368,16 +368,13 @@ async def test_async_workflows_run_concurrently_on_the_event_loop_thread() -> No
     Overlap.windows, Overlap.sync_runs = [], 0
     loop_thread = threading.get_ident()
     runner = WorkflowRunner(None, max_timeout=5, max_retry_times=0)
-    t0 = anyio.current_time()
     results = await _run_concurrently(runner, [_task(Overlap, task_id=i) for i in range(8)], 8)
-    elapsed = anyio.current_time() - t0
     assert all(r.ok for r in results) and Overlap.sync_runs == 0
     assert len(Overlap.windows) == 8
     # no worker thread: every run_async ran on the event loop's own thread
     assert {thread for _, _, thread in Overlap.windows} == {loop_thread}
     # all eight windows overlap: each started before any finished
     assert max(s for s, _, _ in Overlap.windows) < min(e for _, e, _ in Overlap.windows)
-    assert elapsed < 8 * 0.2 / 2
     # the explorer's runner_num bounds the overlap
     Overlap.windows = []
     await _run_concurrently(runner, [_task(Overlap, task_id=i) for i in range(4)], 2)

@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any, List  # noqa: UP035 - the guide uses typing.List
 
@@ -14,8 +12,8 @@ import anyio
 import pytest
 
 from rftstream.config.schema import FormatConfig, TasksetConfig
-from rftstream.engines import create_engine
 from rftstream.errors import ConfigError, RftError, WorkflowError
+from tests.unit._util import ScriptedModel, task_for, wrapper
 from workflows import (
     REWARD_FUNCTIONS,
     WORKFLOWS,
@@ -27,7 +25,6 @@ from workflows import (
     WorkflowRunner,
     builtin_arithmetic_tasks,
     load_taskset,
-    make_task,
 )
 from workflows.rewards import extract_answer
 
@@ -86,45 +83,6 @@ class ExampleWorkflow(Workflow):
         self.question = task.raw_task.get("question")
         self.answer = task.raw_task.get("answer")
 # fmt: on
-
-
-# ---------------------------------------------------------------------------
-# helpers
-# ---------------------------------------------------------------------------
-
-
-@asynccontextmanager
-async def wrapper(path: str, **engine_kwargs: Any) -> AsyncIterator[ModelWrapper]:
-    engine = create_engine("transformers", path, batch_wait_ms=5, **engine_kwargs)
-    async with anyio.create_task_group() as tg:
-        await tg.start(engine.run)
-        try:
-            model = ModelWrapper(engine, model_path=path, max_response_tokens=8)
-            try:
-                yield model
-            finally:
-                await model.aclose()  # its clients, its clones' clients and the API server
-        finally:
-            await engine.aclose()
-            tg.cancel_scope.cancel()
-
-
-def task_for(
-    row: dict[str, Any],
-    workflow: Any = "math_workflow",
-    repeat: int = 4,
-    task_id: int = 0,
-    **cfg: Any,
-) -> Task:
-    ts = TasksetConfig(
-        default_workflow_type=workflow if isinstance(workflow, str) else "math_workflow", **cfg
-    )
-    task = make_task(
-        row, ts, repeat_times=repeat, batch_id=7, task_id=task_id, index=task_id, epoch=2
-    )
-    if not isinstance(workflow, str):
-        task.workflow = workflow
-    return task
 
 
 # ---------------------------------------------------------------------------
@@ -286,6 +244,24 @@ async def test_messages_key_and_reply_prefix_through_the_runner(tiny_model_path:
         # the reply continues the prefix: the recorded assistant turn is prefix + response
         assert e.messages == [shown[0], {"role": "assistant", "content": prefix + e.response_text}]
         assert e.reward == math_reward(response=e.response_text, truth="7")["accuracy"]
+
+
+@pytest.mark.anyio
+async def test_math_workflow_scores_replies() -> None:
+    """Fixed replies, rewards written out: math_reward's final answer is the last box, else
+    the last <answer> tag, else the last number; the reply_prefix is sent, not scored."""
+    replies = ["\\boxed{7}", "<answer>7</answer>", "3+4 = 7.", "7 or \\boxed{8}", "no idea"]
+    prefix = "Is it \\boxed{8}? No:"
+    fmt = FormatConfig(prompt_key="q", response_key="a", reply_prefix=prefix)
+    model = ScriptedModel(replies)
+    runner = WorkflowRunner(model, max_timeout=30, max_retry_times=0)
+    res = await runner.run_task(task_for({"q": "3+4=", "a": "7"}, "math_workflow", 5, format=fmt))
+    assert res.ok, res.error
+    assert [e.reward for e in res.experiences] == [1.0, 1.0, 1.0, 0.0, 0.0]
+    assert [e.metrics["accuracy"] for e in res.experiences] == [1.0, 1.0, 1.0, 0.0, 0.0]
+    assert model.sent == [
+        [{"role": "user", "content": "3+4="}, {"role": "assistant", "content": prefix}]
+    ]
 
 
 @pytest.mark.anyio
