@@ -30,7 +30,7 @@ from rftstream.subjects import KV_EVAL_FINAL, KV_EVAL_STEP
 
 log = logging.getLogger(__name__)
 
-__all__ = ["EvaluationMixin", "finite"]
+__all__ = ["EvaluationMixin"]
 
 
 class EvaluationMixin:
@@ -125,7 +125,7 @@ class EvaluationMixin:
         values["eval/model_version"] = float(version)
         values["eval/final"] = 1.0 if final else 0.0
         values["time/eval"] = time.perf_counter() - t0
-        await self.bus.publish_metrics(self.role, self.step, finite(values))
+        await self.bus.publish_metrics(self.role, self.step, values)
         record: dict[str, Any] = {
             "step": self.step,
             "ts": time.time(),
@@ -220,9 +220,3 @@ class EvaluationMixin:
 
 def _mean(values: list[float]) -> float:
     return sum(values) / len(values) if values else float("nan")
-
-
-def finite(values: dict[str, float]) -> dict[str, float]:
-    """Without NaN / inf: JSON has no such numbers (msgspec writes null, which no
-    ``MetricsMsg`` decodes), so an undefined metric is left out instead."""
-    return {k: v for k, v in values.items() if math.isfinite(v)}

@@ -82,7 +82,7 @@ from rftstream.actors.common import (
     consumer_drained,
     heartbeat_loop,
 )
-from rftstream.actors.evaluation import EvaluationMixin, finite
+from rftstream.actors.evaluation import EvaluationMixin
 from rftstream.bus.client import Bus
 from rftstream.bus.state import END_STATUSES, RunState
 from rftstream.config.schema import Config, TasksetConfig
@@ -481,7 +481,7 @@ class Explorer(EvaluationMixin):
                 "time/explore_step": dt,
                 "time/explorer_wait_sync": wait_sync,
             }
-            await self.bus.publish_metrics(self.role, self.step, finite(values))
+            await self.bus.publish_metrics(self.role, self.step, values)
             await state.put_json(KV_EXPLORER_STEP.format(name=self.name), self.step)
             if self.on_progress is not None:
                 self.on_progress({"step": self.step, **self._info(), **values})
