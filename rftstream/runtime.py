@@ -175,7 +175,7 @@ def _preset_check_config(cfg: Config) -> Config:
 def _check_algorithm(cfg: Config, algorithm: Any) -> None:
     """Run-level checks of the resolved algorithm against the trainer's inputs and the mode."""
     from algorithms.utils import check_loss_agg_mode
-    from rftstream.training.batch import LOSS_TENSORS
+    from rftstream.training.batch import trainer_tensors
 
     schema = str(getattr(algorithm.algorithm_type, "schema", "experience"))
     if cfg.mode == "train" and schema not in ("sft", "dpo"):
@@ -185,9 +185,7 @@ def _check_algorithm(cfg: Config, algorithm: Any) -> None:
             f"{algorithm.name} learns from rollouts (use mode: both)",
             value=cfg.mode,
         )
-    available = set(LOSS_TENSORS) | ({"values"} if algorithm.use_critic else set())
     if not algorithm.use_reference:
-        available.discard("ref_logprob")
         if (algorithm.config.kl_loss_fn or "none") != "none":
             raise ConfigError(
                 "algorithm.kl_loss_fn",
@@ -195,7 +193,7 @@ def _check_algorithm(cfg: Config, algorithm: Any) -> None:
                 f"loss cannot be computed; set kl_loss_fn: none",
                 value=algorithm.config.kl_loss_fn,
             )
-    algorithm.check_loss_inputs(available)
+    algorithm.check_loss_inputs(trainer_tensors(algorithm))
     if algorithm.use_critic:
         try:
             check_loss_agg_mode(cfg.trainer.critic.loss_agg_mode)
