@@ -188,7 +188,13 @@ class Trainer:
         self.feed: ExperienceFeed | None = None
 
     async def _exhausted(self) -> bool:
-        """Every task done, every stage before the trainer drained, nothing left on exp.train."""
+        """Every task done, every stage before the trainer drained, nothing left on exp.train.
+
+        False at once (no round trip) while the feed still drains a stage it stopped
+        reading: only the feed's own read loop, which calls this, changes that.
+        """
+        if self.feed is not None and self.feed.retired:
+            return False
         state = RunState(await self.bus.kv())
         if await state.taskset() is None:
             return False
@@ -196,8 +202,6 @@ class Trainer:
         if not await consumer_drained(self.bus, n.tasks_stream, n.explorer_consumer):
             return False
         infos = await self.bus.js.consumers_info(n.exp_stream)
-        if self.feed is not None and self.feed.retired:
-            return False  # still draining a stage it stopped reading
         mine = self.feed.consumer.durable if self.feed is not None else n.trainer_consumer
         for info in infos:
             pending = int(info.num_pending or 0)
