@@ -377,9 +377,7 @@ class ResolvedAlgorithm:
     def provided_fields(self) -> frozenset[str]:
         """Names of the extra batch tensors the sample strategy declares (see
         :meth:`SampleStrategy.provided_fields`); nothing else provides custom fields."""
-        return frozenset(self.sample_strategy_cls.provided_fields()) | {
-            cf.destination_field for cf in self.custom_fields
-        }
+        return frozenset(self.sample_strategy_cls.provided_fields())
 
     def check_loss_inputs(self, available: set[str]) -> list[str]:
         """Check the policy and entropy losses against ``available`` plus the strategy's fields.
