@@ -695,7 +695,7 @@ class Explorer(EvaluationMixin):
             backlog = await consumer_backlog(self.bus, self.names.exp_stream)
             ptr = await state.latest_weights()
             newest = ptr.version if ptr is not None else 0
-            mine = newest if will_sync else int(getattr(self.engine, "model_version", 0) or 0)
+            mine = newest if will_sync else self._version()
             if self.policy.explorer_may_run(
                 backlog * self.repeat_times, tbs, version_lag=max(0, newest - mine)
             ):
