@@ -109,9 +109,10 @@ def _fill_batch_args(cfg: Config, algorithm: Any) -> tuple[Config, Any]:
     import dataclasses
 
     from algorithms import resolve_algorithm
+    from algorithms.sample_strategy import resolve_train_batch_size
     from rftstream.training.batch import loss_batch_args
 
-    total = cfg.buffer.train_batch_size or cfg.buffer.batch_size * int(algorithm.repeat_times or 1)
+    total = resolve_train_batch_size(cfg.buffer, algorithm.repeat_times)
     micro = max(1, cfg.trainer.ppo_micro_batch_size_per_gpu)
     ratio = algorithm.sample_strategy_args.get("expert_data_ratio")
     if ratio is None:  # the strategy's own default (the guide's MIX reads 0.5 when unset)
