@@ -377,21 +377,23 @@ class ResolvedAlgorithm:
     def provided_fields(self) -> frozenset[str]:
         """Names of the extra batch tensors the sample strategy declares (see
         :meth:`SampleStrategy.provided_fields`); nothing else provides custom fields."""
-        return frozenset(self.sample_strategy_cls.provided_fields()) | {
-            cf.destination_field for cf in self.custom_fields
-        }
+        return frozenset(self.sample_strategy_cls.provided_fields())
 
     def check_loss_inputs(self, available: set[str]) -> list[str]:
         """Check the policy and entropy losses against ``available`` plus the strategy's fields.
 
         ``available`` are the tensors the trainer always has (logprobs, masks,
-        advantages, ...); the sample strategy's :attr:`provided_fields` are
-        added. Returns the policy loss's inputs (:func:`check_loss_inputs`).
-        Raises :class:`ConfigError` naming the loss class and the first field
-        nothing provides (``algorithm.policy_loss_fn`` /
-        ``algorithm.entropy_loss_fn``).
+        advantages, ...; ``rftstream.training.batch.trainer_tensors``); the
+        sample strategy's :attr:`provided_fields` are added, and without a
+        reference model (``use_reference`` False) ``ref_logprob`` is taken
+        away, whoever names it. Returns the policy loss's inputs
+        (:func:`check_loss_inputs`). Raises :class:`ConfigError` naming the
+        loss class and the first field nothing provides
+        (``algorithm.policy_loss_fn`` / ``algorithm.entropy_loss_fn``).
         """
         have = set(available) | self.provided_fields
+        if not self.use_reference:
+            have.discard("ref_logprob")
         names = check_loss_inputs(self.policy_loss_fn, have)
         required = getattr(self.entropy_loss_fn, "required_fields", frozenset()) or frozenset()
         for name in sorted(set(required) - have):

@@ -110,9 +110,10 @@ def _fill_batch_args(cfg: Config, algorithm: Any) -> tuple[Config, Any]:
     import dataclasses
 
     from algorithms import resolve_algorithm
+    from algorithms.sample_strategy import resolve_train_batch_size
     from rftstream.training.batch import loss_batch_args
 
-    total = cfg.buffer.train_batch_size or cfg.buffer.batch_size * int(algorithm.repeat_times or 1)
+    total = resolve_train_batch_size(cfg.buffer, algorithm.repeat_times)
     micro = max(1, cfg.trainer.ppo_micro_batch_size_per_gpu)
     ratio = algorithm.sample_strategy_args.get("expert_data_ratio")
     if ratio is None:  # the strategy's own default (the guide's MIX reads 0.5 when unset)
@@ -176,7 +177,7 @@ def _preset_check_config(cfg: Config) -> Config:
 def _check_algorithm(cfg: Config, algorithm: Any) -> None:
     """Run-level checks of the resolved algorithm against the trainer's inputs and the mode."""
     from algorithms.utils import check_loss_agg_mode
-    from rftstream.training.batch import LOSS_TENSORS
+    from rftstream.training.batch import trainer_tensors
 
     schema = str(getattr(algorithm.algorithm_type, "schema", "experience"))
     if cfg.mode == "train" and schema not in ("sft", "dpo"):
@@ -186,9 +187,7 @@ def _check_algorithm(cfg: Config, algorithm: Any) -> None:
             f"{algorithm.name} learns from rollouts (use mode: both)",
             value=cfg.mode,
         )
-    available = set(LOSS_TENSORS) | ({"values"} if algorithm.use_critic else set())
     if not algorithm.use_reference:
-        available.discard("ref_logprob")
         if (algorithm.config.kl_loss_fn or "none") != "none":
             raise ConfigError(
                 "algorithm.kl_loss_fn",
@@ -196,7 +195,7 @@ def _check_algorithm(cfg: Config, algorithm: Any) -> None:
                 f"loss cannot be computed; set kl_loss_fn: none",
                 value=algorithm.config.kl_loss_fn,
             )
-    algorithm.check_loss_inputs(available)
+    algorithm.check_loss_inputs(trainer_tensors(algorithm))
     if algorithm.use_critic:
         try:
             check_loss_agg_mode(cfg.trainer.critic.loss_agg_mode)

@@ -57,11 +57,8 @@ class SPPOPolicyLossFn(PolicyLossFn):
         pg_losses = -advantages * log_ratio * in_range.to(log_ratio.dtype)
         pg_loss = masked_loss(pg_losses, action_mask, loss_agg_mode=self.loss_agg_mode)
         pg_clipfrac = masked_mean((~in_range).float(), action_mask)
-        metrics = {
-            "pg_clipfrac": pg_clipfrac.item(),
-            "pg_loss": pg_loss.detach().item(),
-            "sppo_loss": pg_loss.detach().item(),
-        }
+        loss = pg_loss.detach().item()
+        metrics = {"pg_clipfrac": pg_clipfrac.item(), "pg_loss": loss, "sppo_loss": loss}
         return pg_loss, metrics
 
     @classmethod

@@ -1,15 +1,18 @@
 """Pieces every actor uses: heartbeats, in-progress ticking, run-end watching, draining a
-consumer up to a cut.
+consumer up to a cut, JSON-lines records.
 
-All of these are long-running coroutines meant to be started in the actor's own
-anyio task group; they return only when cancelled (or, for
+The coroutines :func:`heartbeat_loop`, :func:`wait_for_run_end` and
+:meth:`InProgressTicker.run` are long-running, meant to be started in the
+actor's own anyio task group; they return only when cancelled (or, for
 :func:`wait_for_run_end`, when the run ends).
 """
 
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any, NamedTuple
 
 import anyio
@@ -149,3 +152,20 @@ async def drain_step(
         else:
             mine.append(m)
     return DrainStep(mine, False, skipped)
+
+
+def nan_to_none(record: dict[str, Any]) -> dict[str, Any]:
+    """``record`` with every non-finite float (NaN, inf) replaced by None (JSON null)."""
+    return {
+        k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in record.items()
+    }
+
+
+def append_line(path: Path, line: str) -> None:
+    """Append ``line`` and a newline to ``path``, creating its directory if needed.
+
+    Blocking file I/O: call it through ``anyio.to_thread.run_sync``.
+    """
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a") as f:
+        f.write(line + "\n")

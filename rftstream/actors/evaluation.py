@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -22,6 +21,7 @@ from typing import Any
 import anyio
 import anyio.to_thread
 
+from rftstream.actors.common import append_line, nan_to_none
 from rftstream.bus.client import Bus
 from rftstream.bus.state import RunState
 from rftstream.config.schema import Config, TasksetConfig
@@ -30,7 +30,7 @@ from rftstream.subjects import KV_EVAL_FINAL, KV_EVAL_STEP
 
 log = logging.getLogger(__name__)
 
-__all__ = ["EvaluationMixin", "finite"]
+__all__ = ["EvaluationMixin"]
 
 
 class EvaluationMixin:
@@ -125,13 +125,13 @@ class EvaluationMixin:
         values["eval/model_version"] = float(version)
         values["eval/final"] = 1.0 if final else 0.0
         values["time/eval"] = time.perf_counter() - t0
-        await self.bus.publish_metrics(self.role, self.step, finite(values))
+        await self.bus.publish_metrics(self.role, self.step, values)
         record: dict[str, Any] = {
             "step": self.step,
             "ts": time.time(),
             "explorer": self.name,
             **(extra or {}),
-            **{k: (v if math.isfinite(v) else None) for k, v in values.items()},
+            **nan_to_none(values),
         }
         await self._write_eval_record(record)
         self.evaluations += 1
@@ -205,24 +205,11 @@ class EvaluationMixin:
         if not self.cfg.run_dir or self.cfg.monitor.monitor_type == "none":
             return
         path = Path(self.cfg.run_dir) / "eval.jsonl"
-        line = json.dumps(record)
-
-        def append() -> None:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            with open(path, "a") as f:
-                f.write(line + "\n")
-
         try:
-            await anyio.to_thread.run_sync(append)
+            await anyio.to_thread.run_sync(append_line, path, json.dumps(record))
         except OSError as exc:
             log.warning("%s: cannot write %s: %s", self.name, path, exc)
 
 
 def _mean(values: list[float]) -> float:
     return sum(values) / len(values) if values else float("nan")
-
-
-def finite(values: dict[str, float]) -> dict[str, float]:
-    """Without NaN / inf: JSON has no such numbers (msgspec writes null, which no
-    ``MetricsMsg`` decodes), so an undefined metric is left out instead."""
-    return {k: v for k, v in values.items() if math.isfinite(v)}

@@ -82,7 +82,7 @@ from rftstream.actors.common import (
     consumer_drained,
     heartbeat_loop,
 )
-from rftstream.actors.evaluation import EvaluationMixin, finite
+from rftstream.actors.evaluation import EvaluationMixin
 from rftstream.bus.client import Bus
 from rftstream.bus.state import END_STATUSES, RunState
 from rftstream.config.schema import Config, TasksetConfig
@@ -231,13 +231,22 @@ class Explorer(EvaluationMixin):
         lock = anyio.Lock()
 
         async def progress(seq: int) -> None:
+            """Advance the claim to ``seq`` (also its keep-alive). :class:`_ClaimLost` when
+            another writer was first or the server rejected the write; any other failure (a
+            timeout, a lost connection) propagates as the error it is."""
             nonlocal rev
             async with lock:
-                body = encode_json(TasksetClaim(by=self.name, ts=time.time(), seq=seq))
+                claim = TasksetClaim(by=self.name, ts=time.time(), seq=seq)
                 try:
-                    rev = int(await state.kv.update(KV_TASKSET_CLAIM, body, last=rev))
-                except nats.js.errors.APIError as exc:
-                    raise _ClaimLost from exc
+                    new = await state.compare_and_put(KV_TASKSET_CLAIM, claim, rev)
+                except BusError as exc:
+                    cause = exc.__cause__  # what the KV write raised
+                    if isinstance(cause, nats.js.errors.APIError):
+                        raise _ClaimLost from exc
+                    raise cause or exc  # noqa: B904 - the KV write's own error, not a BusError
+                if new is None:
+                    raise _ClaimLost
+                rev = int(new)
 
         lost = False
 
@@ -481,7 +490,7 @@ class Explorer(EvaluationMixin):
                 "time/explore_step": dt,
                 "time/explorer_wait_sync": wait_sync,
             }
-            await self.bus.publish_metrics(self.role, self.step, finite(values))
+            await self.bus.publish_metrics(self.role, self.step, values)
             await state.put_json(KV_EXPLORER_STEP.format(name=self.name), self.step)
             if self.on_progress is not None:
                 self.on_progress({"step": self.step, **self._info(), **values})
@@ -686,7 +695,7 @@ class Explorer(EvaluationMixin):
             backlog = await consumer_backlog(self.bus, self.names.exp_stream)
             ptr = await state.latest_weights()
             newest = ptr.version if ptr is not None else 0
-            mine = newest if will_sync else int(getattr(self.engine, "model_version", 0) or 0)
+            mine = newest if will_sync else self._version()
             if self.policy.explorer_may_run(
                 backlog * self.repeat_times, tbs, version_lag=max(0, newest - mine)
             ):

@@ -30,7 +30,13 @@ from typing import Any
 import anyio
 import msgspec
 
-from rftstream.actors.common import InProgressTicker, consumer_drained, heartbeat_loop
+from rftstream.actors.common import (
+    InProgressTicker,
+    append_line,
+    consumer_drained,
+    heartbeat_loop,
+    nan_to_none,
+)
 from rftstream.actors.feed import ExperienceFeed
 from rftstream.actors.topology import TrainerTopology
 from rftstream.buffer import TrainerInputs, trainer_inputs
@@ -182,7 +188,13 @@ class Trainer:
         self.feed: ExperienceFeed | None = None
 
     async def _exhausted(self) -> bool:
-        """Every task done, every stage before the trainer drained, nothing left on exp.train."""
+        """Every task done, every stage before the trainer drained, nothing left on exp.train.
+
+        False at once (no round trip) while the feed still drains a stage it stopped
+        reading: only the feed's own read loop, which calls this, changes that.
+        """
+        if self.feed is not None and self.feed.retired:
+            return False
         state = RunState(await self.bus.kv())
         if await state.taskset() is None:
             return False
@@ -190,8 +202,6 @@ class Trainer:
         if not await consumer_drained(self.bus, n.tasks_stream, n.explorer_consumer):
             return False
         infos = await self.bus.js.consumers_info(n.exp_stream)
-        if self.feed is not None and self.feed.retired:
-            return False  # still draining a stage it stopped reading
         mine = self.feed.consumer.durable if self.feed is not None else n.trainer_consumer
         for info in infos:
             pending = int(info.num_pending or 0)
@@ -457,9 +467,9 @@ class Trainer:
         line = (
             json.dumps(record, allow_nan=False, default=float)
             if _finite(record)
-            else json.dumps(_nan_to_none(record))
+            else json.dumps(nan_to_none(record))
         )
-        await anyio.to_thread.run_sync(_append_line, self.metrics_path, line)
+        await anyio.to_thread.run_sync(append_line, self.metrics_path, line)
         values = {
             k: float(v) for k, v in record.items() if isinstance(v, (int, float)) and k != "step"
         }
@@ -476,14 +486,3 @@ def _from_rollout(exp: Any) -> bool:
 
 def _finite(record: dict[str, Any]) -> bool:
     return all(not (isinstance(v, float) and not math.isfinite(v)) for v in record.values())
-
-
-def _nan_to_none(record: dict[str, Any]) -> dict[str, Any]:
-    return {
-        k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in record.items()
-    }
-
-
-def _append_line(path: Path, line: str) -> None:
-    with open(path, "a") as f:
-        f.write(line + "\n")

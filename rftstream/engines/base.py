@@ -17,6 +17,7 @@ given sequence) follows the same convention.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -150,3 +151,51 @@ class RolloutEngine(ABC):
     @abstractmethod
     async def aclose(self) -> None:
         """Stop serving; pending and later :meth:`generate` calls raise ``RftError``."""
+
+
+# ------------------------------------------------------------ shared by the engines
+
+
+def eos_ids(*sources: Any) -> set[int]:
+    """The eos token ids named by ``sources``: each an id, a list / tuple of ids, or None
+    (the tokenizer's ``eos_token_id``, the model config's, the generation config's)."""
+    eos: set[int] = set()
+    for source in sources:
+        if isinstance(source, int):
+            eos.add(source)
+        elif isinstance(source, (list, tuple)):
+            eos.update(int(x) for x in source)
+    return eos
+
+
+def prompt_ids(prompt_token_ids: Iterable[int], max_model_len: int) -> list[int]:
+    """``prompt_token_ids`` as a list of ints, checked for :meth:`RolloutEngine.generate`.
+
+    Raises :class:`RftError` when the prompt is empty or leaves no room for a
+    generated token in the model context of ``max_model_len`` tokens.
+    """
+    prompt = [int(t) for t in prompt_token_ids]
+    if not prompt:
+        raise RftError("cannot generate from an empty prompt")
+    if len(prompt) >= max_model_len:
+        raise RftError(
+            f"prompt of {len(prompt)} tokens leaves no room in the model context of "
+            f"{max_model_len} tokens (see model.max_prompt_tokens)"
+        )
+    return prompt
+
+
+def score_ids(token_ids: Iterable[int], max_model_len: int) -> list[int]:
+    """``token_ids`` as a list of ints, checked for :meth:`RolloutEngine.score`.
+
+    Raises :class:`RftError` when the sequence does not fit the model context.
+    """
+    ids = [int(t) for t in token_ids]
+    if len(ids) > max_model_len:
+        raise RftError(f"cannot score {len(ids)} tokens: the model context has {max_model_len}")
+    return ids
+
+
+def strip_module_prefix(name: str) -> str:
+    """A state-dict key without the ``module.`` prefix DeepSpeed / DDP wrappers add."""
+    return name[len("module.") :] if name.startswith("module.") else name

@@ -36,7 +36,16 @@ import anyio
 import torch
 from anyio.abc import TaskStatus
 
-from rftstream.engines.base import Completion, RolloutEngine, SamplingParams, TokenScores
+from rftstream.engines.base import (
+    Completion,
+    RolloutEngine,
+    SamplingParams,
+    TokenScores,
+    eos_ids,
+    prompt_ids,
+    score_ids,
+    strip_module_prefix,
+)
 from rftstream.errors import RftError
 
 log = logging.getLogger(__name__)
@@ -320,16 +329,11 @@ class TransformersEngine(RolloutEngine):
         self._model = model.to(self.device).eval()
         cfg = self._model.config
         self.max_model_len = int(getattr(cfg, "max_position_embeddings", 0) or 1 << 30)
-        eos: set[int] = set()
-        for source in (
+        eos = eos_ids(
             self._tokenizer.eos_token_id,
             cfg.eos_token_id,
             getattr(self._model.generation_config, "eos_token_id", None),
-        ):
-            if isinstance(source, int):
-                eos.add(source)
-            elif isinstance(source, (list, tuple)):
-                eos.update(int(x) for x in source)
+        )
         self.eos_token_ids = eos
         pad = self._tokenizer.pad_token_id
         self.pad_token_id = int(pad if pad is not None else (min(eos) if eos else 0))
@@ -380,14 +384,7 @@ class TransformersEngine(RolloutEngine):
         """
         if self._closed:
             raise RftError("rollout engine is closed")
-        prompt = [int(t) for t in prompt_token_ids]
-        if not prompt:
-            raise RftError("cannot generate from an empty prompt")
-        if len(prompt) >= self.max_model_len:
-            raise RftError(
-                f"prompt of {len(prompt)} tokens leaves no room in the model context of "
-                f"{self.max_model_len} tokens (see model.max_prompt_tokens)"
-            )
+        prompt = prompt_ids(prompt_token_ids, self.max_model_len)
         req = _Request(prompt, params)
         try:
             self._send.send_nowait(req)
@@ -421,12 +418,8 @@ class TransformersEngine(RolloutEngine):
         """
         if self._closed:
             raise RftError("rollout engine is closed")
-        ids = [int(t) for t in token_ids]
+        ids = score_ids(token_ids, self.max_model_len)
         start = max(1, int(start))
-        if len(ids) > self.max_model_len:
-            raise RftError(
-                f"cannot score {len(ids)} tokens: the model context has {self.max_model_len}"
-            )
         if start >= len(ids):
             return TokenScores([], [] if top_logprobs > 0 else None)
         async with self._lock:
@@ -475,10 +468,7 @@ class TransformersEngine(RolloutEngine):
             self._version = int(version)
 
     def _load_state_dict(self, state_dict: dict[str, torch.Tensor]) -> None:
-        cleaned = {
-            (k[len("module.") :] if k.startswith("module.") else k): v
-            for k, v in state_dict.items()
-        }
+        cleaned = {strip_module_prefix(k): v for k, v in state_dict.items()}
         own = self._model.state_dict()
         unexpected = sorted(set(cleaned) - set(own))
         missing = sorted(set(own) - set(cleaned))

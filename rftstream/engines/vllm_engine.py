@@ -91,7 +91,16 @@ import anyio
 import torch
 from anyio.abc import TaskStatus
 
-from rftstream.engines.base import Completion, RolloutEngine, SamplingParams, TokenScores
+from rftstream.engines.base import (
+    Completion,
+    RolloutEngine,
+    SamplingParams,
+    TokenScores,
+    eos_ids,
+    prompt_ids,
+    score_ids,
+    strip_module_prefix,
+)
 from rftstream.errors import RftError
 
 log = logging.getLogger(__name__)
@@ -133,10 +142,6 @@ def import_vllm() -> Any:
 # ---------------------------------------------------------------------------
 # Worker side (runs inside vLLM's worker processes)
 # ---------------------------------------------------------------------------
-
-
-def _strip_prefix(name: str) -> str:
-    return name[len("module.") :] if name.startswith("module.") else name
 
 
 def _worker_model(worker: Any) -> Any:
@@ -188,7 +193,7 @@ class RftWorkerExtension:
                 with safe_open(path, framework="pt", device="cpu") as f:
                     for name in f.keys():
                         count += 1
-                        yield _strip_prefix(name), f.get_tensor(name)
+                        yield strip_module_prefix(name), f.get_tensor(name)
 
         with torch.no_grad():
             loaded = model.load_weights(weights=weights())
@@ -432,17 +437,9 @@ class VLLMEngine(RolloutEngine):
         except (OSError, ValueError):
             gen_eos = None
         text_cfg = getattr(cfg, "get_text_config", lambda: cfg)()
-        eos: set[int] = set()
-        for source in (
-            self._tokenizer.eos_token_id,
-            getattr(text_cfg, "eos_token_id", None),
-            gen_eos,
-        ):
-            if isinstance(source, int):
-                eos.add(source)
-            elif isinstance(source, (list, tuple)):
-                eos.update(int(x) for x in source)
-        self.eos_token_ids = eos
+        self.eos_token_ids = eos_ids(
+            self._tokenizer.eos_token_id, getattr(text_cfg, "eos_token_id", None), gen_eos
+        )
         self.vocab_size = int(getattr(text_cfg, "vocab_size", 0) or len(self._tokenizer))
         self._hf_max_positions = int(getattr(text_cfg, "max_position_embeddings", 0) or 0)
 
@@ -470,14 +467,7 @@ class VLLMEngine(RolloutEngine):
         engine is closed or stopped, or vLLM fails. Cancelling the caller
         aborts its vLLM requests.
         """
-        prompt = [int(t) for t in prompt_token_ids]
-        if not prompt:
-            raise RftError("cannot generate from an empty prompt")
-        if len(prompt) >= self.max_model_len:
-            raise RftError(
-                f"prompt of {len(prompt)} tokens leaves no room in the model context of "
-                f"{self.max_model_len} tokens (see model.max_prompt_tokens)"
-            )
+        prompt = prompt_ids(prompt_token_ids, self.max_model_len)
         self._check_usable()
         want = params.max_tokens if params.max_tokens is not None else self.default_max_tokens
         max_new = max(0, min(int(want), self.max_model_len - len(prompt)))
@@ -582,13 +572,9 @@ class VLLMEngine(RolloutEngine):
         must be 1 (or ``<= 0``, which means 1), else :class:`RftError`.
         ``top_logprobs`` is at most ``max_logprobs``.
         """
-        ids = [int(t) for t in token_ids]
+        ids = score_ids(token_ids, self.max_model_len)
         start = max(1, int(start))
         k = max(0, int(top_logprobs))
-        if len(ids) > self.max_model_len:
-            raise RftError(
-                f"cannot score {len(ids)} tokens: the model context has {self.max_model_len}"
-            )
         if temperature > 0 and abs(float(temperature) - 1.0) > 1e-6:
             raise RftError(
                 f"the vLLM engine cannot score at temperature {temperature}: vLLM's prompt "
@@ -793,7 +779,7 @@ class VLLMEngine(RolloutEngine):
             if ptr in seen or t.numel() == 0:  # tied / shared tensors: safetensors wants copies
                 t = t.clone()
             seen.add(t.untyped_storage().data_ptr())
-            tensors[_strip_prefix(key)] = t
+            tensors[strip_module_prefix(key)] = t
         size = sum(t.numel() * t.element_size() for t in tensors.values())
         fd, name = tempfile.mkstemp(
             prefix="rftstream-vllm-weights-", suffix=".safetensors", dir=self._tmp_dir(size)

@@ -35,6 +35,17 @@ a reference model ``ref_logprob`` is not available either.
 """
 
 
+def trainer_tensors(algorithm: Any) -> set[str]:
+    """The tensors the trainer has for any sample strategy: :data:`LOSS_TENSORS`, plus
+    ``values`` when the algorithm has a critic.
+
+    The argument of ``ResolvedAlgorithm.check_loss_inputs``, which adds the
+    sample strategy's fields and takes ``ref_logprob`` away when the algorithm
+    has no reference model. The run's preparation and the trainer check with it.
+    """
+    return set(LOSS_TENSORS) | ({"values"} if algorithm.use_critic else set())
+
+
 @dataclass(frozen=True)
 class VerlBatchShape:
     """verl's batch arithmetic, for a policy loss that weights each micro-batch itself.

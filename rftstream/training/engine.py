@@ -27,12 +27,12 @@ from rftstream.config.schema import Config
 from rftstream.errors import ConfigError
 from rftstream.experience import Experience
 from rftstream.training.batch import (
-    LOSS_TENSORS,
     TrainBatch,
     balanced_partitions,
     collate,
     contiguous_partitions,
     response_logprobs,
+    trainer_tensors,
 )
 from rftstream.training.critic import value_loss
 
@@ -75,7 +75,7 @@ class PolicyTrainer:
         ensure_dist_env()
         import deepspeed  # heavy import: only where training happens
 
-        from algorithms import check_loss_inputs, loss_inputs_for
+        from algorithms import loss_inputs_for
         from rftstream.hf import HF_LOAD_LOCK, load_causal_lm, load_tokenizer
 
         self.cfg = cfg
@@ -111,16 +111,8 @@ class PolicyTrainer:
             self.ref_model = copy.deepcopy(model).eval()
             for p in self.ref_model.parameters():
                 p.requires_grad_(False)
-        provided = getattr(algorithm, "provided_fields", None)
-        if provided is None:
-            provided = {cf.destination_field for cf in self.custom_fields}
-        available = set(LOSS_TENSORS) | set(provided)
-        if algorithm.use_critic:
-            available.add("values")
-        if not algorithm.use_reference:
-            available.discard("ref_logprob")
         # raises ConfigError naming the loss and the first required field nothing provides
-        self.loss_inputs = check_loss_inputs(algorithm.policy_loss_fn, available)
+        self.loss_inputs = algorithm.check_loss_inputs(trainer_tensors(algorithm))
         self.entropy_inputs, self.entropy_var_kw = _entropy_extra_inputs(algorithm.entropy_loss_fn)
         coef = getattr(algorithm.entropy_loss_fn, "entropy_coef", 1.0)
         self.entropy_grad = (algorithm.config.entropy_loss_fn or "none") != "none" and coef != 0

@@ -26,7 +26,7 @@ from algorithms.sample_strategy import DefaultSampleStrategy, SampleStrategy
 from rftstream.config import config_from_dict
 from rftstream.errors import ConfigError
 from rftstream.runtime import prepare_run
-from rftstream.training.batch import LOSS_TENSORS
+from rftstream.training.batch import LOSS_TENSORS, trainer_tensors
 from tests.integration._util import small_config
 
 
@@ -70,6 +70,27 @@ class TrinityStyleStrategy(SampleStrategy):
         return batch, {}, []
 
 
+class RefLoss(PolicyLossFn):
+    """Needs ``ref_logprob``."""
+
+    def __call__(  # type: ignore[override]
+        self,
+        logprob: torch.Tensor,
+        ref_logprob: torch.Tensor,
+        action_mask: torch.Tensor,
+        **kwargs: Any,
+    ) -> tuple[torch.Tensor, dict]:
+        return (logprob - ref_logprob).sum(), {}
+
+
+class RefFieldStrategy(DefaultSampleStrategy):
+    """Declares a custom field named ``ref_logprob``."""
+
+    custom_fields: ClassVar[tuple[CustomField, ...]] = (
+        CustomField("r", "ref_logprob", torch.float32),
+    )
+
+
 class OtherFieldStrategy(SampleStrategy):
     """Declares a field, but not ``row_weight``."""
 
@@ -84,6 +105,8 @@ def registered() -> None:
     SAMPLE_STRATEGY.register_module("weight_strategy")(WeightStrategy)
     SAMPLE_STRATEGY.register_module("trinity_style")(TrinityStyleStrategy)
     SAMPLE_STRATEGY.register_module("other_field")(OtherFieldStrategy)
+    POLICY_LOSS_FN.register_module("ref_loss")(RefLoss)
+    SAMPLE_STRATEGY.register_module("ref_field")(RefFieldStrategy)
 
 
 def _cfg(tmp_path: Path, tiny_model_path: str, **algo: Any) -> Any:
@@ -94,6 +117,48 @@ def _cfg(tmp_path: Path, tiny_model_path: str, **algo: Any) -> Any:
 
 def test_expert_mask_is_not_always_available() -> None:
     assert "expert_mask" not in LOSS_TENSORS
+
+
+def test_trainer_tensors() -> None:
+    always = {
+        "logprob",
+        "old_logprob",
+        "ref_logprob",
+        "action_mask",
+        "advantages",
+        "returns",
+        "entropy",
+        "rollout_logprob",
+    }
+
+    class Algo:
+        def __init__(self, use_critic: bool) -> None:
+            self.use_critic = use_critic
+
+    assert trainer_tensors(Algo(False)) == always
+    assert trainer_tensors(Algo(True)) == always | {"values"}
+
+
+def test_no_reference_model_no_ref_logprob_whoever_names_it(
+    tmp_path: Path, tiny_model_path: str, registered: None
+) -> None:
+    # asymre has no reference model; grpo has one
+    assert "ref_logprob" in prepare_run(
+        _cfg(tmp_path, tiny_model_path, policy_loss_fn="ref_loss")
+    ).algorithm.check_loss_inputs(set(LOSS_TENSORS))
+    for strategy in ("default", "ref_field"):
+        with pytest.raises(ConfigError) as ei:
+            prepare_run(
+                _cfg(
+                    tmp_path,
+                    tiny_model_path,
+                    algorithm_type="asymre",
+                    policy_loss_fn="ref_loss",
+                    sample_strategy=strategy,
+                )
+            )
+        assert ei.value.key_path == "algorithm.policy_loss_fn"
+        assert "RefLoss" in str(ei.value) and "'ref_logprob'" in str(ei.value)
 
 
 def test_mix_loss_without_the_mix_strategy_fails_at_config_time(
