@@ -231,22 +231,13 @@ class Explorer(EvaluationMixin):
         lock = anyio.Lock()
 
         async def progress(seq: int) -> None:
-            """Advance the claim to ``seq`` (also its keep-alive). :class:`_ClaimLost` when
-            another writer was first or the server rejected the write; any other failure (a
-            timeout, a lost connection) propagates as the error it is."""
             nonlocal rev
             async with lock:
-                claim = TasksetClaim(by=self.name, ts=time.time(), seq=seq)
+                body = encode_json(TasksetClaim(by=self.name, ts=time.time(), seq=seq))
                 try:
-                    new = await state.compare_and_put(KV_TASKSET_CLAIM, claim, rev)
-                except BusError as exc:
-                    cause = exc.__cause__  # what the KV write raised
-                    if isinstance(cause, nats.js.errors.APIError):
-                        raise _ClaimLost from exc
-                    raise cause or exc  # noqa: B904 - the KV write's own error, not a BusError
-                if new is None:
-                    raise _ClaimLost
-                rev = int(new)
+                    rev = int(await state.kv.update(KV_TASKSET_CLAIM, body, last=rev))
+                except nats.js.errors.APIError as exc:
+                    raise _ClaimLost from exc
 
         lost = False
 
