@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 
 import anyio
@@ -14,13 +13,7 @@ from rftstream.experience import EID, Experience, decode_group
 from rftstream.runtime import prepare_run, provision, run_operator
 from tests.integration._util import read_stream, small_config
 
-pytestmark = [
-    pytest.mark.integration,
-    pytest.mark.skipif(
-        importlib.util.find_spec("data_juicer") is None or importlib.util.find_spec("ray") is None,
-        reason="needs the data-juicer extra (pip install 'rftstream[data-juicer]')",
-    ),
-]
+pytestmark = pytest.mark.integration
 
 RESPONSES = ["ok", "the answer is 42", "x" * 80, "forty two"]  # kept: 5 <= len <= 40
 

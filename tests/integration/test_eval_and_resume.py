@@ -15,6 +15,8 @@ from typing import Any
 
 import anyio
 import msgspec
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 import yaml
 
@@ -133,8 +135,6 @@ def test_final_eval_when_the_tasks_run_out_and_tasksets_mix(
 ) -> None:
     """Two training tasksets (jsonl + parquet) are mixed and each task runs once; the
     explorer evaluates after step total_steps and at the end (eval_interval far away)."""
-    pq = pytest.importorskip("pyarrow.parquet")
-    pa = pytest.importorskip("pyarrow")
     pq.write_table(pa.Table.from_pylist(PROBLEMS[10:14]), tmp_path / "b.parquet")
     cfg = small_config(tmp_path, tiny_model_path, buffer__total_epochs=1)
     cfg["buffer"]["explorer_input"] = {
