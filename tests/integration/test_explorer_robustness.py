@@ -155,9 +155,7 @@ def test_failing_and_hanging_workflows_are_retried_dead_lettered_and_the_run_goe
     cfg["explorer"] = {"runner_num": 4, "max_timeout": MAX_TIMEOUT, "max_retry_times": RETRIES}
     run = prepare_run(config_from_dict(cfg))
 
-    t0 = time.monotonic()
     steps = run_actors_to_end(run, nats_url, timeout=300)
-    elapsed = time.monotonic() - t0
 
     # the trainer reached its steps on what the good tasks produced
     assert [r["step"] for r in steps] == [1, 2]
@@ -179,8 +177,6 @@ def test_failing_and_hanging_workflows_are_retried_dead_lettered_and_the_run_goe
     # the flaky tasks failed once, then succeeded on the retry
     flaky = CALLS.of("flaky")
     assert flaky[(0, 4)] == flaky[(0, 6)] == 2 and max(flaky.values()) == 2
-    # a hang costs max_timeout per attempt (the hanging tasks of a step time out together)
-    assert elapsed < 240
 
     async def check() -> None:
         dead = await read_stream(nats_url, "rft.itest.dlq.tasks")
