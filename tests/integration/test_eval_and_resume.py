@@ -26,11 +26,17 @@ from rftstream.bus.state import RunState
 from rftstream.config import config_from_dict
 from rftstream.engines.tiny import arithmetic_problems
 from rftstream.experience import decode_group
-from rftstream.messages import MetricsMsg, TaskMsg, TasksetClaim, encode_json
+from rftstream.messages import TaskMsg, TasksetClaim, encode_json
 from rftstream.plugins import load_plugins
 from rftstream.runtime import PreparedRun, prepare_run, provision
 from rftstream.subjects import KV_TASKSET_CLAIM
-from tests.integration._util import read_stream, run_actors_to_end, small_config, user_env
+from tests.integration._util import (
+    read_metrics,
+    read_stream,
+    run_actors_to_end,
+    small_config,
+    user_env,
+)
 from workflows.tasksets import TasksetPlan, plan_tasks
 
 pytestmark = pytest.mark.integration
@@ -67,11 +73,6 @@ def _jsonl(path: Path, rows: list[dict]) -> Path:
     return path
 
 
-async def _metrics(url: str, run: str) -> list[MetricsMsg]:
-    msgs = await read_stream(url, f"rft.{run}.metrics.>")
-    return [msgspec.json.decode(m.data, type=MetricsMsg) for m in msgs]
-
-
 async def _run_explorer(run: PreparedRun, url: str, **kw: Any) -> Explorer:
     async with await Bus.connect(url, run.names, run.cfg.nats, "explorer") as bus:
         explorer = Explorer(run.cfg, bus, model_path=run.model_path, **kw)
@@ -105,7 +106,7 @@ def test_eval_taskset_during_training_never_reaches_exp_raw(
     assert [r["step"] for r in steps] == [1, 2]
 
     async def check() -> None:
-        metrics = await _metrics(nats_url, "itest")
+        metrics = await read_metrics(nats_url, "rft.itest.metrics.>")
         evals = [m for m in metrics if "eval/held/reward/mean" in m.values and m.role == "explorer"]
         assert evals
         assert evals[0].step == 1
@@ -191,7 +192,7 @@ def test_final_eval_when_the_tasks_run_out_and_tasksets_mix(
         async with await Bus.connect(nats_url, run.names, run.cfg.nats, "check") as bus:
             info = await bus.js.stream_info(run.names.tasks_stream)
             assert info.state.messages == 0  # work queue: every task acked
-        metrics = await _metrics(nats_url, "itest")
+        metrics = await read_metrics(nats_url, "rft.itest.metrics.>")
         assert [m.values["eval/final"] for m in metrics if "eval/final" in m.values] == [0.0, 1.0]
 
     anyio.run(check, backend="asyncio")
