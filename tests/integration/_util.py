@@ -2,13 +2,20 @@
 
 from __future__ import annotations
 
+import json
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import anyio
+import msgspec
 import nats
+from nats.js import JetStreamContext
+from nats.js.errors import NotFoundError
 
 from rftstream.experience import EID, Experience
+from rftstream.messages import MetricsMsg
 
 
 def small_config(tmp_path: Path, tiny_model_path: str, **over: object) -> dict:
@@ -48,6 +55,52 @@ async def read_stream(url: str, subject: str) -> list:
             break
     await nc.close()
     return out
+
+
+async def read_metrics(url: str, subject: str) -> list[MetricsMsg]:
+    """Every metrics record on ``subject`` (e.g. ``rft.<run>.metrics.>``), decoded."""
+    return [msgspec.json.decode(m.data, type=MetricsMsg) for m in await read_stream(url, subject)]
+
+
+async def read_kv(url: str, bucket: str) -> dict[str, Any]:
+    """Every key of the KV ``bucket`` with its JSON value, read with the plain nats client."""
+    nc = await nats.connect(url)
+    try:
+        kv = await nc.jetstream().key_value(bucket)
+        return {key: json.loads((await kv.get(key)).value) for key in await kv.keys()}
+    finally:
+        await nc.close()
+
+
+async def wait_drained(
+    js: JetStreamContext,
+    stream: str,
+    durable: str,
+    *,
+    timeout: float = 90,
+    missing_ok: bool = False,
+    check: Callable[[], None] | None = None,
+) -> None:
+    """Poll until ``durable`` on ``stream`` has nothing pending and nothing unacked (every
+    message delivered and acked); ``TimeoutError`` after ``timeout`` s.
+
+    ``missing_ok``: a durable that does not exist yet (another process creates it) counts as
+    not drained; otherwise its ``NotFoundError`` propagates. ``check`` runs before every poll
+    (an assertion that the actors under test are still alive).
+    """
+    with anyio.fail_after(timeout):
+        while True:
+            if check is not None:
+                check()
+            try:
+                info = await js.consumer_info(stream, durable)
+            except NotFoundError:
+                if not missing_ok:
+                    raise
+            else:
+                if info.num_pending == 0 and info.num_ack_pending == 0:
+                    return
+            await anyio.sleep(0.1)
 
 
 def _group(task: int, reward: float, n: int = 4) -> list[Experience]:

@@ -16,7 +16,7 @@ from rftstream.bus.state import RunState
 from rftstream.config import config_from_dict
 from rftstream.runtime import prepare_run, provision, run_actors
 from rftstream.subjects import KV_TRAINER_STARVING, KV_TRAINER_STEP
-from tests.integration._util import _group, small_config
+from tests.integration._util import _group, small_config, wait_drained
 
 pytestmark = pytest.mark.integration
 
@@ -69,17 +69,18 @@ def test_every_step_is_a_full_batch_of_groups_with_signal(
             # wave 1: one group with signal among flat ones: half a batch survives
             for g in [flat[0], mixed[0], flat[1], flat[2]]:
                 await bus.publish_group("raw", g, msg_id=f"raw-{g[0].eid.task}")
+
+            def no_errors() -> None:
+                assert not errors, errors
+
             with anyio.fail_after(180):
-                while True:
-                    assert not errors, errors
-                    info = await bus.js.consumer_info(run.names.exp_stream, "op_raw_to_train")
+                await wait_drained(
+                    bus.js, run.names.exp_stream, "op_raw_to_train", timeout=180, check=no_errors
+                )
+                while True:  # nothing more comes in: the durable stays drained meanwhile
+                    no_errors()
                     starving = await state.get_json(KV_TRAINER_STARVING)
-                    if (
-                        info.num_pending == 0
-                        and info.num_ack_pending == 0
-                        and isinstance(starving, dict)
-                        and starving.get("since")
-                    ):
+                    if isinstance(starving, dict) and starving.get("since"):
                         break
                     await anyio.sleep(0.2)
             # everything is through the filter and the trainer waits: no short step was taken

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 
 import anyio
@@ -12,15 +11,9 @@ from rftstream.bus.client import Bus
 from rftstream.config import config_from_dict
 from rftstream.experience import EID, Experience, decode_group
 from rftstream.runtime import prepare_run, provision, run_operator
-from tests.integration._util import read_stream, small_config
+from tests.integration._util import read_stream, small_config, wait_drained
 
-pytestmark = [
-    pytest.mark.integration,
-    pytest.mark.skipif(
-        importlib.util.find_spec("data_juicer") is None or importlib.util.find_spec("ray") is None,
-        reason="needs the data-juicer extra (pip install 'rftstream[data-juicer]')",
-    ),
-]
+pytestmark = pytest.mark.integration
 
 RESPONSES = ["ok", "the answer is 42", "x" * 80, "forty two"]  # kept: 5 <= len <= 40
 
@@ -66,12 +59,7 @@ def test_data_juicer_stage_filters_by_text(
             await bus.publish_group("raw", group(2), msg_id="g2")
             async with anyio.create_task_group() as tg:
                 tg.start_soon(run_operator, run, nats_url)
-                with anyio.fail_after(90):
-                    while True:
-                        info = await bus.js.consumer_info(run.names.exp_stream, "op_raw_to_train")
-                        if info.num_pending == 0 and info.num_ack_pending == 0:
-                            break
-                        await anyio.sleep(0.2)
+                await wait_drained(bus.js, run.names.exp_stream, "op_raw_to_train", timeout=90)
                 tg.cancel_scope.cancel()
 
     anyio.run(main, backend="asyncio")

@@ -29,11 +29,10 @@ from rftstream.config import config_from_dict
 from rftstream.messages import (
     H_DLQ_REASON,
     H_DLQ_STAGE,
-    MetricsMsg,
     TaskMsg,
 )
 from rftstream.runtime import prepare_run
-from tests.integration._util import read_stream, run_actors_to_end, small_config
+from tests.integration._util import read_metrics, read_stream, run_actors_to_end, small_config
 from workflows import WORKFLOWS, Experience, MathWorkflow, Task, Workflow
 
 pytestmark = pytest.mark.integration
@@ -155,9 +154,7 @@ def test_failing_and_hanging_workflows_are_retried_dead_lettered_and_the_run_goe
     cfg["explorer"] = {"runner_num": 4, "max_timeout": MAX_TIMEOUT, "max_retry_times": RETRIES}
     run = prepare_run(config_from_dict(cfg))
 
-    t0 = time.monotonic()
     steps = run_actors_to_end(run, nats_url, timeout=300)
-    elapsed = time.monotonic() - t0
 
     # the trainer reached its steps on what the good tasks produced
     assert [r["step"] for r in steps] == [1, 2]
@@ -179,8 +176,6 @@ def test_failing_and_hanging_workflows_are_retried_dead_lettered_and_the_run_goe
     # the flaky tasks failed once, then succeeded on the retry
     flaky = CALLS.of("flaky")
     assert flaky[(0, 4)] == flaky[(0, 6)] == 2 and max(flaky.values()) == 2
-    # a hang costs max_timeout per attempt (the hanging tasks of a step time out together)
-    assert elapsed < 240
 
     async def check() -> None:
         dead = await read_stream(nats_url, "rft.itest.dlq.tasks")
@@ -201,10 +196,7 @@ def test_failing_and_hanging_workflows_are_retried_dead_lettered_and_the_run_goe
                 assert f"{MAX_TIMEOUT:g} s" in reason
 
         # the explorer's per-step metric counts them
-        metrics = [
-            msgspec.json.decode(m.data, type=MetricsMsg)
-            for m in await read_stream(nats_url, "rft.itest.metrics.explorer")
-        ]
+        metrics = await read_metrics(nats_url, "rft.itest.metrics.explorer")
         failed = [m.values["rollout/failed_tasks"] for m in metrics if m.role == "explorer"]
         assert failed[:2] == [3.0, 0.0]  # step 1: rows 0, 1, 2; step 2: none
         assert sum(failed) <= len(dead)

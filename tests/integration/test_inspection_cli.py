@@ -8,7 +8,6 @@ import sys
 from pathlib import Path
 
 import anyio
-import nats.js.errors
 import pytest
 import yaml
 
@@ -17,7 +16,14 @@ from rftstream.bus.state import RunState
 from rftstream.config import config_from_dict
 from rftstream.experience import decode_group
 from rftstream.runtime import prepare_run, provision
-from tests.integration._util import _group, read_stream, small_config, user_env
+from tests.integration._util import (
+    _group,
+    read_metrics,
+    read_stream,
+    small_config,
+    user_env,
+    wait_drained,
+)
 
 pytestmark = pytest.mark.integration
 
@@ -218,20 +224,20 @@ def test_module_class_replicas_share_one_durable(
         )
     try:
 
+        def alive() -> None:
+            assert op.poll() is None, log.read_text()[-3000:]
+
         async def wait_and_finish() -> None:
             async with await Bus.connect(nats_url, run.names, run.cfg.nats, "checker") as bus:
-                with anyio.fail_after(120):
-                    while True:
-                        assert op.poll() is None, log.read_text()[-3000:]
-                        try:
-                            info = await bus.js.consumer_info(
-                                run.names.exp_stream, "op_raw_to_kept"
-                            )
-                        except nats.js.errors.NotFoundError:
-                            info = None  # the process has not created it yet
-                        if info and info.num_pending == 0 and info.num_ack_pending == 0:
-                            break
-                        await anyio.sleep(0.3)
+                # missing_ok: the process has not created the durable yet
+                await wait_drained(
+                    bus.js,
+                    run.names.exp_stream,
+                    "op_raw_to_kept",
+                    timeout=120,
+                    missing_ok=True,
+                    check=alive,
+                )
                 await RunState(await bus.kv()).set_status("finished")
 
         anyio.run(wait_and_finish, backend="asyncio")
@@ -249,16 +255,9 @@ def test_module_class_replicas_share_one_durable(
             assert [c.name for c in mine] == ["op_raw_to_kept"]
             assert mine[0].config.filter_subject == "rft.itest.exp.raw"
             assert mine[0].delivered.consumer_seq == len(groups)  # each delivered once
-        import msgspec
-
-        from rftstream.messages import MetricsMsg
-
         per_replica = {}
         for actor in ("both-0", "both-1"):
-            records = [
-                msgspec.json.decode(m.data, type=MetricsMsg)
-                for m in await read_stream(nats_url, f"rft.itest.metrics.{actor}")
-            ]
+            records = await read_metrics(nats_url, f"rft.itest.metrics.{actor}")
             per_replica[actor] = sum(r.values["operator/messages_in"] for r in records)
         # both replicas processed messages from the shared durable, together all of them
         assert all(n >= 1 for n in per_replica.values()), per_replica

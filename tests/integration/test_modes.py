@@ -16,7 +16,6 @@ from pathlib import Path
 from typing import Any
 
 import anyio
-import nats
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
@@ -24,7 +23,7 @@ from safetensors.torch import load_file, save_file
 from rftstream.config import config_from_dict
 from rftstream.experience import decode_group
 from rftstream.runtime import prepare_run, roles_for, run_actors
-from tests.integration._util import read_stream
+from tests.integration._util import read_kv, read_stream
 from tests.integration.test_openai_api import served
 
 pytestmark = pytest.mark.integration
@@ -58,18 +57,6 @@ def _config(tmp_path: Path, tiny_model_path: str, mode: str, **over: Any) -> dic
         else:
             cfg[section] = values
     return cfg
-
-
-async def _kv(url: str, bucket: str) -> dict[str, Any]:
-    nc = await nats.connect(url)
-    try:
-        kv = await nc.jetstream().key_value(bucket)
-        out = {}
-        for key in await kv.keys():
-            out[key] = json.loads((await kv.get(key)).value)
-        return out
-    finally:
-        await nc.close()
 
 
 def _evals(run_dir: Path) -> list[dict[str, Any]]:
@@ -111,7 +98,7 @@ def test_explore_mode_with_the_openai_engine(
                 await run_actors(run, nats_url)
             out["raw"] = await read_stream(nats_url, run.names.exp_subject("raw"))
             out["train"] = await read_stream(nats_url, run.names.exp_subject("train"))
-            out["kv"] = await _kv(nats_url, run.names.kv_bucket)
+            out["kv"] = await read_kv(nats_url, run.names.kv_bucket)
             out["requests"] = engine.stats["requests"]
             # what the server's model gives those tokens, for the logprob check
             out["scores"] = []
@@ -160,7 +147,7 @@ def test_explore_mode_ends_when_the_taskset_is_done(
         return {
             "raw": await read_stream(nats_url, run.names.exp_subject("raw")),
             "train": await read_stream(nats_url, run.names.exp_subject("train")),
-            "kv": await _kv(nats_url, run.names.kv_bucket),
+            "kv": await read_kv(nats_url, run.names.kv_bucket),
         }
 
     out = anyio.run(main, backend="asyncio")
@@ -218,7 +205,7 @@ def test_bench_mode_with_the_openai_engine(
             with anyio.fail_after(240):
                 await run_actors(run, nats_url)
             out["raw"] = await read_stream(nats_url, run.names.exp_subject("raw"))
-            out["kv"] = await _kv(nats_url, run.names.kv_bucket)
+            out["kv"] = await read_kv(nats_url, run.names.kv_bucket)
             out["metrics"] = await read_stream(nats_url, run.names.metrics_wildcard)
             out["requests"] = engine.stats["requests"]
             out["version"] = engine.model_version
@@ -313,10 +300,10 @@ def test_a_cancelled_bench_releases_its_step_so_a_later_explorer_evaluates_it(
                     tg.start_soon(Explorer(run.cfg, bus, model_path=run.model_path).run)
                     await started.wait()  # step 0 is claimed and under way
                     tg.cancel_scope.cancel()
-                released = await _kv(nats_url, run.names.kv_bucket)
+                released = await read_kv(nats_url, run.names.kv_bucket)
                 gate["closed"] = False
                 await Explorer(run.cfg, bus, model_path=run.model_path, name="later").run()
-        return released, await _kv(nats_url, run.names.kv_bucket)
+        return released, await read_kv(nats_url, run.names.kv_bucket)
 
     released, after = anyio.run(main, backend="asyncio")
     assert "bench.step.0" not in released  # the cancelled bench let go of it

@@ -15,7 +15,6 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import anyio
-import msgspec
 import pytest
 
 from operators import EXPERIENCE_OPERATORS, ExperienceOperator, ExperiencePipeline
@@ -25,11 +24,12 @@ from rftstream.errors import ConfigError
 from rftstream.experience import decode_group
 from rftstream.messages import H_DLQ_REASON, H_DLQ_STAGE, MetricsMsg
 from rftstream.runtime import prepare_run, provision, run_operator
-from tests.integration._util import _group, read_stream, small_config
+from tests.integration._util import _group, read_metrics, read_stream, small_config, wait_drained
 
 pytestmark = pytest.mark.integration
 
 THRESHOLD = 0.5
+OPERATOR_METRICS = "rft.itest.metrics.operator"
 
 
 class PoisonOnTask(ExperienceOperator):
@@ -100,13 +100,6 @@ async def _train_uids(url: str) -> list[str]:
     ]
 
 
-async def _metrics(url: str, actor: str = "operator") -> list[MetricsMsg]:
-    return [
-        msgspec.json.decode(m.data, type=MetricsMsg)
-        for m in await read_stream(url, f"rft.itest.metrics.{actor}")
-    ]
-
-
 def _total(records: list[MetricsMsg], key: str) -> float:
     return sum(r.values.get(key, 0.0) for r in records)
 
@@ -138,12 +131,7 @@ def test_poison_message_is_retried_then_dead_lettered_and_the_stage_goes_on(
                 # the host is still running: messages published now pass too
                 for g in later:
                     await bus.publish_group("raw", g, msg_id=f"raw-{g[0].eid.task}")
-
-                async def all_done() -> bool:
-                    info = await bus.js.consumer_info(run.names.exp_stream, "op_raw_to_train")
-                    return info.num_pending == 0 and info.num_ack_pending == 0
-
-                await _wait(all_done)
+                await wait_drained(bus.js, run.names.exp_stream, "op_raw_to_train")
                 tg.cancel_scope.cancel()
 
     anyio.run(main, backend="asyncio")
@@ -162,7 +150,7 @@ def test_poison_message_is_retried_then_dead_lettered_and_the_stage_goes_on(
             e.eid.uid for g in first + later for e in g if e.eid.task != 3 and e.reward >= THRESHOLD
         )
         assert sorted(await _train_uids(nats_url)) == expected
-        records = await _metrics(nats_url)
+        records = await read_metrics(nats_url, OPERATOR_METRICS)
         filtered = sum(
             1 for g in first + later for e in g if e.eid.task != 3 and e.reward < THRESHOLD
         )
@@ -201,12 +189,7 @@ def test_an_operator_that_fails_for_a_while_then_recovers_loses_nothing(
                 tg.start_soon(
                     lambda: run_operator(run, nats_url, pipeline=ExperiencePipeline([flaky]))
                 )
-
-                async def all_done() -> bool:
-                    info = await bus.js.consumer_info(run.names.exp_stream, "op_raw_to_train")
-                    return info.num_pending == 0 and info.num_ack_pending == 0
-
-                await _wait(all_done)
+                await wait_drained(bus.js, run.names.exp_stream, "op_raw_to_train")
                 tg.cancel_scope.cancel()
 
     anyio.run(main, backend="asyncio")
@@ -214,7 +197,7 @@ def test_an_operator_that_fails_for_a_while_then_recovers_loses_nothing(
     async def check() -> None:
         assert await read_stream(nats_url, "rft.itest.dlq.>") == []
         assert sorted(await _train_uids(nats_url)) == sorted(e.eid.uid for g in groups for e in g)
-        records = await _metrics(nats_url)
+        records = await read_metrics(nats_url, OPERATOR_METRICS)
         assert _total(records, "operator/failed_batches") == 3
         assert max(r.values["operator/failed_batches_total"] for r in records) == 3
         assert _total(records, "operator/dead_lettered") == 0
@@ -244,12 +227,7 @@ def test_a_hanging_operator_is_timed_out_and_dead_lettered(
             async with anyio.create_task_group() as tg:
                 pipeline = ExperiencePipeline([HangsOnTask(2, release)])
                 tg.start_soon(lambda: run_operator(run, nats_url, pipeline=pipeline))
-
-                async def all_done() -> bool:
-                    info = await bus.js.consumer_info(run.names.exp_stream, "op_raw_to_train")
-                    return info.num_pending == 0 and info.num_ack_pending == 0
-
-                await _wait(all_done)
+                await wait_drained(bus.js, run.names.exp_stream, "op_raw_to_train")
                 tg.cancel_scope.cancel()
 
     try:
@@ -264,7 +242,8 @@ def test_a_hanging_operator_is_timed_out_and_dead_lettered(
         assert {e.eid.task for e in decode_group(dead[0].data)} == {2}
         expected = sorted(e.eid.uid for g in groups for e in g if e.eid.task != 2)
         assert sorted(await _train_uids(nats_url)) == expected
-        assert _total(await _metrics(nats_url), "operator/failed_batches") == 2
+        records = await read_metrics(nats_url, OPERATOR_METRICS)
+        assert _total(records, "operator/failed_batches") == 2
 
     anyio.run(check, backend="asyncio")
 
@@ -319,12 +298,7 @@ def test_an_operators_own_timeout_error_is_dead_lettered_as_itself(
             async with anyio.create_task_group() as tg:
                 pipeline = ExperiencePipeline([RaisesItsOwnTimeout(1)])
                 tg.start_soon(lambda: run_operator(run, nats_url, pipeline=pipeline))
-
-                async def all_done() -> bool:
-                    info = await bus.js.consumer_info(run.names.exp_stream, "op_raw_to_train")
-                    return info.num_pending == 0 and info.num_ack_pending == 0
-
-                await _wait(all_done)
+                await wait_drained(bus.js, run.names.exp_stream, "op_raw_to_train")
                 tg.cancel_scope.cancel()
 
     anyio.run(main, backend="asyncio")

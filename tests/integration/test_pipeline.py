@@ -7,7 +7,6 @@ from pathlib import Path
 
 import anyio
 import msgspec
-import nats
 import pytest
 
 from rftstream.bus.client import Bus
@@ -16,7 +15,14 @@ from rftstream.config import config_from_dict
 from rftstream.experience import EID, Experience, decode_group
 from rftstream.messages import H_DLQ_REASON, H_DLQ_STAGE
 from rftstream.runtime import prepare_run, provision, run_operator, run_trainer
-from tests.integration._util import _group, read_stream, run_actors_to_end, small_config
+from tests.integration._util import (
+    _group,
+    read_kv,
+    read_stream,
+    run_actors_to_end,
+    small_config,
+    wait_drained,
+)
 
 pytestmark = pytest.mark.integration
 
@@ -94,14 +100,7 @@ def check_status_cli(
     cfg_path = tmp_path / "status.yaml"
     cfg_path.write_text(yaml.safe_dump(data))
 
-    async def raw_kv() -> dict:
-        nc = await nats.connect(nats_url)
-        kv = await nc.jetstream().key_value("rft_itest_state")
-        out = {k: json.loads((await kv.get(k)).value) for k in await kv.keys()}
-        await nc.close()
-        return out
-
-    kv = anyio.run(raw_kv, backend="asyncio")
+    kv = anyio.run(read_kv, nats_url, "rft_itest_state", backend="asyncio")
     t0 = time.time()
     capsys.readouterr()
     assert main(["status", "--json", "--config", str(cfg_path), "--nats-url", nats_url]) == 0
@@ -234,12 +233,7 @@ def test_group_split_into_parts_arrives_whole(
             assert stored >= 4  # split into parts
             async with anyio.create_task_group() as tg:
                 tg.start_soon(run_operator, run, nats_url)
-                with anyio.fail_after(60):
-                    while True:
-                        info = await bus.js.consumer_info(run.names.exp_stream, "op_raw_to_train")
-                        if info.num_pending == 0 and info.num_ack_pending == 0:
-                            break
-                        await anyio.sleep(0.2)
+                await wait_drained(bus.js, run.names.exp_stream, "op_raw_to_train", timeout=60)
                 tg.cancel_scope.cancel()
 
     anyio.run(main, backend="asyncio")

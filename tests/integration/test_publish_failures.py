@@ -23,9 +23,8 @@ from rftstream.bus.client import Bus
 from rftstream.config import config_from_dict
 from rftstream.errors import BusError
 from rftstream.experience import H_MSG_ID, decode_group
-from rftstream.messages import MetricsMsg
 from rftstream.runtime import prepare_run, provision
-from tests.integration._util import _group, read_stream, small_config
+from tests.integration._util import _group, read_metrics, read_stream, small_config, wait_drained
 
 pytestmark = pytest.mark.integration
 
@@ -81,12 +80,7 @@ def test_operator_gives_inputs_back_on_a_publish_failure(
             )
             async with anyio.create_task_group() as tg:
                 tg.start_soon(host.run)
-                with anyio.fail_after(120):
-                    while True:
-                        info = await producer.js.consumer_info(run.names.exp_stream, host.durable)
-                        if info.num_pending == 0 and info.num_ack_pending == 0:
-                            break
-                        await anyio.sleep(0.1)
+                await wait_drained(producer.js, run.names.exp_stream, host.durable, timeout=120)
                 tg.cancel_scope.cancel()
             return failed, dict(host.counters)
 
@@ -100,10 +94,7 @@ def test_operator_gives_inputs_back_on_a_publish_failure(
         assert len(train) == 4 * len(groups)  # every part, once
         uids = _stored_once(train)
         assert sorted(uids) == sorted(e.eid.uid for g in groups for e in g)
-        metrics = [
-            msgspec.json.decode(m.data, type=MetricsMsg)
-            for m in await read_stream(nats_url, "rft.itest.metrics.operator")
-        ]
+        metrics = await read_metrics(nats_url, "rft.itest.metrics.operator")
         assert sum(r.values.get("operator/publish_failures", 0) for r in metrics) >= FAILS
 
     anyio.run(check, backend="asyncio")
@@ -146,10 +137,7 @@ def test_explorer_publishes_the_same_group_again_after_a_publish_failure(
         assert len(uids) == len(set(uids)) == 8 * len(rows)  # every task's group, whole
         by_task = Counter(e.info["task_index"] for m in raw for e in decode_group(m.data))
         assert by_task == {i: 8 for i in range(len(rows))}
-        metrics = [
-            msgspec.json.decode(m.data, type=MetricsMsg)
-            for m in await read_stream(nats_url, "rft.itest.metrics.explorer")
-        ]
+        metrics = await read_metrics(nats_url, "rft.itest.metrics.explorer")
         assert sum(r.values.get("rollout/publish_failures", 0) for r in metrics) == len(failed)
 
     anyio.run(check, backend="asyncio")

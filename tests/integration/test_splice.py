@@ -16,7 +16,6 @@ import time
 from pathlib import Path
 
 import anyio
-import msgspec
 import nats
 import nats.js.errors
 import pytest
@@ -25,10 +24,9 @@ import yaml
 from rftstream.bus.state import RunState
 from rftstream.config import config_from_dict
 from rftstream.experience import decode_group
-from rftstream.messages import MetricsMsg
 from rftstream.plugins import load_plugins
 from rftstream.runtime import prepare_run, run_actors, run_operator, splice_in
-from tests.integration._util import read_stream, small_config, user_env
+from tests.integration._util import read_metrics, read_stream, small_config, user_env
 from tests.integration.test_seed_plugins import REWARD_FILTER
 
 pytestmark = pytest.mark.integration
@@ -139,8 +137,7 @@ def check_gate_and_accounts(run, nats_url: str) -> None:
         raw = await _count(nats_url, f"rft.{run.names.run}.exp.raw")
         dlq = await _count(nats_url, f"rft.{run.names.run}.dlq.>")
         filtered = 0
-        for m in await read_stream(nats_url, f"rft.{run.names.run}.metrics.>"):
-            msg = msgspec.json.decode(m.data, type=MetricsMsg)
+        for msg in await read_metrics(nats_url, f"rft.{run.names.run}.metrics.>"):
             if msg.role == "operator":
                 filtered += int(msg.values.get("operator/experiences_filtered", 0))
         passed = await _count(nats_url, f"rft.{run.names.run}.exp.filtered")

@@ -5,7 +5,6 @@ The first build in a process imports Data-Juicer (a few seconds); later builds a
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import logging
 import subprocess
@@ -26,11 +25,6 @@ from rftstream.errors import ConfigError, OperatorError, RftError
 from rftstream.experience import EID, Experience
 
 pytestmark = pytest.mark.anyio
-
-needs_dj = pytest.mark.skipif(
-    importlib.util.find_spec("data_juicer") is None or importlib.util.find_spec("ray") is None,
-    reason="needs the data-juicer extra (pip install 'rftstream[data-juicer]')",
-)
 
 RESPONSES = [
     "ok",  # 2 chars, 1 word
@@ -71,7 +65,6 @@ async def run_pipeline(op, exps):
 # ------------------------------------------------------------------ filters
 
 
-@needs_dj
 async def test_length_and_word_filters_keep_the_expected_set(anyio_backend):
     op = DataJuicerOperator(
         operators=[
@@ -100,7 +93,6 @@ async def test_length_and_word_filters_keep_the_expected_set(anyio_backend):
     assert kept[1].info == {"text_len": 9, "num_words": 2}
 
 
-@needs_dj
 async def test_alphanumeric_filter(anyio_backend):
     op = DataJuicerOperator(operators=[{"alphanumeric_filter": {"min_ratio": 0.85}}])
     exps = batch()
@@ -116,7 +108,6 @@ async def test_alphanumeric_filter(anyio_backend):
     assert kept[2].info["alnum_ratio"] == pytest.approx(8 / 9)
 
 
-@needs_dj
 async def test_text_key_prompt_and_prompt_response(anyio_backend):
     exps = [
         mk("a", run=0, prompt="short?"),  # prompt 6 chars
@@ -149,7 +140,6 @@ async def test_text_key_prompt_and_prompt_response(anyio_backend):
     assert kept == [exps[2]]
 
 
-@needs_dj
 async def test_mapper_feeds_later_filters_but_never_rewrites_the_experience(anyio_backend):
     responses = ["   abc   ", "\t  abcdef \n", "  abcdefgh"]
     exps = [mk(r, run=i) for i, r in enumerate(responses)]
@@ -168,7 +158,6 @@ async def test_mapper_feeds_later_filters_but_never_rewrites_the_experience(anyi
     assert m["data_juicer/text_length_filter/filtered_count"] == 1
 
 
-@needs_dj
 async def test_recipe_file_and_repeated_op_names(anyio_backend, tmp_path):
     recipe = tmp_path / "recipe.yaml"
     recipe.write_text(
@@ -199,7 +188,6 @@ async def test_recipe_file_and_repeated_op_names(anyio_backend, tmp_path):
     assert [e.response_text for e in kept] == ["the answer is 42", RESPONSES[3]]
 
 
-@needs_dj
 async def test_from_config_empty_batch_and_sync_use(anyio_backend):
     cfg = OperatorConfig(
         name="data_juicer",
@@ -226,7 +214,6 @@ async def test_from_config_empty_batch_and_sync_use(anyio_backend):
     }
 
 
-@needs_dj
 async def test_process_runs_in_a_worker_thread(anyio_backend):
     op = DataJuicerOperator(operators=[{"text_length_filter": {"min_len": 3}}])
     await op.prepare()
@@ -247,8 +234,6 @@ async def test_process_runs_in_a_worker_thread(anyio_backend):
 
 
 def test_config_shape_errors():
-    if importlib.util.find_spec("data_juicer") is None:
-        pytest.skip("constructing needs the extra")
     ok = [{"text_length_filter": {}}]
     with pytest.raises(ValueError, match="exactly one of"):
         DataJuicerOperator()
@@ -268,7 +253,6 @@ def test_config_shape_errors():
         create_operators([OperatorConfig(name="data_juicer", args={"operators": [{}]})])
 
 
-@needs_dj
 async def test_op_errors_name_the_op(anyio_backend, tmp_path, caplog):
     async def prepare(ops):
         async with ExperiencePipeline([DataJuicerOperator(operators=ops)]):
@@ -292,7 +276,6 @@ async def test_op_errors_name_the_op(anyio_backend, tmp_path, caplog):
         op.process([mk("fine", prompt=None)])
 
 
-@needs_dj
 def test_run_time_pip_install_is_refused():
     DataJuicerOperator(operators=[{"text_length_filter": {}}])._build()
     from data_juicer.utils.lazy_loader import LazyLoader
@@ -302,7 +285,6 @@ def test_run_time_pip_install_is_refused():
         LazyLoader._install_package("rftstream-no-such-package-for-tests")
 
 
-@needs_dj
 def test_data_juicer_logging_is_quiet_by_default():
     from loguru import logger
 
@@ -339,7 +321,6 @@ def test_missing_extra_is_a_clear_error(monkeypatch):
         _import_data_juicer(verbose=False, auto_install=False)
 
 
-@needs_dj
 def test_fresh_process_lazy_import_and_quiet_logs():
     """In a fresh interpreter: ``import operators`` does not import Data-Juicer, constructing
     does not either, and building + processing prints nothing and leaves stdlib logging as it was."""

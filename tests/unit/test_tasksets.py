@@ -7,6 +7,8 @@ from collections import Counter
 from pathlib import Path
 
 import msgspec
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 
 from rftstream.config import config_from_dict
@@ -22,9 +24,6 @@ from workflows.tasksets import (
     plan_tasks,
     taskset_files,
 )
-
-pa = pytest.importorskip("pyarrow")
-pq = pytest.importorskip("pyarrow.parquet")
 
 ROWS = [{"question": f"{i}+1=", "answer": str(i + 1)} for i in range(5)]
 
