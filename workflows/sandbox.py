@@ -11,12 +11,16 @@ timeout / memory / output-limit flags, duration). The child:
   environment, so no tokens, keys or credentials, is inherited;
 * runs in its own session (process group), killed as a whole (``SIGKILL``)
   when ``timeout`` seconds of wall time have passed;
-* has ``resource.setrlimit`` limits set in ``preexec_fn`` before ``exec``:
+* has ``resource.setrlimit`` limits, set by a small bootstrap interpreter
+  that then ``exec``s the real one on ``main.py`` (limits survive ``exec``):
   ``RLIMIT_AS`` = ``memory_limit_mb`` (allocations beyond it fail with
   ``MemoryError``), ``RLIMIT_CPU`` = ``cpu_time_limit`` (default: ``timeout``
   rounded up, plus one second), ``RLIMIT_FSIZE`` = ``max_output_bytes`` (for
   every file it writes, its stdout and stderr included: they go to files,
-  so an endless ``print`` loop cannot fill the parent's memory), ``RLIMIT_CORE`` = 0;
+  so an endless ``print`` loop cannot fill the parent's memory), ``RLIMIT_CORE`` = 0.
+  Not a ``preexec_fn``: forking with one takes the import lock and the
+  ``logging`` lock in the parent, and deadlocks with another thread that
+  imports while it logs (DeepSpeed's start-up does);
 * its directory is deleted afterwards.
 
 This contains accidents (endless loops, runaway allocations, floods of
@@ -33,7 +37,6 @@ from __future__ import annotations
 
 import math
 import os
-import resource
 import shutil
 import signal
 import subprocess
@@ -79,19 +82,32 @@ class SandboxResult:
         return self.exit_code == 0 and not self.timed_out and not self.memory_exceeded
 
 
-def _limits(memory_bytes: int | None, cpu_seconds: int | None, fsize_bytes: int | None):
-    """The ``preexec_fn``: runs in the child between fork and exec; only setrlimit calls."""
+# Runs in the child: set the limits (argv: memory, cpu, fsize; "-" for none), then
+# exec the interpreter on the rest of argv (``main.py`` and its arguments).
+_BOOTSTRAP = """\
+import os, resource, sys
+_, memory, cpu, fsize, *rest = sys.argv
+if memory != "-":
+    resource.setrlimit(resource.RLIMIT_AS, (int(memory), int(memory)))
+if cpu != "-":
+    resource.setrlimit(resource.RLIMIT_CPU, (int(cpu), int(cpu) + 1))
+if fsize != "-":
+    resource.setrlimit(resource.RLIMIT_FSIZE, (int(fsize), int(fsize)))
+resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+os.execv(sys.executable, [sys.executable, "-I", *rest])
+"""
 
-    def apply() -> None:
-        if memory_bytes is not None:
-            resource.setrlimit(resource.RLIMIT_AS, (memory_bytes, memory_bytes))
-        if cpu_seconds is not None:
-            resource.setrlimit(resource.RLIMIT_CPU, (cpu_seconds, cpu_seconds + 1))
-        if fsize_bytes is not None:
-            resource.setrlimit(resource.RLIMIT_FSIZE, (fsize_bytes, fsize_bytes))
-        resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
 
-    return apply
+def _limited_command(
+    python: str,
+    memory_bytes: int | None,
+    cpu_seconds: int | None,
+    fsize_bytes: int | None,
+    script: list[str],
+) -> list[str]:
+    """``python`` running ``script`` (``main.py`` and its arguments) under the limits."""
+    limits = ["-" if v is None else str(v) for v in (memory_bytes, cpu_seconds, fsize_bytes)]
+    return [python, "-I", "-c", _BOOTSTRAP, *limits, *script]
 
 
 def _child_env(home: Path, extra: dict[str, str] | None) -> dict[str, str]:
@@ -163,7 +179,13 @@ def run_python(
             target.write_text(content, encoding="utf-8")
         (root / "stdin").write_text(stdin, encoding="utf-8")
         out_path, err_path = root / "stdout", root / "stderr"
-        cmd = [python or sys.executable, "-I", "main.py", *(args or [])]
+        cmd = _limited_command(
+            python or sys.executable,
+            memory_bytes,
+            cpu_seconds,
+            max_output_bytes,
+            ["main.py", *(args or [])],
+        )
         t0 = time.perf_counter()
         result = SandboxResult()
         with (
@@ -181,7 +203,6 @@ def run_python(
                     stderr=ferr,
                     close_fds=True,
                     start_new_session=True,
-                    preexec_fn=_limits(memory_bytes, cpu_seconds, max_output_bytes),  # noqa: PLW1509 - only setrlimit runs there
                 )
             except OSError as exc:
                 return SandboxResult(stderr=f"could not start the sandbox: {exc}", duration=0.0)

@@ -197,3 +197,41 @@ def test_code_reward_and_extraction() -> None:
     assert CodeReward(partial_credit=False)(reply, tests) == {"accuracy": 0.0}
     assert CodeReward()(reply, tests[:1]) == {"accuracy": 1.0}
     assert CodeReward()(reply, None) == {"accuracy": 0.0}
+
+
+def test_starting_a_sandbox_takes_no_lock_of_the_parent() -> None:
+    """The child is started without Python code between fork and exec: another thread
+    holding the ``logging`` module lock (as one does while it imports and logs, e.g.
+    DeepSpeed's start-up) does not block it. With a ``preexec_fn`` it would wait for that
+    lock for as long as the other thread holds it (a deadlock when that thread waits
+    for the import lock the fork holds)."""
+    import logging
+    import threading
+
+    holding, release = threading.Event(), threading.Event()
+    results: list[object] = []
+
+    def hold_logging_lock() -> None:
+        logging._acquireLock()  # type: ignore[attr-defined]
+        try:
+            holding.set()
+            release.wait(60)
+        finally:
+            logging._releaseLock()  # type: ignore[attr-defined]
+
+    holder = threading.Thread(target=hold_logging_lock, daemon=True)
+    holder.start()
+    assert holding.wait(10)
+    runner = threading.Thread(
+        target=lambda: results.append(run_python("print('started')")), daemon=True
+    )
+    try:
+        runner.start()
+        runner.join(30)  # a hang guard: the sandbox itself takes well under a second
+        started = not runner.is_alive()
+    finally:
+        release.set()
+        holder.join(10)
+        runner.join(30)
+    assert started, "the sandbox waited for the logging lock another thread held"
+    assert results and results[0].stdout == "started\n"  # type: ignore[attr-defined]
