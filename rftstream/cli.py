@@ -237,6 +237,7 @@ def _prepare(args: argparse.Namespace) -> Any:
             progress=lambda msg: console.log(msg),
             source=source,
         )
+    run.plugin_dirs = tuple(str(Path(d).resolve()) for d in args.plugin_dir or ())
     _setup_logging(run.run_dir, args.log_level)
     return run
 

@@ -34,7 +34,7 @@ DEFAULT_CONFIG: dict[str, Any] = {
         "rollout_model": {"engine_type": "transformers", "max_batch_size": 128},
     },
     "synchronizer": {
-        "sync_method": "memory",
+        "sync_method": "checkpoint",
         "sync_style": "dynamic_by_explorer",
         "sync_interval": 1,
         "max_staleness": 2,
@@ -42,8 +42,7 @@ DEFAULT_CONFIG: dict[str, Any] = {
     "algorithm": {
         "algorithm_type": "grpo",
         "repeat_times": 8,
-        "kl_loss_fn": "k2",
-        "kl_loss_fn_args": {"kl_coef": 0.0},
+        "kl_loss_fn": "none",
         "optimizer": {"lr": 2e-4, "weight_decay": 0.0},
     },
     "trainer": {"save_interval": 0, "ppo_micro_batch_size_per_gpu": 64},

@@ -41,6 +41,7 @@ class PreparedRun:
     algorithm: Any  # algorithms.ResolvedAlgorithm
     model_path: str
     run_dir: Path
+    plugin_dirs: tuple[str, ...] = ()  # --plugin-dir, for actors started in other processes
 
     @property
     def stages(self) -> list[tuple[str, str]]:

@@ -19,6 +19,7 @@ import anyio
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+from rftstream.actor_process import split_roles
 from rftstream.bus.server import EmbeddedNatsServer
 from rftstream.plot import plot_metrics, read_metrics, window_mean
 from rftstream.runtime import PreparedRun, run_actors, start_fresh
@@ -83,7 +84,10 @@ def _drive(
                 note = await start_fresh(run, url)
                 if note:
                     progress.console.print(f"[yellow]{note}[/]")
-                await run_actors(run, url, **callbacks)
+                if split_roles(run.cfg):
+                    await _run_split(run, url, progress.console, **callbacks)
+                else:
+                    await run_actors(run, url, **callbacks)
 
             code = run_with_signals(main)
     finally:
@@ -93,6 +97,29 @@ def _drive(
     if code:
         console.print(f"[yellow]stopped by signal after {elapsed:.1f}s[/]; everything shut down")
     return code, elapsed
+
+
+async def _run_split(run: PreparedRun, url: str, console: Console, **callbacks: Any) -> None:
+    """The trainer here, the explorer and operators in a child process (see
+    :mod:`rftstream.actor_process`). Returns when the trainer is done and the child has
+    ended (after its final evaluation); raises when the child fails, which stops the run."""
+    import torch
+
+    from rftstream.actor_process import ActorProcess
+    from rftstream.runtime import FINAL_EVAL_GRACE_S, provision
+
+    await provision(run, url)  # the durables exist before either side publishes
+    grace = FINAL_EVAL_GRACE_S if run.cfg.buffer.explorer_input.eval_tasksets else 30.0
+    async with ActorProcess(run, url, plugin_dirs=run.plugin_dirs, exit_grace=grace) as child:
+        console.print(
+            f"explorer and operators run in process {child.process.pid if child.process else '?'}"
+            f" (log {child.log_path}); the trainer runs here"
+        )
+        torch.set_num_threads(child.threads)
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(child.watch)  # a failed child raises here and stops the trainer
+            await run_actors(run, url, roles=("trainer",), **callbacks)
+            tg.cancel_scope.cancel()
 
 
 def run_up(run: PreparedRun, *, console: Console) -> int:

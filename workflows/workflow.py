@@ -24,6 +24,7 @@ names a registered workflow (reward fn) for itself; other rows use
 from __future__ import annotations
 
 import inspect
+import weakref
 from abc import ABC
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -315,17 +316,39 @@ def resolve_reward_fn(spec: Any, args: Mapping[str, Any] | None = None) -> Calla
     )
 
 
+_ACCEPTED: weakref.WeakKeyDictionary[Any, frozenset[str] | None] = weakref.WeakKeyDictionary()
+
+
+def _accepted_kwargs(fn: Callable[..., Any]) -> frozenset[str] | None:
+    """The keyword names ``fn`` accepts (None: any, it takes ``**kwargs`` or has no signature).
+
+    Cached per reward fn instance (or function): reading a signature costs more
+    than most reward fns.
+    """
+    try:
+        return _ACCEPTED[fn]
+    except (KeyError, TypeError):
+        pass
+    try:
+        params = inspect.signature(fn).parameters
+        accepts_all = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+        accepted = None if accepts_all else frozenset(params)
+    except (TypeError, ValueError):
+        accepted = None
+    try:
+        _ACCEPTED[fn] = accepted
+    except TypeError:  # not weak-referenceable: computed every time
+        pass
+    return accepted
+
+
 def call_reward_fn(
     fn: Callable[..., Any], *, response: str, truth: Any, **extra: Any
 ) -> dict[str, float]:
     """Call ``fn(response=, truth=, **extra)`` passing only the extras it accepts; a bare
     number becomes ``{"reward": value}``."""
-    try:
-        params = inspect.signature(fn).parameters
-        accepts_all = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
-        kwargs = {k: v for k, v in extra.items() if accepts_all or k in params}
-    except (TypeError, ValueError):
-        kwargs = dict(extra)
+    accepted = _accepted_kwargs(fn)
+    kwargs = {k: v for k, v in extra.items() if accepted is None or k in accepted}
     result = fn(response=response, truth=truth, **kwargs)
     if isinstance(result, Mapping):
         return {str(k): float(v) for k, v in result.items()}

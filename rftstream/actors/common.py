@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -51,6 +51,48 @@ async def wait_for_run_end(state: RunState, poll: float = 0.5) -> str:
         if status in END_STATUSES:
             return status
         await anyio.sleep(poll)
+
+
+class KeyChanges:
+    """Wakes a waiter when one of ``keys`` of the run's KV bucket is written.
+
+    A plain NATS subscription on the keys' subjects (``$KV.<bucket>.<key>``): no
+    JetStream consumer, nothing stored, values not read (re-read them from KV).
+    :meth:`start` subscribes, :meth:`stop` unsubscribes (errors ignored);
+    :meth:`wait` blocks until a write arrived since the previous :meth:`wait`
+    returned, or ``timeout`` seconds (a write while nobody waits is kept).
+    """
+
+    def __init__(self, bus: Bus, keys: Sequence[str]) -> None:
+        self.bus = bus
+        self.keys = tuple(keys)
+        self._event = anyio.Event()
+        self._subs: list[Any] = []
+
+    async def start(self) -> None:
+        async def changed(_msg: Msg) -> None:
+            self._event.set()
+
+        for key in self.keys:
+            subject = f"$KV.{self.bus.names.kv_bucket}.{key}"
+            self._subs.append(await self.bus.nc.subscribe(subject, cb=changed))
+
+    async def wait(self, timeout: float) -> bool:
+        """True if a key was written (since the last wait), False after ``timeout``."""
+        with anyio.move_on_after(timeout):
+            await self._event.wait()
+        fired = self._event.is_set()
+        if fired:
+            self._event = anyio.Event()
+        return fired
+
+    async def stop(self) -> None:
+        for sub in self._subs:
+            try:
+                await sub.unsubscribe()
+            except Exception:  # noqa: BLE001 - the connection may be gone
+                pass
+        self._subs = []
 
 
 class InProgressTicker:

@@ -73,11 +73,13 @@ from collections.abc import Callable
 from typing import Any
 
 import anyio
+import anyio.abc
 import nats.js.errors
 from nats.aio.msg import Msg
 
 from rftstream.actors.common import (
     InProgressTicker,
+    KeyChanges,
     consumer_backlog,
     consumer_drained,
     heartbeat_loop,
@@ -93,9 +95,12 @@ from rftstream.messages import TaskMsg, TasksetClaim, TasksetRecord, decode_json
 from rftstream.subjects import (
     KV_EXPLORER_DONE,
     KV_EXPLORER_STEP,
+    KV_STATUS,
     KV_TASKSET,
     KV_TASKSET_CLAIM,
     KV_TRAINER_STARVING,
+    KV_TRAINER_STEP,
+    KV_WEIGHTS,
     RAW_STAGE,
 )
 from rftstream.sync import SyncPolicy
@@ -152,6 +157,13 @@ class Explorer(EvaluationMixin):
         self._eval_rows: list[tuple[TasksetConfig, list[dict[str, Any]]]] = []
         self._last_eval: tuple[int, int] | None = None
         self._unacked: dict[int, Msg] = {}
+        self._in_flight = 0  # tasks started and not finished
+        self._flight_changed = anyio.Event()
+        self._loop_start = self._idle_since = time.monotonic()
+        self._idle_total = 0.0
+        self._idle_mark = (self._loop_start, 0.0)
+        self._step_recorded = 0
+        self._trainer_changes: KeyChanges | None = None
 
     # ------------------------------------------------------------ taskset
     async def publish_taskset(self, state: RunState) -> None:
@@ -364,6 +376,11 @@ class Explorer(EvaluationMixin):
             log.info("%s: resuming after step %d", self.name, self.step)
         consumer = await self.bus.pull(self.names.tasks_stream, self.names.explorer_consumer)
         ticker = InProgressTicker(self.cfg.nats.ack_wait / 3)
+        # what the trainer writes after a step: a paused explorer wakes at once (see _respect_staleness)
+        self._trainer_changes = KeyChanges(
+            self.bus, (KV_TRAINER_STEP, KV_WEIGHTS, KV_TRAINER_STARVING, KV_STATUS)
+        )
+        await self._trainer_changes.start()
         try:
             async with rollout_model(self.cfg, self.model_path, engine=engine) as (model, aux, _):
                 self.engine = model.engine
@@ -382,6 +399,7 @@ class Explorer(EvaluationMixin):
             with anyio.CancelScope(shield=True):
                 await self._nak_unacked()
                 await consumer.unsubscribe()
+                await self._trainer_changes.stop()
                 try:  # the last word on this explorer's step and weights (the loop's may lag)
                     await state.heartbeat(self.name, self.role, **self._info())
                 except Exception as exc:  # noqa: BLE001 - the connection may be gone
@@ -413,18 +431,51 @@ class Explorer(EvaluationMixin):
     async def _loop(
         self, state: RunState, consumer: Any, runner: Any, ticker: InProgressTicker
     ) -> None:
+        """Start steps until the run ends, the tasks run out or ``total_steps`` (explore).
+
+        A step's tasks run in the background (``_run_step``): the next step is
+        fetched as soon as the tasks in flight leave room for one more batch
+        within ``explorer.runner_num`` (and the sync policy and ``max_staleness``
+        allow it), so slow tasks of one step never hold the next one back. At the
+        run's end the steps in flight are cancelled (their tasks are nak'ed by
+        :meth:`run`); when the tasks run out, or at ``total_steps``, they finish first.
+        """
+        self._loop_start = self._idle_since = time.monotonic()
+        self._idle_total = 0.0
+        self._idle_mark = (self._loop_start, 0.0)
+        async with anyio.create_task_group() as steps:
+            why = await self._explore(state, consumer, runner, ticker, steps)
+            if why in END_STATUSES:
+                steps.cancel_scope.cancel()
+            else:
+                await self._room_for(0)
+        if why in END_STATUSES:
+            await self._final_eval(state, runner, why)
+        else:
+            await self._explorer_done(state, runner, why)
+
+    async def _explore(
+        self,
+        state: RunState,
+        consumer: Any,
+        runner: Any,
+        ticker: InProgressTicker,
+        steps: anyio.abc.TaskGroup,
+    ) -> str:
+        """The step loop of :meth:`_loop`; returns why it stopped (an end status,
+        ``total_steps`` or ``drained``)."""
         batch_size = self.cfg.buffer.batch_size
+        window = max(self.cfg.explorer.runner_num, batch_size)  # tasks held at most
         limiter = anyio.CapacityLimiter(self.cfg.explorer.runner_num)
         total_steps = self.cfg.buffer.total_steps
         while True:
             status = await state.status()
             if status in END_STATUSES:
-                await self._final_eval(state, runner, status)
-                return
+                return status
             if self.explore_only and total_steps is not None and self.step >= total_steps:
                 log.info("%s: reached buffer.total_steps (%d)", self.name, total_steps)
-                await self._explorer_done(state, runner, "total_steps")
-                return
+                return "total_steps"
+            await self._room_for(window - batch_size)
             next_step = self.step + 1
             t_wait = time.perf_counter()
             if self._syncs_weights():
@@ -443,53 +494,117 @@ class Explorer(EvaluationMixin):
                     break
                 status = await state.status()
                 if status in END_STATUSES:
-                    await self._final_eval(state, runner, status)
-                    return
-                if await consumer_drained(
-                    self.bus, self.names.tasks_stream, self.names.explorer_consumer
+                    return status
+                if self._in_flight:  # a task in flight may still give its message back
+                    await self._room_for(0)
+                    continue
+                if (
+                    await consumer_drained(
+                        self.bus, self.names.tasks_stream, self.names.explorer_consumer
+                    )
+                    and (await state.taskset()) is not None
                 ):
                     log.info("%s: no tasks left after %d steps", self.name, self.step)
-                    await self._explorer_done(state, runner, "drained")
-                    return
+                    return "drained"
             self.step = next_step
-            t0 = time.perf_counter()
-            stats: dict[str, float] = {
-                "reward_sum": 0.0,
-                "reward_count": 0.0,
-                "groups": 0.0,
-                "experiences": 0.0,
-                "failed": 0.0,
-                "retries": 0.0,
-                "publish_failures": 0.0,
-            }
-            async with anyio.create_task_group() as tg:
-                for msg in msgs:
-                    tg.start_soon(self._run_task, msg, runner, limiter, ticker, stats)
-            dt = time.perf_counter() - t0
-            values = {
-                "rollout/reward_sum": stats["reward_sum"],
-                "rollout/reward_count": stats["reward_count"],
-                "rollout/reward_mean": stats["reward_sum"] / stats["reward_count"]
-                if stats["reward_count"]
-                else float("nan"),
-                "rollout/groups": stats["groups"],
-                "rollout/experiences": stats["experiences"],
-                "rollout/failed_tasks": stats["failed"],
-                "rollout/retries": stats["retries"],
-                "rollout/publish_failures": stats["publish_failures"],
-                "explorer/model_version": float(self._version()),
-                "time/explore_step": dt,
-                "time/explorer_wait_sync": wait_sync,
-            }
-            await self.bus.publish_metrics(self.role, self.step, values)
-            await state.put_json(KV_EXPLORER_STEP.format(name=self.name), self.step)
-            if self.on_progress is not None:
-                self.on_progress({"step": self.step, **self._info(), **values})
+            self._started(len(msgs))
+            steps.start_soon(self._run_step, next_step, msgs, runner, limiter, ticker, wait_sync)
             if self._eval_rows and (
-                self.step % self.cfg.explorer.eval_interval == 0
-                or self.step == self.cfg.buffer.total_steps
+                next_step % self.cfg.explorer.eval_interval == 0
+                or next_step == self.cfg.buffer.total_steps
             ):
+                await self._room_for(0)  # exploration waits for the evaluation
                 await self._evaluate(state, runner, final=False)
+
+    # ------------------------------------------------------------ tasks in flight
+    def _started(self, n: int) -> None:
+        if self._in_flight == 0 and n:
+            self._idle_total += time.monotonic() - self._idle_since
+        self._in_flight += n
+
+    def _finished(self, n: int = 1) -> None:
+        self._in_flight -= n
+        if self._in_flight == 0:
+            self._idle_since = time.monotonic()
+        self._flight_changed.set()
+        self._flight_changed = anyio.Event()
+
+    async def _room_for(self, limit: int) -> None:
+        """Wait until at most ``limit`` tasks are in flight."""
+        while self._in_flight > limit:
+            await self._flight_changed.wait()
+
+    def idle_seconds(self) -> float:
+        """Seconds since the loop started during which no task of this explorer was running."""
+        idle = self._idle_total
+        if self._in_flight == 0:
+            idle += time.monotonic() - self._idle_since
+        return idle
+
+    def _idle_share(self) -> float:
+        """The idle share since the previous call (0..1)."""
+        now, idle = time.monotonic(), self.idle_seconds()
+        last_t, last_idle = self._idle_mark
+        self._idle_mark = (now, idle)
+        return max(0.0, min(1.0, (idle - last_idle) / max(now - last_t, 1e-9)))
+
+    async def _run_step(
+        self,
+        step: int,
+        msgs: list[Msg],
+        runner: Any,
+        limiter: anyio.CapacityLimiter,
+        ticker: InProgressTicker,
+        wait_sync: float,
+    ) -> None:
+        """Run one step's tasks concurrently, then publish the step's metrics."""
+        t0 = time.perf_counter()
+        stats: dict[str, float] = {
+            "reward_sum": 0.0,
+            "reward_count": 0.0,
+            "groups": 0.0,
+            "experiences": 0.0,
+            "failed": 0.0,
+            "retries": 0.0,
+            "publish_failures": 0.0,
+        }
+
+        async def task(msg: Msg) -> None:
+            try:
+                await self._run_task(msg, runner, limiter, ticker, stats)
+            finally:
+                self._finished()
+
+        async with anyio.create_task_group() as tg:
+            for msg in msgs:
+                tg.start_soon(task, msg)
+        dt = time.perf_counter() - t0
+        values = {
+            "rollout/reward_sum": stats["reward_sum"],
+            "rollout/reward_count": stats["reward_count"],
+            "rollout/reward_mean": stats["reward_sum"] / stats["reward_count"]
+            if stats["reward_count"]
+            else float("nan"),
+            "rollout/groups": stats["groups"],
+            "rollout/experiences": stats["experiences"],
+            "rollout/failed_tasks": stats["failed"],
+            "rollout/retries": stats["retries"],
+            "rollout/publish_failures": stats["publish_failures"],
+            "explorer/model_version": float(self._version()),
+            "explorer/idle_share": self._idle_share(),
+            "explorer/idle_seconds_total": self.idle_seconds(),
+            "explorer/seconds_total": time.monotonic() - self._loop_start,
+            "explorer/tasks_in_flight": float(self._in_flight),
+            "time/explore_step": dt,
+            "time/explorer_wait_sync": wait_sync,
+        }
+        await self.bus.publish_metrics(self.role, step, values)
+        if step > self._step_recorded:
+            self._step_recorded = step
+            assert self.state is not None
+            await self.state.put_json(KV_EXPLORER_STEP.format(name=self.name), step)
+        if self.on_progress is not None:
+            self.on_progress({**self._info(), "step": step, **values})
 
     async def _explorer_done(self, state: RunState, runner: Any, why: str) -> None:
         """The final evaluation, the ``explorer.<name>.done`` record and, in ``mode:
@@ -674,7 +789,13 @@ class Explorer(EvaluationMixin):
             await self._load(state, 0)
 
     async def _respect_staleness(self, state: RunState, step: int) -> None:
-        """Pause while a batch generated now would exceed ``max_staleness`` when trained."""
+        """Pause while a batch generated now would exceed ``max_staleness`` when trained.
+
+        The backlog is what waits on (or in) the trainer's side plus this
+        explorer's tasks in flight (they are published soon). A paused explorer
+        re-checks when the trainer writes its step, weights, starving flag or
+        the run status (a KV subscription), at the latest every 0.25 s.
+        """
         if self.policy.max_staleness is None:
             return
         tbs = self.cfg.buffer.train_batch_size
@@ -683,7 +804,7 @@ class Explorer(EvaluationMixin):
             or self.policy.explorer_waits_for_version(step) is not None
         )
         while True:
-            backlog = await consumer_backlog(self.bus, self.names.exp_stream)
+            backlog = await consumer_backlog(self.bus, self.names.exp_stream) + self._in_flight
             ptr = await state.latest_weights()
             newest = ptr.version if ptr is not None else 0
             mine = newest if will_sync else self._version()
@@ -696,4 +817,7 @@ class Explorer(EvaluationMixin):
                 return  # filters dropped what was waiting: never stall a starving trainer
             if await state.status() in END_STATUSES:
                 return
-            await anyio.sleep(0.05)
+            if self._trainer_changes is not None:
+                await self._trainer_changes.wait(0.25)
+            else:
+                await anyio.sleep(0.05)

@@ -81,6 +81,9 @@ class RawMonitor:
         self.failed_tasks = 0.0
         self.advantage: dict[str, list[float]] = {}
         self.evals: dict[str, float] = {}  # the latest eval/* results, reported once
+        # per explorer: its cumulative (idle seconds, seconds) now and at the last take()
+        self._explorer_time: dict[str, tuple[float, float]] = {}
+        self._explorer_time_taken: dict[str, tuple[float, float]] = {}
         self._subs: list[Any] = []
 
     def on_raw_headers(self, headers: dict[str, str] | None) -> None:
@@ -102,6 +105,10 @@ class RawMonitor:
             return
         if m.role == "explorer":
             self.failed_tasks += m.values.get("rollout/failed_tasks", 0.0)
+            idle = m.values.get("explorer/idle_seconds_total")
+            total = m.values.get("explorer/seconds_total")
+            if idle is not None and total is not None:
+                self._explorer_time[m.actor] = (idle, total)
             self.evals.update({k: v for k, v in m.values.items() if k.startswith("eval/")})
         elif m.role == "operator":
             self.filtered += m.values.get("operator/experiences_filtered", 0.0)
@@ -139,6 +146,15 @@ class RawMonitor:
         for name, values in self.advantage.items():
             agg = sum(values) if name.endswith("_count") else sum(values) / len(values)
             out[f"advantage/{name}"] = agg
+        idle = wall = 0.0
+        for actor, (i, t) in self._explorer_time.items():
+            i0, t0 = self._explorer_time_taken.get(actor, (0.0, 0.0))
+            if t < t0:  # the explorer restarted: its counters began again
+                i0, t0 = 0.0, 0.0
+            idle, wall = idle + i - i0, wall + t - t0
+        self._explorer_time_taken = dict(self._explorer_time)
+        if wall > 0:
+            out["explorer/idle_share"] = max(0.0, min(1.0, idle / wall))
         self.advantage = {}
         out.update(self.evals)
         self.evals = {}
@@ -183,6 +199,7 @@ class Trainer:
         self.step = 0
         self.version = 0
         self.trained = 0
+        self.idle_seconds = 0.0  # waiting for experience, over the run
         self.checkpoint_dir = checkpoint_dir(cfg, self.run_dir)
         self.metrics_path = self.run_dir / "metrics.jsonl"
         self.feed: ExperienceFeed | None = None
@@ -256,6 +273,7 @@ class Trainer:
                     self.role,
                     lambda: {"step": self.step, "version": self.version},
                 )
+                last_end = time.perf_counter()
                 while total is None or self.step < total:
                     step = self.step + 1
                     t0 = time.perf_counter()
@@ -290,6 +308,11 @@ class Trainer:
                     record = self._record(
                         step, batch, staleness, wait, train_metrics, sample_metrics, monitor, feed
                     )
+                    now = time.perf_counter()
+                    self.idle_seconds += wait
+                    record["trainer/idle_share"] = min(1.0, wait / max(now - last_end, 1e-9))
+                    record["time/trainer_step_period"] = now - last_end
+                    last_end = now
                     await self._emit(state, record)
                 tg.cancel_scope.cancel()
             final = await anyio.to_thread.run_sync(

@@ -43,6 +43,7 @@ workflows never see each other's calls.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import copy
 import functools
@@ -55,6 +56,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import anyio
 import anyio.from_thread
 import anyio.lowlevel
+import msgspec
 import torch
 
 from rftstream.engines.base import Completion, RolloutEngine, SamplingParams
@@ -72,6 +74,9 @@ T = TypeVar("T")
 _INLINE_CHARS = 4096
 _INLINE_TOKENS = 4096
 
+_RENDER_CACHE_SIZE = 4096  # rendered chats kept per model (LRU)
+_KEY_ENCODER = msgspec.msgpack.Encoder(order="deterministic")
+
 _SAMPLING_KEYS = {"stop", "stop_token_ids", "seed"}
 _IGNORED_KEYS = {"logprobs", "return_logprobs", "use_tqdm"}
 
@@ -88,6 +93,11 @@ class _Shared:
         self.loop_thread: int | None = None
         # every wrapper of this model (root and clones): the root's aclose closes their clients
         self.wrappers: weakref.WeakSet[ModelWrapper] = weakref.WeakSet()
+        # rendered chats: (text, ids, continued) by the rendering's inputs (tasks repeat every epoch)
+        self.renders: collections.OrderedDict[bytes, tuple[str, list[int], bool]] = (
+            collections.OrderedDict()
+        )
+        self.renders_lock = threading.Lock()
 
 
 class ModelWrapper:
@@ -403,8 +413,17 @@ class ModelWrapper:
             continue_final=continue_final,
             add_generation_prompt=add_generation_prompt,
         )
-        size = sum(len(str(m.get("content", ""))) for m in messages if isinstance(m, dict))
-        prompt_text, prompt_ids, cont = await self._maybe_thread(render, size > _INLINE_CHARS)
+        key = _render_key(
+            messages, chat_template, tools, template_kwargs, continue_final, add_generation_prompt
+        )
+        cached = self._cached_render(key)
+        if cached is not None:
+            prompt_text, prompt_ids, cont = cached[0], list(cached[1]), cached[2]
+            self._check_prompt_length(prompt_ids)
+        else:
+            size = sum(len(str(m.get("content", ""))) for m in messages if isinstance(m, dict))
+            prompt_text, prompt_ids, cont = await self._maybe_thread(render, size > _INLINE_CHARS)
+            self._store_render(key, (prompt_text, list(prompt_ids), cont))
         completions = await self.engine.generate(prompt_ids, params)
         exps = await self._to_experiences(
             prompt_text,
@@ -564,6 +583,25 @@ class ModelWrapper:
                 raise RftError(f"cannot render the chat template: {exc2}") from exc2
         return text, self._encode(text, add_special_tokens=False), continue_final
 
+    def _cached_render(self, key: bytes | None) -> tuple[str, list[int], bool] | None:
+        if key is None:
+            return None
+        shared = self._shared
+        with shared.renders_lock:
+            hit = shared.renders.get(key)
+            if hit is not None:
+                shared.renders.move_to_end(key)
+            return hit
+
+    def _store_render(self, key: bytes | None, value: tuple[str, list[int], bool]) -> None:
+        if key is None:
+            return
+        shared = self._shared
+        with shared.renders_lock:
+            shared.renders[key] = value
+            while len(shared.renders) > _RENDER_CACHE_SIZE:
+                shared.renders.popitem(last=False)
+
     def _decode(self, ids: list[int]) -> str:
         with self._tok_lock:
             return self.tokenizer.decode(ids, skip_special_tokens=True)
@@ -718,6 +756,24 @@ class ModelWrapper:
             await self.start_openai_server()
         else:  # an event loop of its own (asyncio.run in a worker thread)
             await anyio.to_thread.run_sync(lambda: self._run_on_loop(self.start_openai_server))
+
+
+def _render_key(
+    messages: list[Any],
+    chat_template: str | None,
+    tools: list[dict[str, Any]] | None,
+    template_kwargs: dict[str, Any] | None,
+    continue_final: bool | None,
+    add_generation_prompt: bool | None,
+) -> bytes | None:
+    """What a chat rendering depends on (besides the tokenizer), as bytes; None when some of
+    it is not plain JSON (such a call is rendered every time)."""
+    try:
+        return _KEY_ENCODER.encode(
+            [messages, chat_template, tools, template_kwargs, continue_final, add_generation_prompt]
+        )
+    except (TypeError, msgspec.EncodeError):
+        return None
 
 
 def _on_event_loop() -> bool:

@@ -46,6 +46,7 @@ from rftstream.engines.base import (
     score_ids,
     strip_module_prefix,
 )
+from rftstream.engines.fast_decoder import FastDecoder, fast_decoder_for
 from rftstream.errors import RftError
 
 log = logging.getLogger(__name__)
@@ -102,6 +103,16 @@ def _filter_logits(scaled: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tenso
     return torch.empty_like(scaled).scatter_(-1, sorted_idx, sorted_vals)
 
 
+def _draw(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+    """One token per row of ``probs`` [B, V] (rows sum to 1 up to rounding), by inverse CDF:
+    a uniform draw per row located in the row's cumulative distribution. The same
+    distribution as ``torch.multinomial(probs, 1)``, without its per-call setup cost."""
+    cdf = probs.cumsum(-1)
+    u = torch.rand((probs.shape[0], 1), generator=generator, device=probs.device) * cdf[:, -1:]
+    idx = torch.searchsorted(cdf, u, right=True).squeeze(-1)
+    return idx.clamp_(max=probs.shape[-1] - 1)
+
+
 def _sample_step(
     logits: torch.Tensor,
     temps: torch.Tensor,
@@ -117,14 +128,17 @@ def _sample_step(
     logprobs_all = torch.log_softmax(scaled, dim=-1)
     probs = _filter_logits(scaled, top_k, top_p).softmax(dim=-1)
     tokens = torch.empty(logits.shape[0], dtype=torch.long, device=logits.device)
-    shared = [i for i, g in enumerate(generators) if g is None and not bool(greedy[i])]
-    if shared:
+    greedy_rows = greedy.tolist()
+    shared = [i for i, g in enumerate(generators) if g is None and not greedy_rows[i]]
+    if len(shared) == len(generators):
+        tokens = _draw(probs, default_generator)
+    elif shared:
         idx = torch.tensor(shared, device=logits.device)
-        tokens[idx] = torch.multinomial(probs[idx], 1, generator=default_generator).squeeze(-1)
+        tokens[idx] = _draw(probs[idx], default_generator)
     for i, g in enumerate(generators):
-        if g is not None and not bool(greedy[i]):
-            tokens[i] = torch.multinomial(probs[i : i + 1], 1, generator=g)[0, 0]
-    if bool(greedy.any()):
+        if g is not None and not greedy_rows[i]:
+            tokens[i] = _draw(probs[i : i + 1], g)[0]
+    if any(greedy_rows):
         gidx = greedy.nonzero().squeeze(-1)
         tokens[gidx] = logits[gidx].argmax(dim=-1)
     chosen = logprobs_all.gather(-1, tokens[:, None]).squeeze(-1)
@@ -140,6 +154,7 @@ def sample_sequences(
     generator: torch.Generator | None = None,
     tokenizer: Any = None,
     stats: dict[str, int] | None = None,
+    decoder: FastDecoder | None = None,
 ) -> list[Completion]:
     """Sample every sequence of ``seqs`` in one batched loop with a KV cache. Blocking.
 
@@ -148,7 +163,10 @@ def sample_sequences(
     (``"stop"``), when its decoded text contains a stop string (``"stop"``,
     needs ``tokenizer``) or after ``max_new_tokens`` tokens (``"length"``).
     Finished rows are dropped from the cache once they are the majority.
-    Runs under ``torch.inference_mode``; call it from a worker thread.
+    ``decoder`` (a :class:`~rftstream.engines.fast_decoder.FastDecoder` of
+    ``model``) runs the forward passes instead of the HF module (same logits,
+    a fraction of the Python overhead). Runs under ``torch.inference_mode``;
+    call it from a worker thread.
     """
     if not seqs:
         return []
@@ -164,31 +182,46 @@ def sample_sequences(
         return [Completion([], [], "length") for _ in seqs]
 
     with torch.inference_mode():
-        width = max(len(seqs[i].prompt) for i in live)
-        input_ids = torch.full((len(live), width), pad_token_id, dtype=torch.long)
-        attn = torch.zeros((len(live), width), dtype=torch.long)
-        for row, i in enumerate(live):
-            p = seqs[i].prompt
+        # each distinct prompt is prefilled once; its rows share the result (a group's n samples)
+        distinct: dict[tuple[int, ...], int] = {}
+        prompt_of_row = [distinct.setdefault(tuple(seqs[i].prompt), len(distinct)) for i in live]
+        width = max(len(p) for p in distinct)
+        input_ids = torch.full((len(distinct), width), pad_token_id, dtype=torch.long)
+        attn = torch.zeros((len(distinct), width), dtype=torch.long)
+        for row, p in enumerate(distinct):
             input_ids[row, width - len(p) :] = torch.tensor(p, dtype=torch.long)
             attn[row, width - len(p) :] = 1
         input_ids, attn = input_ids.to(device), attn.to(device)
-        positions = (attn.cumsum(-1) - 1).clamp_min(0)
+        expand = torch.tensor(prompt_of_row, dtype=torch.long, device=device)
+        shared = len(distinct) < len(live)
         rows = list(live)  # row -> sequence index
         temps = torch.tensor(
             [seqs[i].temperature for i in rows], dtype=torch.float32, device=device
         )
         top_k = torch.tensor([seqs[i].top_k for i in rows], dtype=torch.long, device=device)
         top_p = torch.tensor([seqs[i].top_p for i in rows], dtype=torch.float32, device=device)
-        out = model(
-            input_ids=input_ids,
-            attention_mask=attn,
-            position_ids=positions,
-            use_cache=True,
-            logits_to_keep=1,
-        )
+        session = None
+        positions = (attn.cumsum(-1) - 1).clamp_min(0)
+        if decoder is not None:
+            longest = max(seqs[i].max_new_tokens for i in live)
+            session, logits = decoder.start(input_ids, attn, longest)
+            if shared:
+                session.select(expand)
+        else:
+            out = model(
+                input_ids=input_ids,
+                attention_mask=attn,
+                position_ids=positions,
+                use_cache=True,
+                logits_to_keep=1,
+            )
+            past = out.past_key_values
+            if shared:
+                past.batch_select_indices(expand)
+            logits = out.logits[:, -1, :].float()
+        if shared:
+            logits, attn, positions = logits[expand], attn[expand], positions[expand]
         forwards, prunes = 1, 0
-        past = out.past_key_values
-        logits = out.logits[:, -1, :].float()
         next_pos = positions[:, -1] + 1
         alive = [True] * len(rows)  # host-side copy of the active mask (no per-row device syncs)
         while True:
@@ -221,13 +254,20 @@ def sample_sequences(
                 prunes += 1
                 keep_rows = [r for r, a in enumerate(alive) if a]
                 keep = torch.tensor(keep_rows, dtype=torch.long, device=device)
-                past.batch_select_indices(keep)
+                if session is not None:
+                    session.select(keep)
+                else:
+                    past.batch_select_indices(keep)
                 rows = [rows[r] for r in keep_rows]
                 tok, attn, next_pos = tok[keep], attn[keep], next_pos[keep]
                 temps, top_k, top_p = temps[keep], top_k[keep], top_p[keep]
                 alive = [True] * len(rows)
             active = torch.tensor(alive, dtype=torch.bool, device=device)
             feed = torch.where(active, tok, torch.full_like(tok, pad_token_id))
+            forwards += 1
+            if session is not None:
+                logits = session.step(feed, active)
+                continue
             attn = torch.cat([attn, active.long()[:, None]], dim=1)
             out = model(
                 input_ids=feed[:, None],
@@ -237,7 +277,6 @@ def sample_sequences(
                 use_cache=True,
                 logits_to_keep=1,
             )
-            forwards += 1
             past = out.past_key_values
             logits = out.logits[:, -1, :].float()
             next_pos = next_pos + 1
@@ -296,6 +335,7 @@ class TransformersEngine(RolloutEngine):
         device: str = "cpu",
         torch_threads: int | None = None,
         default_max_tokens: int = 512,
+        fast_decoder: bool = True,
     ) -> None:
         from rftstream.hf import hf_classes
 
@@ -327,6 +367,8 @@ class TransformersEngine(RolloutEngine):
                 f"model.model_path: cannot load a model from {self.model_path!r}: {exc}"
             ) from exc
         self._model = model.to(self.device).eval()
+        # the lean forward of rftstream.engines.fast_decoder where it covers the model exactly
+        self._decoder = fast_decoder_for(self._model) if fast_decoder else None
         cfg = self._model.config
         self.max_model_len = int(getattr(cfg, "max_position_embeddings", 0) or 1 << 30)
         eos = eos_ids(
@@ -486,6 +528,8 @@ class TransformersEngine(RolloutEngine):
                         f"load_weights: {k} has shape {tuple(v.shape)}, expected {tuple(own[k].shape)}"
                     )
             self._model.load_state_dict(cleaned, strict=False)
+            if self._decoder is not None:
+                self._decoder.refresh()
 
     async def run(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
         """Batch and serve requests until cancelled or :meth:`aclose` is called.
@@ -631,6 +675,7 @@ class TransformersEngine(RolloutEngine):
             generator=self._generator,
             tokenizer=self._tokenizer,
             stats=self.stats,
+            decoder=self._decoder,
         )
         out: list[list[Completion]] = []
         pos = 0

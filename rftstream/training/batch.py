@@ -11,6 +11,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 from rftstream.experience import Experience
@@ -180,12 +181,23 @@ class TrainBatch:
         return self._map(lambda t: t[idx])
 
 
-def _resp(t: torch.Tensor | None, n: int, width: int, fill: float = 0.0) -> torch.Tensor:
-    out = torch.full((width,), fill, dtype=torch.float32)
-    if t is not None and n:
-        m = min(n, int(t.numel()))
-        out[:m] = t[:m].to(torch.float32)
-    return out
+def _np(t: torch.Tensor | None) -> np.ndarray | None:
+    """A 1-D numpy view of a CPU tensor (a copy only for other devices or bool)."""
+    if t is None:
+        return None
+    t = t.detach()
+    if t.device.type != "cpu":
+        t = t.cpu()
+    if t.dtype == torch.bool:
+        t = t.to(torch.uint8)
+    return t.reshape(-1).numpy()
+
+
+def _put(dst: np.ndarray, row: int, src: np.ndarray | None, n: int) -> None:
+    """``dst[row, :m] = src[:m]`` with ``m = min(n, len(src))`` (the rest stays zero)."""
+    if src is not None and n:
+        m = min(n, src.shape[0])
+        dst[row, :m] = src[:m]
 
 
 def collate(
@@ -203,45 +215,53 @@ def collate(
     ``(batch,)`` tensor per ``custom_fields`` entry (a sample strategy's
     ``CustomField``: ``source_field``, ``destination_field``, ``data_type``)
     and nothing else; raises KeyError naming the first experience without the
-    source field.
+    source field. The padding is done in numpy (one array per field, rows
+    copied in place), then wrapped as tensors without a copy.
     """
     if not exps:
         raise ValueError("collate: empty batch")
-    prompts = []
-    responses = []
+    prompts: list[np.ndarray] = []
+    responses: list[np.ndarray] = []
     for e in exps:
-        p = e.tokens[: e.prompt_length].to(torch.long)
-        r = e.tokens[e.prompt_length :].to(torch.long)
-        if max_prompt is not None and p.numel() > max_prompt:
-            p = p[-max_prompt:]
-        if max_response is not None and r.numel() > max_response:
+        tokens = _np(e.tokens)
+        assert tokens is not None
+        p, r = tokens[: e.prompt_length], tokens[e.prompt_length :]
+        if max_prompt is not None and p.shape[0] > max_prompt:
+            p = p[p.shape[0] - max_prompt :]
+        if max_response is not None and r.shape[0] > max_response:
             r = r[:max_response]
         prompts.append(p)
         responses.append(r)
-    P = max(max(int(p.numel()) for p in prompts), 1)
-    R = max(max(int(r.numel()) for r in responses), 1)
+    P = max(max(p.shape[0] for p in prompts), 1)
+    R = max(max(r.shape[0] for r in responses), 1)
     B = len(exps)
-    input_ids = torch.full((B, P + R), pad_token_id, dtype=torch.long)
-    attention_mask = torch.zeros((B, P + R), dtype=torch.long)
-    response_mask = torch.zeros((B, R), dtype=torch.float32)
-    advantages = torch.zeros((B, R), dtype=torch.float32)
-    returns = torch.zeros((B, R), dtype=torch.float32)
-    rollout_lp = torch.zeros((B, R), dtype=torch.float32)
-    rewards = torch.zeros(B, dtype=torch.float32)
+    input_ids_np = np.full((B, P + R), pad_token_id, dtype=np.int64)
+    attention_np = np.zeros((B, P + R), dtype=np.int64)
+    response_np = np.zeros((B, R), dtype=np.float32)
+    advantages_np = np.zeros((B, R), dtype=np.float32)
+    returns_np = np.zeros((B, R), dtype=np.float32)
+    rollout_np = np.zeros((B, R), dtype=np.float32)
+    rewards_np = np.zeros(B, dtype=np.float32)
     for i, (e, p, r) in enumerate(zip(exps, prompts, responses, strict=True)):
-        np_, nr = int(p.numel()), int(r.numel())
-        input_ids[i, P - np_ : P] = p
-        attention_mask[i, P - np_ : P] = 1
-        input_ids[i, P : P + nr] = r
-        attention_mask[i, P : P + nr] = 1
-        mask = _resp(e.action_mask.to(torch.float32) if e.action_mask is not None else None, nr, R)
+        np_, nr = p.shape[0], r.shape[0]
+        input_ids_np[i, P - np_ : P] = p
+        attention_np[i, P - np_ : P + nr] = 1
+        input_ids_np[i, P : P + nr] = r
         if e.action_mask is None:
-            mask[:nr] = 1.0
-        response_mask[i] = mask
-        advantages[i] = _resp(e.advantages, nr, R)
-        returns[i] = _resp(e.returns, nr, R)
-        rollout_lp[i] = _resp(e.logprobs, nr, R)
-        rewards[i] = float(e.reward) if e.reward is not None else 0.0
+            response_np[i, :nr] = 1.0
+        else:
+            _put(response_np, i, _np(e.action_mask), nr)
+        _put(advantages_np, i, _np(e.advantages), nr)
+        _put(returns_np, i, _np(e.returns), nr)
+        _put(rollout_np, i, _np(e.logprobs), nr)
+        rewards_np[i] = float(e.reward) if e.reward is not None else 0.0
+    input_ids = torch.from_numpy(input_ids_np)
+    attention_mask = torch.from_numpy(attention_np)
+    response_mask = torch.from_numpy(response_np)
+    advantages = torch.from_numpy(advantages_np)
+    returns = torch.from_numpy(returns_np)
+    rollout_lp = torch.from_numpy(rollout_np)
+    rewards = torch.from_numpy(rewards_np)
     position_ids = (attention_mask.cumsum(dim=1) - 1).clamp(min=0)
     fields: dict[str, torch.Tensor] = {}
     for cf in custom_fields:
@@ -275,13 +295,17 @@ def response_logprobs(
     temperature: float,
     *,
     with_entropy: bool = False,
+    logits_start: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probabilities (and entropy) of the response tokens under ``logits / temperature``.
 
     Uses the same temperature scaling as the rollout engine, so ratios start at 1.
+    ``logits_start``: the sequence position of ``logits[:, 0]`` (logits computed
+    for the last positions only start at ``prompt_width - 1``).
     """
     R = input_ids.shape[1] - prompt_width
-    lg = logits[:, prompt_width - 1 : prompt_width - 1 + R, :].float()
+    first = prompt_width - 1 - logits_start
+    lg = logits[:, first : first + R, :].float()
     if temperature and temperature != 1.0:
         lg = lg / temperature
     logp_all = torch.log_softmax(lg, dim=-1)

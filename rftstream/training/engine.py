@@ -55,7 +55,10 @@ class PolicyTrainer:
 
     1. collate the experiences (plus the sample strategy's custom fields);
     2. recompute ``old_logprob`` (and ``ref_logprob`` with a reference model,
-       ``values`` with a critic) without gradient;
+       ``values`` with a critic) without gradient; ``old_logprob`` is instead
+       the gradient pass's own log-probs, detached, when that is provably the
+       same (:meth:`_old_logprob_is_redundant`: ``ppo_epochs`` 1, no dropout,
+       no KL penalty on rewards);
     3. if the algorithm computes advantages in the trainer
        (``compute_advantage_in_trainer``): apply ``kl_penalty_fn`` to the
        token-level rewards, then call ``advantage_fn`` (with ``values=`` for
@@ -102,6 +105,7 @@ class PolicyTrainer:
         self.pad_token_id = int(pad if pad is not None else (self.tokenizer.eos_token_id or 0))
         model = load_causal_lm(model_path, cfg.model.dtype)
         model.config.use_cache = False
+        self.keep_kwarg = _logits_to_keep_kwarg(model)
         self.loss_inputs = loss_inputs_for(algorithm.policy_loss_fn)
         self.needs_ref = bool(algorithm.use_reference) and (
             self.kl_loss or self.kl_penalty or "ref_logprob" in self.loss_inputs
@@ -136,7 +140,23 @@ class PolicyTrainer:
                 self.critic, self.critic_optimizer, _ = self._deepspeed(
                     deepspeed, ValueModel(backbone), cfg.trainer.critic.optim
                 )
+        self.reuse_old_logprob = self._old_logprob_is_redundant()
         self.global_step = 0
+
+    def _old_logprob_is_redundant(self) -> bool:
+        """Whether the gradient pass's own log-probs (detached) equal a recomputed ``old_logprob``.
+
+        They do when the weights cannot change between the two passes and the
+        passes compute the same function: one optimizer step per batch
+        (``ppo_epochs`` 1: every micro-batch accumulates into one step), no
+        active dropout in the policy (a training-mode pass would sample it),
+        and nothing needs ``old_logprob`` before the gradient pass (the KL
+        penalty on rewards). TRL skips the pass on the same grounds
+        (``num_iterations`` 1). Saves one no-grad forward pass per step.
+        """
+        if max(1, self.cfg.trainer.ppo_epochs) != 1 or self.kl_penalty:
+            return False
+        return not _has_active_dropout(self.engine.module)
 
     def _deepspeed(
         self, deepspeed: Any, model: torch.nn.Module, opt_cfg: Any
@@ -176,14 +196,28 @@ class PolicyTrainer:
     def _forward(
         self, model: torch.nn.Module, mb: TrainBatch, *, with_entropy: bool
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Response log-probs (and entropy) of ``mb``; the LM head runs on the positions that
+        predict response tokens only, where the model's forward can be told so."""
+        kwargs: dict[str, Any] = {}
+        start = 0
+        if self.keep_kwarg is not None:
+            response = mb.input_ids.shape[1] - mb.prompt_width
+            kwargs[self.keep_kwarg] = response + 1
+            start = mb.prompt_width - 1
         out = model(
             input_ids=mb.input_ids,
             attention_mask=mb.attention_mask,
             position_ids=mb.position_ids,
             use_cache=False,
+            **kwargs,
         )
         return response_logprobs(
-            out.logits, mb.input_ids, mb.prompt_width, self.temperature, with_entropy=with_entropy
+            out.logits,
+            mb.input_ids,
+            mb.prompt_width,
+            self.temperature,
+            with_entropy=with_entropy,
+            logits_start=start,
         )
 
     def _values(self, mb: TrainBatch) -> torch.Tensor:
@@ -212,7 +246,7 @@ class PolicyTrainer:
         self,
         exps: list[Experience],
         batch: TrainBatch,
-        old_logprob: torch.Tensor,
+        old_logprob: torch.Tensor | None,
         ref_logprob: torch.Tensor | None,
         values: torch.Tensor | None,
     ) -> dict[str, float]:
@@ -220,6 +254,7 @@ class PolicyTrainer:
         metrics: dict[str, float] = {}
         algo = self.algorithm
         if self.kl_penalty:
+            assert old_logprob is not None  # never reused with a KL penalty
             if ref_logprob is None:
                 raise ConfigError(
                     "algorithm.kl_penalty_fn",
@@ -282,7 +317,10 @@ class PolicyTrainer:
         )
         batch = batch.to(self.engine.device)
         self.engine.eval()  # the no-grad passes see no dropout
-        old_logprob = self._logprobs_no_grad(self.engine.module, batch)
+        # None: the gradient pass's own detached log-probs serve (see _old_logprob_is_redundant)
+        old_logprob = (
+            None if self.reuse_old_logprob else self._logprobs_no_grad(self.engine.module, batch)
+        )
         ref_logprob = (
             self._logprobs_no_grad(self.ref_model, batch) if self.ref_model is not None else None
         )
@@ -376,7 +414,7 @@ class PolicyTrainer:
         self,
         batch: TrainBatch,
         rows: torch.Tensor,
-        old_logprob: torch.Tensor,
+        old_logprob: torch.Tensor | None,
         ref_logprob: torch.Tensor | None,
         values: torch.Tensor | None,
         metrics: dict[str, list[float]],
@@ -390,7 +428,7 @@ class PolicyTrainer:
         ref_mb = ref_logprob[rows] if ref_logprob is not None else None
         tensors: dict[str, torch.Tensor] = {
             "logprob": logprob,
-            "old_logprob": old_logprob[rows],
+            "old_logprob": logprob.detach() if old_logprob is None else old_logprob[rows],
             "ref_logprob": ref_mb if ref_mb is not None else torch.zeros_like(logprob),
             "action_mask": mb.response_mask,
             "advantages": mb.advantages,
@@ -470,6 +508,36 @@ def _fit(t: torch.Tensor | None, n: int) -> torch.Tensor:
         m = min(n, int(t.numel()))
         out[:m] = t.reshape(-1)[:m].to(torch.float32).cpu()
     return out
+
+
+def _logits_to_keep_kwarg(model: torch.nn.Module) -> str | None:
+    """The forward argument that limits the LM head to the last N positions
+    (``logits_to_keep``; ``num_logits_to_keep`` before transformers 4.50), or None."""
+    import inspect
+
+    try:
+        params = inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):
+        return None
+    for name in ("logits_to_keep", "num_logits_to_keep"):
+        if name in params:
+            return name
+    return None
+
+
+def _has_active_dropout(module: torch.nn.Module) -> bool:
+    """Whether a training-mode forward pass of ``module`` would drop anything: a
+    ``Dropout`` module with ``p > 0``, or a ``*dropout*`` / ``*pdrop*`` probability
+    above 0 in its ``config`` (transformers' attention dropout is functional)."""
+    if any(
+        isinstance(m, torch.nn.modules.dropout._DropoutNd) and m.p > 0 for m in module.modules()
+    ):
+        return True
+    config = getattr(module, "config", None)
+    for key, value in (vars(config) if config is not None else {}).items():
+        if ("dropout" in key or "pdrop" in key) and isinstance(value, (int, float)) and value > 0:
+            return True
+    return False
 
 
 def _zero_loss(module: torch.nn.Module) -> torch.Tensor:

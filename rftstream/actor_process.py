@@ -1,0 +1,270 @@
+"""Actors of one run in a child process: ``rftstream up`` uses both cores (or all of them).
+
+Python runs one thread at a time per process, and the explorer (sampling,
+workflows, encoding) and the trainer (forward / backward passes) are both
+mostly Python-bound on small models. ``rftstream up`` therefore runs the
+rollout side (explorer and operator pipeline) in a child process and the
+trainer in its own, whenever the weights can cross processes
+(``synchronizer.sync_method`` other than ``memory``, ``mode: both``); see
+:func:`split_roles`. Nothing else changes: the actors still meet only on the
+bus, and the child is the same code as ``rftstream explorer`` / ``operator``.
+
+The parent side is :class:`ActorProcess`: it writes the prepared run's config
+to ``<run_dir>/config.yaml``, starts ``python -m rftstream.actor_process`` with
+its output in ``<run_dir>/logs/<name>.log`` (so nothing a library prints in the
+child reaches the terminal), watches it, and stops it on exit. The child side
+is :func:`main`: it dies with its parent (``PR_SET_PDEATHSIG`` on Linux), runs
+the roles until the run ends, and exits 0, 130 (signal) or 1 (error, the
+reason on its last log line).
+
+Threads: each side gets half of the machine's cores for torch
+(:func:`torch_threads_per_process`); OpenMP threads spinning against each other
+on a small machine cost far more than they bring.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import anyio
+import anyio.abc
+
+from rftstream.errors import RftError
+
+log = logging.getLogger(__name__)
+
+ROLLOUT_ROLES = ("explorer", "operator")
+STOP_GRACE_S = 15.0  # SIGTERM, then this long, then SIGKILL
+
+
+def split_roles(cfg: Any) -> bool:
+    """Whether ``rftstream up`` runs the rollout roles in a child process.
+
+    Only with a trainer and explorers that must load its weights (``mode:
+    both``) and only when weights can leave the process (``sync_method``
+    ``checkpoint``); ``memory`` keeps every actor in one process.
+    """
+    return cfg.mode == "both" and cfg.synchronizer.sync_method != "memory"
+
+
+def torch_threads_per_process(processes: int = 2) -> int:
+    """Torch intra-op threads for each of ``processes`` busy processes on this machine."""
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return max(1, (cpus or 1) // max(1, processes))
+
+
+def _log_tail(path: Path, lines: int = 8) -> str:
+    try:
+        text = path.read_text(errors="replace").strip().splitlines()
+    except OSError:
+        return ""
+    return "\n".join(text[-lines:])
+
+
+class ActorProcess:
+    """A child process running ``roles`` of ``run`` against ``url``.
+
+    ``async with ActorProcess(...) as proc`` starts it (returns at once; the
+    child imports and loads its model on its own) and, on exit, waits up to
+    ``exit_grace`` seconds for it to end by itself (the run is over: explorers
+    and operators return when the run status says so), then sends SIGTERM
+    (the child naks the tasks it holds), then SIGKILL after
+    :data:`STOP_GRACE_S`. Cancelling the block stops the child the same way,
+    without the wait. :meth:`watch` returns when the child exits and raises
+    :class:`RftError` (with the tail of its log) when it failed; run it in the
+    same task group as the actors it serves, so a dead child stops the run.
+    """
+
+    def __init__(
+        self,
+        run: Any,
+        url: str,
+        *,
+        roles: Sequence[str] = ROLLOUT_ROLES,
+        name: str = "rollout",
+        plugin_dirs: Sequence[str] = (),
+        threads: int | None = None,
+        exit_grace: float = 60.0,
+    ) -> None:
+        self.run = run
+        self.url = url
+        self.roles = tuple(roles)
+        self.name = name
+        self.plugin_dirs = list(plugin_dirs)
+        self.threads = threads or torch_threads_per_process()
+        self.exit_grace = exit_grace
+        self.log_path = Path(run.run_dir) / "logs" / f"{name}.log"
+        self.config_path = Path(run.run_dir) / "config.yaml"
+        self.process: anyio.abc.Process | None = None
+        self._log_file: Any = None
+
+    def argv(self) -> list[str]:
+        argv = [
+            sys.executable,
+            "-m",
+            "rftstream.actor_process",
+            "--config",
+            str(self.config_path),
+            "--nats-url",
+            self.url,
+            "--run-dir",
+            str(self.run.run_dir),
+            "--roles",
+            ",".join(self.roles),
+            "--threads",
+            str(self.threads),
+            "--parent-pid",
+            str(os.getpid()),
+        ]
+        for d in self.plugin_dirs:
+            argv += ["--plugin-dir", str(d)]
+        return argv
+
+    def _write_config(self) -> None:
+        """The prepared config, with the resolved model path, for the child to load."""
+        import msgspec
+
+        from rftstream.config.loader import dump_config_yaml
+
+        cfg = self.run.cfg
+        model = msgspec.structs.replace(cfg.model, model_path=self.run.model_path)
+        self.config_path.parent.mkdir(parents=True, exist_ok=True)
+        self.config_path.write_text(dump_config_yaml(msgspec.structs.replace(cfg, model=model)))
+
+    async def __aenter__(self) -> ActorProcess:
+        self._write_config()
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        self._log_file = self.log_path.open("ab")  # closed in __aexit__; a local file
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        # spawned from the event loop's (main) thread: PR_SET_PDEATHSIG follows that thread
+        self.process = await anyio.open_process(
+            self.argv(),
+            stdin=subprocess.DEVNULL,
+            stdout=self._log_file,
+            stderr=subprocess.STDOUT,
+            env=env,
+            start_new_session=True,  # the terminal's Ctrl-C reaches the parent, which stops it
+        )
+        log.info(
+            "%s: started pid %d for %s (log %s)",
+            self.name,
+            self.process.pid,
+            "+".join(self.roles),
+            self.log_path,
+        )
+        return self
+
+    async def watch(self) -> None:
+        """Wait for the child to exit; raise :class:`RftError` if it failed (not if it was
+        stopped by :meth:`stop`)."""
+        assert self.process is not None
+        code = await self.process.wait()
+        if code not in (0, -signal.SIGTERM, 128 + signal.SIGTERM, 130):
+            tail = _log_tail(self.log_path)
+            raise RftError(
+                f"the {self.name} process ({'+'.join(self.roles)}) exited with code {code}; "
+                f"its log {self.log_path} ends with:\n{tail}"
+            )
+
+    async def stop(self, grace: float = 0.0) -> int | None:
+        """Wait ``grace`` s for the child to end, then SIGTERM it, then SIGKILL. Returns its
+        exit code."""
+        proc = self.process
+        if proc is None:
+            return None
+        with anyio.CancelScope(shield=True):
+            if proc.returncode is None and grace > 0:
+                with anyio.move_on_after(grace):
+                    await proc.wait()
+            if proc.returncode is None:
+                proc.terminate()
+                with anyio.move_on_after(STOP_GRACE_S):
+                    await proc.wait()
+            if proc.returncode is None:
+                proc.kill()
+                await proc.wait()
+        return proc.returncode
+
+    async def __aexit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        try:
+            await self.stop(self.exit_grace if exc_type is None else 0.0)
+        finally:
+            if self._log_file is not None:
+                self._log_file.close()
+
+
+# ------------------------------------------------------------------ child side
+
+
+def _die_with_parent(parent_pid: int) -> None:
+    """SIGTERM when the parent goes (Linux); exit at once if it is gone already."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        try:
+            ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+        except OSError:
+            pass
+    if parent_pid and os.getppid() != parent_pid:
+        sys.exit(130)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """The child: run ``--roles`` of the run in ``--config`` against ``--nats-url``. Blocks."""
+    p = argparse.ArgumentParser(prog="python -m rftstream.actor_process")
+    p.add_argument("--config", required=True)
+    p.add_argument("--nats-url", required=True)
+    p.add_argument("--run-dir", required=True)
+    p.add_argument("--roles", default=",".join(ROLLOUT_ROLES))
+    p.add_argument("--plugin-dir", action="append", default=[])
+    p.add_argument("--threads", type=int, default=0)
+    p.add_argument("--parent-pid", type=int, default=0)
+    args = p.parse_args(argv)
+    _die_with_parent(args.parent_pid)
+    logging.basicConfig(
+        level=logging.INFO,
+        stream=sys.stdout,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    for noisy in ("DeepSpeed", "deepspeed", "torch.distributed", "nats"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+    t0 = time.time()
+    try:
+        import torch
+
+        if args.threads > 0:
+            torch.set_num_threads(args.threads)
+        from rftstream.config import load_config
+        from rftstream.plugins import load_plugins
+        from rftstream.runtime import prepare_run, run_actors
+        from rftstream.up import run_with_signals
+
+        load_plugins(args.plugin_dir)
+        cfg = load_config(args.config, validate=False)
+        run = prepare_run(cfg, run_dir=args.run_dir, nats_url=args.nats_url, source=args.config)
+        roles = tuple(r for r in args.roles.split(",") if r)
+        log.info("running %s of run %s (%.1fs to start)", "+".join(roles), run.names.run, 0.0)
+
+        async def actors() -> None:
+            await run_actors(run, args.nats_url, roles)
+
+        code = run_with_signals(actors)
+    except Exception as exc:  # noqa: BLE001 - the parent reads the reason off the log
+        log.exception("failed: %s", exc)
+        print(f"error: {type(exc).__name__}: {exc}", flush=True)
+        return 1
+    log.info("done after %.1fs (exit %d)", time.time() - t0, code)
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,250 @@
+"""A lean, inference-only forward pass for Llama-family decoders, for the transformers engine.
+
+``transformers`` spends several milliseconds of Python per forward pass on
+decorators, mask builders, cache objects and output records; for the small
+models a CPU runs (and for short decode steps anywhere) that overhead, not
+arithmetic, is what sampling costs. :class:`FastDecoder` runs the same
+computation as ``Qwen2ForCausalLM`` / ``LlamaForCausalLM`` /
+``MistralForCausalLM`` with a few dozen tensor operations per step, on the HF
+module's own parameters (nothing is copied except the fused projection
+weights, rebuilt by :meth:`FastDecoder.refresh` after a weight load), with a
+preallocated KV cache (vLLM does the same with its own model code).
+
+What it computes, per layer: RMSNorm, fused q/k/v projection (with Qwen2's
+biases), rotary embedding from the model's own ``inv_freq`` and
+``attention_scaling``, attention through ``scaled_dot_product_attention``
+(grouped-query heads), output projection, residual, RMSNorm, fused gate/up
+projection, SiLU, down projection, residual; then the final norm and the LM
+head on the last position only. Logits match the HF forward to floating-point
+rounding (the tests check 1e-5 on float32).
+
+:func:`fast_decoder_for` returns None (the caller keeps the HF path) for any
+model it does not cover exactly: other architectures, sliding-window or
+non-full attention layers, activations other than SiLU, RoPE variants whose
+frequencies change with the sequence length, or a model in training mode.
+
+Pure tensor code, no I/O; every call blocks (run it in a worker thread).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+__all__ = ["DecodeSession", "FastDecoder", "fast_decoder_for", "unsupported_reason"]
+
+SUPPORTED_TYPES = ("qwen2", "llama", "mistral")
+STATIC_ROPE = ("default", "linear", "llama3")
+
+
+def unsupported_reason(model: Any) -> str | None:
+    """Why :class:`FastDecoder` cannot run ``model`` exactly, or None if it can."""
+    cfg = getattr(model, "config", None)
+    mtype = getattr(cfg, "model_type", None)
+    if mtype not in SUPPORTED_TYPES:
+        return f"model_type {mtype!r} is not one of {SUPPORTED_TYPES}"
+    if getattr(cfg, "hidden_act", "silu") != "silu":
+        return f"hidden_act {cfg.hidden_act!r} (only silu)"
+    layer_types = getattr(cfg, "layer_types", None) or []
+    if any(t != "full_attention" for t in layer_types):
+        return "sliding-window layers"
+    if mtype == "mistral" and getattr(cfg, "sliding_window", None):
+        return "sliding-window attention"
+    if getattr(cfg, "use_sliding_window", False):
+        return "sliding-window attention"
+    if getattr(cfg, "mlp_bias", False) or getattr(cfg, "pretraining_tp", 1) not in (1, None):
+        return "MLP bias / tensor-parallel pretraining layout"
+    inner = getattr(model, "model", None)
+    rotary = getattr(inner, "rotary_emb", None)
+    if rotary is None or not hasattr(rotary, "inv_freq"):
+        return "no rotary embedding module"
+    if getattr(rotary, "rope_type", "default") not in STATIC_ROPE:
+        return f"rope_type {rotary.rope_type!r} (frequencies depend on the length)"
+    if model.training:
+        return "model in training mode"
+    return None
+
+
+def fast_decoder_for(model: Any) -> FastDecoder | None:
+    """A :class:`FastDecoder` for ``model``, or None when it is not covered exactly."""
+    if unsupported_reason(model) is not None:
+        return None
+    return FastDecoder(model)
+
+
+class _Layer:
+    __slots__ = ("attn_norm", "mlp_norm", "qkv_w", "qkv_b", "o_w", "o_b", "gate_up_w", "down_w")
+
+    def __init__(self, layer: Any) -> None:
+        attn, mlp = layer.self_attn, layer.mlp
+        self.attn_norm = layer.input_layernorm
+        self.mlp_norm = layer.post_attention_layernorm
+        with torch.no_grad():
+            self.qkv_w = torch.cat(
+                [attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight], 0
+            ).contiguous()
+            biases = [attn.q_proj.bias, attn.k_proj.bias, attn.v_proj.bias]
+            self.qkv_b = torch.cat(biases, 0).contiguous() if biases[0] is not None else None
+            self.gate_up_w = torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight], 0).contiguous()
+        self.o_w = attn.o_proj.weight
+        self.o_b = attn.o_proj.bias
+        self.down_w = mlp.down_proj.weight
+
+
+class FastDecoder:
+    """The inference forward of a covered model (see :func:`unsupported_reason`).
+
+    Holds references to the model's parameters; fused q/k/v and gate/up weights
+    are copies, so call :meth:`refresh` after the model's weights change.
+    """
+
+    def __init__(self, model: Any) -> None:
+        reason = unsupported_reason(model)
+        if reason is not None:
+            raise ValueError(f"FastDecoder cannot run this model: {reason}")
+        self.model = model
+        cfg = model.config
+        self.n_heads = int(cfg.num_attention_heads)
+        self.n_kv = int(getattr(cfg, "num_key_value_heads", None) or self.n_heads)
+        self.head_dim = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // self.n_heads)
+        self.q_size = self.n_heads * self.head_dim
+        self.kv_size = self.n_kv * self.head_dim
+        self.eps = float(getattr(cfg, "rms_norm_eps", 1e-6))
+        self.scale = self.head_dim**-0.5
+        inner = model.model
+        self.embed = inner.embed_tokens.weight
+        self.norm = inner.norm
+        self.lm_head = model.get_output_embeddings().weight
+        self.inv_freq = inner.rotary_emb.inv_freq.float()
+        self.rope_scaling = float(getattr(inner.rotary_emb, "attention_scaling", 1.0))
+        self.dtype = self.embed.dtype
+        self.layers: list[_Layer] = []
+        self.refresh()
+
+    def refresh(self) -> None:
+        """Rebuild the fused weights from the model's current parameters."""
+        self.layers = [_Layer(layer) for layer in self.model.model.layers]
+
+    # ------------------------------------------------------------ pieces
+    def _rms(self, x: torch.Tensor, norm: Any) -> torch.Tensor:
+        if x.dtype == torch.float32:
+            return F.rms_norm(x, (x.shape[-1],), norm.weight, self.eps)
+        h = x.to(torch.float32)
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return norm.weight * h.to(x.dtype)
+
+    def _rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin of shape [B, 1, T, head_dim] for integer ``positions`` [B, T]."""
+        freqs = positions[..., None].to(torch.float32) * self.inv_freq.to(positions.device)
+        emb = torch.cat((freqs, freqs), dim=-1)
+        cos = (emb.cos() * self.rope_scaling).to(self.dtype)[:, None]
+        sin = (emb.sin() * self.rope_scaling).to(self.dtype)[:, None]
+        return cos, sin
+
+    @staticmethod
+    def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        half = x.shape[-1] // 2
+        rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+        return x * cos + rotated * sin
+
+    def _forward(
+        self,
+        ids: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        session: DecodeSession,
+        start: int,
+        mask: torch.Tensor,
+    ) -> torch.Tensor:
+        """Run ``ids`` [B, T] at cache columns ``start .. start+T-1``; logits of the last column."""
+        B, T = ids.shape
+        x = F.embedding(ids, self.embed)
+        end = start + T
+        for i, layer in enumerate(self.layers):
+            h = self._rms(x, layer.attn_norm)
+            qkv = F.linear(h, layer.qkv_w, layer.qkv_b)
+            q, k, v = qkv.split((self.q_size, self.kv_size, self.kv_size), dim=-1)
+            q = q.view(B, T, self.n_heads, self.head_dim).transpose(1, 2)
+            k = k.view(B, T, self.n_kv, self.head_dim).transpose(1, 2)
+            v = v.view(B, T, self.n_kv, self.head_dim).transpose(1, 2)
+            q = self._rotate(q, cos, sin)
+            k = self._rotate(k, cos, sin)
+            kc, vc = session.k[i], session.v[i]
+            kc[:, :, start:end] = k
+            vc[:, :, start:end] = v
+            keys, values = kc[:, :, :end], vc[:, :, :end]
+            if self.n_kv != self.n_heads:
+                rep = self.n_heads // self.n_kv
+                keys = keys.repeat_interleave(rep, dim=1)
+                values = values.repeat_interleave(rep, dim=1)
+            a = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=self.scale)
+            a = a.transpose(1, 2).reshape(B, T, self.q_size)
+            x = x + F.linear(a, layer.o_w, layer.o_b)
+            h = self._rms(x, layer.mlp_norm)
+            gate, up = F.linear(h, layer.gate_up_w).chunk(2, dim=-1)
+            x = x + F.linear(F.silu(gate) * up, layer.down_w)
+        last = self._rms(x[:, -1], self.norm)
+        return F.linear(last, self.lm_head)
+
+    # ------------------------------------------------------------ API
+    @torch.inference_mode()
+    def start(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, max_new_tokens: int
+    ) -> tuple[DecodeSession, torch.Tensor]:
+        """Prefill left-padded prompts ``input_ids`` [B, P] (``attention_mask`` 1 on real tokens).
+
+        Returns the session (KV cache for ``P + max_new_tokens`` columns) and the
+        logits [B, vocab] of the next token. Position ids count real tokens only,
+        as in the engine's HF path.
+        """
+        B, P = input_ids.shape
+        device = input_ids.device
+        session = DecodeSession(self, B, P + max(1, max_new_tokens), device)
+        positions = (attention_mask.cumsum(-1) - 1).clamp_min(0)
+        cos, sin = self._rope(positions)
+        keep = attention_mask.bool()
+        causal = torch.ones(P, P, dtype=torch.bool, device=device).tril()
+        # a padding query row sees itself, so it never attends to nothing (no NaN)
+        mask = (causal[None] & keep[:, None, :]) | torch.eye(P, dtype=torch.bool, device=device)
+        session.keys_mask[:, :P] = keep
+        session.next_pos = positions[:, -1] + 1
+        session.length = P
+        logits = self._forward(input_ids, cos, sin, session, 0, mask[:, None])
+        return session, logits.float()
+
+
+class DecodeSession:
+    """The KV cache and positions of one batch being sampled by a :class:`FastDecoder`."""
+
+    def __init__(self, decoder: FastDecoder, batch: int, width: int, device: torch.device) -> None:
+        self.decoder = decoder
+        shape = (batch, decoder.n_kv, width, decoder.head_dim)
+        n = len(decoder.layers)
+        self.k = [torch.empty(shape, dtype=decoder.dtype, device=device) for _ in range(n)]
+        self.v = [torch.empty(shape, dtype=decoder.dtype, device=device) for _ in range(n)]
+        self.keys_mask = torch.zeros(batch, width, dtype=torch.bool, device=device)
+        self.next_pos = torch.zeros(batch, dtype=torch.long, device=device)
+        self.length = 0
+
+    @torch.inference_mode()
+    def step(self, tokens: torch.Tensor, active: torch.Tensor) -> torch.Tensor:
+        """Append one token per row (``tokens`` [B]; rows with ``active`` False are finished:
+        their token is masked out for every later step) and return the next logits [B, vocab]."""
+        d = self.decoder
+        col = self.length
+        self.keys_mask[:, col] = active
+        self.length = col + 1
+        cos, sin = d._rope(self.next_pos[:, None])
+        mask = self.keys_mask[:, None, None, : col + 1]
+        logits = d._forward(tokens[:, None], cos, sin, self, col, mask)
+        self.next_pos = self.next_pos + 1
+        return logits.float()
+
+    def select(self, rows: torch.Tensor) -> None:
+        """Keep only ``rows`` (a LongTensor of row indices) of the batch."""
+        self.k = [t[rows] for t in self.k]
+        self.v = [t[rows] for t in self.v]
+        self.keys_mask = self.keys_mask[rows]
+        self.next_pos = self.next_pos[rows]
