@@ -25,6 +25,7 @@ LOSS_TENSORS: frozenset[str] = frozenset(
         "returns",
         "entropy",
         "rollout_logprob",
+        "rollout_logprob_mask",
     }
 )
 """Tensors the trainer can pass to any policy loss, by ``__call__`` parameter name.
@@ -145,6 +146,7 @@ class TrainBatch:
     advantages: torch.Tensor  # [B, R] float
     returns: torch.Tensor  # [B, R] float
     rollout_logprobs: torch.Tensor  # [B, R] float (zeros where absent)
+    rollout_logprob_mask: torch.Tensor  # [B, R] float: 1 where rollout_logprobs holds one
     rewards: torch.Tensor  # [B] float
     fields: dict[str, torch.Tensor]  # custom per-row fields (e.g. expert_mask)
 
@@ -167,6 +169,7 @@ class TrainBatch:
             advantages=fn(self.advantages),
             returns=fn(self.returns),
             rollout_logprobs=fn(self.rollout_logprobs),
+            rollout_logprob_mask=fn(self.rollout_logprob_mask),
             rewards=fn(self.rewards),
             fields={k: fn(v) for k, v in self.fields.items()},
         )
@@ -186,6 +189,26 @@ def _resp(t: torch.Tensor | None, n: int, width: int, fill: float = 0.0) -> torc
         m = min(n, int(t.numel()))
         out[:m] = t[:m].to(torch.float32)
     return out
+
+
+def has_rollout_logprobs(e: Experience) -> bool:
+    """Whether ``e.logprobs`` are the behaviour policy's: set, not flagged inexact by the
+    engine (``info["logprobs_exact"] is False``), not the zeros MIX gives expert rows."""
+    return (
+        e.logprobs is not None
+        and e.info.get("logprobs_exact", True) is not False
+        and not e.info.get("is_expert", False)
+    )
+
+
+def _rollout_logprob_mask(exps: list[Experience], lengths: list[int], width: int) -> torch.Tensor:
+    """``[B, width]`` float: 1 on the first ``min(response length, len(logprobs))`` tokens
+    of a row with rollout logprobs (:func:`has_rollout_logprobs`), else 0."""
+    n = [
+        min(nr, int(e.logprobs.numel())) if has_rollout_logprobs(e) else 0
+        for e, nr in zip(exps, lengths, strict=True)
+    ]
+    return (torch.arange(width) < torch.tensor(n).unsqueeze(1)).to(torch.float32)
 
 
 def collate(
@@ -263,6 +286,7 @@ def collate(
         advantages=advantages,
         returns=returns,
         rollout_logprobs=rollout_lp,
+        rollout_logprob_mask=_rollout_logprob_mask(exps, [int(r.numel()) for r in responses], R),
         rewards=rewards,
         fields=fields,
     )
