@@ -1,10 +1,11 @@
 """Policy loss functions (``from algorithms.policy_loss_fn import POLICY_LOSS_FN, PolicyLossFn``).
 
-Registered: ``ppo``, ``sft``, ``opmd``, ``mix``, ``gspo``, ``cispo``, ``topr``,
-``sppo``, ``rec``, ``dpo``.
+Registered: ``ppo``, ``decoupled_ppo``, ``sft``, ``opmd``, ``mix``, ``gspo``,
+``cispo``, ``topr``, ``sppo``, ``rec``, ``dpo``.
 """
 
 from algorithms.policy_loss_fn.cispo_policy_loss import CISPOPolicyLossFn
+from algorithms.policy_loss_fn.decoupled_ppo_policy_loss import DecoupledPPOPolicyLossFn
 from algorithms.policy_loss_fn.dpo_loss import DPOLossFn
 from algorithms.policy_loss_fn.gspo_policy_loss import GSPOPolicyLossFn
 from algorithms.policy_loss_fn.mix_policy_loss import MIXPolicyLossFn
@@ -24,6 +25,7 @@ from algorithms.policy_loss_fn.topr_policy_loss import TOPRPolicyLossFn
 __all__ = [
     "CISPOPolicyLossFn",
     "DPOLossFn",
+    "DecoupledPPOPolicyLossFn",
     "GSPOPolicyLossFn",
     "MIXPolicyLossFn",
     "OPMDPolicyLossFn",

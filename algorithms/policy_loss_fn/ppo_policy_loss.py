@@ -58,6 +58,24 @@ class PPOPolicyLossFn(PolicyLossFn):
         advantages: torch.Tensor,
         **kwargs,
     ) -> tuple[torch.Tensor, dict]:
+        pg_losses, metrics = self.token_losses(logprob, old_logprob, action_mask, advantages)
+        pg_loss = masked_loss(pg_losses, action_mask, loss_agg_mode=self.loss_agg_mode)
+        metrics["pg_loss"] = pg_loss.detach().item()
+        return pg_loss, metrics
+
+    def token_losses(
+        self,
+        logprob: torch.Tensor,
+        old_logprob: torch.Tensor,
+        action_mask: torch.Tensor,
+        advantages: torch.Tensor,
+    ) -> tuple[torch.Tensor, dict[str, float]]:
+        """The per-token clipped loss ``(batch, response_len)``, before aggregation, and the
+        clipping metrics (``pg_clipfrac``, ``ppo_kl``, with dual clip ``pg_clipfrac_lower``).
+
+        :meth:`__call__` aggregates it with ``loss_agg_mode``; a subclass may
+        weight it per token first (``decoupled_ppo``).
+        """
         negative_approx_kl = torch.clamp(logprob - old_logprob, min=-20.0, max=20.0)
         ratio = torch.exp(negative_approx_kl)
         ppo_kl = masked_mean(-negative_approx_kl, action_mask)
@@ -82,15 +100,9 @@ class PPOPolicyLossFn(PolicyLossFn):
         else:
             pg_losses = clip_pg_losses1
 
-        pg_loss = masked_loss(pg_losses, action_mask, loss_agg_mode=self.loss_agg_mode)
-        metrics.update(
-            {
-                "pg_clipfrac": pg_clipfrac.detach().item(),
-                "ppo_kl": ppo_kl.detach().item(),
-                "pg_loss": pg_loss.detach().item(),
-            }
-        )
-        return pg_loss, metrics
+        metrics["pg_clipfrac"] = pg_clipfrac.detach().item()
+        metrics["ppo_kl"] = ppo_kl.detach().item()
+        return pg_losses, metrics
 
     @classmethod
     def default_args(cls) -> dict:

@@ -26,6 +26,7 @@ LOSS_TENSORS: frozenset[str] = frozenset(
         "returns",
         "entropy",
         "rollout_logprob",
+        "rollout_logprob_mask",
     }
 )
 """Tensors the trainer can pass to any policy loss, by ``__call__`` parameter name.
@@ -146,6 +147,7 @@ class TrainBatch:
     advantages: torch.Tensor  # [B, R] float
     returns: torch.Tensor  # [B, R] float
     rollout_logprobs: torch.Tensor  # [B, R] float (zeros where absent)
+    rollout_logprob_mask: torch.Tensor  # [B, R] float: 1 where rollout_logprobs holds one
     rewards: torch.Tensor  # [B] float
     fields: dict[str, torch.Tensor]  # custom per-row fields (e.g. expert_mask)
 
@@ -168,6 +170,7 @@ class TrainBatch:
             advantages=fn(self.advantages),
             returns=fn(self.returns),
             rollout_logprobs=fn(self.rollout_logprobs),
+            rollout_logprob_mask=fn(self.rollout_logprob_mask),
             rewards=fn(self.rewards),
             fields={k: fn(v) for k, v in self.fields.items()},
         )
@@ -198,6 +201,26 @@ def _put(dst: np.ndarray, row: int, src: np.ndarray | None, n: int) -> None:
     if src is not None and n:
         m = min(n, src.shape[0])
         dst[row, :m] = src[:m]
+
+
+def has_rollout_logprobs(e: Experience) -> bool:
+    """Whether ``e.logprobs`` are the behaviour policy's: set, not flagged inexact by the
+    engine (``info["logprobs_exact"] is False``), not the zeros MIX gives expert rows."""
+    return (
+        e.logprobs is not None
+        and e.info.get("logprobs_exact", True) is not False
+        and not e.info.get("is_expert", False)
+    )
+
+
+def _rollout_logprob_mask(exps: list[Experience], lengths: list[int], width: int) -> torch.Tensor:
+    """``[B, width]`` float: 1 on the first ``min(response length, len(logprobs))`` tokens
+    of a row with rollout logprobs (:func:`has_rollout_logprobs`), else 0."""
+    n = [
+        min(nr, int(e.logprobs.numel())) if has_rollout_logprobs(e) else 0
+        for e, nr in zip(exps, lengths, strict=True)
+    ]
+    return (torch.arange(width) < torch.tensor(n).unsqueeze(1)).to(torch.float32)
 
 
 def collate(
@@ -283,6 +306,7 @@ def collate(
         advantages=advantages,
         returns=returns,
         rollout_logprobs=rollout_lp,
+        rollout_logprob_mask=_rollout_logprob_mask(exps, [int(r.numel()) for r in responses], R),
         rewards=rewards,
         fields=fields,
     )

@@ -434,6 +434,7 @@ class PolicyTrainer:
             "advantages": mb.advantages,
             "returns": mb.returns,
             "rollout_logprob": mb.rollout_logprobs,
+            "rollout_logprob_mask": mb.rollout_logprob_mask,
             **mb.fields,
         }
         if entropy is not None:

@@ -129,6 +129,7 @@ def test_trainer_tensors() -> None:
         "returns",
         "entropy",
         "rollout_logprob",
+        "rollout_logprob_mask",
     }
 
     class Algo:
