@@ -656,7 +656,7 @@ class ModelWrapper:
                     prompt_text=prompt_text,
                     messages=convo,
                     model_version=c.model_version,
-                    info={"finish_reason": c.finish_reason},
+                    info={**c.info, "finish_reason": c.finish_reason},
                 )
             )
         return exps

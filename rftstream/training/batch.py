@@ -306,7 +306,7 @@ def collate(
         advantages=advantages,
         returns=returns,
         rollout_logprobs=rollout_lp,
-        rollout_logprob_mask=_rollout_logprob_mask(exps, [int(r.numel()) for r in responses], R),
+        rollout_logprob_mask=_rollout_logprob_mask(exps, [r.shape[0] for r in responses], R),
         rewards=rewards,
         fields=fields,
     )
