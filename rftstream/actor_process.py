@@ -252,7 +252,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         cfg = load_config(args.config, validate=False)
         run = prepare_run(cfg, run_dir=args.run_dir, nats_url=args.nats_url, source=args.config)
         roles = tuple(r for r in args.roles.split(",") if r)
-        log.info("running %s of run %s (%.1fs to start)", "+".join(roles), run.names.run, 0.0)
+        log.info(
+            "running %s of run %s (%.1fs to start)",
+            "+".join(roles),
+            run.names.run,
+            time.time() - t0,
+        )
 
         async def actors() -> None:
             await run_actors(run, args.nats_url, roles)

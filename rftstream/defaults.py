@@ -37,7 +37,7 @@ DEFAULT_CONFIG: dict[str, Any] = {
         "sync_method": "checkpoint",
         "sync_style": "dynamic_by_explorer",
         "sync_interval": 1,
-        "max_staleness": 2,
+        "max_staleness": 1,
     },
     "algorithm": {
         "algorithm_type": "grpo",

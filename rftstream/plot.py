@@ -32,6 +32,28 @@ def window_mean(records: list[dict[str, Any]], key: str, first: bool, n: int = 2
     return sum(part) / len(part) if part else None
 
 
+def idle_shares(records: list[dict[str, Any]]) -> tuple[float | None, float | None]:
+    """(trainer, explorer) idle shares of a run after its first step (the first includes
+    everyone's start-up): the trainer's waits over the time from step 1 to the last step,
+    and the explorers' idle time over theirs (each step's ``explorer/idle_share`` weighted
+    by the step's period)."""
+    steady = records[1:]
+    if not steady:
+        return None, None
+    span = sum(float(r.get("time/trainer_step_period") or 0.0) for r in steady)
+    if span <= 0:
+        return None, None
+    waits = sum(float(r.get("time/trainer_wait") or 0.0) for r in steady)
+    weighted = [
+        (float(r["explorer/idle_share"]), float(r.get("time/trainer_step_period") or 0.0))
+        for r in steady
+        if isinstance(r.get("explorer/idle_share"), (int, float))
+    ]
+    covered = sum(w for _, w in weighted)
+    explorer = sum(s * w for s, w in weighted) / covered if covered > 0 else None
+    return min(1.0, waits / span), explorer
+
+
 def plot_metrics(metrics_path: str | Path, out_path: str | Path | None = None) -> Path:
     """Write ``metrics.png`` beside ``metrics.jsonl`` (or at ``out_path``)."""
     import matplotlib

@@ -21,7 +21,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from rftstream.actor_process import split_roles
 from rftstream.bus.server import EmbeddedNatsServer
-from rftstream.plot import plot_metrics, read_metrics, window_mean
+from rftstream.plot import idle_shares, plot_metrics, read_metrics, window_mean
 from rftstream.runtime import PreparedRun, run_actors, start_fresh
 
 
@@ -181,6 +181,16 @@ def run_up(run: PreparedRun, *, console: Console) -> int:
             f"[bold green]done[/] in {elapsed:.0f}s: {len(records)} trainer steps; "
             f"reward/mean first 20 steps {first if first is None else round(first, 3)} -> last 20 {last if last is None else round(last, 3)}"
         )
+        trainer_idle, explorer_idle = idle_shares(records)
+        if trainer_idle is not None:
+            console.print(
+                f"idle after step 1: trainer {trainer_idle:.0%} (waiting for experience)"
+                + (
+                    f", explorers {explorer_idle:.0%} (no task running)"
+                    if explorer_idle is not None
+                    else ""
+                )
+            )
         if cfg.monitor.plot and records:
             png = plot_metrics(metrics_path)
             console.print(f"curves: {png}")

@@ -37,8 +37,18 @@ def test_up_three_steps(tmp_path: Path, tiny_model_path: str) -> None:
     records = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == [1, 2, 3]
     for r in records:
-        for key in ("reward/mean", "staleness/mean", "time/trainer_wait"):
+        for key in ("reward/mean", "staleness/mean", "time/trainer_wait", "trainer/idle_share"):
             assert key in r
+        assert 0.0 <= r["trainer/idle_share"] <= 1.0
+    shares = [r["explorer/idle_share"] for r in records if "explorer/idle_share" in r]
+    assert shares and all(0.0 <= x <= 1.0 for x in shares)
+    assert "idle after step 1: trainer" in " ".join(out.split())
+    # the embedded default runs the explorer and operators in a second process
+    assert "explorer and operators run in process" in " ".join(out.split())
+    rollout_log = (run_dir / "logs" / "rollout.log").read_text()
+    assert "running explorer+operator of run default" in rollout_log
+    assert "done after" in rollout_log and "(exit 0)" in rollout_log
+    assert "FutureWarning" not in out  # the child's library noise stays in its log
     assert (run_dir / "metrics.png").is_file()
     assert (run_dir / "checkpoints" / "global_step_3" / "model.safetensors").is_file()
     assert (run_dir / "nats" / "jetstream").is_dir()
@@ -72,6 +82,39 @@ def test_up_signal_stops_everything(tmp_path: Path, tiny_model_path: str, signum
         _gone, alive = psutil.wait_procs(children, timeout=2)
         assert not alive, f"left running: {alive}"
         assert "stopped by signal" in log.read_text()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
+def test_a_dead_rollout_process_fails_the_run_clearly(tmp_path: Path, tiny_model_path: str) -> None:
+    run_dir = tmp_path / "run"
+    log = tmp_path / "up.log"
+    with open(log, "w") as out:
+        proc = subprocess.Popen(
+            [*RFTSTREAM, "up", "--steps", "1000", "--run-dir", str(run_dir)],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env=user_env(tiny_model_path),
+        )
+    try:
+        deadline = time.time() + 300
+        metrics = run_dir / "metrics.jsonl"
+        while time.time() < deadline and not (metrics.exists() and metrics.read_text().strip()):
+            assert proc.poll() is None, log.read_text()[-3000:]
+            time.sleep(0.5)
+        rollout = [
+            c
+            for c in psutil.Process(proc.pid).children(recursive=True)
+            if "rftstream.actor_process" in " ".join(c.cmdline())
+        ]
+        assert len(rollout) == 1
+        rollout[0].kill()  # as the OOM killer would
+        proc.wait(timeout=60)
+        text = " ".join(log.read_text().split())
+        assert proc.returncode == 2, text[-3000:]  # an RftError, as for a bad config
+        assert "the rollout process (explorer+operator) exited with code -9" in text
+        assert "rollout.log" in text
     finally:
         if proc.poll() is None:
             proc.kill()
