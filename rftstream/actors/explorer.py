@@ -1,20 +1,25 @@
 """The Explorer actor: tasks in, experience groups out.
 
-Taskset: at start the training tasksets (``buffer.explorer_input.taskset``
-and ``tasksets``, see :func:`workflows.tasksets.plan_tasks`) are published
-into ``RFT_<RUN>_TASKS``, once per run: the first explorer claims KV key
-``taskset.published.claim`` and records its progress there after every chunk
-of tasks; ``taskset.published`` marks the end. Another explorer waits; if the
-claim stops moving (its publisher died) for ``claim_stale_s`` seconds it takes
-over (compare-and-set) and publishes the rest; a restarted explorer of the
-same name takes its own claim over at once. ``Nats-Msg-Id``
-``task:<taskset>:<epoch>:<index>`` makes a re-published task a duplicate the
-stream drops (within ``nats.dedup_window``).
+Taskset: the training tasksets (``buffer.explorer_input.taskset`` and
+``tasksets``, see :func:`workflows.tasksets.plan_tasks`) are published into
+``RFT_<RUN>_TASKS`` once per run, in the background while the explorer loads
+its engine and explores, at most ``publish_lead`` tasks ahead of what explorers
+have taken: the first explorer claims KV key ``taskset.published.claim`` and
+records its progress there after every chunk of tasks (and every
+``claim_keepalive_s`` while it waits); ``taskset.published`` marks the end.
+Another explorer explores what is there; if the claim stops moving (its
+publisher died) for ``claim_stale_s`` seconds it takes over (compare-and-set)
+and publishes the rest; a restarted explorer of the same name takes its own
+claim over at once. ``Nats-Msg-Id`` ``task:<taskset>:<epoch>:<index>`` makes a
+re-published task a duplicate the stream drops (within ``nats.dedup_window``).
+An explorer is out of tasks only when the queue is drained *and* the plan is
+published.
 
 Steps: the explorer pulls ``buffer.batch_size`` tasks from the shared durable,
-runs their workflows concurrently (at most ``explorer.runner_num`` at a time)
-against the rollout engine, and publishes one message per task group to
-``exp.raw``. A restarted explorer continues the step count it left in KV
+runs their workflows concurrently (at most ``explorer.runner_num`` tasks at a
+time, across steps: the next step starts as soon as the tasks in flight leave
+room for it, so a slow task never holds later steps back) against the rollout
+engine, and publishes one message per task group to ``exp.raw``. A restarted explorer continues the step count it left in KV
 (``explorer.<name>.step``) and the work queue where it was: every task
 carries its taskset, epoch and row index.
 
@@ -69,7 +74,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import anyio
@@ -123,6 +128,7 @@ class Explorer(EvaluationMixin):
     role = "explorer"
     claim_stale_s = 30.0  # a taskset claim unchanged this long belongs to a dead publisher
     claim_keepalive_s = 5.0
+    publish_lead = 1024  # tasks published ahead of the explorers (the rest as they are taken)
 
     def __init__(
         self,
@@ -309,7 +315,10 @@ class Explorer(EvaluationMixin):
                     tg.start_soon(publish, msg)
             if errors:
                 raise errors[0]
-            await progress(min(lo + PUBLISH_CHUNK, len(plan)))
+            done = min(lo + PUBLISH_CHUNK, len(plan))
+            await progress(done)
+            if done < len(plan):
+                await self._stay_ahead(progress, done)
         per_set = {p.name: p.rows * p.epochs for p in plans}
         await state.put_json(
             KV_TASKSET,
@@ -328,6 +337,29 @@ class Explorer(EvaluationMixin):
             len(plan) - start,
             ", ".join(f"{p.name}: {p.rows} rows x {p.epochs} epochs" for p in plans),
         )
+
+    async def _stay_ahead(self, progress: Callable[[int], Awaitable[None]], seq: int) -> None:
+        """Wait while ``publish_lead`` tasks or more wait in the queue, keeping the claim alive.
+
+        The plan is published as it is consumed, not all at once: a long run's
+        tens of thousands of tasks would otherwise take the explorer's first
+        seconds (and their CPU) before any rollout.
+        """
+        n = self.names
+        last = time.monotonic()
+        while True:
+            try:
+                info = await self.bus.js.consumer_info(n.tasks_stream, n.explorer_consumer)
+                waiting = int(info.num_pending or 0)
+            except nats.js.errors.Error as exc:
+                log.warning("%s: task queue info: %s; publishing on", self.name, exc)
+                return
+            if waiting < self.publish_lead:
+                return
+            if time.monotonic() - last >= self.claim_keepalive_s:
+                await progress(seq)  # raises _ClaimLost when another explorer took over
+                last = time.monotonic()
+            await anyio.sleep(0.25)
 
     async def _publish_task(self, msg: TaskMsg) -> None:
         await self.bus.publish(
@@ -359,8 +391,6 @@ class Explorer(EvaluationMixin):
 
         ``mode: bench`` evaluates instead (:func:`rftstream.actors.bench.run_bench`).
         """
-        from rftstream.engines.rollout import rollout_model
-        from workflows.runner import WorkflowRunner
 
         state = RunState(await self.bus.kv())
         self.state = state
@@ -369,7 +399,17 @@ class Explorer(EvaluationMixin):
 
             await run_bench(self, state, engine=engine)
             return
-        await self.publish_taskset(state)
+        async with anyio.create_task_group() as publishing:
+            # the plan is published while the engine loads and the first tasks run
+            publishing.start_soon(self.publish_taskset, state)
+            await self._explore_all(state, engine)
+            publishing.cancel_scope.cancel()
+
+    async def _explore_all(self, state: RunState, engine: Any) -> None:
+        """Load the engine and explore until the run ends (see :meth:`run`)."""
+        from rftstream.engines.rollout import rollout_model
+        from workflows.runner import WorkflowRunner
+
         await self._load_eval_tasksets()
         self.step = int(await state.get_json(KV_EXPLORER_STEP.format(name=self.name)) or 0)
         if self.step:

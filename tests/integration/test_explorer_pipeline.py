@@ -125,3 +125,48 @@ async def _key_changes(url: str) -> None:
 
 def test_key_changes_wake_on_watched_writes(nats_url: str) -> None:
     anyio.run(_key_changes, nats_url, backend="asyncio")
+
+
+def test_the_plan_is_published_as_it_is_taken(
+    tmp_path: Path, tiny_model_path: str, nats_url: str
+) -> None:
+    """With ``publish_lead`` tasks waiting the publisher stops (the claim kept alive); taking
+    tasks lets it go on; the record comes after the last task."""
+    from rftstream.actors.explorer import PUBLISH_CHUNK, Explorer
+    from rftstream.runtime import provision
+    from rftstream.subjects import KV_TASKSET_CLAIM
+
+    data = small_config(tmp_path, tiny_model_path)
+    data["buffer"]["total_epochs"] = 2  # 100 rows x 2 epochs = 200 tasks
+    run = prepare_run(config_from_dict(data))
+    names = run.names
+
+    async def main() -> None:
+        await provision(run, nats_url)
+        async with await Bus.connect(nats_url, names, run.cfg.nats, "explorer") as bus:
+            state = RunState(await bus.kv())
+            explorer = Explorer(run.cfg, bus, model_path=run.model_path, name="explorer")
+            explorer.publish_lead = 10
+            explorer.claim_keepalive_s = 0.3
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(explorer.publish_taskset, state)
+                await anyio.sleep(1.5)
+                info = await bus.js.stream_info(names.tasks_stream)
+                assert info.state.messages == PUBLISH_CHUNK  # one chunk, then it waits
+                assert await state.taskset() is None
+                first = await state.kv.get(KV_TASKSET_CLAIM)
+                await anyio.sleep(0.8)
+                assert (await state.kv.get(KV_TASKSET_CLAIM)).revision > first.revision  # alive
+                consumer = await bus.pull(names.tasks_stream, names.explorer_consumer)
+                taken = 0
+                with anyio.fail_after(60):
+                    while await state.taskset() is None or taken < 200:
+                        for m in await consumer.fetch(32, timeout=0.5):
+                            await m.ack()
+                            taken += 1
+                assert taken == 200
+                await consumer.unsubscribe()
+            record = await state.taskset()
+            assert record is not None and record.count == 200
+
+    anyio.run(main, backend="asyncio")
