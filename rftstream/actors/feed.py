@@ -237,6 +237,19 @@ class ExperienceFeed:
             self.messages_accepted += 1
             self.last_received = time.monotonic()
 
+    async def prefetch(self, n: int, timeout: float = 0.5) -> None:
+        """Fetch until ``n`` experiences are buffered; meant to run beside a training step
+        and be cancelled when the step ends. Blocks until then.
+
+        Only the current consumer is read (retired ones and splice requests wait for
+        :meth:`read`); nothing is acked. Cancelling loses nothing: a cancelled fetch
+        takes no message, and fetched messages are always buffered (shielded).
+        """
+        while len(self._buffer) < n:
+            msgs = await self.consumer.fetch(self._to_fetch(n), timeout=timeout)
+            with anyio.CancelScope(shield=True):
+                await self._accept(msgs)
+
     async def read(self, n: int) -> list[Experience]:
         """Take ``n`` experiences (fewer only when the upstream is exhausted). Blocks."""
         t0 = time.perf_counter()

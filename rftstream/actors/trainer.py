@@ -264,7 +264,20 @@ class Trainer:
         total = self.cfg.buffer.total_steps
         status = "failed"
         try:
+            records, to_emit = anyio.create_memory_object_stream[dict[str, Any]](math.inf)
+            emitted = anyio.Event()
+
+            async def emitter() -> None:
+                """Each step's record, in order: KV, metrics stream, metrics.jsonl, on_step."""
+                try:
+                    async with to_emit:
+                        async for record in to_emit:
+                            await self._emit(state, record)
+                finally:
+                    emitted.set()
+
             async with anyio.create_task_group() as tg:
+                tg.start_soon(emitter)
                 tg.start_soon(ticker.run)
                 tg.start_soon(
                     heartbeat_loop,
@@ -288,7 +301,11 @@ class Trainer:
                     staleness = [
                         self.version - int(e.model_version) for e in batch if _from_rollout(e)
                     ]
-                    train_metrics = await anyio.to_thread.run_sync(trainer.train_step, batch)
+                    async with anyio.create_task_group() as beside:
+                        if self.cfg.mode != "train":  # the next batch arrives while this trains
+                            beside.start_soon(feed.prefetch, self.cfg.buffer.train_batch_size)
+                        train_metrics = await anyio.to_thread.run_sync(trainer.train_step, batch)
+                        beside.cancel_scope.cancel()
                     self.step = step
                     self.version = step
                     self.trained += len(batch)
@@ -313,7 +330,9 @@ class Trainer:
                     record["trainer/idle_share"] = min(1.0, wait / max(now - last_end, 1e-9))
                     record["time/trainer_step_period"] = now - last_end
                     last_end = now
-                    await self._emit(state, record)
+                    records.send_nowait(record)  # written by the emitter while training goes on
+                records.close()
+                await emitted.wait()
                 tg.cancel_scope.cancel()
             final = await anyio.to_thread.run_sync(
                 trainer.save_hf_checkpoint, self.checkpoint_dir / f"global_step_{self.step}"
@@ -487,17 +506,19 @@ class Trainer:
         return record
 
     async def _emit(self, state: RunState, record: dict[str, Any]) -> None:
+        """Publish one step's record: ``trainer.step`` in KV first (it wakes explorers paused
+        by ``max_staleness``), then the metrics stream, ``metrics.jsonl`` and ``on_step``."""
+        await state.put_json(KV_TRAINER_STEP, record["step"])
+        values = {
+            k: float(v) for k, v in record.items() if isinstance(v, (int, float)) and k != "step"
+        }
+        await self.bus.publish_metrics(self.role, record["step"], values)
         line = (
             json.dumps(record, allow_nan=False, default=float)
             if _finite(record)
             else json.dumps(nan_to_none(record))
         )
         await anyio.to_thread.run_sync(append_line, self.metrics_path, line)
-        values = {
-            k: float(v) for k, v in record.items() if isinstance(v, (int, float)) and k != "step"
-        }
-        await self.bus.publish_metrics(self.role, record["step"], values)
-        await state.put_json(KV_TRAINER_STEP, record["step"])
         if self.on_step is not None:
             self.on_step(record)
 

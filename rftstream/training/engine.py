@@ -300,7 +300,7 @@ class PolicyTrainer:
 
     def train_step(self, exps: list[Experience]) -> dict[str, float]:
         """One optimizer step on ``exps``; returns averaged metrics. Blocks."""
-        t0 = time.perf_counter()
+        t0, cpu0 = time.perf_counter(), time.thread_time()
         mp = self.cfg.model
         # a Trinity-style strategy returns Experiences.gather_experiences(..., custom_fields=...)
         custom = list(self.custom_fields)
@@ -391,6 +391,7 @@ class PolicyTrainer:
         mask = batch.response_mask
         out["response_length/mean"] = float(mask.sum(1).mean())
         out["time/train_step"] = time.perf_counter() - t0
+        out["time/train_step_cpu"] = time.thread_time() - cpu0  # this thread's CPU time
         return out
 
     def _actor_weight(self, rows: int, rows_weight: float) -> float:
