@@ -7,23 +7,39 @@ backend.
 
 Blocking and cancellation:
 
-* :meth:`Bus.publish` waits for the server's ack (bounded by ``timeout`` and
-  retried with the same ``Nats-Msg-Id``, so a retried publish is stored once)
-  and for room under ``max_inflight_bytes``. Cancelling it may leave the
-  message stored or not; republishing with the same id is always safe.
+* :meth:`Bus.publish` waits for room under ``max_inflight_bytes`` (only when
+  there is none: it does not yield to the event loop otherwise) and for the
+  stream's ack (each attempt bounded by ``timeout``, retried with the same
+  ``Nats-Msg-Id``, so a retried publish is stored once). Cancelling it may
+  leave the message stored or not; republishing with the same id is always
+  safe. Its bytes are given back synchronously, cancelled or not.
 * :meth:`PullConsumer.fetch` waits up to ``timeout`` and returns ``[]`` when
-  nothing arrived. Messages are never acked here: the caller acks.
+  nothing arrived. Messages are never acked here: the caller acks (or naks,
+  terms, or lets ``ack_wait`` redeliver them).
+
+The hot paths cost about what raw nats-py costs, or less (see
+``benchmarks/bus.py``): every await that is not a wait for the server is
+avoided (an ``anyio.Condition`` around every publish made each one take
+several event-loop turns, each as long as whatever else the loop runs, e.g.
+a consumer decoding a batch), publish replies come through one inbox
+subscription (:class:`_Replies`) and fetches read the subscription's queue
+directly (nats-py's ``fetch`` makes a task, a uuid and a ``wait_for`` per
+message).
 """
 
 from __future__ import annotations
 
+import asyncio
+import json
 import logging
 import math
 import time
+from collections import deque
 from collections.abc import Sequence
 from typing import Any
 
 import anyio
+import msgspec
 import nats
 import nats.errors
 import nats.js.errors
@@ -53,46 +69,285 @@ log = logging.getLogger(__name__)
 SCHEMA_META = "rft.experience.v1"
 
 
-class InflightLimiter:
-    """Caps the bytes of publishes awaiting their ack.
+_STATUS = api.Header.STATUS
+_HEARTBEAT = "100"
+_END_STATUSES = ("404", "408", "409")  # no messages, request expired, request ended (conflict)
 
-    :meth:`acquire` blocks while ``inflight + n > limit`` (one message larger
-    than the limit is let through alone).
+
+class _PubAckMsg(msgspec.Struct, gc=False):
+    """A JetStream publish reply: the ack, or ``error`` (code, err_code, description)."""
+
+    stream: str = ""
+    seq: int = 0
+    domain: str | None = None
+    duplicate: bool | None = None
+    error: dict[str, Any] | None = None
+
+
+_PUBACK_DECODER = msgspec.json.Decoder(_PubAckMsg)
+
+
+def _expire(fut: asyncio.Future[Msg]) -> None:
+    if not fut.done():
+        fut.set_exception(nats.errors.TimeoutError())
+
+
+class _Replies:
+    """Request/reply for JetStream publishes on one connection.
+
+    ``nc.request`` makes a NUID and reads ``os.urandom`` for every request's
+    token and waits through ``asyncio.wait_for``; here one wildcard inbox
+    subscription (made on first use) serves every publish, a token is a
+    counter, and the wait is one timer. The subscription is restored with the
+    connection after a reconnect; a reply lost meanwhile is a timeout.
+    """
+
+    def __init__(self, nc: NatsClient) -> None:
+        self.nc = nc
+        self._prefix = ""
+        self._sub: Any = None
+        self._starting: anyio.Event | None = None
+        self._pending: dict[str, asyncio.Future[Msg]] = {}
+        self._count = 0
+
+    async def _start(self) -> None:
+        while self._sub is None:
+            if self._starting is not None:  # another publish is subscribing
+                await self._starting.wait()
+                continue
+            self._starting = anyio.Event()
+            try:
+                prefix = self.nc.new_inbox()
+                self._sub = await self.nc.subscribe(f"{prefix}.*", cb=self._on_reply)
+                self._prefix = prefix
+            finally:
+                self._starting.set()
+                self._starting = None
+
+    async def _on_reply(self, msg: Msg) -> None:
+        fut = self._pending.pop(msg.subject[len(self._prefix) + 1 :], None)
+        if fut is None or fut.done():
+            return  # a reply after its timeout or cancel
+        if not msg.data and msg.headers and msg.headers.get(_STATUS) == "503":
+            fut.set_exception(nats.js.errors.NoStreamResponseError())  # no stream for the subject
+        else:
+            fut.set_result(msg)
+
+    async def request(
+        self, subject: str, data: bytes, headers: dict[str, str] | None, timeout: float
+    ) -> Msg:
+        """Publish with a reply subject; block until the reply, at most ``timeout`` s.
+
+        Raises ``nats.errors.TimeoutError`` after ``timeout``. Cancelling it
+        forgets the request (the message may be stored or not).
+        """
+        if self._sub is None:
+            await self._start()
+        self._count += 1
+        token = str(self._count)
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future[Msg] = loop.create_future()
+        self._pending[token] = fut
+        try:
+            await self.nc.publish(subject, data, reply=f"{self._prefix}.{token}", headers=headers)
+            timer = loop.call_later(timeout, _expire, fut)
+            try:
+                return await fut
+            finally:
+                timer.cancel()
+        finally:
+            self._pending.pop(token, None)
+
+
+class _Waiter:
+    __slots__ = ("n", "event", "granted")
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+        self.event = anyio.Event()
+        self.granted = False
+
+
+class InflightLimiter:
+    """Caps the bytes of publishes awaiting their ack (DESIGN §8: thousands of
+    large messages in flight make the server answer 429 and drop).
+
+    :meth:`acquire` returns at once, without yielding to the event loop, while
+    ``inflight + n <= limit`` and nobody is waiting; otherwise it blocks in
+    FIFO order until releases make room (one message larger than the limit is
+    let through alone, when nothing else is in flight). :meth:`release` is
+    synchronous: it never blocks, so a ``finally`` of a cancelled publish gives
+    its bytes back without a shielded scope, and it hands the room directly
+    to the waiters it wakes. Cancelling a blocked :meth:`acquire` takes
+    nothing (or gives back what was granted at the same moment).
     """
 
     def __init__(self, limit: int) -> None:
         self.limit = max(1, limit)
         self.inflight = 0
-        self._cond = anyio.Condition()
+        self._waiters: deque[_Waiter] = deque()
+
+    def _fits(self, n: int) -> bool:
+        return self.inflight == 0 or self.inflight + n <= self.limit
+
+    @property
+    def waiting(self) -> int:
+        """Acquires blocked for room."""
+        return len(self._waiters)
 
     async def acquire(self, n: int) -> None:
-        async with self._cond:
-            while self.inflight > 0 and self.inflight + n > self.limit:
-                await self._cond.wait()
+        if not self._waiters and self._fits(n):
             self.inflight += n
+            return
+        waiter = _Waiter(n)
+        self._waiters.append(waiter)
+        try:
+            await waiter.event.wait()
+        except BaseException:
+            if waiter.granted:
+                self.release(n)
+            else:
+                self._waiters.remove(waiter)
+                self._wake()  # the head left: the next ones may fit now
+            raise
 
-    async def release(self, n: int) -> None:
-        async with self._cond:
-            self.inflight -= n
-            self._cond.notify_all()
+    def release(self, n: int) -> None:
+        self.inflight -= n
+        self._wake()
+
+    def _wake(self) -> None:
+        while self._waiters and self._fits(self._waiters[0].n):
+            waiter = self._waiters.popleft()
+            self.inflight += waiter.n
+            waiter.granted = True
+            waiter.event.set()
 
 
 class PullConsumer:
-    """A bound pull subscription on a durable consumer (shared by all replicas)."""
+    """A bound pull subscription on a durable consumer (shared by all replicas).
+
+    Messages are never acked here: the caller acks (or naks, terms, or lets
+    ``ack_wait`` expire) each message :meth:`fetch` returned.
+    """
 
     def __init__(self, sub: Any, stream: str, durable: str) -> None:
         self._sub = sub
         self.stream = stream
         self.durable = durable
+        # nats-py's fetch waits for every message through `Subscription.next_msg`,
+        # which makes a uuid, a task and a `wait_for` per message (about 25 us, as
+        # much as decoding a group): `fetch` reads the subscription's queue itself
+        # when the nats-py in use has the attributes it needs.
+        inner = getattr(sub, "_sub", None)
+        self._queue: asyncio.Queue[Msg] | None = getattr(inner, "_pending_queue", None)
+        self._nc: NatsClient | None = getattr(sub, "_nc", None)
+        self._nms: str | None = getattr(sub, "_nms", None)
+        self._deliver: str | None = getattr(sub, "_deliver", None)
+        self._direct = (
+            isinstance(self._queue, asyncio.Queue)
+            and hasattr(inner, "_pending_size")
+            and self._nc is not None
+            and isinstance(self._nms, str)
+            and isinstance(self._deliver, str)
+        )
 
     async def fetch(self, batch: int, timeout: float) -> list[Msg]:
-        """Fetch up to ``batch`` messages, waiting up to ``timeout`` s; ``[]`` if none came."""
+        """Fetch up to ``batch`` messages, waiting up to ``timeout`` s; ``[]`` if none came.
+
+        Blocks until ``batch`` messages are in hand, or the server says it has
+        no more for now (returning what came), or ``timeout`` passes. Messages
+        delivered for an earlier fetch that gave up are returned first.
+        Nothing is acked. Cancelling it loses nothing: a message delivered
+        after the cancel stays queued for the next fetch (or, unfetched, is
+        redelivered after ``ack_wait``). Raises :class:`BusError` when the
+        connection is closed or the server rejects the pull request.
+        """
+        if batch < 1:
+            raise ValueError(f"fetch: batch must be >= 1, got {batch}")
+        if timeout <= 0:
+            raise ValueError(f"fetch: timeout must be > 0, got {timeout}")
         try:
+            if self._direct:
+                return await self._fetch_direct(batch, timeout)
             return list(await self._sub.fetch(batch=batch, timeout=timeout))
         except (nats.errors.TimeoutError, TimeoutError):
             return []
         except nats.errors.ConnectionClosedError as exc:
             raise BusError(f"consumer {self.stream}/{self.durable}: connection closed") from exc
+        except nats.js.errors.APIError as exc:
+            raise BusError(f"consumer {self.stream}/{self.durable}: pull rejected: {exc}") from exc
+
+    # -- the direct fetch: nats-py's protocol (a no-wait probe, then one lingering
+    # request), reading the subscription's queue without a task per message
+    def _took(self, msg: Msg) -> Msg:
+        self._sub._sub._pending_size -= len(msg.data)
+        self._queue.task_done()  # type: ignore[union-attr] # the subscription's drain() joins it
+        return msg
+
+    async def _next(self, deadline: float) -> Msg | None:
+        """The next delivered message (or status), or None at ``deadline``."""
+        queue = self._queue
+        assert queue is not None
+        if not queue.empty():
+            return self._took(queue.get_nowait())
+        left = deadline - time.monotonic()
+        if left > 0:
+            # asyncio.Queue.get is cancel-safe: cancelled, it has taken nothing
+            with anyio.move_on_after(left):
+                return self._took(await queue.get())
+        if self._nc is not None and self._nc.is_closed:
+            raise nats.errors.ConnectionClosedError
+        return None
+
+    async def _request(self, batch: int, expires: float | None, no_wait: bool) -> None:
+        req: dict[str, Any] = {"batch": batch}
+        if expires is not None:
+            req["expires"] = max(int(expires * 1e9) - 100_000, 1)  # ns, ends before we give up
+        if no_wait:
+            req["no_wait"] = True
+        await self._nc.publish(self._nms, json.dumps(req).encode(), self._deliver)  # type: ignore[union-attr,arg-type]
+
+    async def _collect(self, msgs: list[Msg], batch: int, deadline: float, probe: bool) -> None:
+        """Append deliveries of the pending request to ``msgs`` until it ends, ``batch`` or ``deadline``."""
+        while len(msgs) < batch:
+            msg = await self._next(deadline)
+            if msg is None:
+                return
+            status = msg.headers.get(_STATUS) if msg.headers else None
+            if not status:
+                msgs.append(msg)
+            elif status == _HEARTBEAT:
+                continue
+            elif status not in _END_STATUSES:
+                raise nats.js.errors.APIError.from_msg(msg)
+            elif probe or msgs:
+                return  # this request is over: no more messages for now
+            # else a lingering request ended empty-handed (a stale 408 of an earlier
+            # fetch, a 409): wait out the deadline rather than make the caller spin
+
+    async def _fetch_direct(self, batch: int, timeout: float) -> list[Msg]:
+        queue = self._queue
+        assert queue is not None
+        deadline = time.monotonic() + timeout
+        msgs: list[Msg] = []
+        while len(msgs) < batch and not queue.empty():
+            msg = self._took(queue.get_nowait())
+            if not (msg.headers and msg.headers.get(_STATUS)):
+                msgs.append(msg)  # statuses left over were meant for earlier requests
+        if len(msgs) >= batch:
+            return msgs
+        # the probe: what is there now, at once (nats-server holds a no_wait request
+        # that has `expires` until something arrives: `expires` only when empty-handed)
+        await self._request(batch - len(msgs), None if msgs else timeout, no_wait=True)
+        await self._collect(msgs, batch, deadline, probe=True)
+        if msgs:
+            return msgs
+        left = deadline - time.monotonic()
+        if left < 0.001:
+            return msgs
+        await self._request(batch, left, no_wait=False)  # lingers until messages or `left`
+        await self._collect(msgs, batch, deadline, probe=False)
+        return msgs
 
     async def info(self) -> api.ConsumerInfo:
         return await self._sub.consumer_info()
@@ -114,6 +369,7 @@ class Bus:
         self.cfg = cfg
         self.actor = actor
         self._limiter = InflightLimiter(cfg.max_inflight_bytes)
+        self._replies = _Replies(nc)
         self._kv: KeyValue | None = None
 
     # ------------------------------------------------------------ lifecycle
@@ -363,8 +619,14 @@ class Bus:
 
         Checks payload + headers against ``max_payload`` first (the client
         checks only the payload; an over-size message would make the server
-        drop the connection). A timed-out publish is retried with the same
-        ``Nats-Msg-Id`` (the stream deduplicates it).
+        drop the connection), raising :class:`PayloadTooLargeError`. Blocks
+        while ``max_inflight_bytes`` are awaiting acks, then until the stream
+        acks (each attempt at most ``timeout`` s). A timed-out publish (or one
+        answered 429/503, or with no stream) is retried up to ``retries`` times
+        with the same ``Nats-Msg-Id`` (the stream deduplicates it), then raises
+        :class:`BusError`; a rejection raises :class:`BusError` at once.
+        Cancelling it may leave the message stored or not, and gives its bytes
+        back at once.
         """
         hdrs = dict(headers or {})
         if msg_id is not None:
@@ -379,9 +641,7 @@ class Bus:
             delay = 0.2
             for attempt in range(retries + 1):
                 try:
-                    return await self.js.publish(
-                        subject, data, timeout=timeout, headers=hdrs or None
-                    )
+                    return await self._js_publish(subject, data, hdrs or None, timeout)
                 except (
                     nats.errors.TimeoutError,
                     TimeoutError,
@@ -402,8 +662,30 @@ class Bus:
                 delay = min(delay * 2, 5.0)
             raise AssertionError("unreachable")
         finally:
-            with anyio.CancelScope(shield=True):  # a cancelled publish must give its bytes back
-                await self._limiter.release(size)
+            self._limiter.release(size)  # synchronous: a cancelled publish gives its bytes back
+
+    async def _js_publish(
+        self, subject: str, data: bytes, headers: dict[str, str] | None, timeout: float
+    ) -> api.PubAck:
+        """What ``js.publish`` does: one request, the stream's ack (or error) as the reply.
+
+        Cheaper per message: the reply comes through :class:`_Replies` and the ack
+        is parsed by msgspec (``json.loads`` + ``PubAck.from_response`` cost about
+        7 us). Raises what ``js.publish`` raises: ``nats.errors.TimeoutError``
+        after ``timeout``, ``NoStreamResponseError``, ``APIError`` subclasses.
+        """
+        msg = await self._replies.request(subject, data, headers, timeout)
+        try:
+            ack = _PUBACK_DECODER.decode(msg.data)
+        except msgspec.DecodeError as exc:
+            raise BusError(
+                f"{self.actor}: publish to {subject}: unreadable ack {msg.data[:200]!r}"
+            ) from exc
+        if ack.error is not None:
+            nats.js.errors.APIError.from_error(ack.error)  # raises
+        return api.PubAck(
+            stream=ack.stream, seq=ack.seq, domain=ack.domain, duplicate=ack.duplicate
+        )
 
     async def publish_encoded(self, subject: str, msg: EncodedMessage) -> api.PubAck:
         return await self.publish(subject, msg.data, headers=msg.headers, msg_id=msg.msg_id)
@@ -411,7 +693,13 @@ class Bus:
     async def publish_group(
         self, stage: str, exps: Sequence[Experience], *, msg_id: str, group_id: str | None = None
     ) -> int:
-        """Publish one task group to ``exp.<stage>`` (split under max_payload). Returns messages stored (not dups)."""
+        """Publish one task group to ``exp.<stage>`` (split under max_payload). Returns messages stored (not dups).
+
+        Encodes the group (:func:`pack_group`), then publishes its parts one after
+        the other through :meth:`publish`, blocking for each one's ack. Cancelled
+        or failed part-way, some parts may be stored: publishing the same group
+        again with the same ``msg_id`` stores only the others.
+        """
         subject = self.names.exp_subject(stage)
         stored = 0
         for part in pack_group(
