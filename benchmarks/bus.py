@@ -16,7 +16,9 @@ by ``Bus.provision`` (so both sides use the same stream and consumer config).
 
 Scenarios: producer and consumer at once (the headline: one process, two
 connections, as two actors of ``rftstream up`` would be), publish alone,
-consume alone (a stream pre-filled with the same bytes). In each round the two
+consume alone (a stream pre-filled with the same bytes), and, to tell the bus
+from the codec, producer and consumer at once with rftstream's bus carrying the
+pre-encoded body (``Bus.publish``) and decoding as the raw side does. In each round the two
 sides of a scenario run back to back, so each round's ratio rftstream / raw
 compares runs under the same load from other processes; the table shows the
 medians of the rounds (and the range of the ratios). Target: >= 0.8x with
@@ -107,9 +109,17 @@ async def _workers(n: int, fn: Callable[[int], Awaitable[object]]) -> None:
             tg.start_soon(worker)
 
 
-async def rft_publish(bus: Bus, wl: Workload, n: int, tag: str) -> None:
-    async def one(i: int) -> None:
-        await bus.publish_group(RAW_STAGE, wl.group, msg_id=f"{tag}.{i}")
+async def rft_publish(bus: Bus, wl: Workload, n: int, tag: str, codec: bool = True) -> None:
+    if codec:
+
+        async def one(i: int) -> None:
+            await bus.publish_group(RAW_STAGE, wl.group, msg_id=f"{tag}.{i}")
+
+    else:  # the bus alone: the pre-encoded body and headers, as the raw side sends them
+        subject = bus.names.exp_subject(RAW_STAGE)
+
+        async def one(i: int) -> None:
+            await bus.publish(subject, wl.body, headers=wl.headers, msg_id=f"{tag}.{i}")
 
     await _workers(n, one)
 
@@ -123,12 +133,15 @@ async def raw_publish(js, subject: str, wl: Workload, n: int, tag: str) -> None:
     await _workers(n, one)
 
 
-async def rft_consume(bus: Bus, names: RunNames, n: int) -> int:
+async def rft_consume(bus: Bus, names: RunNames, n: int, codec: bool = True) -> int:
     consumer = await bus.pull(names.exp_stream, names.stage_consumer(RAW_STAGE, TRAIN_STAGE))
     got = exps = 0
     while got < n:
         for m in await consumer.fetch(FETCH_BATCH, timeout=FETCH_TIMEOUT):
-            exps += len(decode_group(m.data))
+            if codec:
+                exps += len(decode_group(m.data))
+            else:  # the bus alone: decoded as the raw side decodes
+                exps += len(_RAW_DECODER.decode(m.data).experiences)
             await m.ack()
             got += 1
     await consumer.unsubscribe()
@@ -187,8 +200,9 @@ async def measure(
         if side == "rftstream":  # two actors' connections, as Bus.connect makes them
             pbus = await Bus.connect(url, names, cfg, "producer")
             cbus = await Bus.connect(url, names, cfg, "consumer")
-            produce = lambda: rft_publish(pbus, wl, n, run)  # noqa: E731
-            consume = lambda: rft_consume(cbus, names, n)  # noqa: E731
+            codec = scenario != "bus"
+            produce = lambda: rft_publish(pbus, wl, n, run, codec)  # noqa: E731
+            consume = lambda: rft_consume(cbus, names, n, codec)  # noqa: E731
             conns = [pbus.nc, cbus.nc]
         else:  # two plain nats-py connections, default options
             pnc, cnc = await nats.connect(url), await nats.connect(url)
@@ -198,9 +212,9 @@ async def measure(
         try:
             s0, c0, t0 = _server_cpu(pid), time.process_time(), time.perf_counter()
             async with anyio.create_task_group() as tg:
-                if scenario in ("concurrent", "publish"):
+                if scenario in ("concurrent", "bus", "publish"):
                     tg.start_soon(produce)
-                if scenario in ("concurrent", "consume"):
+                if scenario in ("concurrent", "bus", "consume"):
                     tg.start_soon(consume)
             dt, cpu, s1 = time.perf_counter() - t0, time.process_time() - c0, _server_cpu(pid)
         finally:
@@ -225,6 +239,7 @@ SCENARIOS = (
     ("concurrent", "producer + consumer at once"),
     ("publish", "publish alone"),
     ("consume", "consume alone"),
+    ("bus", "at once, bus only (no codec)"),
 )
 
 
