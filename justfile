@@ -28,7 +28,16 @@ lint: setup
     {{venv}}/bin/ruff format --check .
 
 # benchmarks: print figures and ratios against a baseline measured in the same run
-# (codec and bus; then MIX vs GRPO reward per step, a few minutes on CPU; `just bench --quick`)
+# (codec; the bus against raw nats-py; MIX vs GRPO reward per step; `just bench --quick`),
+# then rftstream against TRL's GRPOTrainer on the same workload (about 10 minutes on CPU)
 bench *ARGS: setup
+    {{py}} -m pip install -q --disable-pip-version-check -e '.[bench]'
     {{py}} benchmarks/run.py {{ARGS}}
+    {{py}} benchmarks/bus.py {{ARGS}}
     {{py}} benchmarks/mix_vs_grpo.py {{ARGS}}
+    {{py}} benchmarks/vs_trl.py
+
+# rftstream against TRL's GRPOTrainer only (ARGS: --variant default|longtail, --no-fixed, ...)
+bench-trl *ARGS: setup
+    {{py}} -m pip install -q --disable-pip-version-check -e '.[bench]'
+    {{py}} benchmarks/vs_trl.py {{ARGS}}
