@@ -51,6 +51,25 @@ def run_with_signals(main: Callable[[], Awaitable[None]]) -> int:
     return 130 if stopped else 0
 
 
+class StepLines:
+    """Which trainer steps get a line on the console: the first few, the last, and then at
+    most ``per_second`` a second (every step of a slow run; the progress bar shows the
+    rest, ``metrics.jsonl`` has every step)."""
+
+    def __init__(self, total: int | None, first: int = 5, per_second: float = 2.0) -> None:
+        self.total = total
+        self.first = first
+        self.gap = 1.0 / per_second
+        self._last = float("-inf")
+
+    def due(self, step: int, now: float | None = None) -> bool:
+        now = time.monotonic() if now is None else now
+        if step <= self.first or step == self.total or now - self._last >= self.gap:
+            self._last = now
+            return True
+        return False
+
+
 def nats_cli_hint(url: str, run: PreparedRun) -> list[str]:
     n = run.names
     return [
@@ -157,12 +176,15 @@ def run_up(run: PreparedRun, *, console: Console) -> int:
         TextColumn("{task.fields[info]}"),
         TimeElapsedColumn(),
         console=console,
+        refresh_per_second=4,
     )
     task = progress.add_task("train", total=total, info="waiting for experience…")
     last_reward = [0.0]
+    lines = StepLines(total)
 
     def on_step(record: dict[str, Any]) -> None:
-        progress.console.print(_step_line(record))
+        if lines.due(record["step"]):
+            progress.console.print(_step_line(record))
         if record.get("reward/mean") is not None:
             last_reward[0] = record["reward/mean"]
         progress.update(task, completed=record["step"], info=f"raw reward {last_reward[0]:.3f}")

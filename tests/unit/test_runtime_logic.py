@@ -166,3 +166,20 @@ def test_raw_monitor_folds_the_latest_explorer_evals_into_the_next_record_once()
     assert out["eval/held/reward/mean"] == 0.5 and out["eval/held/tasks"] == 8
     assert "eval/x" not in out
     assert not any(k.startswith("eval/") for k in m.take())
+
+
+def test_step_lines_first_steps_last_step_and_at_most_two_a_second() -> None:
+    from rftstream.up import StepLines
+
+    lines = StepLines(total=100, first=3, per_second=2.0)
+    t = 1000.0
+    printed = []
+    for step in range(1, 101):
+        t += 0.0625  # 16 steps a second
+        if lines.due(step, now=t):
+            printed.append(step)
+    assert printed[:3] == [1, 2, 3] and printed[-1] == 100
+    gaps = [b - a for a, b in zip(printed[3:-1], printed[4:-1], strict=False)]
+    assert gaps and all(g == 8 for g in gaps)  # every 0.5 s = every 8th step
+    slow = StepLines(total=None, first=0, per_second=2.0)
+    assert all(slow.due(s, now=1000.0 + s) for s in range(1, 20))  # slow runs: every step
