@@ -1,13 +1,13 @@
 """Actors of one run in a child process: ``rftstream up`` uses both cores (or all of them).
 
 Python runs one thread at a time per process, and the explorer (sampling,
-workflows, encoding) and the trainer (forward / backward passes) are both
-mostly Python-bound on small models. ``rftstream up`` therefore runs the
-rollout side (explorer and operator pipeline) in a child process and the
-trainer in its own, whenever the weights can cross processes
-(``synchronizer.sync_method`` other than ``memory``, ``mode: both``); see
-:func:`split_roles`. Nothing else changes: the actors still meet only on the
-bus, and the child is the same code as ``rftstream explorer`` / ``operator``.
+workflows, encoding), the operator host (decoding, operators, encoding) and
+the trainer (forward / backward passes) are all mostly Python-bound on small
+models. ``rftstream up`` therefore runs the explorer and the operator host each
+in a child process and the trainer in its own, whenever the weights can cross
+processes (``synchronizer.sync_method`` other than ``memory``, ``mode: both``);
+see :func:`split_roles`. Nothing else changes: the actors still meet only on
+the bus, and a child is the same code as ``rftstream explorer`` / ``operator``.
 
 The parent side is :class:`ActorProcess`: it writes the prepared run's config
 to ``<run_dir>/config.yaml``, starts ``python -m rftstream.actor_process`` with
@@ -47,7 +47,7 @@ STOP_GRACE_S = 15.0  # SIGTERM, then this long, then SIGKILL
 
 
 def split_roles(cfg: Any) -> bool:
-    """Whether ``rftstream up`` runs the rollout roles in a child process.
+    """Whether ``rftstream up`` runs the explorer and the operator host in child processes.
 
     Only with a trainer and explorers that must load its weights (``mode:
     both``) and only when weights can leave the process (``sync_method``

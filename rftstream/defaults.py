@@ -30,7 +30,7 @@ DEFAULT_CONFIG: dict[str, Any] = {
         },
     },
     "explorer": {
-        "runner_num": 8,
+        "runner_num": 16,
         "rollout_model": {"engine_type": "transformers", "max_batch_size": 128},
     },
     "synchronizer": {

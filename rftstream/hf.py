@@ -62,3 +62,30 @@ def hf_classes(*names: str) -> tuple[Any, ...]:
         import transformers
 
         return tuple(getattr(transformers, name) for name in names)
+
+
+def forward_kwargs(model: Any) -> tuple[str, str | None]:
+    """How ``model.forward`` takes a KV cache and a logits limit, by its signature:
+    ``(cache argument, logits-to-keep argument or None)``.
+
+    transformers 5 calls the cache ``cache`` (``past_key_values`` is deprecated and
+    warns on every call) and the limit ``logits_to_keep`` (``num_logits_to_keep``
+    before 4.50); older versions and other models keep the older names.
+    """
+    import inspect
+
+    forward = getattr(model, "forward", model)
+    try:
+        params = inspect.signature(forward).parameters
+    except (TypeError, ValueError):
+        return "past_key_values", None
+    cache = "cache" if "cache" in params else "past_key_values"
+    keep = next((n for n in ("logits_to_keep", "num_logits_to_keep") if n in params), None)
+    return cache, keep
+
+
+def output_cache(out: Any) -> Any:
+    """The KV cache of a forward's output (``cache``, or ``past_key_values`` before 5.0)."""
+    if isinstance(out, dict) and "cache" in out:
+        return out["cache"]
+    return out.past_key_values

@@ -6,6 +6,7 @@
 * :meth:`explorer_checks_before` — does the explorer look for new weights before step N?
 * :meth:`explorer_may_run` — may the explorer start another step, given how much
   experience is waiting for the trainer and how old its weights are (``max_staleness``)?
+  :meth:`explorer_room` — how much may it generate now (a step may be cut to fit)?
 """
 
 from __future__ import annotations
@@ -58,6 +59,30 @@ class SyncPolicy:
             return None
         return done
 
+    def explorer_room(
+        self, backlog_experiences: int, train_batch_size: int, version_lag: int = 0
+    ) -> int | None:
+        """``max_staleness``: how many experiences may the explorer generate now? None: any.
+
+        Experience generated now with weights ``version_lag`` versions behind
+        the newest lands behind the ``backlog_experiences`` already waiting
+        upstream of (or inside) the trainer; the one at position ``p`` of that
+        queue is trained about ``ceil(p / train_batch_size) - 1`` versions
+        later. Positions up to ``(max_staleness - version_lag + 1) *
+        train_batch_size`` stay within the bound: the room is what is left of
+        them. Counting by position, not by whole batches, lets an explorer top
+        up a trainer batch that waits for a few groups (a failed task, a
+        filter, a group that came in late) instead of waiting for a whole
+        batch's worth of room. A starving trainer (less than one batch waiting)
+        always gets at least a batch, so filters can never deadlock the run.
+        """
+        if self.max_staleness is None:
+            return None
+        room = (self.max_staleness - version_lag + 1) * train_batch_size - backlog_experiences
+        if backlog_experiences < train_batch_size:
+            room = max(room, train_batch_size)
+        return max(0, room)
+
     def explorer_may_run(
         self, backlog_experiences: int, train_batch_size: int, version_lag: int = 0
     ) -> bool:
@@ -71,9 +96,5 @@ class SyncPolicy:
         starving trainer (less than one batch waiting) never pauses the
         explorer, so filters can never deadlock the run.
         """
-        if self.max_staleness is None or backlog_experiences < train_batch_size:
-            return True
-        return (
-            version_lag * train_batch_size + backlog_experiences
-            <= self.max_staleness * train_batch_size
-        )
+        room = self.explorer_room(backlog_experiences, train_batch_size, version_lag)
+        return room is None or room >= train_batch_size

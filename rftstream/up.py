@@ -10,6 +10,7 @@ the embedded server is stopped; the whole shutdown takes a few seconds.
 
 from __future__ import annotations
 
+import contextlib
 import signal
 import time
 from collections.abc import Awaitable, Callable
@@ -119,24 +120,37 @@ def _drive(
 
 
 async def _run_split(run: PreparedRun, url: str, console: Console, **callbacks: Any) -> None:
-    """The trainer here, the explorer and operators in a child process (see
-    :mod:`rftstream.actor_process`). Returns when the trainer is done and the child has
-    ended (after its final evaluation); raises when the child fails, which stops the run."""
+    """The trainer here; the explorer and the operator host each in a child process (see
+    :mod:`rftstream.actor_process`). Returns when the trainer is done and the children have
+    ended (the explorer after its final evaluation); raises when a child fails, which stops
+    the run."""
     import torch
 
-    from rftstream.actor_process import ActorProcess
+    from rftstream.actor_process import ActorProcess, torch_threads_per_process
     from rftstream.runtime import FINAL_EVAL_GRACE_S, provision
 
     await provision(run, url)  # the durables exist before either side publishes
     grace = FINAL_EVAL_GRACE_S if run.cfg.buffer.explorer_input.eval_tasksets else 30.0
-    async with ActorProcess(run, url, plugin_dirs=run.plugin_dirs, exit_grace=grace) as child:
+    threads = torch_threads_per_process(2)  # the trainer's and the explorer's forward passes
+    common: dict[str, Any] = {"plugin_dirs": run.plugin_dirs, "exit_grace": grace}
+    children = [
+        ActorProcess(run, url, roles=("explorer",), name="explorer", threads=threads, **common),
+        ActorProcess(run, url, roles=("operator",), name="operator", threads=1, **common),
+    ]
+    async with contextlib.AsyncExitStack() as stack:
+        for child in children:
+            await stack.enter_async_context(child)
         console.print(
-            f"explorer and operators run in process {child.process.pid if child.process else '?'}"
-            f" (log {child.log_path}); the trainer runs here"
+            "explorer and operator host run in processes "
+            + ", ".join(
+                f"{c.process.pid if c.process else '?'} ({c.log_path.name})" for c in children
+            )
+            + f" (logs in {children[0].log_path.parent}); the trainer runs here"
         )
-        torch.set_num_threads(child.threads)
+        torch.set_num_threads(threads)
         async with anyio.create_task_group() as tg:
-            tg.start_soon(child.watch)  # a failed child raises here and stops the trainer
+            for child in children:
+                tg.start_soon(child.watch)  # a failed child raises here and stops the trainer
             await run_actors(run, url, roles=("trainer",), **callbacks)
             tg.cancel_scope.cancel()
 

@@ -127,14 +127,19 @@ class InProgressTicker:
 
 
 async def consumer_backlog(bus: Bus, stream: str, exclude: tuple[str, ...] = ()) -> int:
-    """Messages waiting or being worked on across the consumers of ``stream``."""
+    """Messages waiting or being worked on across the durable consumers of ``stream``.
+
+    Ephemeral consumers (the trainer's ordered watch of ``exp.raw`` headers, a
+    ``nats sub`` or ``rftstream tail`` from a terminal) do no work toward
+    training: a message not yet pushed to one of them is not backlog.
+    """
     total = 0
     try:
         infos = await bus.js.consumers_info(stream)
     except nats.js.errors.APIError:
         return 0
     for info in infos:
-        if info.name in exclude:
+        if info.name in exclude or not getattr(info.config, "durable_name", None):
             continue
         total += int(info.num_pending or 0) + int(info.num_ack_pending or 0)
     return total

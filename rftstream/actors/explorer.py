@@ -518,13 +518,14 @@ class Explorer(EvaluationMixin):
             await self._room_for(window - batch_size)
             next_step = self.step + 1
             t_wait = time.perf_counter()
+            take = batch_size
             if self._syncs_weights():
-                await self._respect_staleness(state, next_step)
+                take = await self._respect_staleness(state, next_step)
                 await self._sync_weights(state, next_step)
             wait_sync = time.perf_counter() - t_wait
             msgs: list[Msg] = []
-            while len(msgs) < batch_size:
-                got = await consumer.fetch(batch_size - len(msgs), timeout=1.0)
+            while len(msgs) < take:
+                got = await consumer.fetch(take - len(msgs), timeout=1.0)
                 for m in got:
                     self._unacked[id(m)] = m
                 msgs.extend(got)
@@ -828,35 +829,42 @@ class Explorer(EvaluationMixin):
         elif self.policy.explorer_checks_before(step):
             await self._load(state, 0)
 
-    async def _respect_staleness(self, state: RunState, step: int) -> None:
-        """Pause while a batch generated now would exceed ``max_staleness`` when trained.
+    async def _respect_staleness(self, state: RunState, step: int) -> int:
+        """How many tasks step ``step`` may take within ``max_staleness``: ``buffer.batch_size``,
+        or fewer when only part of a batch fits (:meth:`SyncPolicy.explorer_room`); blocks
+        while not one task's group fits.
 
         The backlog is what waits on (or in) the trainer's side plus this
         explorer's tasks in flight (they are published soon). A paused explorer
         re-checks when the trainer writes its step, weights, starving flag or
         the run status (a KV subscription), at the latest every 0.25 s.
         """
+        batch_size = self.cfg.buffer.batch_size
         if self.policy.max_staleness is None:
-            return
+            return batch_size
         tbs = self.cfg.buffer.train_batch_size
         will_sync = (
             self.policy.explorer_checks_before(step)
             or self.policy.explorer_waits_for_version(step) is not None
         )
+        group = max(1, self.repeat_times)
         while True:
             backlog = await consumer_backlog(self.bus, self.names.exp_stream) + self._in_flight
             ptr = await state.latest_weights()
             newest = ptr.version if ptr is not None else 0
             mine = newest if will_sync else self._version()
-            if self.policy.explorer_may_run(
-                backlog * self.repeat_times, tbs, version_lag=max(0, newest - mine)
-            ):
-                return
+            room = self.policy.explorer_room(
+                backlog * group, tbs, version_lag=max(0, newest - mine)
+            )
+            if room is None or room >= group:
+                return batch_size if room is None else min(batch_size, room // group)
             starving = await state.get_json(KV_TRAINER_STARVING)
             if isinstance(starving, dict) and starving.get("since"):
-                return  # filters dropped what was waiting: never stall a starving trainer
+                return (
+                    batch_size  # filters dropped what was waiting: never stall a starving trainer
+                )
             if await state.status() in END_STATUSES:
-                return
+                return batch_size
             if self._trainer_changes is not None:
                 await self._trainer_changes.wait(0.25)
             else:

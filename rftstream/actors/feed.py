@@ -45,6 +45,8 @@ from rftstream.subjects import TRAIN_STAGE
 
 log = logging.getLogger(__name__)
 
+ACK_CONFIRM_S = 2.0  # how long commit waits for the server to confirm its last ack
+
 
 @dataclass
 class _Held:
@@ -287,8 +289,15 @@ class ExperienceFeed:
         return out
 
     async def commit(self) -> int:
-        """Ack every message whose experiences have all been trained. Returns acks sent."""
-        acked = 0
+        """Ack every message whose experiences have all been trained. Returns acks sent.
+
+        The last ack waits for the server's confirmation (acks of one consumer are
+        applied in order), so when this returns the consumer's counts no longer hold
+        these messages: an explorer that reads them (``max_staleness``) sees the room
+        this step made, not a stale backlog. A confirmation that times out is logged
+        only; the ack itself was sent.
+        """
+        done: list[Msg] = []
         for uid in self._taken_uids:
             self._held_by_uid.pop(uid, None)
         self._taken_uids.clear()
@@ -296,7 +305,13 @@ class ExperienceFeed:
             held.remaining -= 1
             if held.remaining == 0:
                 self.ticker.release(held.msg)
-                await held.msg.ack()
-                acked += 1
+                done.append(held.msg)
         self._taken.clear()
-        return acked
+        for msg in done[:-1]:
+            await msg.ack()
+        if done:
+            try:
+                await done[-1].ack_sync(timeout=ACK_CONFIRM_S)
+            except (nats.errors.Error, TimeoutError) as exc:
+                log.debug("ack confirmation: %s", exc)
+        return len(done)

@@ -243,6 +243,7 @@ class PullConsumer:
         self._nc: NatsClient | None = getattr(sub, "_nc", None)
         self._nms: str | None = getattr(sub, "_nms", None)
         self._deliver: str | None = getattr(sub, "_deliver", None)
+        self._stash: list[Msg] = []  # taken by a fetch that was cancelled: returned first
         self._direct = (
             isinstance(self._queue, asyncio.Queue)
             and hasattr(inner, "_pending_size")
@@ -257,9 +258,9 @@ class PullConsumer:
         Blocks until ``batch`` messages are in hand, or the server says it has
         no more for now (returning what came), or ``timeout`` passes. Messages
         delivered for an earlier fetch that gave up are returned first.
-        Nothing is acked. Cancelling it loses nothing: a message delivered
-        after the cancel stays queued for the next fetch (or, unfetched, is
-        redelivered after ``ack_wait``). Raises :class:`BusError` when the
+        Nothing is acked. Cancelling it loses nothing: the messages it had
+        already taken, and any delivered after the cancel, go to the next fetch
+        (or, never fetched, are redelivered after ``ack_wait``). Raises :class:`BusError` when the
         connection is closed or the server rejects the pull request.
         """
         if batch < 1:
@@ -268,7 +269,13 @@ class PullConsumer:
             raise ValueError(f"fetch: timeout must be > 0, got {timeout}")
         try:
             if self._direct:
-                return await self._fetch_direct(batch, timeout)
+                msgs: list[Msg] = []
+                try:
+                    await self._fetch_direct(msgs, batch, timeout)
+                except BaseException:
+                    self._stash[:0] = msgs  # cancelled with messages in hand: next fetch
+                    raise
+                return msgs
             return list(await self._sub.fetch(batch=batch, timeout=timeout))
         except (nats.errors.TimeoutError, TimeoutError):
             return []
@@ -325,29 +332,30 @@ class PullConsumer:
             # else a lingering request ended empty-handed (a stale 408 of an earlier
             # fetch, a 409): wait out the deadline rather than make the caller spin
 
-    async def _fetch_direct(self, batch: int, timeout: float) -> list[Msg]:
+    async def _fetch_direct(self, msgs: list[Msg], batch: int, timeout: float) -> None:
+        """Fill ``msgs`` (in place: a cancelled fetch's messages are not lost, see :meth:`fetch`)."""
         queue = self._queue
         assert queue is not None
         deadline = time.monotonic() + timeout
-        msgs: list[Msg] = []
+        while self._stash and len(msgs) < batch:
+            msgs.append(self._stash.pop(0))
         while len(msgs) < batch and not queue.empty():
             msg = self._took(queue.get_nowait())
             if not (msg.headers and msg.headers.get(_STATUS)):
                 msgs.append(msg)  # statuses left over were meant for earlier requests
         if len(msgs) >= batch:
-            return msgs
+            return
         # the probe: what is there now, at once (nats-server holds a no_wait request
         # that has `expires` until something arrives: `expires` only when empty-handed)
         await self._request(batch - len(msgs), None if msgs else timeout, no_wait=True)
         await self._collect(msgs, batch, deadline, probe=True)
         if msgs:
-            return msgs
+            return
         left = deadline - time.monotonic()
         if left < 0.001:
-            return msgs
+            return
         await self._request(batch, left, no_wait=False)  # lingers until messages or `left`
         await self._collect(msgs, batch, deadline, probe=False)
-        return msgs
 
     async def info(self) -> api.ConsumerInfo:
         return await self._sub.consumer_info()

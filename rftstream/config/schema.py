@@ -324,6 +324,8 @@ class TrainerConfig(_Base):
     grad_clip: float = 1.0
     max_wait_for_batch: float = 0.0  # 0: wait until experience arrives or the explorer finishes
     balance_batch: bool = True  # length-balanced micro-batches where the algorithm allows it
+    # rows with the same prompt (a GRPO group) share one forward pass of it: same result
+    share_prompts: bool = True
     critic: CriticConfig = msgspec.field(default_factory=CriticConfig)
     deepspeed_config: dict[str, Any] = msgspec.field(
         default_factory=dict

@@ -48,6 +48,7 @@ from rftstream.engines.base import (
 )
 from rftstream.engines.fast_decoder import FastDecoder, fast_decoder_for
 from rftstream.errors import RftError
+from rftstream.hf import forward_kwargs, output_cache
 
 log = logging.getLogger(__name__)
 
@@ -208,14 +209,16 @@ def sample_sequences(
             if shared:
                 session.select(expand)
         else:
+            cache_kw, keep_kw = forward_kwargs(model)
+            last_only = {keep_kw: 1} if keep_kw else {}
             out = model(
                 input_ids=input_ids,
                 attention_mask=attn,
                 position_ids=positions,
                 use_cache=True,
-                logits_to_keep=1,
+                **last_only,
             )
-            past = out.past_key_values
+            past = output_cache(out)
             if shared:
                 past.batch_select_indices(expand)
             logits = out.logits[:, -1, :].float()
@@ -273,11 +276,11 @@ def sample_sequences(
                 input_ids=feed[:, None],
                 attention_mask=attn,
                 position_ids=next_pos[:, None],
-                past_key_values=past,
                 use_cache=True,
-                logits_to_keep=1,
+                **{cache_kw: past},
+                **last_only,
             )
-            past = out.past_key_values
+            past = output_cache(out)
             logits = out.logits[:, -1, :].float()
             next_pos = next_pos + 1
     if stats is not None:

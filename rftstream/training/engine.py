@@ -26,6 +26,7 @@ from rftstream.bus.server import free_port
 from rftstream.config.schema import Config
 from rftstream.errors import ConfigError
 from rftstream.experience import Experience
+from rftstream.hf import forward_kwargs, output_cache
 from rftstream.training.batch import (
     TrainBatch,
     balanced_partitions,
@@ -105,7 +106,10 @@ class PolicyTrainer:
         self.pad_token_id = int(pad if pad is not None else (self.tokenizer.eos_token_id or 0))
         model = load_causal_lm(model_path, cfg.model.dtype)
         model.config.use_cache = False
-        self.keep_kwarg = _logits_to_keep_kwarg(model)
+        self.cache_kwarg, self.keep_kwarg = forward_kwargs(model)
+        self.share_prompts = bool(cfg.trainer.share_prompts) and self.keep_kwarg is not None
+        # from the loaded model, before any sharding: token ids must be below this
+        self.vocab_size = int(model.get_input_embeddings().weight.shape[0])
         self.loss_inputs = loss_inputs_for(algorithm.policy_loss_fn)
         self.needs_ref = bool(algorithm.use_reference) and (
             self.kl_loss or self.kl_penalty or "ref_logprob" in self.loss_inputs
@@ -197,7 +201,12 @@ class PolicyTrainer:
         self, model: torch.nn.Module, mb: TrainBatch, *, with_entropy: bool
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Response log-probs (and entropy) of ``mb``; the LM head runs on the positions that
-        predict response tokens only, where the model's forward can be told so."""
+        predict response tokens only, where the model's forward can be told so. Rows that
+        share a prompt share its forward pass (``trainer.share_prompts``)."""
+        if self.share_prompts:
+            shared = _shared_prompts(mb)
+            if shared is not None:
+                return self._forward_shared(model, mb, *shared, with_entropy=with_entropy)
         kwargs: dict[str, Any] = {}
         start = 0
         if self.keep_kwarg is not None:
@@ -220,6 +229,53 @@ class PolicyTrainer:
             logits_start=start,
         )
 
+    def _forward_shared(
+        self,
+        model: torch.nn.Module,
+        mb: TrainBatch,
+        first: torch.Tensor,
+        inverse: torch.Tensor,
+        *,
+        with_entropy: bool,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """:meth:`_forward` with each distinct prompt run once (the rows ``first``), its KV
+        cache repeated for every row that has it (``inverse``), then the responses on top.
+
+        The same logits as the plain forward (attention sees the same keys; the
+        gradient of a shared prompt sums over its rows through the repetition), for
+        a fraction of the work when a group's ``repeat_times`` rows share one prompt.
+        """
+        P = mb.prompt_width
+        R = mb.input_ids.shape[1] - P
+        assert self.keep_kwarg is not None
+        prompt = model(
+            input_ids=mb.input_ids[first, :P],
+            attention_mask=mb.attention_mask[first, :P],
+            position_ids=mb.position_ids[first, :P],
+            use_cache=True,
+            **{self.keep_kwarg: 1},
+        )
+        logits = prompt.logits[inverse]  # predicts response token 0 of every row
+        if R > 1:
+            cache = output_cache(prompt)
+            cache.batch_select_indices(inverse)
+            rest = model(
+                input_ids=mb.input_ids[:, P:],
+                attention_mask=mb.attention_mask,
+                position_ids=mb.position_ids[:, P:],
+                use_cache=True,
+                **{self.cache_kwarg: cache, self.keep_kwarg: R},
+            )
+            logits = torch.cat([logits, rest.logits[:, : R - 1]], 1)
+        return response_logprobs(
+            logits,
+            mb.input_ids,
+            P,
+            self.temperature,
+            with_entropy=with_entropy,
+            logits_start=P - 1,
+        )
+
     def _values(self, mb: TrainBatch) -> torch.Tensor:
         assert self.critic is not None
         return self.critic(mb.input_ids, mb.attention_mask, mb.position_ids, mb.prompt_width)
@@ -233,11 +289,13 @@ class PolicyTrainer:
 
     def check_experience(self, exp: Experience) -> str | None:
         """Why ``exp`` cannot be trained on this model, or None. Cheap; no forward pass."""
-        vocab = int(self.engine.module.get_input_embeddings().weight.shape[0])
-        n = int(exp.tokens.numel())
+        vocab = self.vocab_size
+        tokens = exp.tokens
+        n = int(tokens.numel())
         if not 0 < exp.prompt_length < n:
             return f"experience {exp.eid.uid}: prompt_length {exp.prompt_length} leaves no response in {n} tokens"
-        if n and (int(exp.tokens.min()) < 0 or int(exp.tokens.max()) >= vocab):
+        ids = tokens.numpy() if tokens.device.type == "cpu" else tokens.cpu().numpy()
+        if n and (int(ids.min()) < 0 or int(ids.max()) >= vocab):
             return f"experience {exp.eid.uid}: token ids outside the model's vocabulary (0..{vocab - 1})"
         return None
 
@@ -512,19 +570,18 @@ def _fit(t: torch.Tensor | None, n: int) -> torch.Tensor:
     return out
 
 
-def _logits_to_keep_kwarg(model: torch.nn.Module) -> str | None:
-    """The forward argument that limits the LM head to the last N positions
-    (``logits_to_keep``; ``num_logits_to_keep`` before transformers 4.50), or None."""
-    import inspect
-
-    try:
-        params = inspect.signature(model.forward).parameters
-    except (TypeError, ValueError):
+def _shared_prompts(mb: TrainBatch) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """``(first, inverse)`` when rows of ``mb`` share prompts: ``first[k]`` is a row with the
+    k-th distinct (left-padded) prompt, ``inverse[i]`` the prompt of row ``i``; None when
+    every prompt is distinct (nothing to share)."""
+    prompts = mb.input_ids[:, : mb.prompt_width]
+    distinct, inverse = torch.unique(prompts, dim=0, return_inverse=True)
+    if distinct.shape[0] == prompts.shape[0]:
         return None
-    for name in ("logits_to_keep", "num_logits_to_keep"):
-        if name in params:
-            return name
-    return None
+    rows = torch.arange(prompts.shape[0], device=prompts.device)
+    first = torch.empty(distinct.shape[0], dtype=torch.long, device=prompts.device)
+    first.scatter_(0, inverse, rows)
+    return first, inverse
 
 
 def _has_active_dropout(module: torch.nn.Module) -> bool:

@@ -173,6 +173,50 @@ def test_cancelled_fetch_loses_nothing(nats_url: str) -> None:
     anyio.run(main, backend="asyncio")
 
 
+def test_fetch_cancelled_with_messages_in_hand_gives_them_to_the_next_fetch(
+    nats_url: str,
+) -> None:
+    """A fetch cancelled after it took some messages (the trainer's prefetch, cancelled when
+    the training step ends) must not drop them: they were delivered (ack pending), and no
+    other fetch would see them before ``ack_wait`` ran out."""
+
+    async def main() -> None:
+        async with await _bus(nats_url) as bus:
+            consumer = await _consumer(bus)
+            for t in range(2):
+                await bus.publish_group("raw", _group(t, 1.0), msg_id=f"h{t}")
+            # the fetch takes both, then waits for the end of its pull request: hold that
+            # end back (as a busy event loop would) and cancel the fetch meanwhile
+            took: list[Any] = []
+            real_next = consumer._next
+
+            async def slow_end(deadline: float) -> Any:
+                if len(took) == 2:
+                    await anyio.sleep_forever()
+                msg = await real_next(deadline)
+                took.append(msg)
+                return msg
+
+            consumer._next = slow_end  # type: ignore[method-assign]
+            with anyio.move_on_after(1.0) as scope:
+                await consumer.fetch(10, timeout=30)
+            assert scope.cancelled_caught and len(took) == 2
+            consumer._next = real_next  # type: ignore[method-assign]
+            assert await _ack_pending(bus) == (0, 2)  # delivered to the cancelled fetch
+            await bus.publish_group("raw", _group(2, 1.0), msg_id="h2")
+            got: list[Any] = []
+            with anyio.fail_after(20):
+                while len(got) < 3:
+                    got.extend(await consumer.fetch(10, timeout=1))
+            assert [decode_group(m.data)[0].eid.task for m in got] == [0, 1, 2]
+            assert all(m.metadata.num_delivered == 1 for m in got)
+            for m in got:
+                await m.ack_sync()
+            assert await _ack_pending(bus) == (0, 0)
+
+    anyio.run(main, backend="asyncio")
+
+
 def test_fetch_falls_back_to_nats_py_and_translates_a_closed_connection(nats_url: str) -> None:
     async def main() -> None:
         bus = await _bus(nats_url)

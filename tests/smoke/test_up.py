@@ -43,11 +43,12 @@ def test_up_three_steps(tmp_path: Path, tiny_model_path: str) -> None:
     shares = [r["explorer/idle_share"] for r in records if "explorer/idle_share" in r]
     assert shares and all(0.0 <= x <= 1.0 for x in shares)
     assert "idle after step 1: trainer" in " ".join(out.split())
-    # the embedded default runs the explorer and operators in a second process
-    assert "explorer and operators run in process" in " ".join(out.split())
-    rollout_log = (run_dir / "logs" / "rollout.log").read_text()
-    assert "running explorer+operator of run default" in rollout_log
-    assert "done after" in rollout_log and "(exit 0)" in rollout_log
+    # the embedded default runs the explorer and the operator host in processes of their own
+    assert "explorer and operator host run in processes" in " ".join(out.split())
+    for role in ("explorer", "operator"):
+        child_log = (run_dir / "logs" / f"{role}.log").read_text()
+        assert f"running {role} of run default" in child_log
+        assert "done after" in child_log and "(exit 0)" in child_log
     assert "FutureWarning" not in out  # the child's library noise stays in its log
     assert (run_dir / "metrics.png").is_file()
     assert (run_dir / "checkpoints" / "global_step_3" / "model.safetensors").is_file()
@@ -103,18 +104,21 @@ def test_a_dead_rollout_process_fails_the_run_clearly(tmp_path: Path, tiny_model
         while time.time() < deadline and not (metrics.exists() and metrics.read_text().strip()):
             assert proc.poll() is None, log.read_text()[-3000:]
             time.sleep(0.5)
-        rollout = [
+        children = [
             c
             for c in psutil.Process(proc.pid).children(recursive=True)
             if "rftstream.actor_process" in " ".join(c.cmdline())
         ]
-        assert len(rollout) == 1
-        rollout[0].kill()  # as the OOM killer would
+        assert len(children) == 2  # the explorer and the operator host
+        explorer = [c for c in children if "--roles explorer" in " ".join(c.cmdline())]
+        explorer[0].kill()  # as the OOM killer would
         proc.wait(timeout=60)
         text = " ".join(log.read_text().split())
         assert proc.returncode == 2, text[-3000:]  # an RftError, as for a bad config
-        assert "the rollout process (explorer+operator) exited with code -9" in text
-        assert "rollout.log" in text
+        assert "the explorer process (explorer) exited with code -9" in text
+        assert "explorer.log" in text
+        _gone, alive = psutil.wait_procs(children, timeout=20)
+        assert not alive, f"left running: {alive}"  # the operator host was stopped too
     finally:
         if proc.poll() is None:
             proc.kill()

@@ -1,11 +1,15 @@
-"""PolicyTrainer's two savings must not change a step (real DeepSpeed, the tiny model).
+"""PolicyTrainer's savings must not change a step (real DeepSpeed, the tiny model).
 
 * ``old_logprob`` from the gradient pass itself (no no-grad recompute pass) where
   that is provably the same: one optimizer step per batch, no dropout, no KL
-  penalty on rewards. A step with it and a step with the recompute pass leave
-  the same weights and report the same losses.
-* The LM head on the response positions only (``logits_to_keep``): the same
-  step as with logits for every position.
+  penalty on rewards.
+* The LM head on the response positions only (``logits_to_keep``).
+* Rows with the same prompt (a group) share its forward pass (``trainer.share_prompts``):
+  the prompt runs once, its KV cache is repeated for every row, the responses run on
+  top; left-padded prompts of several lengths, responses of several lengths.
+
+A step with all of them and a step with none leave the same weights and report the
+same losses.
 """
 
 from __future__ import annotations
@@ -19,15 +23,18 @@ from rftstream.experience import EID, Experience
 from rftstream.training.engine import PolicyTrainer, _has_active_dropout
 from tests.unit.test_trainer_steps import trainer_for
 
+PROMPTS = [[5, 6, 8], [9, 10], [11, 12, 13, 14]]  # three groups, prompts of three lengths
 
-def batch(n: int = 8) -> list[Experience]:
+
+def batch(n: int = 12) -> list[Experience]:
     out = []
     for i in range(n):
         resp = 1 + i % 4
+        prompt = PROMPTS[i // 4]
         out.append(
             Experience(
-                tokens=[5 + (i % 7), 6, 8] + [7 + ((i + j) % 9) for j in range(resp)],
-                prompt_length=3,
+                tokens=prompt + [7 + ((i + j) % 9) for j in range(resp)],
+                prompt_length=len(prompt),
                 reward=float(i % 2),
                 logprobs=[-0.5 - 0.1 * j for j in range(resp)],  # a stale behaviour policy
                 advantages=[1.0 - 0.3 * i] * resp,
@@ -47,8 +54,8 @@ def grpo(tmp_path: Path, tiny_model_path: str, **trainer: object) -> PolicyTrain
             "policy_loss_fn": "decoupled_ppo",
             "optimizer": {"lr": 1e-2},
         },
-        buffer={"train_batch_size": 8},
-        trainer={"ppo_micro_batch_size_per_gpu": 4, **trainer},
+        buffer={"train_batch_size": 12},
+        trainer={"ppo_micro_batch_size_per_gpu": 6, "balance_batch": False, **trainer},
     )
 
 
@@ -56,19 +63,24 @@ def params(trainer: PolicyTrainer) -> dict[str, torch.Tensor]:
     return {k: v.detach().clone() for k, v in trainer.engine.module.named_parameters()}
 
 
-def test_reused_old_logprob_and_kept_logits_give_the_same_step(
+def test_reused_old_logprob_kept_logits_and_shared_prompts_give_the_same_step(
     tmp_path: Path, tiny_model_path: str
 ) -> None:
     fast = grpo(tmp_path / "a", tiny_model_path)
-    assert fast.reuse_old_logprob and fast.keep_kwarg == "logits_to_keep"
-    slow = grpo(tmp_path / "b", tiny_model_path)
+    assert fast.reuse_old_logprob and fast.keep_kwarg == "logits_to_keep" and fast.share_prompts
+    slow = grpo(tmp_path / "b", tiny_model_path, share_prompts=False)
+    assert not slow.share_prompts
     slow.reuse_old_logprob = False  # the no-grad recompute pass
     slow.keep_kwarg = None  # logits for every position
+    shared: list[int] = []
+    forward_shared = fast._forward_shared
+    fast._forward_shared = lambda *a, **k: shared.append(1) or forward_shared(*a, **k)  # type: ignore[method-assign]
     before = params(fast)
     for k, v in params(slow).items():
         assert torch.equal(v, before[k])  # same start
     m_fast = fast.train_step(batch())
     m_slow = slow.train_step(batch())
+    assert shared == [1, 1]  # both micro-batches (rows 0-5, 6-11) share their prompts
     after_fast, after_slow = params(fast), params(slow)
     assert any(not torch.equal(after_fast[k], before[k]) for k in before)  # it trained
     for k in after_fast:
