@@ -2,10 +2,14 @@
 
 A tiny Qwen2 model (built locally, briefly trained so that it answers the
 built-in arithmetic tasks in the right format but mostly wrongly) learns
-single-digit addition with GRPO on CPU, in a few minutes. Weights move in
-memory (all actors share one process); the explorer never waits for the
-trainer (``dynamic_by_explorer``) but pauses rather than let the trained
-experience be more than two versions stale (``max_staleness: 2``).
+single-digit addition with GRPO on CPU, in about a minute. The explorer and the
+operator host run in processes of their own (``rftstream up`` does so whenever
+weights travel as checkpoint files, ``sync_method: checkpoint``); the explorer
+never waits for the trainer (``dynamic_by_explorer``), keeps up to 16 tasks in
+flight, and pauses rather than let trained experience be more than two versions
+stale (``max_staleness: 2``); the policy loss corrects for that staleness with
+the rollout log-probs (``decoupled_ppo``, chosen for GRPO whenever experience
+can be stale). No KL term (TRL's ``beta: 0``), so no reference model.
 """
 
 from __future__ import annotations
@@ -37,7 +41,7 @@ DEFAULT_CONFIG: dict[str, Any] = {
         "sync_method": "checkpoint",
         "sync_style": "dynamic_by_explorer",
         "sync_interval": 1,
-        "max_staleness": 1,
+        "max_staleness": 2,
     },
     "algorithm": {
         "algorithm_type": "grpo",

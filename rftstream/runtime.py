@@ -94,6 +94,47 @@ def _check_components(cfg: Config) -> None:
         )
 
 
+def can_be_stale(cfg: Config) -> bool:
+    """Whether a run's trained experience can come from older weights than the trainer's:
+    any asynchronous run (``mode: both``), but ``sync_style: fixed`` at interval 1 and
+    offset 0 (strictly on-policy) and ``max_staleness: 0``."""
+    sync = cfg.synchronizer
+    if cfg.mode != "both" or sync.max_staleness == 0:
+        return False
+    on_policy = sync.sync_style == "fixed" and sync.sync_interval <= 1 and sync.sync_offset == 0
+    return not on_policy
+
+
+def _off_policy_correction(cfg: Config) -> Config:
+    """``decoupled_ppo`` instead of a preset's ``ppo`` loss where experience can be stale.
+
+    The decoupled objective (AReaL; :mod:`algorithms.policy_loss_fn.decoupled_ppo_policy_loss`)
+    weights each token by how much likelier the trainer's policy makes it than the
+    weights that sampled it (the rollout log-probs every explorer records), so stale
+    experience still gives an unbiased step; where experience is never stale it equals
+    ``ppo``. Only when the user named no ``algorithm.policy_loss_fn``: naming ``ppo``
+    keeps it. The preset's ``policy_loss_fn_args`` carry over (the loss takes all of
+    ``ppo``'s).
+    """
+    from algorithms import ALGORITHM_TYPE
+    from rftstream.errors import RegistryError
+
+    if cfg.algorithm.policy_loss_fn is not None or not can_be_stale(cfg):
+        return cfg
+    try:
+        preset = ALGORITHM_TYPE.get(cfg.algorithm.algorithm_type).default_config()
+    except RegistryError:
+        return cfg  # resolve_algorithm reports it
+    if preset.get("policy_loss_fn") != "ppo":
+        return cfg
+    log.info(
+        "algorithm.policy_loss_fn: decoupled_ppo (experience can be stale in this run; "
+        "set policy_loss_fn: ppo to train without the correction)"
+    )
+    algo = msgspec.structs.replace(cfg.algorithm, policy_loss_fn="decoupled_ppo")
+    return msgspec.structs.replace(cfg, algorithm=algo)
+
+
 def _fill_batch_args(cfg: Config, algorithm: Any) -> tuple[Config, Any]:
     """Fill the batch-shape arguments a policy loss takes from the run (MIX's weighting).
 
@@ -277,6 +318,7 @@ def prepare_run(
     if steps is not None:
         buffer = msgspec.structs.replace(buffer, total_steps=steps)
     cfg = _preset_check_config(msgspec.structs.replace(cfg, buffer=buffer))
+    cfg = _off_policy_correction(cfg)
     algorithm = resolve_algorithm(cfg.algorithm, cfg.buffer)
     cfg, algorithm = _fill_batch_args(cfg, algorithm)
     _check_algorithm(cfg, algorithm)

@@ -433,6 +433,7 @@ class ModelWrapper:
             continued=cont,
             parse_tools=bool(tools),
             stop=params.stop if strip_stop else None,
+            temperature=params.temperature,
         )
         self._remember(exps)
         return prompt_text, prompt_ids, exps
@@ -464,7 +465,12 @@ class ModelWrapper:
         async def one(i: int, text: str, ids: list[int]) -> None:
             comps = await self.engine.generate(ids, params)
             exps = await self._to_experiences(
-                text, ids, comps, None, stop=params.stop if strip_stop else None
+                text,
+                ids,
+                comps,
+                None,
+                stop=params.stop if strip_stop else None,
+                temperature=params.temperature,
             )
             results[i] = (text, ids, exps)
 
@@ -621,7 +627,11 @@ class ModelWrapper:
         continued: bool | None = None,
         parse_tools: bool = False,
         stop: list[str] | None = None,
+        temperature: float | None = None,
     ) -> list[Experience]:
+        """Experiences of ``completions``; ``info`` holds the engine's flags, the finish reason
+        and the sampling ``temperature`` (the trainer uses the log-probs only when it scores
+        at the same temperature)."""
         from rftstream.engines.openai_server import parse_tool_calls, truncate_at_stop
 
         total = sum(len(c.token_ids) for c in completions)
@@ -630,6 +640,7 @@ class ModelWrapper:
         )
         if continued is None:
             continued = bool(messages) and messages[-1].get("role") == "assistant"
+        extra_info = {} if temperature is None else {"temperature": float(temperature)}
         exps = []
         for c, text in zip(completions, texts, strict=True):
             if stop and c.finish_reason == "stop":
@@ -656,7 +667,7 @@ class ModelWrapper:
                     prompt_text=prompt_text,
                     messages=convo,
                     model_version=c.model_version,
-                    info={**c.info, "finish_reason": c.finish_reason},
+                    info={**c.info, "finish_reason": c.finish_reason, **extra_info},
                 )
             )
         return exps

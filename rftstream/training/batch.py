@@ -203,21 +203,28 @@ def _put(dst: np.ndarray, row: int, src: np.ndarray | None, n: int) -> None:
         dst[row, :m] = src[:m]
 
 
-def has_rollout_logprobs(e: Experience) -> bool:
+def has_rollout_logprobs(e: Experience, temperature: float | None = None) -> bool:
     """Whether ``e.logprobs`` are the behaviour policy's: set, not flagged inexact by the
-    engine (``info["logprobs_exact"] is False``), not the zeros MIX gives expert rows."""
-    return (
-        e.logprobs is not None
-        and e.info.get("logprobs_exact", True) is not False
-        and not e.info.get("is_expert", False)
-    )
+    engine (``info["logprobs_exact"] is False``), not the zeros MIX gives expert rows, and
+    (with ``temperature``, the trainer's) sampled at that temperature when the experience
+    says at which (``info["temperature"]``): other temperatures give other log-probs."""
+    if e.logprobs is None or e.info.get("logprobs_exact", True) is False:
+        return False
+    if e.info.get("is_expert", False):
+        return False
+    sampled = e.info.get("temperature")
+    if temperature is not None and isinstance(sampled, (int, float)):
+        return abs(float(sampled) - temperature) <= 1e-6
+    return True
 
 
-def _rollout_logprob_mask(exps: list[Experience], lengths: list[int], width: int) -> torch.Tensor:
+def _rollout_logprob_mask(
+    exps: list[Experience], lengths: list[int], width: int, temperature: float | None
+) -> torch.Tensor:
     """``[B, width]`` float: 1 on the first ``min(response length, len(logprobs))`` tokens
     of a row with rollout logprobs (:func:`has_rollout_logprobs`), else 0."""
     n = [
-        min(nr, int(e.logprobs.numel())) if has_rollout_logprobs(e) else 0
+        min(nr, int(e.logprobs.numel())) if has_rollout_logprobs(e, temperature) else 0
         for e, nr in zip(exps, lengths, strict=True)
     ]
     return (torch.arange(width) < torch.tensor(n).unsqueeze(1)).to(torch.float32)
@@ -230,6 +237,7 @@ def collate(
     max_prompt: int | None = None,
     max_response: int | None = None,
     custom_fields: Sequence[Any] = (),
+    temperature: float | None = None,
 ) -> TrainBatch:
     """Pad a list of experiences into a :class:`TrainBatch`.
 
@@ -238,8 +246,10 @@ def collate(
     ``(batch,)`` tensor per ``custom_fields`` entry (a sample strategy's
     ``CustomField``: ``source_field``, ``destination_field``, ``data_type``)
     and nothing else; raises KeyError naming the first experience without the
-    source field. The padding is done in numpy (one array per field, rows
-    copied in place), then wrapped as tensors without a copy.
+    source field. ``rollout_logprob_mask`` marks the rows whose log-probs are the
+    behaviour policy's at ``temperature`` (:func:`has_rollout_logprobs`). The
+    padding is done in numpy (one array per field, rows copied in place), then
+    wrapped as tensors without a copy.
     """
     if not exps:
         raise ValueError("collate: empty batch")
@@ -306,7 +316,9 @@ def collate(
         advantages=advantages,
         returns=returns,
         rollout_logprobs=rollout_lp,
-        rollout_logprob_mask=_rollout_logprob_mask(exps, [r.shape[0] for r in responses], R),
+        rollout_logprob_mask=_rollout_logprob_mask(
+            exps, [r.shape[0] for r in responses], R, temperature
+        ),
         rewards=rewards,
         fields=fields,
     )

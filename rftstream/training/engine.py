@@ -372,6 +372,7 @@ class PolicyTrainer:
             max_prompt=mp.max_prompt_tokens,
             max_response=mp.max_response_tokens,
             custom_fields=custom,
+            temperature=self.temperature,
         )
         batch = batch.to(self.engine.device)
         self.engine.eval()  # the no-grad passes see no dropout

@@ -436,6 +436,17 @@ def test_collate_marks_the_tokens_with_rollout_logprobs() -> None:
     assert batch.to("cpu").rollout_logprob_mask.shape == (7, 4)
 
 
+def test_log_probs_sampled_at_another_temperature_get_no_weight() -> None:
+    def e(**info: Any) -> Experience:
+        return Experience(tokens=[1, 2, 3, 3], prompt_length=2, logprobs=[-1.0, -1.0], info=info)
+
+    exps = [e(temperature=1.0), e(temperature=0.7), e()]  # the last one does not say
+    assert [has_rollout_logprobs(x, 1.0) for x in exps] == [True, False, True]
+    assert [has_rollout_logprobs(x) for x in exps] == [True, True, True]
+    mask = collate(exps, 0, temperature=1.0).rollout_logprob_mask
+    assert mask.tolist() == [[1, 1], [0, 0], [1, 1]]
+
+
 # ------------------------------------------------------------------ a real trainer step
 
 
@@ -526,3 +537,55 @@ def test_trainer_step_gradient_and_metrics(tmp_path: Path, tiny_model_path: str)
     )
     for key in ("actor/pg_loss", "actor/pg_clipfrac", "actor/ppo_kl", "actor/pg_clipfrac_lower"):
         assert math.isfinite(out[key]), key
+
+
+# ------------------------------------------------------------------ on by default where it helps
+
+
+@pytest.mark.parametrize(
+    "over,expected",
+    [
+        ({}, "decoupled_ppo"),  # dynamic_by_explorer: experience can be stale
+        ({"synchronizer": {"sync_style": "fixed", "sync_interval": 1}}, "ppo"),  # on-policy
+        ({"synchronizer": {"sync_style": "fixed", "sync_interval": 2}}, "decoupled_ppo"),
+        ({"synchronizer": {"max_staleness": 0}}, "ppo"),
+        ({"algorithm": {"policy_loss_fn": "ppo"}}, "ppo"),  # a user's choice stands
+        ({"mode": "explore"}, "ppo"),  # nothing is trained here
+        ({"algorithm": {"algorithm_type": "opmd"}}, "opmd"),  # not a ppo preset
+    ],
+)
+def test_asynchronous_ppo_presets_train_with_the_correction(
+    tmp_path, tiny_model_path: str, over: dict[str, Any], expected: str
+) -> None:
+    from rftstream.config import config_from_dict
+    from rftstream.runtime import prepare_run
+    from tests.integration._util import small_config
+
+    data = small_config(tmp_path, tiny_model_path)
+    for key, value in over.items():
+        if isinstance(value, dict):
+            data.setdefault(key, {}).update(value)
+        else:
+            data[key] = value
+    run = prepare_run(config_from_dict(data))
+    assert run.algorithm.config.policy_loss_fn == expected
+    assert (
+        type(run.algorithm.policy_loss_fn).__name__
+        == {
+            "ppo": "PPOPolicyLossFn",
+            "decoupled_ppo": "DecoupledPPOPolicyLossFn",
+            "opmd": "OPMDPolicyLossFn",
+        }[expected]
+    )
+
+
+def test_the_correction_keeps_a_presets_loss_arguments(tmp_path, tiny_model_path: str) -> None:
+    from rftstream.config import config_from_dict
+    from rftstream.runtime import prepare_run
+    from tests.integration._util import small_config
+
+    data = small_config(tmp_path, tiny_model_path)
+    data["algorithm"] = {"algorithm_type": "dapo", "repeat_times": 4}
+    loss = prepare_run(config_from_dict(data)).algorithm.policy_loss_fn
+    assert type(loss).__name__ == "DecoupledPPOPolicyLossFn"
+    assert (loss.clip_range_low, loss.clip_range_high) == (0.2, 0.28)

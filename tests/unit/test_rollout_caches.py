@@ -40,6 +40,7 @@ async def test_chat_rendering_is_cached_per_input(tiny_model_path: str, monkeypa
             again[0].tokens[: again[0].prompt_length].tolist()
         )
         assert again[0].prompt_text == first[0].prompt_text
+        assert first[0].info["temperature"] == 1.0  # what the trainer checks the log-probs by
         await model.chat_async([{"role": "user", "content": "2+2="}])
         await model.chat_async(q1, temperature=0.5)  # sampling args are not part of the input
         await model.chat_async([*q1, {"role": "assistant", "content": "3"}])  # continues
