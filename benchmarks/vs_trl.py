@@ -54,6 +54,7 @@ PLUGINS = ROOT / "benchmarks" / "plugins"
 THRESHOLDS = (0.6, 0.7)
 WINDOW = 20
 LONGTAIL_WORKFLOW = "longtail_math_workflow"
+EXPLORERS_FASTER = 0.10  # explorer idle share above which the explorers outpace the trainer
 
 
 # ------------------------------------------------------------------ pure helpers
@@ -372,8 +373,14 @@ def report(
         )
     if "trainer idle" in default.extra:
         idle = default.extra["trainer idle"]
+        explorer_idle = default.extra.get("explorer idle", 0.0)
+        if explorer_idle >= EXPLORERS_FASTER:
+            verdict = "PASS" if idle <= 0.05 else "MISS"
+        else:
+            verdict = f"n/a: the explorers are the bottleneck here (idle {explorer_idle:.0%})"
         lines.append(
-            f"{title}: rftstream trainer idle {idle:.1%} (target <= 5% when explorers are faster)"
+            f"{title}: rftstream trainer idle {idle:.1%} (target <= 5% when explorers are "
+            f"faster): {verdict}"
         )
     return lines
 
