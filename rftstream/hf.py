@@ -15,7 +15,9 @@ code that may run in a worker thread.
 
 from __future__ import annotations
 
+import contextlib
 import threading
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -43,10 +45,25 @@ def torch_dtype(name: str | torch.dtype) -> torch.dtype:
 
 
 def load_causal_lm(path: str, dtype: str | torch.dtype = "float32", **kwargs: Any) -> Any:
-    """``AutoModelForCausalLM.from_pretrained`` under the process-wide load lock."""
-    with HF_LOAD_LOCK:
+    """``AutoModelForCausalLM.from_pretrained`` under the process-wide load lock, without
+    transformers' progress bar."""
+    with HF_LOAD_LOCK, quiet_progress_bars():
         (AutoModelForCausalLM,) = hf_classes("AutoModelForCausalLM")
         return AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype(dtype), **kwargs)
+
+
+@contextlib.contextmanager
+def quiet_progress_bars() -> Iterator[None]:
+    """Silence transformers' tqdm bars (loading / saving shards) inside the block."""
+    from transformers.utils import logging as hf_logging
+
+    was_enabled = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            hf_logging.enable_progress_bar()
 
 
 def load_tokenizer(path: str, **kwargs: Any) -> Any:

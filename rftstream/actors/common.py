@@ -126,23 +126,44 @@ class InProgressTicker:
                     log.debug("in_progress failed: %s", exc)
 
 
+class Backlog(NamedTuple):
+    """What :func:`experience_backlog` counts, in messages."""
+
+    total: int  # waiting or being worked on, anywhere
+    held_by_trainer: int  # delivered to the trainer and not yet acked (its batch, its buffer)
+
+    @property
+    def in_transit(self) -> int:
+        """Messages the trainer will still receive (or that an operator still works on)."""
+        return self.total - self.held_by_trainer
+
+
 async def consumer_backlog(bus: Bus, stream: str, exclude: tuple[str, ...] = ()) -> int:
-    """Messages waiting or being worked on across the durable consumers of ``stream``.
+    """Messages waiting or being worked on across the durable consumers of ``stream``."""
+    return (await experience_backlog(bus, stream, exclude)).total
+
+
+async def experience_backlog(bus: Bus, stream: str, exclude: tuple[str, ...] = ()) -> Backlog:
+    """The backlog of the durable consumers of ``stream``, and the trainer's part of it.
 
     Ephemeral consumers (the trainer's ordered watch of ``exp.raw`` headers, a
     ``nats sub`` or ``rftstream tail`` from a terminal) do no work toward
-    training: a message not yet pushed to one of them is not backlog.
+    training: a message not yet pushed to one of them is not backlog. The
+    trainer's consumers are ``trainer`` and, after a splice, ``trainer_<stage>``.
     """
-    total = 0
+    total = held = 0
     try:
         infos = await bus.js.consumers_info(stream)
     except nats.js.errors.APIError:
-        return 0
+        return Backlog(0, 0)
     for info in infos:
         if info.name in exclude or not getattr(info.config, "durable_name", None):
             continue
-        total += int(info.num_pending or 0) + int(info.num_ack_pending or 0)
-    return total
+        pending, unacked = int(info.num_pending or 0), int(info.num_ack_pending or 0)
+        total += pending + unacked
+        if info.name == "trainer" or info.name.startswith("trainer_"):
+            held += unacked
+    return Backlog(total, held)
 
 
 async def consumer_drained(bus: Bus, stream: str, durable: str) -> bool:

@@ -85,8 +85,8 @@ from nats.aio.msg import Msg
 from rftstream.actors.common import (
     InProgressTicker,
     KeyChanges,
-    consumer_backlog,
     consumer_drained,
+    experience_backlog,
     heartbeat_loop,
 )
 from rftstream.actors.evaluation import EvaluationMixin
@@ -849,7 +849,8 @@ class Explorer(EvaluationMixin):
         )
         group = max(1, self.repeat_times)
         while True:
-            backlog = await consumer_backlog(self.bus, self.names.exp_stream) + self._in_flight
+            queued = await experience_backlog(self.bus, self.names.exp_stream)
+            backlog = queued.total + self._in_flight
             ptr = await state.latest_weights()
             newest = ptr.version if ptr is not None else 0
             mine = newest if will_sync else self._version()
@@ -858,11 +859,12 @@ class Explorer(EvaluationMixin):
             )
             if room is None or room >= group:
                 return batch_size if room is None else min(batch_size, room // group)
-            starving = await state.get_json(KV_TRAINER_STARVING)
-            if isinstance(starving, dict) and starving.get("since"):
-                return (
-                    batch_size  # filters dropped what was waiting: never stall a starving trainer
-                )
+            if queued.in_transit == 0 and self._in_flight == 0:
+                # all the backlog is what the trainer holds, and it says it is starving (its
+                # messages carry fewer experiences than full groups): never stall it
+                starving = await state.get_json(KV_TRAINER_STARVING)
+                if isinstance(starving, dict) and starving.get("since"):
+                    return batch_size
             if await state.status() in END_STATUSES:
                 return batch_size
             if self._trainer_changes is not None:

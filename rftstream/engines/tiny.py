@@ -111,15 +111,19 @@ def arithmetic_problems() -> list[tuple[str, str]]:
 
 
 def tiny_model_version() -> str:
-    """A short hash of everything that determines the built model (the cache key)."""
-    import transformers
+    """A short hash of everything that determines the built model (the cache key).
+
+    Reads the installed transformers version from its metadata: importing
+    transformers takes a second or two, and a cached model needs no import.
+    """
+    import importlib.metadata
 
     payload = {
         "recipe": _RECIPE,
         "template": CHAT_TEMPLATE,
         "vocab": SPECIAL_TOKENS,
         "split": _QWEN2_SPLIT,
-        "transformers_major": transformers.__version__.split(".")[0],
+        "transformers_major": importlib.metadata.version("transformers").split(".")[0],
     }
     return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:12]
 

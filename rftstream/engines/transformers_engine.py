@@ -24,11 +24,9 @@ model): build the engine in a worker thread from async code.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import math
 from collections import deque
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -48,25 +46,11 @@ from rftstream.engines.base import (
 )
 from rftstream.engines.fast_decoder import FastDecoder, fast_decoder_for
 from rftstream.errors import RftError
-from rftstream.hf import forward_kwargs, output_cache
+from rftstream.hf import forward_kwargs, output_cache, quiet_progress_bars
 
 log = logging.getLogger(__name__)
 
 __all__ = ["SequenceSpec", "TransformersEngine", "quiet_progress_bars", "sample_sequences"]
-
-
-@contextlib.contextmanager
-def quiet_progress_bars() -> Iterator[None]:
-    """Silence transformers' tqdm bars (loading / saving shards) inside the block."""
-    from transformers.utils import logging as hf_logging
-
-    was_enabled = hf_logging.is_progress_bar_enabled()
-    hf_logging.disable_progress_bar()
-    try:
-        yield
-    finally:
-        if was_enabled:
-            hf_logging.enable_progress_bar()
 
 
 @dataclass

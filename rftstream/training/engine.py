@@ -10,7 +10,9 @@ when absent (a multi-rank launch sets its own).
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import io
 import logging
 import math
 import os
@@ -26,7 +28,7 @@ from rftstream.bus.server import free_port
 from rftstream.config.schema import Config
 from rftstream.errors import ConfigError
 from rftstream.experience import Experience
-from rftstream.hf import forward_kwargs, output_cache
+from rftstream.hf import forward_kwargs, output_cache, quiet_progress_bars
 from rftstream.training.batch import (
     TrainBatch,
     balanced_partitions,
@@ -41,7 +43,10 @@ log = logging.getLogger(__name__)
 
 
 def ensure_dist_env() -> None:
-    """Set the torch.distributed env of a single-process group if it is not set."""
+    """Set the torch.distributed env of a single-process group if it is not set; on a
+    machine without CUDA, tell DeepSpeed it is the CPU (else it warns that it guessed)."""
+    if not torch.cuda.is_available():
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", str(free_port()))
     os.environ.setdefault("RANK", "0")
@@ -191,9 +196,14 @@ class PolicyTrainer:
             scheduler = torch.optim.lr_scheduler.LambdaLR(
                 optimizer, lambda s: min(1.0, (s + 1) / warmup)
             )
-        engine, optimizer, _, scheduler = deepspeed.initialize(
-            model=model, optimizer=optimizer, lr_scheduler=scheduler, config=ds_config
-        )
+        # DeepSpeed prints (not logs) a line when it builds its CPU communication op
+        printed = io.StringIO()
+        with contextlib.redirect_stdout(printed):
+            engine, optimizer, _, scheduler = deepspeed.initialize(
+                model=model, optimizer=optimizer, lr_scheduler=scheduler, config=ds_config
+            )
+        for line in printed.getvalue().splitlines():
+            log.info("deepspeed: %s", line)
         return engine, optimizer, scheduler
 
     # ------------------------------------------------------------ forward
@@ -552,7 +562,8 @@ class PolicyTrainer:
         """Write an HF-format (safetensors) checkpoint ``transformers`` can load. Blocks."""
         path = Path(path)
         tmp = path.with_name(path.name + ".tmp")
-        self.engine.module.save_pretrained(tmp, safe_serialization=True)
+        with quiet_progress_bars():
+            self.engine.module.save_pretrained(tmp, safe_serialization=True)
         self.tokenizer.save_pretrained(tmp)
         if path.exists():
             import shutil

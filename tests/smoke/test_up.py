@@ -88,6 +88,28 @@ def test_up_signal_stops_everything(tmp_path: Path, tiny_model_path: str, signum
             proc.kill()
 
 
+def test_the_staleness_bound_holds_from_the_first_step(
+    tmp_path: Path, tiny_model_path: str
+) -> None:
+    """The first batches are in transit while the trainer still starts and waits: its
+    starving flag must not let the explorer run past ``max_staleness`` (it did: staleness 3
+    at step 4 under a bound of 2)."""
+    for bound in (1, 2):
+        run_dir = tmp_path / f"run{bound}"
+        proc = subprocess.run(
+            [*RFTSTREAM, "up", "--steps", "12", "--run-dir", str(run_dir)]
+            + ["--set", f"synchronizer.max_staleness={bound}"],
+            capture_output=True,
+            text=True,
+            timeout=300,
+            env=user_env(tiny_model_path),
+        )
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+        staleness = [json.loads(x)["staleness/max"] for x in lines]
+        assert len(staleness) == 12 and max(staleness) <= bound, staleness
+
+
 def test_a_dead_rollout_process_fails_the_run_clearly(tmp_path: Path, tiny_model_path: str) -> None:
     run_dir = tmp_path / "run"
     log = tmp_path / "up.log"
