@@ -43,21 +43,21 @@ import anyio
 import msgspec
 import nats
 import nats.errors
-import numpy as np
 from rich.console import Console
 from rich.table import Table
 
 from rftstream.bus import Bus, EmbeddedNatsServer
 from rftstream.config.schema import NatsConfig
 from rftstream.experience import (
-    EID,
     H_MSG_ID,
-    Experience,
     ExperienceGroupMsg,
     decode_group,
     pack_group,
 )
 from rftstream.subjects import RAW_STAGE, TRAIN_STAGE, RunNames
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from run import make_group  # noqa: E402 - the group of benchmarks/run.py, in 8 x 256 tokens
 
 console = Console(width=132)
 
@@ -69,27 +69,11 @@ TARGET = 0.8  # rftstream / raw, producer and consumer concurrent
 _RAW_DECODER = msgspec.msgpack.Decoder(ExperienceGroupMsg)
 
 
-def make_group(n: int = 8, length: int = 256, prompt: int = 64) -> list[Experience]:
-    rng = np.random.default_rng(0)
-    resp = length - prompt
-    return [
-        Experience(
-            tokens=rng.integers(0, 150_000, size=length, dtype=np.int32),
-            prompt_length=prompt,
-            logprobs=rng.normal(size=resp).astype(np.float32),
-            advantages=rng.normal(size=resp).astype(np.float32),
-            reward=float(i % 2),
-            eid=EID(0, 1, i),
-        )
-        for i in range(n)
-    ]
-
-
 class Workload:
     """The group, and its encoded body and headers exactly as ``Bus.publish_group`` sends them."""
 
     def __init__(self) -> None:
-        self.group = make_group()
+        self.group = make_group(n=8, length=256, prompt=64)
         (part,) = pack_group(self.group, actor="bench", msg_id_prefix="x", max_payload=1 << 23)
         self.body = part.data
         self.headers = {k: v for k, v in part.headers.items() if k != H_MSG_ID}

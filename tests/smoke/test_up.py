@@ -8,6 +8,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import psutil
 import pytest
@@ -17,6 +18,30 @@ from tests.integration._util import user_env
 pytestmark = pytest.mark.smoke
 
 RFTSTREAM = [sys.executable, "-m", "rftstream.cli"]
+
+
+def _up_until_the_first_step(tmp_path: Path, tiny_model_path: str) -> tuple[Any, Path]:
+    """``rftstream up --steps 1000`` in ``tmp_path / "run"``, its output in ``up.log``; returns
+    (the process, the log) once the trainer has written its first step (at most 300 s)."""
+    run_dir = tmp_path / "run"
+    log = tmp_path / "up.log"
+    with open(log, "w") as out:
+        proc = subprocess.Popen(
+            [*RFTSTREAM, "up", "--steps", "1000", "--run-dir", str(run_dir)],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env=user_env(tiny_model_path),
+        )
+    deadline = time.time() + 300
+    metrics = run_dir / "metrics.jsonl"
+    while time.time() < deadline and not (metrics.exists() and metrics.read_text().strip()):
+        if proc.poll() is not None:
+            raise AssertionError(log.read_text()[-3000:])
+        time.sleep(0.5)
+    if not metrics.exists():
+        proc.kill()
+        raise AssertionError("no trainer step within 300 s")
+    return proc, log
 
 
 def test_up_three_steps(tmp_path: Path, tiny_model_path: str) -> None:
@@ -57,22 +82,8 @@ def test_up_three_steps(tmp_path: Path, tiny_model_path: str) -> None:
 
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
 def test_up_signal_stops_everything(tmp_path: Path, tiny_model_path: str, signum: int) -> None:
-    run_dir = tmp_path / "run"
-    log = tmp_path / "up.log"
-    with open(log, "w") as out:
-        proc = subprocess.Popen(
-            [*RFTSTREAM, "up", "--steps", "1000", "--run-dir", str(run_dir)],
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            env=user_env(tiny_model_path),
-        )
+    proc, log = _up_until_the_first_step(tmp_path, tiny_model_path)
     try:
-        deadline = time.time() + 300
-        metrics = run_dir / "metrics.jsonl"
-        while time.time() < deadline and not (metrics.exists() and metrics.read_text().strip()):
-            assert proc.poll() is None, log.read_text()[-3000:]
-            time.sleep(0.5)
-        assert metrics.exists(), "no trainer step within 300 s"
         children = psutil.Process(proc.pid).children(recursive=True)
         assert any("nats-server" in c.name() for c in children)
         t0 = time.time()
@@ -111,21 +122,8 @@ def test_the_staleness_bound_holds_from_the_first_step(
 
 
 def test_a_dead_rollout_process_fails_the_run_clearly(tmp_path: Path, tiny_model_path: str) -> None:
-    run_dir = tmp_path / "run"
-    log = tmp_path / "up.log"
-    with open(log, "w") as out:
-        proc = subprocess.Popen(
-            [*RFTSTREAM, "up", "--steps", "1000", "--run-dir", str(run_dir)],
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            env=user_env(tiny_model_path),
-        )
+    proc, log = _up_until_the_first_step(tmp_path, tiny_model_path)
     try:
-        deadline = time.time() + 300
-        metrics = run_dir / "metrics.jsonl"
-        while time.time() < deadline and not (metrics.exists() and metrics.read_text().strip()):
-            assert proc.poll() is None, log.read_text()[-3000:]
-            time.sleep(0.5)
         children = [
             c
             for c in psutil.Process(proc.pid).children(recursive=True)
