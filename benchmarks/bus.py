@@ -8,7 +8,8 @@ by ``Bus.provision`` (so both sides use the same stream and consumer config).
 * rftstream: ``Bus.publish_group`` (encode, summary headers, ``Nats-Msg-Id``,
   size checks, in-flight byte cap, bounded ack wait) from ``PUBLISHERS``
   concurrent tasks; ``Bus.pull`` + ``PullConsumer.fetch(FETCH_BATCH)`` +
-  ``decode_group`` (torch tensors) + ``ack``.
+  ``decode_group`` (``Experience`` objects; each array becomes a tensor when
+  first read, as the raw side's arrays stay ``memoryview``s) + ``ack``.
 * raw nats-py: ``js.publish`` of the same encoded bytes and headers (one
   pre-encoded body, a fresh ``Nats-Msg-Id`` per message) from the same number
   of concurrent tasks; ``js.pull_subscribe`` on the same durable +
@@ -18,7 +19,9 @@ Scenarios: producer and consumer at once (the headline: one process, two
 connections, as two actors of ``rftstream up`` would be), publish alone,
 consume alone (a stream pre-filled with the same bytes), and, to tell the bus
 from the codec, producer and consumer at once with rftstream's bus carrying the
-pre-encoded body (``Bus.publish``) and decoding as the raw side does. In each round the two
+pre-encoded body (``Bus.publish``) and decoding as the raw side does, and producer and
+consumer at once with both consumers reading every array as a tensor (what a trainer
+does; the raw side with ``torch.from_numpy(numpy.frombuffer(...))`` per array). In each round the two
 sides of a scenario run back to back, so each round's ratio rftstream / raw
 compares runs under the same load from other processes; the table shows the
 medians of the rounds (and the range of the ratios). Target: >= 0.8x with
@@ -43,6 +46,8 @@ import anyio
 import msgspec
 import nats
 import nats.errors
+import numpy as np
+import torch
 from rich.console import Console
 from rich.table import Table
 
@@ -117,12 +122,18 @@ async def raw_publish(js, subject: str, wl: Workload, n: int, tag: str) -> None:
     await _workers(n, one)
 
 
-async def rft_consume(bus: Bus, names: RunNames, n: int, codec: bool = True) -> int:
+async def rft_consume(
+    bus: Bus, names: RunNames, n: int, codec: bool = True, read_arrays: bool = False
+) -> int:
     consumer = await bus.pull(names.exp_stream, names.stage_consumer(RAW_STAGE, TRAIN_STAGE))
     got = exps = 0
     while got < n:
         for m in await consumer.fetch(FETCH_BATCH, timeout=FETCH_TIMEOUT):
-            if codec:
+            if read_arrays:  # every array as a tensor, as a trainer reads them
+                for e in decode_group(m.data):
+                    e.tokens, e.logprobs, e.advantages, e.action_mask  # noqa: B018
+                    exps += 1
+            elif codec:
                 exps += len(decode_group(m.data))
             else:  # the bus alone: decoded as the raw side decodes
                 exps += len(_RAW_DECODER.decode(m.data).experiences)
@@ -132,7 +143,17 @@ async def rft_consume(bus: Bus, names: RunNames, n: int, codec: bool = True) -> 
     return exps
 
 
-async def raw_consume(js, names: RunNames, n: int) -> int:  # noqa: ANN001
+def _raw_tensors(msg: ExperienceGroupMsg) -> int:
+    """What a hand-written raw consumer does to read every array as a tensor (as rftstream's)."""
+    for r in msg.experiences:
+        torch.from_numpy(np.frombuffer(r.tokens, "<i4"))
+        torch.from_numpy(np.frombuffer(r.logprobs, "<f4"))
+        torch.from_numpy(np.frombuffer(r.advantages, "<f4"))
+        torch.from_numpy(np.frombuffer(r.action_mask, "u1").astype(np.bool_))
+    return len(msg.experiences)
+
+
+async def raw_consume(js, names: RunNames, n: int, read_arrays: bool = False) -> int:  # noqa: ANN001
     sub = await js.pull_subscribe(
         names.exp_subject(RAW_STAGE),
         durable=names.stage_consumer(RAW_STAGE, TRAIN_STAGE),
@@ -145,7 +166,8 @@ async def raw_consume(js, names: RunNames, n: int) -> int:  # noqa: ANN001
         except (nats.errors.TimeoutError, asyncio.TimeoutError):
             continue
         for m in msgs:
-            exps += len(_RAW_DECODER.decode(m.data).experiences)
+            msg = _RAW_DECODER.decode(m.data)
+            exps += _raw_tensors(msg) if read_arrays else len(msg.experiences)
             await m.ack()
             got += 1
     await sub.unsubscribe()
@@ -186,19 +208,21 @@ async def measure(
             cbus = await Bus.connect(url, names, cfg, "consumer")
             codec = scenario != "bus"
             produce = lambda: rft_publish(pbus, wl, n, run, codec)  # noqa: E731
-            consume = lambda: rft_consume(cbus, names, n, codec)  # noqa: E731
+            read = scenario == "tensors"
+            consume = lambda: rft_consume(cbus, names, n, codec, read)  # noqa: E731
             conns = [pbus.nc, cbus.nc]
         else:  # two plain nats-py connections, default options
             pnc, cnc = await nats.connect(url), await nats.connect(url)
             produce = lambda: raw_publish(pnc.jetstream(), subject, wl, n, run)  # noqa: E731
-            consume = lambda: raw_consume(cnc.jetstream(), names, n)  # noqa: E731
+            read = scenario == "tensors"
+            consume = lambda: raw_consume(cnc.jetstream(), names, n, read)  # noqa: E731
             conns = [pnc, cnc]
         try:
             s0, c0, t0 = _server_cpu(pid), time.process_time(), time.perf_counter()
             async with anyio.create_task_group() as tg:
-                if scenario in ("concurrent", "bus", "publish"):
+                if scenario != "consume":
                     tg.start_soon(produce)
-                if scenario in ("concurrent", "bus", "consume"):
+                if scenario != "publish":
                     tg.start_soon(consume)
             dt, cpu, s1 = time.perf_counter() - t0, time.process_time() - c0, _server_cpu(pid)
         finally:
@@ -224,6 +248,7 @@ SCENARIOS = (
     ("publish", "publish alone"),
     ("consume", "consume alone"),
     ("bus", "at once, bus only (no codec)"),
+    ("tensors", "at once, reading every array"),
 )
 
 

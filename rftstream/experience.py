@@ -17,12 +17,14 @@ This module does no I/O.
 
 from __future__ import annotations
 
+import itertools
 import math
+import operator
 import sys
 import uuid
 import warnings
 from collections import defaultdict
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -161,9 +163,37 @@ class Experience:
         if self.metrics is None:
             self.metrics = {}
 
+    def __getattr__(self, name: str) -> Any:
+        """Materialise an array field of a decoded experience on first access.
+
+        Called only for attributes missing from the instance: a decoded
+        experience (:func:`from_record`) leaves its wire arrays as bytes until a
+        field is read, so an actor that only reads rewards and writes
+        advantages converts nothing and re-publishes the untouched arrays as
+        they came (:func:`to_record`).
+        """
+        d = self.__dict__
+        try:
+            read, wire = _ARRAY_READERS[name], d["_wire"]
+        except KeyError:
+            raise AttributeError(
+                f"{type(self).__name__!r} object has no attribute {name!r}"
+            ) from None
+        value = d[name] = read(wire)
+        return value
+
+    def __getstate__(self) -> dict[str, Any]:
+        """The fields, every lazy array materialised (for ``copy`` and ``deepcopy``)."""
+        d = self.__dict__
+        if "_wire" not in d:
+            return dict(d)
+        for name in _WIRE_ARRAYS:
+            getattr(self, name)
+        return {k: v for k, v in d.items() if k != "_wire"}
+
     @property
     def response_length(self) -> int:
-        return max(int(self.tokens.numel()) - self.prompt_length, 0)
+        return max(_token_count(self) - self.prompt_length, 0)
 
     @property
     def response_tokens(self) -> torch.Tensor:
@@ -204,6 +234,8 @@ class WireEID(msgspec.Struct, array_like=True, frozen=True, gc=False):
 
 class ExperienceRecord(msgspec.Struct, omit_defaults=True, gc=False):
     """One experience on the wire. Arrays are raw little-endian bytes.
+
+    :func:`to_record` builds it positionally: keep it in step with the field order.
 
     (``gc=False``: records never take part in reference cycles, so the garbage
     collector need not track the thousands a busy actor makes per second.)
@@ -248,6 +280,23 @@ _LE_I32 = np.dtype("<i4")
 _LE_F32 = np.dtype("<f4")
 _U8 = np.dtype("u1")
 _LITTLE = sys.byteorder == "little"  # the wire is little-endian: native arrays need no swap
+
+# The array fields of an experience and their wire dtypes (the mask: one byte, 0 or 1).
+_WIRE_ARRAYS: dict[str, np.dtype] = {
+    "tokens": _LE_I32,
+    "logprobs": _LE_F32,
+    "token_level_reward": _LE_F32,
+    "advantages": _LE_F32,
+    "returns": _LE_F32,
+    "action_mask": _U8,
+    "chosen": _LE_I32,
+    "rejected": _LE_I32,
+}
+# Their dataclass defaults live in ``Experience.__init__`` only, not as class attributes,
+# so that reading one a decoded experience has not materialised reaches ``__getattr__``.
+for _name in _WIRE_ARRAYS:
+    delattr(Experience, _name)
+del _name
 
 # The codec is on every actor's hot path (about 1 us per array each way is the
 # floor: one numpy view and one copy out, one numpy view and one torch wrapper in),
@@ -325,74 +374,156 @@ def _view(buf: memoryview, np_dtype: np.dtype) -> torch.Tensor:
     return _from_numpy(_frombuffer(buf, np_dtype).astype(np_dtype.newbyteorder("=")))
 
 
+def _array_bytes(d: dict[str, Any], wire: ExperienceRecord | None, name: str) -> Any:
+    """The wire bytes of array field ``name``: its wire record's as they came if never read."""
+    if name in d:
+        if name == "action_mask":
+            return _mask_bytes(d[name])
+        return _to_bytes(d[name], _WIRE_ARRAYS[name])
+    if wire is not None:
+        return getattr(wire, name)
+    return None
+
+
 def to_record(exp: Experience) -> ExperienceRecord:
-    """Convert an :class:`Experience` to its wire record."""
+    """Convert an :class:`Experience` to its wire record.
+
+    Arrays of a decoded experience that were never read (nor assigned) are
+    passed through as their wire bytes, without a conversion.
+    """
     eid = exp.eid
+    wire = exp.__dict__.get("_wire")
+    if wire is None:  # made in this process: every array is an attribute
+        tokens = _to_bytes(exp.tokens, _LE_I32)
+        logprobs = _to_bytes(exp.logprobs, _LE_F32)
+        tlr = _to_bytes(exp.token_level_reward, _LE_F32)
+        advantages = _to_bytes(exp.advantages, _LE_F32)
+        returns = _to_bytes(exp.returns, _LE_F32)
+        mask = _mask_bytes(exp.action_mask)
+        chosen = _to_bytes(exp.chosen, _LE_I32)
+        rejected = _to_bytes(exp.rejected, _LE_I32)
+    else:
+        d = exp.__dict__
+        tokens = _array_bytes(d, wire, "tokens")
+        logprobs = _array_bytes(d, wire, "logprobs")
+        tlr = _array_bytes(d, wire, "token_level_reward")
+        advantages = _array_bytes(d, wire, "advantages")
+        returns = _array_bytes(d, wire, "returns")
+        mask = _array_bytes(d, wire, "action_mask")
+        chosen = _array_bytes(d, wire, "chosen")
+        rejected = _array_bytes(d, wire, "rejected")
+    # positional, in the order of ExperienceRecord's fields (five times cheaper than keywords)
     return ExperienceRecord(
-        eid=WireEID(eid.batch, eid.task, eid.run, eid.step, eid.suffix),
-        tokens=_to_bytes(exp.tokens, _LE_I32),  # type: ignore[arg-type]
-        prompt_length=exp.prompt_length,
-        logprobs=_to_bytes(exp.logprobs, _LE_F32),  # type: ignore[arg-type]
-        reward=exp.reward,
-        token_level_reward=_to_bytes(exp.token_level_reward, _LE_F32),  # type: ignore[arg-type]
-        advantages=_to_bytes(exp.advantages, _LE_F32),  # type: ignore[arg-type]
-        returns=_to_bytes(exp.returns, _LE_F32),  # type: ignore[arg-type]
-        info=exp.info or {},
-        metrics=exp.metrics or {},
-        response_text=exp.response_text,
-        prompt_text=exp.prompt_text,
-        action_mask=_mask_bytes(exp.action_mask),  # type: ignore[arg-type]
-        messages=exp.messages,
-        chosen=_to_bytes(exp.chosen, _LE_I32),  # type: ignore[arg-type]
-        rejected=_to_bytes(exp.rejected, _LE_I32),  # type: ignore[arg-type]
-        chosen_text=exp.chosen_text,
-        rejected_text=exp.rejected_text,
-        model_version=exp.model_version,
+        WireEID(eid.batch, eid.task, eid.run, eid.step, eid.suffix),
+        tokens,
+        exp.prompt_length,
+        logprobs,
+        exp.reward,
+        tlr,
+        advantages,
+        returns,
+        exp.info or {},
+        exp.metrics or {},
+        exp.response_text,
+        exp.prompt_text,
+        mask,
+        exp.messages,
+        chosen,
+        rejected,
+        exp.chosen_text,
+        exp.rejected_text,
+        exp.model_version,
     )
 
 
-def from_record(rec: ExperienceRecord) -> Experience:
-    """Convert a wire record to an :class:`Experience`; arrays are zero-copy views.
+def _array_reader(name: str) -> Callable[[ExperienceRecord], torch.Tensor | None]:
+    """The function that makes array field ``name`` of a wire record a tensor.
 
-    Every field already has the type ``Experience.__post_init__`` would give it
-    (msgspec checked the record; arrays become tensors of the wire dtypes), so
-    the instance is filled in directly, not through ``__init__``. The action
-    mask is a copy (any non-zero byte is True); a missing one means every
-    response token. Raises ``ValueError`` for an array that is not a whole
-    number of elements.
+    Arrays are zero-copy views of the message body; the action mask is a copy
+    (any non-zero byte is True), and a missing one means every response token
+    of the wire's tokens.
     """
+    get = operator.attrgetter(name)
+    if name == "action_mask":
+
+        def read_mask(rec: ExperienceRecord) -> torch.Tensor:
+            buf = rec.action_mask
+            if buf is None:
+                return torch.ones(max(len(rec.tokens) // 4 - rec.prompt_length, 0), dtype=_BOOL)
+            return _from_numpy(_frombuffer(buf, _U8).astype(np.bool_))
+
+        return read_mask
+    dtype = _WIRE_ARRAYS[name]
+
+    def read(rec: ExperienceRecord) -> torch.Tensor | None:
+        buf = get(rec)
+        return None if buf is None else _view(buf, dtype)
+
+    return read
+
+
+_ARRAY_READERS = {name: _array_reader(name) for name in _WIRE_ARRAYS}
+
+
+def _token_count(exp: Experience) -> int:
+    """``exp.tokens.numel()``, read from the wire record while the tokens are not materialised."""
+    d = exp.__dict__
+    tokens = d.get("tokens")
+    if tokens is not None:
+        return int(tokens.numel())
+    if "_wire" in d:
+        return len(d["_wire"].tokens) // 4
+    return int(exp.tokens.numel())
+
+
+def _raise_ragged(rec: ExperienceRecord) -> None:
+    """Raise ``ValueError`` naming the first array field of ``rec`` that is not whole elements."""
+    for name, dtype in _WIRE_ARRAYS.items():
+        buf = getattr(rec, name)
+        if buf is not None and len(buf) % dtype.itemsize:
+            raise ValueError(
+                f"{name}: {len(buf)} bytes is not a whole number of {dtype.itemsize}-byte elements"
+            )
+
+
+def from_record(rec: ExperienceRecord) -> Experience:
+    """Convert a wire record to an :class:`Experience` whose arrays stay on the wire until read.
+
+    Every field but the arrays is set as ``Experience.__post_init__`` would set
+    it (msgspec checked the record); each array becomes a tensor of its wire
+    dtype on first access (:meth:`Experience.__getattr__`: a zero-copy view of
+    the message body, the action mask a normalised copy), and one never read
+    is re-encoded from its wire bytes. Raises ``ValueError`` for an array that
+    is not a whole number of elements.
+    """
+    lp, adv, tlr, ret = rec.logprobs, rec.advantages, rec.token_level_reward, rec.returns
+    if (
+        len(rec.tokens) & 3
+        or (lp is not None and len(lp) & 3)
+        or (adv is not None and len(adv) & 3)
+        or (tlr is not None and len(tlr) & 3)
+        or (ret is not None and len(ret) & 3)
+        or (rec.chosen is not None and len(rec.chosen) & 3)
+        or (rec.rejected is not None and len(rec.rejected) & 3)
+    ):
+        _raise_ragged(rec)
     if not _torch_warned:
         _prime_torch_warnings()
-    tokens = _view(rec.tokens, _LE_I32)
-    prompt_length = rec.prompt_length
-    logprobs, advantages, mask = rec.logprobs, rec.advantages, rec.action_mask
-    tlr, returns, chosen, rejected = rec.token_level_reward, rec.returns, rec.chosen, rec.rejected
-    if mask is not None:
-        action_mask = _from_numpy(_frombuffer(mask, _U8).astype(np.bool_))
-    else:
-        action_mask = torch.ones(max(len(tokens) - prompt_length, 0), dtype=_BOOL)
     e = rec.eid
     exp = Experience.__new__(Experience)
-    exp.__dict__ = {  # every dataclass field (a unit test checks none is missed)
-        "tokens": tokens,
-        "prompt_length": prompt_length,
-        "logprobs": None if logprobs is None else _view(logprobs, _LE_F32),
+    exp.__dict__ = {  # every dataclass field but the arrays (a unit test checks none is missed)
+        "prompt_length": rec.prompt_length,
         "reward": rec.reward,
-        "token_level_reward": None if tlr is None else _view(tlr, _LE_F32),
-        "advantages": None if advantages is None else _view(advantages, _LE_F32),
-        "returns": None if returns is None else _view(returns, _LE_F32),
         "info": rec.info,
         "metrics": rec.metrics,
         "response_text": rec.response_text,
         "prompt_text": rec.prompt_text,
-        "action_mask": action_mask,
         "messages": rec.messages,
-        "chosen": None if chosen is None else _view(chosen, _LE_I32),
-        "rejected": None if rejected is None else _view(rejected, _LE_I32),
         "chosen_text": rec.chosen_text,
         "rejected_text": rec.rejected_text,
         "model_version": rec.model_version,
         "eid": EID(e.batch, e.task, e.run, e.step, e.suffix),
+        "_wire": rec,
     }
     return exp
 
@@ -472,7 +603,7 @@ def summary_headers(
     """Headers that summarise a group, readable in ``nats stream view``."""
     rewards = [e.reward for e in exps if e.reward is not None and not math.isnan(e.reward)]
     versions = [e.model_version for e in exps]
-    tokens = sum(int(e.tokens.numel()) for e in exps)
+    tokens = sum(_token_count(e) for e in exps)
     headers = {
         H_SCHEMA: SCHEMA_NAME,
         H_TASK: group_id if group_id is not None else (exps[0].group_id if exps else ""),
@@ -490,7 +621,9 @@ def summary_headers(
 
 def headers_size(headers: dict[str, str]) -> int:
     """Bytes the headers take on the wire (``NATS/1.0\\r\\n`` + ``k: v\\r\\n``... + ``\\r\\n``)."""
-    return 12 + sum(len(k.encode()) + len(v.encode()) + 4 for k, v in headers.items()) + 2
+    text = "".join(itertools.chain.from_iterable(headers.items()))
+    n = len(text) if text.isascii() else len(text.encode())
+    return 12 + n + 4 * len(headers) + 2
 
 
 @dataclass

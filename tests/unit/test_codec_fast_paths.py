@@ -1,5 +1,5 @@
 """The codec's fast paths give what the general conversions give: every dataclass field on
-decode, the same wire bytes for every kind of array input, a normalised action mask, and no
+decode (arrays on first access, untouched ones re-encoded as they came), the same wire bytes for every kind of array input, a normalised action mask, and no
 warning even on a process's first decode."""
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from rftstream.experience import (
+    _WIRE_ARRAYS,
     EID,
     Experience,
     decode_group,
@@ -53,7 +54,8 @@ def test_decode_sets_every_field_as_init_would(minimal: bool) -> None:
     exp = Experience(tokens=[1, 2, 3], prompt_length=1) if minimal else _experience()
     (d,) = decode_group(encode_group([exp]))
     names = {f.name for f in dataclasses.fields(Experience)}
-    assert set(vars(d)) == names  # a field added to Experience must be added to from_record
+    # a field added to Experience must be added to from_record (or to the lazy arrays)
+    assert (set(vars(d)) - {"_wire"}) | set(_WIRE_ARRAYS) == names
     ref = Experience(**{n: getattr(d, n) for n in names})  # through __post_init__
     for n in names:
         a, b = getattr(d, n), getattr(ref, n)
@@ -144,3 +146,57 @@ def test_first_decode_of_a_process_warns_nothing() -> None:
         timeout=120,
     )
     assert out.returncode == 0, out.stderr[-2000:]
+
+
+def test_untouched_arrays_are_reencoded_as_they_came_without_a_conversion() -> None:
+    body = encode_group([_experience()])
+    (d,) = decode_group(body)
+    assert d.response_length == 3  # from the wire's length, nothing materialised
+    d.advantages = torch.tensor([1.0, 2.0, 3.0])  # what an operator does
+    d.reward = 2.0
+    rec = to_record(d)
+    for name in ("tokens", "logprobs", "token_level_reward", "returns", "action_mask", "chosen"):
+        assert name not in vars(d), name  # passed through, never converted
+    src = decode_group_msg(body).experiences[0]
+    for name in set(_WIRE_ARRAYS) - {"advantages"}:
+        assert bytes(getattr(rec, name)) == bytes(getattr(src, name)), name
+    assert bytes(rec.advantages) == np.array([1.0, 2.0, 3.0], dtype="<f4").tobytes()
+    (again,) = decode_group(encode_group([d]))
+    assert again.tokens.tolist() == [1, 2, 3, 4, 5]
+    assert again.action_mask.tolist() == [True, False, True]
+    assert again.advantages.tolist() == [1.0, 2.0, 3.0] and again.reward == 2.0
+
+
+def test_a_field_read_after_decode_is_a_tensor_of_the_wire_dtype_and_stays() -> None:
+    (d,) = decode_group(encode_group([Experience(tokens=[1, 2, 3], prompt_length=1)]))
+    assert "tokens" not in vars(d)
+    tokens = d.tokens
+    assert tokens.dtype == torch.int32 and d.tokens is tokens  # materialised once
+    assert d.action_mask.tolist() == [True, True]  # a missing mask: every response token
+    assert d.logprobs is None
+    with pytest.raises(AttributeError, match="no attribute 'nope'"):
+        d.nope  # noqa: B018
+
+
+def test_copies_of_a_decoded_experience_hold_their_arrays() -> None:
+    import copy
+
+    (d,) = decode_group(encode_group([_experience()]))
+    deep = copy.deepcopy(d)
+    shallow = copy.copy(d)
+    for c in (deep, shallow):
+        assert "_wire" not in vars(c)
+        assert c.tokens.tolist() == [1, 2, 3, 4, 5]
+        assert c.chosen.tolist() == [7, 8] and c.returns.tolist() == [1.0, 1.0, 1.0]
+    deep.info["k"].append(2)
+    assert d.info == {"k": [1, "x"]}
+
+
+def test_a_ragged_array_is_refused_at_decode_not_at_first_read() -> None:
+    from rftstream.errors import SchemaError
+
+    msg = decode_group_msg(encode_group([Experience(tokens=[1, 2, 3, 4], prompt_length=1)]))
+    rec = msgspec.structs.replace(msg.experiences[0], logprobs=memoryview(b"\0" * 6))
+    bad = msgspec.structs.replace(msg, experiences=[rec])
+    with pytest.raises(SchemaError, match="logprobs: 6 bytes"):
+        decode_group(msgspec.msgpack.encode(bad))
