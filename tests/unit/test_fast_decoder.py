@@ -25,6 +25,7 @@ from transformers import (
 
 from rftstream.engines.fast_decoder import FastDecoder, fast_decoder_for, unsupported_reason
 from rftstream.engines.transformers_engine import SequenceSpec, _draw, sample_sequences
+from rftstream.hf import forward_kwargs, output_cache
 
 
 def _models(tiny_model_path: str) -> dict[str, torch.nn.Module]:
@@ -71,6 +72,7 @@ def test_logits_match_the_hf_forward(tiny_model_path: str) -> None:
     for name, model in _models(tiny_model_path).items():
         model.eval()
         decoder = FastDecoder(model)
+        cache_arg, _ = forward_kwargs(model)  # `cache` on transformers 5 (no FutureWarning)
         ids, attn = _padded_batch([0, 2, 4, 1, 8], 9)
         pos = (attn.cumsum(-1) - 1).clamp_min(0)
         with torch.inference_mode():
@@ -81,7 +83,7 @@ def test_logits_match_the_hf_forward(tiny_model_path: str) -> None:
                 use_cache=True,
                 logits_to_keep=1,
             )
-            past, ref = out.past_key_values, out.logits[:, -1].float()
+            past, ref = output_cache(out), out.logits[:, -1].float()
             session, logits = decoder.start(ids, attn, 6)
             torch.testing.assert_close(logits, ref, atol=1e-5, rtol=1e-5, msg=name)
             next_pos = pos[:, -1] + 1
@@ -100,11 +102,11 @@ def test_logits_match_the_hf_forward(tiny_model_path: str) -> None:
                     input_ids=feed[:, None],
                     attention_mask=attn,
                     position_ids=next_pos[:, None],
-                    past_key_values=past,
+                    **{cache_arg: past},
                     use_cache=True,
                     logits_to_keep=1,
                 )
-                past, next_pos = out.past_key_values, next_pos + 1
+                past, next_pos = output_cache(out), next_pos + 1
                 logits = session.step(feed, active)
                 torch.testing.assert_close(
                     logits[active], out.logits[active, -1].float(), atol=1e-5, rtol=1e-5, msg=name
