@@ -26,6 +26,7 @@ from rftstream.config.schema import Config
 from rftstream.config.validate import run_id_from_name, validate_config
 from rftstream.errors import ConfigError
 from rftstream.subjects import RunNames
+from rftstream.training.schedule import lr_schedule
 
 log = logging.getLogger(__name__)
 
@@ -322,6 +323,12 @@ def prepare_run(
     algorithm = resolve_algorithm(cfg.algorithm, cfg.buffer)
     cfg, algorithm = _fill_batch_args(cfg, algorithm)
     _check_algorithm(cfg, algorithm)
+    if cfg.mode in ("both", "train"):  # the trainer's lr schedules, before any model loads
+        lr_schedule(cfg.algorithm.optimizer, cfg.buffer.total_steps, key="algorithm.optimizer")
+        if algorithm.use_critic:
+            lr_schedule(
+                cfg.trainer.critic.optim, cfg.buffer.total_steps, key="trainer.critic.optim"
+            )
     repeat = int(algorithm.repeat_times or 1)
     buffer = cfg.buffer
     if buffer.train_batch_size == 0:
