@@ -210,40 +210,73 @@ class DuplicateFilter(ExperienceOperator):
 
 @EXPERIENCE_OPERATORS.register_module("dapo_dynamic_sampling")
 class DAPODynamicSampling(ExperienceOperator):
-    """DAPO dynamic sampling: drop task groups whose rewards are all equal.
+    """DAPO dynamic sampling (arXiv:2503.14476, Sec. 3.2), with Trinity-RFT's arguments.
 
-    A group whose rewards are identical (zero variance: all correct or all
-    wrong) gives GRPO no signal. A group of one is dropped (trivially zero
-    variance); so is a group containing a None reward (put
-    ``invalid_reward_filter`` first to drop only the bad experiences).
+    Keeps a task group only when some but not all of its rollouts are correct
+    (``0 < correct < G``): a group that is all correct or all wrong gives GRPO
+    no signal. As in Trinity-RFT, a rollout's outcome score is
+    ``exp.metrics[metric_key]`` when the experience has that metric (the
+    reward function's ``accuracy``, not a length-shaped reward), else its
+    reward; it is correct when the score is ``> correct_threshold``. A group
+    of one is dropped. ``correct_threshold: null`` instead keeps a group
+    when its outcome scores are not all equal (any spread of rewards, the
+    zero-variance rule).
+
+    Deliberate difference: a rollout with neither the metric nor a reward
+    (reward None) drops its whole group here (Trinity-RFT raises); put
+    ``invalid_reward_filter`` first to drop only the bad experiences.
 
     DAPO "keeps sampling until the batch is full". In rftstream the batch is
     filled downstream: the trainer takes exactly ``train_batch_size``
     experiences per step and waits for more while the explorers keep
     producing, so dropped groups are replaced by later ones and never shrink a
-    step. This operator only reports progress: ``min_groups`` is a quota and
-    ``quota_met`` is 1.0 once the groups kept by *this instance* over all
-    batches so far reach it (``min_groups=0``: always 1.0). The count is per
-    instance, so per replica: with ``--replicas N`` each replica counts only
-    the groups it kept itself.
+    step. ``min_groups`` (rftstream's) is a progress quota: ``quota_met`` is
+    1.0 once the groups kept by *this instance* over all batches so far reach
+    it (``min_groups=0``: always 1.0); per replica with ``--replicas N``.
 
-    Metrics: ``filtered_count`` (experiences), ``kept_groups`` and
-    ``dropped_groups`` (this batch), ``kept_groups_total`` (all batches so
-    far) and ``quota_met``.
+    Metrics: ``filtered_count`` (experiences), ``dropped_all_correct`` and
+    ``dropped_all_wrong`` (experiences, as Trinity-RFT; groups of equal scores
+    under ``correct_threshold: null`` count as neither), ``kept_groups`` and
+    ``dropped_groups`` (this batch), ``kept_groups_total`` (all batches so far)
+    and ``quota_met``.
     """
 
-    def __init__(self, min_groups: int = 0) -> None:
+    def __init__(
+        self,
+        metric_key: str | None = "accuracy",
+        correct_threshold: float | None = 0.0,
+        min_groups: int = 0,
+    ) -> None:
         if min_groups < 0:
             raise ValueError(f"min_groups must be >= 0, got {min_groups}")
+        self.metric_key = metric_key
+        self.correct_threshold = None if correct_threshold is None else float(correct_threshold)
         self.min_groups = int(min_groups)
         self.kept_groups_total = 0
 
+    def _score(self, exp: Experience) -> float | None:
+        """The outcome score: the metric when the experience has it, else the reward."""
+        if self.metric_key and exp.metrics and self.metric_key in exp.metrics:
+            return float(exp.metrics[self.metric_key])
+        return None if exp.reward is None else float(exp.reward)
+
     def process(self, exps: list[Experience]) -> tuple[list[Experience], dict]:
         kept: list[Experience] = []
-        kept_groups = dropped_groups = 0
+        kept_groups = dropped_groups = all_correct = all_wrong = 0
         for group in group_by(exps, id_type="task").values():
-            rewards = [e.reward for e in group]
-            if len(group) < 2 or any(r is None for r in rewards) or len(set(rewards)) == 1:
+            scores = [self._score(e) for e in group]
+            keep = len(group) >= 2 and all(s is not None for s in scores)
+            if keep and self.correct_threshold is None:
+                keep = len(set(scores)) > 1
+            elif keep:
+                correct = sum(1 for s in scores if s > self.correct_threshold)  # type: ignore[operator]
+                if correct == 0:
+                    all_wrong += len(group)
+                    keep = False
+                elif correct == len(group):
+                    all_correct += len(group)
+                    keep = False
+            if not keep:
                 dropped_groups += 1
                 continue
             kept_groups += 1
@@ -251,6 +284,8 @@ class DAPODynamicSampling(ExperienceOperator):
         self.kept_groups_total += kept_groups
         metrics = {
             "filtered_count": len(exps) - len(kept),
+            "dropped_all_correct": all_correct,
+            "dropped_all_wrong": all_wrong,
             "kept_groups": kept_groups,
             "dropped_groups": dropped_groups,
             "kept_groups_total": self.kept_groups_total,

@@ -82,6 +82,8 @@ class ActorProcess:
     without the wait. :meth:`watch` returns when the child exits and raises
     :class:`RftError` (with the tail of its log) when it failed; run it in the
     same task group as the actors it serves, so a dead child stops the run.
+    ``explorers``: the names of the explorers the child runs for role
+    ``explorer`` (None: one per rollout engine, as :func:`rftstream.runtime.run_actors`).
     """
 
     def __init__(
@@ -94,6 +96,7 @@ class ActorProcess:
         plugin_dirs: Sequence[str] = (),
         threads: int | None = None,
         exit_grace: float = 60.0,
+        explorers: Sequence[str] | None = None,
     ) -> None:
         self.run = run
         self.url = url
@@ -102,6 +105,7 @@ class ActorProcess:
         self.plugin_dirs = list(plugin_dirs)
         self.threads = threads or torch_threads_per_process()
         self.exit_grace = exit_grace
+        self.explorers = list(explorers) if explorers is not None else None
         self.log_path = Path(run.run_dir) / "logs" / f"{name}.log"
         self.config_path = Path(run.run_dir) / "config.yaml"
         self.process: anyio.abc.Process | None = None
@@ -127,6 +131,8 @@ class ActorProcess:
         ]
         for d in self.plugin_dirs:
             argv += ["--plugin-dir", str(d)]
+        for explorer in self.explorers or ():
+            argv += ["--explorer", explorer]
         return argv
 
     def _write_config(self) -> None:
@@ -228,6 +234,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--plugin-dir", action="append", default=[])
     p.add_argument("--threads", type=int, default=0)
     p.add_argument("--parent-pid", type=int, default=0)
+    p.add_argument(
+        "--explorer",
+        action="append",
+        default=None,
+        help="name of an explorer to run (repeatable; default: one per rollout engine)",
+    )
     args = p.parse_args(argv)
     _die_with_parent(args.parent_pid)
     logging.basicConfig(
@@ -253,14 +265,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         run = prepare_run(cfg, run_dir=args.run_dir, nats_url=args.nats_url, source=args.config)
         roles = tuple(r for r in args.roles.split(",") if r)
         log.info(
-            "running %s of run %s (%.1fs to start)",
+            "running %s of run %s%s (%.1fs to start)",
             "+".join(roles),
             run.names.run,
+            f" (explorers {', '.join(args.explorer)})" if args.explorer else "",
             time.time() - t0,
         )
 
         async def actors() -> None:
-            await run_actors(run, args.nats_url, roles)
+            await run_actors(run, args.nats_url, roles, explorers=args.explorer)
 
         code = run_with_signals(actors)
     except Exception as exc:  # noqa: BLE001 - the parent reads the reason off the log

@@ -71,23 +71,28 @@ class EID:
 
     @property
     def tid(self) -> str:
-        """Task id: experiences with the same tid form one group."""
+        """Task id ``batch/task``: every rollout of one task (a GRPO group) shares it."""
         return f"{self.batch}/{self.task}"
 
     @property
     def rid(self) -> str:
-        """Rollout id: one rollout of a task (all its steps)."""
-        return f"{self.tid}/{self.run}"
+        """Run id ``batch/task/run``: one rollout of a task, all its steps."""
+        return f"{self.batch}/{self.task}/{self.run}"
 
     @property
     def sid(self) -> str:
-        """Step id: one step of one rollout."""
-        return f"{self.rid}/{self.step}"
+        """Step id ``batch/task/step``: one step of a task, shared by all its rollouts.
+
+        As in Trinity-RFT, the run index is not part of it: the experiences that
+        every run of a task produced at the same turn share one sid (so
+        ``group_by(exps, "step")`` groups a multi-step task per turn).
+        """
+        return f"{self.batch}/{self.task}/{self.step}"
 
     @property
     def uid(self) -> str:
-        """Globally unique id of this experience."""
-        return f"{self.sid}/{self.suffix}"
+        """Globally unique id ``batch/task/run/step/suffix`` of this experience."""
+        return f"{self.batch}/{self.task}/{self.run}/{self.step}/{self.suffix}"
 
     def __str__(self) -> str:
         return self.uid

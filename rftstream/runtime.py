@@ -26,6 +26,7 @@ from rftstream.config.schema import Config
 from rftstream.config.validate import run_id_from_name, validate_config
 from rftstream.errors import ConfigError
 from rftstream.subjects import RunNames
+from rftstream.training.schedule import lr_schedule
 
 log = logging.getLogger(__name__)
 
@@ -322,6 +323,12 @@ def prepare_run(
     algorithm = resolve_algorithm(cfg.algorithm, cfg.buffer)
     cfg, algorithm = _fill_batch_args(cfg, algorithm)
     _check_algorithm(cfg, algorithm)
+    if cfg.mode in ("both", "train"):  # the trainer's lr schedules, before any model loads
+        lr_schedule(cfg.algorithm.optimizer, cfg.buffer.total_steps, key="algorithm.optimizer")
+        if algorithm.use_critic:
+            lr_schedule(
+                cfg.trainer.critic.optim, cfg.buffer.total_steps, key="trainer.critic.optim"
+            )
     repeat = int(algorithm.repeat_times or 1)
     buffer = cfg.buffer
     if buffer.train_batch_size == 0:
@@ -521,11 +528,21 @@ async def run_trainer(
         ).run()
 
 
+def explorer_names(cfg: Config) -> list[str]:
+    """The explorers ``rftstream up`` runs: one per rollout engine
+    (``explorer.rollout_model.engine_num``), named ``explorer``, ``explorer-2``, ... as
+    ``rftstream explorer --name`` would name them; ``mode: bench`` runs one (a benchmark
+    evaluates each taskset once)."""
+    n = 1 if cfg.mode == "bench" else max(1, int(cfg.explorer.rollout_model.engine_num))
+    return ["explorer"] + [f"explorer-{i}" for i in range(2, n + 1)]
+
+
 async def run_actors(
     run: PreparedRun,
     url: str,
     roles: Sequence[str] | None = None,
     *,
+    explorers: Sequence[str] | None = None,
     on_step: Callable[[dict[str, Any]], None] | None = None,
     on_progress: Callable[[dict[str, Any]], None] | None = None,
     on_eval: Callable[[dict[str, Any]], None] | None = None,
@@ -534,18 +551,23 @@ async def run_actors(
 
     When the trainer is among the roles, its end (the run's end) cancels the
     other actors. Without a trainer, actors stop when the run status says so:
-    in ``mode: explore`` the explorer sets it when its tasks run out (or at
-    ``buffer.total_steps``), the operator drains what the explorer published,
-    then both return; in ``mode: bench`` the explorer returns after its last
-    evaluation. ``roles`` None: :func:`roles_for` the config. ``on_step``:
-    each trainer step record; ``on_progress`` / ``on_eval``: each explorer
-    step / evaluation record.
+    in ``mode: explore`` the explorers set it when their tasks run out (or at
+    ``buffer.total_steps``), the operator drains what they published, then all
+    return; in ``mode: bench`` the explorer returns after its last evaluation.
+    ``roles`` None: :func:`roles_for` the config. ``explorers``: the names of
+    the explorers to run for role ``explorer`` (None: :func:`explorer_names`,
+    one per rollout engine; they share the task queue). ``on_step``: each
+    trainer step record; ``on_progress``: each step of the first explorer;
+    ``on_eval``: each evaluation record (whichever explorer claimed it).
     """
     if roles is None:
         roles = roles_for(run.cfg)
     unknown = [r for r in roles if r not in ROLES]
     if unknown:
         raise ConfigError("roles", f"unknown actor roles {unknown}; expected some of {list(ROLES)}")
+    names = list(explorers) if explorers is not None else explorer_names(run.cfg)
+    if "explorer" in roles and (not names or len(set(names)) != len(names)):
+        raise ConfigError("explorers", f"need distinct explorer names, got {names}")
     await provision(run, url)
     if (
         run.cfg.synchronizer.sync_method == "memory"
@@ -557,23 +579,31 @@ async def run_actors(
             "`memory` moves weights inside one process; actors started separately need `checkpoint`",
             value="memory",
         )
-    explorer_done = anyio.Event()
+    explorers_done = [anyio.Event() for _ in names]
 
-    async def explorer() -> None:
+    async def explorer(index: int) -> None:
         try:
-            await run_explorer(run, url, on_progress=on_progress, on_eval=on_eval)
+            await run_explorer(
+                run,
+                url,
+                name=names[index],
+                on_progress=on_progress if index == 0 else None,
+                on_eval=on_eval,
+            )
         finally:
-            explorer_done.set()
+            explorers_done[index].set()
 
     async with anyio.create_task_group() as tg:
         if "operator" in roles:
             tg.start_soon(run_operator, run, url)
         if "explorer" in roles:
-            tg.start_soon(explorer)
+            for index in range(len(names)):
+                tg.start_soon(explorer, index)
         if "trainer" in roles:
             await run_trainer(run, url, on_step=on_step)
             if "explorer" in roles and run.cfg.buffer.explorer_input.eval_tasksets:
-                # the explorer sees the run finished and evaluates the final weights
+                # the explorers see the run finished; one evaluates the final weights
                 with anyio.move_on_after(FINAL_EVAL_GRACE_S):
-                    await explorer_done.wait()
+                    for done in explorers_done:
+                        await done.wait()
             tg.cancel_scope.cancel()

@@ -120,28 +120,42 @@ def _drive(
 
 
 async def _run_split(run: PreparedRun, url: str, console: Console, **callbacks: Any) -> None:
-    """The trainer here; the explorer and the operator host each in a child process (see
-    :mod:`rftstream.actor_process`). Returns when the trainer is done and the children have
-    ended (the explorer after its final evaluation); raises when a child fails, which stops
-    the run."""
+    """The trainer here; each explorer (one per rollout engine: ``explorer``, ``explorer-2``,
+    ...) and the operator host each in a child process (see :mod:`rftstream.actor_process`).
+    Returns when the trainer is done and the children have ended (the explorers after the
+    final evaluation); raises when a child fails, which stops the run."""
     import torch
 
     from rftstream.actor_process import ActorProcess, torch_threads_per_process
-    from rftstream.runtime import FINAL_EVAL_GRACE_S, provision
+    from rftstream.runtime import FINAL_EVAL_GRACE_S, explorer_names, provision
 
     await provision(run, url)  # the durables exist before either side publishes
     grace = FINAL_EVAL_GRACE_S if run.cfg.buffer.explorer_input.eval_tasksets else 30.0
-    threads = torch_threads_per_process(2)  # the trainer's and the explorer's forward passes
+    explorers = explorer_names(run.cfg)  # one per rollout engine (engine_num)
+    # the trainer's and each explorer's forward passes share the cores
+    threads = torch_threads_per_process(1 + len(explorers))
     common: dict[str, Any] = {"plugin_dirs": run.plugin_dirs, "exit_grace": grace}
     children = [
-        ActorProcess(run, url, roles=("explorer",), name="explorer", threads=threads, **common),
-        ActorProcess(run, url, roles=("operator",), name="operator", threads=1, **common),
+        ActorProcess(
+            run,
+            url,
+            roles=("explorer",),
+            name=name,
+            threads=threads,
+            explorers=[name],
+            **common,
+        )
+        for name in explorers
     ]
+    children.append(
+        ActorProcess(run, url, roles=("operator",), name="operator", threads=1, **common)
+    )
     async with contextlib.AsyncExitStack() as stack:
         for child in children:
             await stack.enter_async_context(child)
         console.print(
-            "explorer and operator host run in processes "
+            ("explorer" if len(explorers) == 1 else f"{len(explorers)} explorers")
+            + " and operator host run in processes "
             + ", ".join(
                 f"{c.process.pid if c.process else '?'} ({c.log_path.name})" for c in children
             )

@@ -151,14 +151,8 @@ def validate_config(cfg: Config, source: str | None = None) -> Config:
 
     rm = cfg.explorer.rollout_model
     c.choice("explorer.rollout_model.engine_type", rm.engine_type, ENGINE_TYPES)
-    if rm.engine_num != 1:
-        c.fail(
-            "explorer.rollout_model.engine_num",
-            "must be 1: an explorer process runs one rollout engine; to scale out, start more "
-            "explorers against the same NATS (`rftstream explorer --name explorer-2 ...`), "
-            "they share the task queue",
-            rm.engine_num,
-        )
+    # N rollout engines = N explorers (explorer, explorer-2, ...) sharing the task queue
+    c.at_least("explorer.rollout_model.engine_num", rm.engine_num, 1)
     if rm.engine_type == "openai" and cfg.mode in TRAINER_MODES:
         c.fail(
             "explorer.rollout_model.engine_type",

@@ -38,6 +38,7 @@ from rftstream.training.batch import (
     trainer_tensors,
 )
 from rftstream.training.critic import value_loss
+from rftstream.training.schedule import lr_schedule
 
 log = logging.getLogger(__name__)
 
@@ -135,10 +136,13 @@ class PolicyTrainer:
         self.verl_scaling = getattr(algorithm, "batch_shape", None)  # from prepare_run
         opt_cfg = cfg.algorithm.optimizer
         with HF_LOAD_LOCK:  # DeepSpeed moves the module; keep it apart from concurrent loads
-            self.engine, self.optimizer, self.scheduler = self._deepspeed(deepspeed, model, opt_cfg)
+            self.engine, self.optimizer, self.scheduler = self._deepspeed(
+                deepspeed, model, opt_cfg, "algorithm.optimizer"
+            )
         if self.ref_model is not None:
             self.ref_model.to(self.engine.device)
         self.critic = None
+        self.critic_scheduler: Any = None
         if algorithm.use_critic:
             from rftstream.training.critic import ValueModel
 
@@ -146,8 +150,11 @@ class PolicyTrainer:
             backbone = load_causal_lm(critic_path, cfg.model.dtype)
             backbone.config.use_cache = False
             with HF_LOAD_LOCK:
-                self.critic, self.critic_optimizer, _ = self._deepspeed(
-                    deepspeed, ValueModel(backbone), cfg.trainer.critic.optim
+                self.critic, self.critic_optimizer, self.critic_scheduler = self._deepspeed(
+                    deepspeed,
+                    ValueModel(backbone),
+                    cfg.trainer.critic.optim,
+                    "trainer.critic.optim",
                 )
         self.reuse_old_logprob = self._old_logprob_is_redundant()
         self.global_step = 0
@@ -168,9 +175,15 @@ class PolicyTrainer:
         return not _has_active_dropout(self.engine.module)
 
     def _deepspeed(
-        self, deepspeed: Any, model: torch.nn.Module, opt_cfg: Any
+        self, deepspeed: Any, model: torch.nn.Module, opt_cfg: Any, opt_key: str
     ) -> tuple[Any, Any, Any]:
-        """A DeepSpeed engine for ``model`` with AdamW per ``opt_cfg`` (the algorithm's or the critic's)."""
+        """A DeepSpeed engine for ``model`` with AdamW per ``opt_cfg`` (the algorithm's or the
+        critic's, at config path ``opt_key``) and its lr schedule
+        (:func:`~rftstream.training.schedule.lr_schedule`: constant or cosine, with warm-up).
+
+        Raises:
+            ConfigError: the schedule is invalid or needs ``buffer.total_steps``.
+        """
         cfg = self.cfg
         optimizer = torch.optim.AdamW(
             [p for p in model.parameters() if p.requires_grad],
@@ -190,17 +203,18 @@ class PolicyTrainer:
             "wall_clock_breakdown": False,
         }
         ds_config = _deep_merge(ds_config, cfg.trainer.deepspeed_config)
-        warmup = opt_cfg.lr_warmup_steps
         scheduler = None
-        if warmup > 0:
-            scheduler = torch.optim.lr_scheduler.LambdaLR(
-                optimizer, lambda s: min(1.0, (s + 1) / warmup)
-            )
+        schedule = lr_schedule(opt_cfg, cfg.buffer.total_steps, key=opt_key)
+        if schedule is not None:
+            # on the torch optimizer DeepSpeed wraps; not handed to DeepSpeed, which would step
+            # it once per optimizer step: train_step steps it once per trainer step, as verl
+            # (whatever ppo_epochs), so the schedule spans buffer.total_steps trainer steps
+            scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
         # DeepSpeed prints (not logs) a line when it builds its CPU communication op
         printed = io.StringIO()
         with contextlib.redirect_stdout(printed):
-            engine, optimizer, _, scheduler = deepspeed.initialize(
-                model=model, optimizer=optimizer, lr_scheduler=scheduler, config=ds_config
+            engine, optimizer, _, _ = deepspeed.initialize(
+                model=model, optimizer=optimizer, config=ds_config
             )
         for line in printed.getvalue().splitlines():
             log.info("deepspeed: %s", line)
@@ -367,8 +381,11 @@ class PolicyTrainer:
         return [torch.tensor(p, dtype=torch.long) for p in parts]
 
     def train_step(self, exps: list[Experience]) -> dict[str, float]:
-        """One optimizer step on ``exps``; returns averaged metrics. Blocks."""
+        """One trainer step on ``exps`` (``ppo_epochs`` optimizer steps, then one step of the
+        lr schedules); returns averaged metrics. Blocks."""
         t0, cpu0 = time.perf_counter(), time.thread_time()
+        groups = self.optimizer.param_groups if self.optimizer is not None else []
+        step_lr = float(groups[0]["lr"]) if groups else None
         mp = self.cfg.model
         # a Trinity-style strategy returns Experiences.gather_experiences(..., custom_fields=...)
         custom = list(self.custom_fields)
@@ -444,13 +461,15 @@ class PolicyTrainer:
                     for k, v in vmetrics.items():
                         metrics[f"critic/{k}"].append(v)
         self.global_step += 1
+        for scheduler in (self.scheduler, self.critic_scheduler):
+            if scheduler is not None:
+                scheduler.step()  # the next trainer step's lr
         out.update({k: sum(v) / len(v) for k, v in metrics.items() if v})
         gn = self.engine.get_global_grad_norm()
         if gn is not None:
             out["actor/grad_norm"] = float(gn)
-        lrs = [g["lr"] for g in self.optimizer.param_groups] if self.optimizer is not None else []
-        if lrs:
-            out["actor/lr"] = float(lrs[0])
+        if step_lr is not None:
+            out["actor/lr"] = step_lr  # the lr this step trained with (as verl logs it)
         if (
             self.kl_loss
             and self.ref_model is not None

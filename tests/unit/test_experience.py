@@ -478,11 +478,25 @@ def test_group_by_task_run_step() -> None:
     by_run = group_by(exps, "run")
     assert list(by_run) == ["0/1/0", "0/2/0", "0/1/1", "1/1/0"]
     assert by_run["0/1/0"] == [exps[0], exps[3]]
-    by_step = group_by(exps, "step")
-    assert len(by_step) == 5
-    assert by_step["0/1/0/1"] == [exps[3]]
+    by_step = group_by(exps, "step")  # as in Trinity-RFT: the runs of a task share a step
+    assert list(by_step) == ["0/1/0", "0/2/0", "0/1/1", "1/1/0"]
+    assert by_step["0/1/0"] == [exps[0], exps[2]]
+    assert by_step["0/1/1"] == [exps[3]]
     assert group_by(exps) == by_task
     assert group_by([], "task") == {}
+
+
+def test_eid_ids_are_trinity_rft_s() -> None:
+    """tid / rid / sid / uid spelled as Trinity-RFT 0.6 spells them: sid has no run index."""
+    eid = EID(batch=3, task=7, run=2, step=5, suffix="abc")
+    assert eid.tid == "3/7"
+    assert eid.rid == "3/7/2"
+    assert eid.sid == "3/7/5"
+    assert eid.uid == "3/7/2/5/abc"
+    assert str(eid) == eid.uid
+    # two runs of one task at one step: one sid, two rids, two uids
+    other = EID(batch=3, task=7, run=0, step=5, suffix="abc")
+    assert other.sid == eid.sid and other.rid != eid.rid and other.uid != eid.uid
 
 
 def test_group_by_bad_id_type() -> None:

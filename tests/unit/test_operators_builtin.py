@@ -222,7 +222,14 @@ async def test_reward_shaping_defaults_and_edges():
     exps = [mk(0.3), mk(None, run=1)]
     out, m = RewardShapingMapper().process(exps)
     assert [e.reward for e in out] == [0.3, None]
-    assert m == {"shaped_count": 1, "reward_mean_before": 0.3, "reward_mean_after": 0.3}
+    assert m == {
+        "shaped_count": 1,
+        "reward_mean_before": 0.3,
+        "reward_mean_after": 0.3,
+        "reward_diff/mean": 0.0,
+        "reward_diff/min": 0.0,
+        "reward_diff/max": 0.0,
+    }
     assert RewardShapingMapper().process([mk(None)])[1] == {"shaped_count": 0}
     assert RewardShapingMapper().process([]) == ([], {"shaped_count": 0})
     with pytest.raises(ValueError):
@@ -235,7 +242,7 @@ async def test_pass_rate_calculator(anyio_backend):
     expected = {
         t: sum(1 for r in rs if r is not None and r >= 1.0) / len(rs) for t, rs in groups.items()
     }
-    out, m = await run_pipeline(PassRateCalculator(), exps)
+    out, m = await run_pipeline(PassRateCalculator(threshold=1.0), exps)
     assert out == exps
     for e in out:
         assert e.info["pass_rate"] == pytest.approx(expected[e.eid.task])
@@ -245,6 +252,10 @@ async def test_pass_rate_calculator(anyio_backend):
     out, m = PassRateCalculator(threshold=0.5).process(group("a", [1.0, 0.0, 1.0, 0.5]))
     assert out[0].info["pass_rate"] == 0.75 and m == {"pass_rate_mean": 0.75}
     assert PassRateCalculator().process([]) == ([], {})
+    # unset threshold: Trinity-RFT's pass rate, the group's mean reward (None counts 0)
+    out, m = PassRateCalculator().process(group("a", [1.0, 0.0, 1.0, 0.5]) + group("b", [None, 1]))
+    assert [e.info["pass_rate"] for e in out] == pytest.approx([0.625] * 4 + [0.5] * 2)
+    assert m["pass_rate_mean"] == pytest.approx((0.625 + 0.5) / 2)
 
 
 # ------------------------------------------------------------------ config resolution
