@@ -168,7 +168,7 @@ class RolloutModelConfig(_Base):
     """
 
     engine_type: str = "transformers"  # transformers | vllm | openai
-    engine_num: int = 1  # must be 1: one engine per explorer process (start more explorers)
+    engine_num: int = 1  # rollout engines: up starts one explorer process per engine
     tensor_parallel_size: int = 1
     enable_openai_api: bool = False
     enable_history: bool = False
