@@ -219,6 +219,70 @@ MIXAlgorithm = _preset(
         "entropy_loss_fn": "mix",
     },
 )
+MIXCHORDAlgorithm = _preset(
+    "mix_chord",
+    "CHORD (arXiv:2508.11408): MIX with a scheduled SFT weight mu and the phi-weighted SFT loss.",
+    {
+        "repeat_times": 8,
+        "advantage_fn": "grpo",
+        "policy_loss_fn": "mix_chord",
+        "sample_strategy": "mix",
+        "entropy_loss_fn": "mix",
+    },
+)
+SAPOAlgorithm = _preset(
+    "sapo",
+    "SAPO (arXiv:2511.20347): GRPO advantages with a soft, temperature-controlled gate "
+    "instead of PPO's hard clip.",
+    _rl("grpo", "sapo"),
+)
+GiGPOAlgorithm = _preset(
+    "gigpo",
+    "GiGPO (arXiv:2505.10978): episode-level plus anchor-state step-level advantages for "
+    "multi-step agents (info['env_state_hash'], optional info['step_reward']).",
+    _rl(
+        "gigpo",
+        "ppo",
+        repeat_times=8,
+        advantage_fn_args={"omega": 1.0, "gamma": 1.0, "fnorm": "none", "epsilon": 1e-6},
+        policy_loss_fn_args={
+            "clip_range_low": 0.2,
+            "clip_range_high": 0.2,
+            "loss_agg_mode": "token-mean",
+        },
+    ),
+)
+OnPolicyDistillAlgorithm = _preset(
+    "on_policy_distill",
+    "On-policy distillation: advantage = kl_coef * (teacher - student log-prob) per token, "
+    "teacher log-probs in info['teacher_logprobs'] (policy_loss_fn importance_sampling when "
+    "no clipping is wanted).",
+    _rl(
+        "on_policy_distill",
+        "ppo",
+        kl_loss_fn="none",
+        repeat_times=8,
+        entropy_loss_fn="none",
+        advantage_fn_args={"kl_coef": 1.0},
+    ),
+    use_reference=False,
+    compute_advantage_in_trainer=True,
+)
+JSDAlgorithm = _preset(
+    "jsd",
+    "Distillation with the generalised Jensen-Shannon divergence between teacher "
+    "(info['teacher_logprobs']) and student as the negative advantage.",
+    _rl(
+        "jsd",
+        "ppo",
+        kl_loss_fn="none",
+        repeat_times=8,
+        entropy_loss_fn="none",
+        advantage_fn_args={"kl_coef": 1.0, "lambda_coef": 0.5},
+    ),
+    use_reference=False,
+    compute_advantage_in_trainer=True,
+)
 RAFTAlgorithm = _preset(
     "raft",
     "RAFT: SFT on the explorer's rollouts (put a reward filter in the pipeline to keep the good ones).",

@@ -1,10 +1,14 @@
 """Entropy regularisation terms.
 
-Registered: ``default`` (``-entropy_coef * agg(entropy)``), ``mix`` (the same,
+Registered: ``default`` (``entropy_coef * agg(entropy)``), ``mix`` (the same,
 over the non-expert rows only; Trinity-RFT's ``MixEntropyLossFn``) and
-``none`` (zero). The returned loss already carries its sign, so the trainer
-*adds* it: ``total = policy_loss + kl_loss + entropy_loss`` (a positive
-``entropy_coef`` rewards entropy). ``entropy`` and ``action_mask`` are
+``none`` (zero).
+
+Sign convention (Trinity-RFT's): an entropy fn returns the entropy *bonus*
+``+entropy_coef * H`` and the trainer *subtracts* it:
+``total = policy_loss + kl_loss - entropy_loss``, so a positive
+``entropy_coef`` rewards entropy. An entropy fn ported from Trinity-RFT
+therefore means the same here. ``entropy`` and ``action_mask`` are
 ``(batch, response_length)``; ``expert_mask`` is ``(batch,)``. No I/O.
 
 Calling convention: the trainer calls every entropy fn the same way,
@@ -31,7 +35,7 @@ ENTROPY_LOSS_FN: Registry[type[EntropyLossFn]] = Registry("entropy_loss_fn")
 
 
 class EntropyLossFn(ABC):
-    """Turns per-token entropies into a loss term and metrics.
+    """Turns per-token entropies into an entropy bonus (which the trainer subtracts) and metrics.
 
     ``required_fields``: names of the extra keyword tensors (besides
     ``entropy`` and ``action_mask``) that ``__call__`` needs.
@@ -48,7 +52,9 @@ class EntropyLossFn(ABC):
         loss_agg_mode: str | None = None,
         **kwargs: Any,
     ) -> tuple[torch.Tensor, dict]:
-        """Return ``(loss, metrics)`` for per-token ``entropy`` under ``action_mask``.
+        """Return ``(bonus, metrics)`` for per-token ``entropy`` under ``action_mask``.
+
+        The trainer computes ``loss = ... - bonus`` (Trinity-RFT's convention).
 
         ``loss_agg_mode`` None means the one given at construction. Extra
         keyword tensors (``expert_mask``, ...) are ignored unless the fn uses them.
@@ -62,7 +68,9 @@ class EntropyLossFn(ABC):
 
 @ENTROPY_LOSS_FN.register_module("default")
 class DefaultEntropyLossFn(EntropyLossFn):
-    """``loss = -entropy_coef * masked_loss(entropy, action_mask, loss_agg_mode)``.
+    """``bonus = entropy_coef * masked_loss(entropy, action_mask, loss_agg_mode)``.
+
+    The trainer subtracts the returned value from the loss (see the module docstring).
 
     Metric ``entropy_loss``: the aggregated entropy itself (before the
     coefficient and sign), as in Trinity-RFT. Extra keyword tensors (e.g.
@@ -82,14 +90,14 @@ class DefaultEntropyLossFn(EntropyLossFn):
     ) -> tuple[torch.Tensor, dict]:
         mode = self.loss_agg_mode if loss_agg_mode is None else loss_agg_mode
         entropy_agg = masked_loss(entropy, action_mask, loss_agg_mode=mode)
-        return -self.entropy_coef * entropy_agg, {"entropy_loss": entropy_agg.detach().item()}
+        return self.entropy_coef * entropy_agg, {"entropy_loss": entropy_agg.detach().item()}
 
 
 @ENTROPY_LOSS_FN.register_module("mix")
 class MixEntropyLossFn(DefaultEntropyLossFn):
     """``default`` restricted to the usual (non-expert) rows, for the MIX algorithm.
 
-    ``loss = -entropy_coef * masked_loss(entropy[~expert_mask],
+    ``bonus = entropy_coef * masked_loss(entropy[~expert_mask],
     action_mask[~expert_mask], loss_agg_mode)``: expert (SFT) rows neither add
     to nor dilute the entropy term. ``expert_mask`` is ``(batch,)``, True for
     expert rows (any dtype; nonzero means expert); it is required and must

@@ -2,8 +2,11 @@
 
 Registered (Trinity-RFT names): ``grpo``, ``opmd``, ``rloo``, ``reinforce``,
 ``asymre``, ``rec`` (group advantages) and ``step_wise_grpo`` (multi-step
-GRPO), which run in the experience pipeline; ``ppo`` (GAE),
-``reinforceplusplus`` and ``remax``, which run in the trainer
+GRPO) and ``gigpo`` (multi-step, anchor states), which run in the experience
+pipeline; ``ppo`` (GAE),
+``reinforceplusplus``, ``remax`` and the distillation advantages
+``on_policy_distill`` and ``jsd`` (teacher log-probs in
+``info["teacher_logprobs"]``), which run in the trainer
 (``compute_in_trainer() -> True``); and ``none``.
 """
 
@@ -14,6 +17,8 @@ from algorithms.advantage_fn.advantage_fn import (
     NoAdvantageFn,
 )
 from algorithms.advantage_fn.asymre_advantage import ASYMREGroupAdvantage
+from algorithms.advantage_fn.distill_advantage import JSDAdvantage, OnPolicyDistillAdvantage
+from algorithms.advantage_fn.gigpo_advantage import GiGPOAdvantageFn
 from algorithms.advantage_fn.grpo_advantage import (
     GRPOGroupedAdvantage,
     REINFORCEGroupAdvantage,
@@ -31,9 +36,12 @@ __all__ = [
     "ASYMREGroupAdvantage",
     "AdvantageFn",
     "GRPOGroupedAdvantage",
+    "GiGPOAdvantageFn",
     "GroupAdvantage",
+    "JSDAdvantage",
     "NoAdvantageFn",
     "OPMDGroupAdvantage",
+    "OnPolicyDistillAdvantage",
     "PPOAdvantageFn",
     "RECGroupedAdvantage",
     "REINFORCEGroupAdvantage",

@@ -7,11 +7,18 @@ Ref: verl ``core_algos.compute_grpo_outcome_advantage`` /
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import math
+import uuid
 
 import torch
 
-from algorithms.advantage_fn.advantage_fn import ADVANTAGE_FN, GroupAdvantage
+from algorithms.advantage_fn.advantage_fn import (
+    ADVANTAGE_FN,
+    GroupAdvantage,
+    _aggregate_group_metrics,
+)
 from rftstream.experience import Experience
 
 
@@ -40,23 +47,69 @@ def set_outcome_advantage(exp: Experience, score: float | torch.Tensor) -> None:
     exp.returns = adv.clone()
 
 
+STD_CAL_LEVELS: tuple[str, ...] = ("group", "batch")
+
+
+def rank_penalised_rewards(
+    rewards: torch.Tensor, exps: list[Experience], rank_penalty: float
+) -> torch.Tensor:
+    """Rewards scaled down by the rank of each response's mean rollout log-prob.
+
+    ``r_i * (1 - rank_i / n * rank_penalty)`` where ``rank_i`` (0 = lowest) ranks
+    ``mean(exp.logprobs)`` within the ``n`` responses of the group (Trinity-RFT
+    0.6, after arXiv:2506.02355): the likeliest response is penalised most.
+    Raises ValueError naming an experience without ``logprobs``.
+    """
+    means: list[float] = []
+    for exp in exps:
+        if exp.logprobs is None or exp.logprobs.numel() == 0:
+            raise ValueError(
+                f"experience {exp.eid.uid} has no logprobs; advantage_fn_args.rank_penalty "
+                f"ranks responses by their mean rollout log-prob"
+            )
+        means.append(float(exp.logprobs.to(torch.float32).mean()))
+    ranks = torch.argsort(torch.argsort(torch.tensor(means))).to(torch.float32)
+    return rewards * (1 - ranks / len(exps) * rank_penalty)
+
+
+def _copy_with_new_eid(exp: Experience) -> Experience:
+    """A deep copy of ``exp`` whose ``eid`` has a fresh suffix (so it trains as another row)."""
+    clone = copy.deepcopy(exp)
+    clone.eid = dataclasses.replace(exp.eid, suffix=uuid.uuid4().hex[:12])
+    return clone
+
+
 @ADVANTAGE_FN.register_module("grpo")
 class GRPOGroupedAdvantage(GroupAdvantage):
-    """GRPO: ``advantage = (r - mean(group)) / (std(group) + epsilon)``.
+    """GRPO: ``advantage = (r - mean(group)) / (std + epsilon)``.
 
     ``std`` is ``torch.std`` (unbiased, ``n - 1`` denominator), as in Trinity-RFT
-    and verl. With ``norm_adv_by_std_in_grpo=False`` (Dr. GRPO) the advantage
-    is ``r - mean(group)``.
+    and verl. Arguments (Trinity-RFT 0.6 names and meaning):
 
-    * A group of one has no baseline: its advantage is 0 (Trinity-RFT divides
-      the raw reward by ``1 + epsilon`` instead).
-    * All-equal rewards give advantage 0 (std 0, numerator 0).
-    * ``std_threshold``: a group whose reward std is ``<=`` it gets advantage 0
-      and is counted in the ``skipped_count`` metric (Trinity-RFT drops such
-      groups; use the ``reward_std_filter`` operator to drop them here).
+    * ``std_cal_level``: ``"group"`` (default) divides by the group's reward
+      std; ``"batch"`` by the std of every reward passed to one call (the mean
+      stays per group; a batch of one reward has std 1). In the experience
+      pipeline one call sees what one operator call is given (one NATS message
+      holds one task's group).
+    * ``rank_penalty``: rewards are first scaled by
+      :func:`rank_penalised_rewards` (groups of two or more).
+    * ``std_threshold``: a group whose reward std is ``<=`` it is skipped and
+      counted in ``skipped_count``. Without ``duplicate_experiences`` it is kept
+      with advantage 0 (use the ``reward_std_filter`` operator to drop it); with
+      ``duplicate_experiences`` it is dropped, as in Trinity-RFT, and replaced
+      by copies (fresh ``eid.suffix``) of groups drawn at random from the valid
+      groups of the same call, so the count stays the same (Polaris); when no
+      group of the call is valid, nothing is returned.
+    * ``norm_adv_by_std_in_grpo=False`` (Dr. GRPO): the advantage is
+      ``r - mean(group)``.
+
+    A group of one has no baseline: its advantage is 0 (Trinity-RFT divides
+    the raw reward by ``1 + epsilon`` instead). All-equal rewards give
+    advantage 0 (std 0, numerator 0).
 
     Metrics (averaged over groups by :class:`GroupAdvantage`): ``reward_mean``,
-    ``reward_std``; ``skipped_count`` summed; ``group_count``.
+    ``reward_std``; ``skipped_count`` summed; ``group_count``; with
+    ``duplicate_experiences`` also ``duplicated_count``.
     """
 
     def __init__(
@@ -64,12 +117,26 @@ class GRPOGroupedAdvantage(GroupAdvantage):
         epsilon: float = 1e-6,
         std_threshold: float | None = None,
         norm_adv_by_std_in_grpo: bool = True,
+        duplicate_experiences: bool = False,
+        rank_penalty: float | None = None,
+        std_cal_level: str = "group",
         **kwargs,
     ) -> None:
         super().__init__(**kwargs)
+        if std_cal_level not in STD_CAL_LEVELS:
+            raise ValueError(
+                f"std_cal_level must be one of {list(STD_CAL_LEVELS)}, got {std_cal_level!r}"
+            )
         self.epsilon = float(epsilon)
         self.std_threshold = None if std_threshold is None else float(std_threshold)
         self.norm_adv_by_std_in_grpo = bool(norm_adv_by_std_in_grpo)
+        self.duplicate_experiences = bool(duplicate_experiences)
+        self.rank_penalty = None if rank_penalty is None else float(rank_penalty)
+        self.std_cal_level = std_cal_level
+        self._batch_std: torch.Tensor | None = None
+
+    def _drops_skipped(self) -> bool:
+        return self.duplicate_experiences and self.std_threshold is not None
 
     def calculate_group_advantage(
         self, group_id: str, exps: list[Experience]
@@ -82,10 +149,13 @@ class GRPOGroupedAdvantage(GroupAdvantage):
                 std = torch.tensor(0.0)
                 scores = torch.zeros(1)
             else:
+                if self.rank_penalty is not None:
+                    rewards = rank_penalised_rewards(rewards, exps, self.rank_penalty)
                 mean = rewards.mean()
                 std = rewards.std()
+                divisor = self._batch_std if self._batch_std is not None else std
                 if self.norm_adv_by_std_in_grpo:
-                    scores = (rewards - mean) / (std + self.epsilon)
+                    scores = (rewards - mean) / (divisor + self.epsilon)
                 else:
                     scores = rewards - mean
             if self.std_threshold is not None and float(std) <= self.std_threshold:
@@ -97,9 +167,51 @@ class GRPOGroupedAdvantage(GroupAdvantage):
         metrics["reward_std"] = float(std)
         return exps, metrics
 
+    def process(self, exps: list[Experience]) -> tuple[list[Experience], dict]:
+        """Compute per group (see the class docstring for ``std_cal_level`` and duplication)."""
+        if not exps:
+            return [], {}
+        self._batch_std = None
+        if self.std_cal_level == "batch":
+            all_rewards = group_rewards(exps)
+            self._batch_std = all_rewards.std() if len(exps) > 1 else torch.tensor(1.0)
+        try:
+            groups = self.group_experiences(exps)
+            kept: list[list[Experience]] = []
+            skipped = 0
+            metric_list: list[dict] = []
+            for group_id, group_exps in groups.items():
+                group_exps, group_metrics = self.calculate_group_advantage(group_id, group_exps)
+                metric_list.append(group_metrics)
+                if self._drops_skipped() and "skipped_count" in group_metrics:
+                    skipped += 1
+                else:
+                    kept.append(group_exps)
+        finally:
+            self._batch_std = None
+        metrics = _aggregate_group_metrics(metric_list)
+        metrics["group_count"] = float(len(groups))
+        out = [exp for group in kept for exp in group]
+        if self._drops_skipped():
+            duplicated = 0
+            if kept and skipped:
+                picks = torch.randint(0, len(kept), (skipped,)).tolist()
+                for i in picks:
+                    out.extend(_copy_with_new_eid(exp) for exp in kept[i])
+                    duplicated += len(kept[i])
+            metrics["duplicated_count"] = float(duplicated)
+        return out, metrics
+
     @classmethod
     def default_args(cls) -> dict:
-        return {"epsilon": 1e-6, "std_threshold": None, "norm_adv_by_std_in_grpo": True}
+        return {
+            "epsilon": 1e-6,
+            "std_threshold": None,
+            "norm_adv_by_std_in_grpo": True,
+            "duplicate_experiences": False,
+            "rank_penalty": None,
+            "std_cal_level": "group",
+        }
 
 
 @ADVANTAGE_FN.register_module("rloo")

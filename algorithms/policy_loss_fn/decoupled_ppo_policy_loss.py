@@ -95,6 +95,9 @@ class DecoupledPPOPolicyLossFn(PPOPolicyLossFn):
         loss_agg_mode: str = "token-mean",
         behav_imp_weight_cap: float | None = DEFAULT_BEHAV_IMP_WEIGHT_CAP,
         behav_imp_weight_mode: str = "truncate",
+        enable_sequence_masking: bool = False,
+        delta_sequence_masking: float = 0.1,
+        fallback_to_policy_gradient: bool = False,
     ) -> None:
         super().__init__(
             backend=backend,
@@ -103,6 +106,9 @@ class DecoupledPPOPolicyLossFn(PPOPolicyLossFn):
             clip_range_high=clip_range_high,
             clip_ratio_c=clip_ratio_c,
             loss_agg_mode=loss_agg_mode,
+            enable_sequence_masking=enable_sequence_masking,
+            delta_sequence_masking=delta_sequence_masking,
+            fallback_to_policy_gradient=fallback_to_policy_gradient,
         )
         if behav_imp_weight_cap is not None:
             if isinstance(behav_imp_weight_cap, bool) or not isinstance(
@@ -137,6 +143,11 @@ class DecoupledPPOPolicyLossFn(PPOPolicyLossFn):
         **kwargs,
     ) -> tuple[torch.Tensor, dict]:
         pg_losses, metrics = self.token_losses(logprob, old_logprob, action_mask, advantages)
+        if self.enable_sequence_masking:
+            pg_losses, mask_metrics = self.sequence_mask(
+                pg_losses, logprob, old_logprob, action_mask, advantages
+            )
+            metrics.update(mask_metrics)
         weight, weight_metrics = self.behav_imp_weight(
             old_logprob, rollout_logprob, rollout_logprob_mask, action_mask
         )

@@ -561,7 +561,7 @@ class PolicyTrainer:
                 loss_agg_mode=self.loss_agg_mode,
                 **extra,
             )
-            loss = loss + ent_loss
+            loss = loss - ent_loss  # Trinity-RFT's convention: the fn returns the bonus
             for k, v in ent_metrics.items():
                 metrics[f"actor/{k}"].append(float(v))
             denom = mb.response_mask.sum().clamp(min=1)

@@ -76,6 +76,9 @@ def test_grpo_preset():
         "clip_range": 0.2,
         "clip_ratio_c": 3.0,
         "loss_agg_mode": "token-mean",
+        "enable_sequence_masking": False,
+        "delta_sequence_masking": 0.1,
+        "fallback_to_policy_gradient": False,
     }
 
 

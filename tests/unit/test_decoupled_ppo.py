@@ -317,6 +317,9 @@ def test_default_args_and_inputs() -> None:
         "loss_agg_mode": "token-mean",
         "behav_imp_weight_cap": 2.0,
         "behav_imp_weight_mode": "truncate",
+        "enable_sequence_masking": False,
+        "delta_sequence_masking": 0.1,
+        "fallback_to_policy_gradient": False,
     }
     assert POLICY_LOSS_FN.get("decoupled_ppo") is DecoupledPPOPolicyLossFn
     assert issubclass(DecoupledPPOPolicyLossFn, PPOPolicyLossFn)
@@ -374,6 +377,9 @@ def test_resolves_with_the_grpo_preset() -> None:
         "loss_agg_mode": "seq-mean-token-mean",
         "behav_imp_weight_cap": 3,
         "behav_imp_weight_mode": "truncate",
+        "enable_sequence_masking": False,
+        "delta_sequence_masking": 0.1,
+        "fallback_to_policy_gradient": False,
         "clip_range_high": 0.28,
     }
     # the trainer's tensors provide every input (config-time check)

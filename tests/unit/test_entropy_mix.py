@@ -70,7 +70,7 @@ def test_mix_matches_reference_on_usual_rows(mode):
     usual = ~EXPERT
     agg = ref_agg(ENT[usual], MASK[usual], mode)
     assert math.isfinite(loss.item())
-    assert loss.item() == pytest.approx(-coef * agg, rel=1e-6)
+    assert loss.item() == pytest.approx(coef * agg, rel=1e-6)
     assert metrics == {"entropy_loss": pytest.approx(agg, rel=1e-6)}
 
 
@@ -83,7 +83,7 @@ def test_mix_call_mode_overrides_constructor_and_float_mask():
         expert_mask=t(EXPERT.astype(np.int64), torch.int64),  # any dtype: nonzero = expert
     )
     usual = ~EXPERT
-    assert loss.item() == pytest.approx(-ref_agg(ENT[usual], MASK[usual], "seq-mean-token-mean"))
+    assert loss.item() == pytest.approx(ref_agg(ENT[usual], MASK[usual], "seq-mean-token-mean"))
 
 
 def test_mix_gradient_reaches_only_usual_unmasked_tokens():
@@ -93,7 +93,7 @@ def test_mix_gradient_reaches_only_usual_unmasked_tokens():
     loss, _ = fn(ent, t(MASK, torch.bool), expert_mask=t(EXPERT, torch.bool))
     loss.backward()
     sel = MASK & ~EXPERT[:, None]
-    expected = np.where(sel, -coef / sel.sum(), 0.0)
+    expected = np.where(sel, coef / sel.sum(), 0.0)
     np.testing.assert_allclose(ent.grad.numpy(), expected, rtol=1e-6)
 
 
@@ -145,7 +145,7 @@ def test_default_and_none_accept_and_ignore_expert_mask(mode):
         step=torch.zeros(4, dtype=torch.int32),
     )
     agg = ref_agg(ent, MASK, mode)  # every row counts
-    assert loss.item() == pytest.approx(-0.2 * agg, rel=1e-6)
+    assert loss.item() == pytest.approx(0.2 * agg, rel=1e-6)
     assert metrics == {"entropy_loss": pytest.approx(agg, rel=1e-6)}
     loss, metrics = ENTROPY_LOSS_FN.get("none")()(
         entropy=t(ent),

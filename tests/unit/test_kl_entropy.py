@@ -161,13 +161,13 @@ def test_default_entropy_loss():
     fn = ENTROPY_LOSS_FN.get("default")(entropy_coef=0.01)
     loss, m = fn(entropy=t(ENT), action_mask=t(EMASK, torch.bool))
     agg = ENT[EMASK].mean()
-    assert loss.item() == pytest.approx(-0.01 * agg)
+    assert loss.item() == pytest.approx(0.01 * agg)
     assert m == {"entropy_loss": pytest.approx(agg)}
     loss2, m2 = fn(t(ENT), t(EMASK, torch.bool), loss_agg_mode="seq-mean-token-mean")
     assert m2["entropy_loss"] == pytest.approx((2.0 + 0.5) / 2)
-    assert loss2.item() == pytest.approx(-0.01 * 1.25)
+    assert loss2.item() == pytest.approx(0.01 * 1.25)
     fn2 = ENTROPY_LOSS_FN.get("default")(entropy_coef=0.5, loss_agg_mode="seq-mean-token-sum")
-    assert fn2(t(ENT), t(EMASK, torch.bool))[0].item() == pytest.approx(-0.5 * (6.0 + 1.0) / 2)
+    assert fn2(t(ENT), t(EMASK, torch.bool))[0].item() == pytest.approx(0.5 * (6.0 + 1.0) / 2)
 
 
 def test_zero_coef_and_none_entropy():

@@ -7,8 +7,11 @@ import pytest
 from algorithms import ALGORITHM_TYPE, resolve_algorithm
 from algorithms.advantage_fn import (
     ASYMREGroupAdvantage,
+    GiGPOAdvantageFn,
     GRPOGroupedAdvantage,
+    JSDAdvantage,
     NoAdvantageFn,
+    OnPolicyDistillAdvantage,
     OPMDGroupAdvantage,
     PPOAdvantageFn,
     RECGroupedAdvantage,
@@ -23,10 +26,12 @@ from algorithms.policy_loss_fn import (
     CISPOPolicyLossFn,
     DPOLossFn,
     GSPOPolicyLossFn,
+    MIXCHORDPolicyLossFn,
     MIXPolicyLossFn,
     OPMDPolicyLossFn,
     PPOPolicyLossFn,
     RECPolicyLossFn,
+    SAPOPolicyLossFn,
     SFTLossFn,
     SPPOPolicyLossFn,
     TOPRPolicyLossFn,
@@ -72,6 +77,16 @@ EXPECTED = {
     + (False, False, False, True),
     "multi_step_grpo": (StepWiseGRPOAdvantageFn, PPOPolicyLossFn, DummyKLFn, K2Fn, Default, DS)
     + (False, True, False, True),
+    "mix_chord": (GRPOGroupedAdvantage, MIXCHORDPolicyLossFn, DummyKLFn, K2Fn, Mix)
+    + (MixSampleStrategy, False, True, False, True),
+    "sapo": (GRPOGroupedAdvantage, SAPOPolicyLossFn, DummyKLFn, K2Fn, Default, DS)
+    + (False, True, False, True),
+    "gigpo": (GiGPOAdvantageFn, PPOPolicyLossFn, DummyKLFn, K2Fn, Default, DS)
+    + (False, True, False, True),
+    "on_policy_distill": (OnPolicyDistillAdvantage, PPOPolicyLossFn, DummyKLFn, DummyKLFn, Dummy)
+    + (DS, False, False, True, True),
+    "jsd": (JSDAdvantage, PPOPolicyLossFn, DummyKLFn, DummyKLFn, Dummy, DS)
+    + (False, False, True, True),
 }
 
 
