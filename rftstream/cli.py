@@ -343,7 +343,7 @@ def cmd_actor(args: argparse.Namespace) -> int:
     url = args.nats_url
     check_standalone_sync(run.cfg, args.command)
     console.print(
-        f"[bold]{args.command}[/] [cyan]{args.name}[/] of run [cyan]{run.names.run}[/] on {url}"
+        f"[bold]{args.command}[/] [cyan]{args.name}[/] of run [cyan]{escape(run.names.display)}[/] on {url}"
     )
     progress = Progress(
         SpinnerColumn(),
@@ -478,6 +478,7 @@ def cmd_status(args: argparse.Namespace) -> int:
     p = cfg.data_processor.experience_pipeline
     report = status_report(values, time.time(), p.input_stage, p.output_stage)
     report["run"] = names.run
+    report["run_name"] = cfg.name
     if args.all:
         report["kv"] = values
     if args.json:
@@ -495,7 +496,7 @@ def _print_status(r: dict[str, Any]) -> None:
 
     t = r["trainer"]
     console.print(
-        f"run [cyan]{r['run']}[/]  status [bold]{r['status'] or '-'}[/]  trainer step "
+        f"run [cyan]{escape(str(r.get('run_name') or r['run']))}[/] ({r['run']})  status [bold]{r['status'] or '-'}[/]  trainer step "
         f"[bold]{_fmt(t['step'], 'd')}[/]  weights v{_fmt(r['weights']['version'], 'd')} "
         f"({r['weights']['method'] or '-'}, published {age(r['weights']['age'])})"
     )
@@ -537,7 +538,7 @@ def _names(args: argparse.Namespace) -> tuple[Any, Any]:
     from rftstream.subjects import RunNames
 
     cfg, _ = load_run_config(args)
-    return cfg, RunNames(run_id_from_name(cfg.name))
+    return cfg, RunNames(run_id_from_name(cfg.name), name=cfg.name)
 
 
 def cmd_streams(args: argparse.Namespace) -> int:
@@ -554,12 +555,20 @@ def cmd_streams(args: argparse.Namespace) -> int:
 
     rows = anyio.run(main, backend="asyncio")
     if args.json:
-        print(json.dumps({"run": names.run, "streams": [dataclasses.asdict(r) for r in rows]}))
+        print(
+            json.dumps(
+                {
+                    "run": names.run,
+                    "run_name": cfg.name,
+                    "streams": [dataclasses.asdict(r) for r in rows],
+                }
+            )
+        )
         return 0
-    streams = Table(title=f"run {names.run}: streams")
+    streams = Table(title=f"run {escape(names.display)}: streams")
     for col in ("stream", "messages", "bytes", "subjects (messages)", "description"):
         streams.add_column(col, overflow="fold")
-    consumers = Table(title=f"run {names.run}: consumers")
+    consumers = Table(title=f"run {escape(names.display)}: consumers")
     for col in ("stream", "consumer", "filter", "lag (pending)", "unacked", "redelivered"):
         consumers.add_column(col, overflow="fold")
     for r in rows:
