@@ -25,6 +25,7 @@ import json
 import logging
 import signal
 import sys
+import warnings
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -152,6 +153,17 @@ def build_parser() -> argparse.ArgumentParser:
     tl.add_argument("--no-follow", action="store_true", help="exit after the latest messages")
     tl.add_argument("--dlq", action="store_true", help="tail rft.<run>.dlq.<stage> instead")
     tl.add_argument("--json", action="store_true", help="one JSON object per line")
+    cfg_cmd = sub.add_parser("config", help="inspect a config file")
+    cfg_sub = cfg_cmd.add_subparsers(dest="config_command", required=True)
+    explain = cfg_sub.add_parser(
+        "explain",
+        help="for each key of a (Trinity-RFT or rftstream) config file: the key it becomes here "
+        "and its value, or why it is ignored; then the errors (exit 1 if any)",
+    )
+    explain.add_argument("file", help="YAML config file")
+    explain.add_argument(
+        "--set", action="append", default=[], metavar="KEY=VALUE", help="override a config key"
+    )
     sub.add_parser("decode", help="read one message body on stdin, print a one-line JSON summary")
     dbg = sub.add_parser(
         "debug",
@@ -615,6 +627,33 @@ def cmd_tail(args: argparse.Namespace) -> int:
     return 0 if code == 130 else code
 
 
+def cmd_config_explain(args: argparse.Namespace) -> int:
+    """``rftstream config explain FILE``: every key's fate, then the errors. Exit 1 on errors."""
+    from rftstream.config.explain import explain_file
+
+    lines, errors = explain_file(args.file, list(args.set))
+    for line in lines:
+        console.print(line, markup=False, highlight=False, soft_wrap=True)
+    for error in errors:
+        console.print(f"[bold red]error:[/] {escape(error)}", soft_wrap=True)
+    if not errors:
+        console.print("[bold green]ok[/]: the config loads and validates")
+    return 1 if errors else 0
+
+
+def _show_config_warning(message: Any, category: type[Warning], *args: Any, **kwargs: Any) -> None:
+    """Trinity-RFT config warnings as one console line; other warnings as Python shows them."""
+    from rftstream.config.trinity import TrinityConfigWarning
+
+    if issubclass(category, TrinityConfigWarning):
+        console.print(f"[yellow]warning:[/] {escape(str(message))}", soft_wrap=True)
+        return
+    _python_showwarning(message, category, *args, **kwargs)
+
+
+_python_showwarning = warnings.showwarning
+
+
 def cmd_decode() -> int:
     from rftstream.errors import SchemaError
     from rftstream.inspect import summarize_body
@@ -701,7 +740,10 @@ def _first_leaf(group: BaseException) -> BaseException:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    warnings.showwarning = _show_config_warning
     try:
+        if args.command == "config":
+            return cmd_config_explain(args)
         if args.command == "up":
             return cmd_up(args)
         if args.command == "operator" and args.unsplice and not args.operator:

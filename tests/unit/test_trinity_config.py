@@ -241,3 +241,42 @@ def test_ignored_keys_are_not_keys_of_ours() -> None:
             parts.append(0 if token == "0" else ("x" if token == "*" else token))
         assert type_at(config_info(), tuple(parts)) is None, pattern
         assert rule.reason, pattern
+
+
+# ------------------------------------------------------------------ rftstream config explain
+
+
+def test_config_explain_prints_each_key_and_errors(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from rftstream.cli import main
+
+    monkeypatch.setattr("rftstream.config.trinity._torch_cuda_available", lambda: False)
+    code = main(["config", "explain", str(GSM8K)])
+    out = capsys.readouterr().out
+    assert code == 1  # engine_num: 2 is still refused by validate
+    assert "explorer.runner_per_model = 8 -> explorer.runner_num = 16" in out
+    assert "cluster.node_num = 1: IGNORED" in out
+    assert "trainer.use_dynamic_bsz = True -> trainer.ppo_micro_batch_size_per_gpu = 8" in out
+    assert (
+        "synchronizer.sync_method = 'nccl': REPLACED by synchronizer.sync_method = 'checkpoint'"
+        in out
+    )
+    assert "model.max_model_len = 2048" in out
+    assert "error:" in out and "explorer.rollout_model.engine_num" in out
+    code = main(["config", "explain", str(GSM8K), "--set", "explorer.rollout_model.engine_num=1"])
+    out = capsys.readouterr().out
+    assert code == 0 and "error:" not in out
+    assert "explorer.runner_num = 8 " in out
+
+
+def test_config_explain_unknown_key_is_an_error(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from rftstream.cli import main
+
+    path = tmp_path / "c.yaml"
+    path.write_text("cluster:\n  gpus_per_node: 8\n")
+    assert main(["config", "explain", str(path)]) == 1
+    out = capsys.readouterr().out
+    assert "did you mean `gpu_per_node`" in out
