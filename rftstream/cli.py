@@ -25,6 +25,7 @@ import json
 import logging
 import signal
 import sys
+import warnings
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -152,6 +153,17 @@ def build_parser() -> argparse.ArgumentParser:
     tl.add_argument("--no-follow", action="store_true", help="exit after the latest messages")
     tl.add_argument("--dlq", action="store_true", help="tail rft.<run>.dlq.<stage> instead")
     tl.add_argument("--json", action="store_true", help="one JSON object per line")
+    cfg_cmd = sub.add_parser("config", help="inspect a config file")
+    cfg_sub = cfg_cmd.add_subparsers(dest="config_command", required=True)
+    explain = cfg_sub.add_parser(
+        "explain",
+        help="for each key of a (Trinity-RFT or rftstream) config file: the key it becomes here "
+        "and its value, or why it is ignored; then the errors (exit 1 if any)",
+    )
+    explain.add_argument("file", help="YAML config file")
+    explain.add_argument(
+        "--set", action="append", default=[], metavar="KEY=VALUE", help="override a config key"
+    )
     sub.add_parser("decode", help="read one message body on stdin, print a one-line JSON summary")
     dbg = sub.add_parser(
         "debug",
@@ -343,7 +355,7 @@ def cmd_actor(args: argparse.Namespace) -> int:
     url = args.nats_url
     check_standalone_sync(run.cfg, args.command)
     console.print(
-        f"[bold]{args.command}[/] [cyan]{args.name}[/] of run [cyan]{run.names.run}[/] on {url}"
+        f"[bold]{args.command}[/] [cyan]{args.name}[/] of run [cyan]{escape(run.names.display)}[/] on {url}"
     )
     progress = Progress(
         SpinnerColumn(),
@@ -478,6 +490,7 @@ def cmd_status(args: argparse.Namespace) -> int:
     p = cfg.data_processor.experience_pipeline
     report = status_report(values, time.time(), p.input_stage, p.output_stage)
     report["run"] = names.run
+    report["run_name"] = cfg.name
     if args.all:
         report["kv"] = values
     if args.json:
@@ -495,7 +508,7 @@ def _print_status(r: dict[str, Any]) -> None:
 
     t = r["trainer"]
     console.print(
-        f"run [cyan]{r['run']}[/]  status [bold]{r['status'] or '-'}[/]  trainer step "
+        f"run [cyan]{escape(str(r.get('run_name') or r['run']))}[/] ({r['run']})  status [bold]{r['status'] or '-'}[/]  trainer step "
         f"[bold]{_fmt(t['step'], 'd')}[/]  weights v{_fmt(r['weights']['version'], 'd')} "
         f"({r['weights']['method'] or '-'}, published {age(r['weights']['age'])})"
     )
@@ -537,7 +550,7 @@ def _names(args: argparse.Namespace) -> tuple[Any, Any]:
     from rftstream.subjects import RunNames
 
     cfg, _ = load_run_config(args)
-    return cfg, RunNames(run_id_from_name(cfg.name))
+    return cfg, RunNames(run_id_from_name(cfg.name), name=cfg.name)
 
 
 def cmd_streams(args: argparse.Namespace) -> int:
@@ -554,12 +567,20 @@ def cmd_streams(args: argparse.Namespace) -> int:
 
     rows = anyio.run(main, backend="asyncio")
     if args.json:
-        print(json.dumps({"run": names.run, "streams": [dataclasses.asdict(r) for r in rows]}))
+        print(
+            json.dumps(
+                {
+                    "run": names.run,
+                    "run_name": cfg.name,
+                    "streams": [dataclasses.asdict(r) for r in rows],
+                }
+            )
+        )
         return 0
-    streams = Table(title=f"run {names.run}: streams")
+    streams = Table(title=f"run {escape(names.display)}: streams")
     for col in ("stream", "messages", "bytes", "subjects (messages)", "description"):
         streams.add_column(col, overflow="fold")
-    consumers = Table(title=f"run {names.run}: consumers")
+    consumers = Table(title=f"run {escape(names.display)}: consumers")
     for col in ("stream", "consumer", "filter", "lag (pending)", "unacked", "redelivered"):
         consumers.add_column(col, overflow="fold")
     for r in rows:
@@ -604,6 +625,33 @@ def cmd_tail(args: argparse.Namespace) -> int:
         )
     code = run_with_signals(main)
     return 0 if code == 130 else code
+
+
+def cmd_config_explain(args: argparse.Namespace) -> int:
+    """``rftstream config explain FILE``: every key's fate, then the errors. Exit 1 on errors."""
+    from rftstream.config.explain import explain_file
+
+    lines, errors = explain_file(args.file, list(args.set))
+    for line in lines:
+        console.print(line, markup=False, highlight=False, soft_wrap=True)
+    for error in errors:
+        console.print(f"[bold red]error:[/] {escape(error)}", soft_wrap=True)
+    if not errors:
+        console.print("[bold green]ok[/]: the config loads and validates")
+    return 1 if errors else 0
+
+
+def _show_config_warning(message: Any, category: type[Warning], *args: Any, **kwargs: Any) -> None:
+    """Trinity-RFT config warnings as one console line; other warnings as Python shows them."""
+    from rftstream.config.trinity import TrinityConfigWarning
+
+    if issubclass(category, TrinityConfigWarning):
+        console.print(f"[yellow]warning:[/] {escape(str(message))}", soft_wrap=True)
+        return
+    _python_showwarning(message, category, *args, **kwargs)
+
+
+_python_showwarning = warnings.showwarning
 
 
 def cmd_decode() -> int:
@@ -692,7 +740,10 @@ def _first_leaf(group: BaseException) -> BaseException:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    warnings.showwarning = _show_config_warning
     try:
+        if args.command == "config":
+            return cmd_config_explain(args)
         if args.command == "up":
             return cmd_up(args)
         if args.command == "operator" and args.unsplice and not args.operator:

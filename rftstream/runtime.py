@@ -340,7 +340,11 @@ def prepare_run(
     )
     model_path = resolve_model_path(cfg, progress)
     return PreparedRun(
-        cfg=cfg, names=RunNames(run), algorithm=algorithm, model_path=model_path, run_dir=rdir
+        cfg=cfg,
+        names=RunNames(run, name=cfg.name),
+        algorithm=algorithm,
+        model_path=model_path,
+        run_dir=rdir,
     )
 
 

@@ -30,9 +30,20 @@ def check_stage(stage: str) -> str:
 
 @dataclass(frozen=True)
 class RunNames:
-    """All names of one run, derived from its run id (``[a-z0-9_]{1,16}``)."""
+    """All names of one run, derived from its run id (``[a-z0-9_]{1,16}``).
+
+    ``name``: the run's full name (config key ``name``, any length), shown to
+    users and kept in the streams' metadata; empty means the run id.
+    """
 
     run: str
+    name: str = ""
+
+    @property
+    def display(self) -> str:
+        """The full run name, with the run id when they differ: ``qwen2.5-1.5B-gsm8k (qwen2_5_1_a1b2c3)``."""
+        full = self.name or self.run
+        return full if full == self.run else f"{full} ({self.run})"
 
     def __post_init__(self) -> None:
         if not _RUN_RE.match(self.run):

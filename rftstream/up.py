@@ -18,6 +18,7 @@ from typing import Any
 
 import anyio
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from rftstream.actor_process import split_roles
@@ -186,7 +187,7 @@ def run_up(run: PreparedRun, *, console: Console) -> int:
     else:
         console.print(f"[bold green]NATS[/] using [cyan]{url}[/]")
     console.print(
-        f"run [cyan]{run.names.run}[/]  algorithm [cyan]{run.algorithm.name}[/]  model {run.model_path}"
+        f"run [cyan]{escape(run.names.display)}[/]  algorithm [cyan]{run.algorithm.name}[/]  model {run.model_path}"
     )
     console.print(f"run dir {run.run_dir}  (metrics.jsonl, checkpoints/, logs/)")
     console.print("inspect the run with the NATS CLI:")

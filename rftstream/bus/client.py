@@ -430,6 +430,7 @@ class Bus:
     def _meta(self, role: str, schema: str) -> dict[str, str]:
         return {
             "rft.run": self.names.run,
+            "rft.run_name": self.names.name or self.names.run,
             "rft.role": role,
             "rft.schema": schema,
             "rft.created_by": self.actor,

@@ -19,13 +19,16 @@ import copy
 import difflib
 import os
 import re
-from collections.abc import Iterator
+import warnings
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import msgspec
 import yaml
 
+from rftstream.config.paths import ROOT, PathPart, config_info, fmt_path, lookup, type_at
 from rftstream.config.schema import Config
+from rftstream.config.trinity import Translation, TrinityConfigWarning, translate_trinity
 from rftstream.errors import ConfigError
 
 __all__ = [
@@ -35,11 +38,9 @@ __all__ = [
     "dump_config_yaml",
     "interpolate_env",
     "load_config",
+    "translate_config",
 ]
 
-ROOT = "(root)"
-
-PathPart = str | int
 
 # ${oc.env:VAR} or ${oc.env:VAR,default}; the default runs to the closing brace.
 _ENV_RE = re.compile(r"\$\{oc\.env:\s*([A-Za-z_][A-Za-z0-9_]*)\s*(?:,([^}]*))?\}")
@@ -50,16 +51,6 @@ _WILDCARD = "..."
 
 
 # --------------------------------------------------------------------------- paths
-
-
-def _fmt_path(parts: tuple[PathPart, ...] | list[PathPart]) -> str:
-    out = ""
-    for p in parts:
-        if isinstance(p, int):
-            out += f"[{p}]"
-        else:
-            out += f".{p}" if out else str(p)
-    return out or ROOT
 
 
 def _parse_msgspec_path(path: str) -> list[PathPart]:
@@ -74,56 +65,6 @@ def _parse_msgspec_path(path: str) -> list[PathPart]:
         else:
             parts.append(int(idx))
     return parts
-
-
-def _lookup(data: Any, parts: list[PathPart]) -> tuple[bool, Any]:
-    """Follow ``parts`` into ``data``; return ``(found, value)``."""
-    node = data
-    for p in parts:
-        if isinstance(p, int):
-            if not isinstance(node, list) or not -len(node) <= p < len(node):
-                return False, None
-            node = node[p]
-        else:
-            if not isinstance(node, dict) or p not in node:
-                return False, None
-            node = node[p]
-    return True, node
-
-
-# --------------------------------------------------------------------------- schema walk
-
-
-def _type_at(info: Any, parts: tuple[PathPart, ...]) -> Any | None:
-    """The msgspec.inspect type at ``parts`` below ``info``, or None if unknown."""
-    node = info
-    for p in parts:
-        node = _child_type(node, p)
-        if node is None:
-            return None
-    return node
-
-
-def _child_type(info: Any, part: PathPart) -> Any | None:
-    ins = msgspec.inspect
-    if isinstance(info, ins.UnionType):
-        for t in info.types:
-            child = _child_type(t, part)
-            if child is not None:
-                return child
-        return None
-    if isinstance(info, ins.StructType) and isinstance(part, str):
-        for f in info.fields:
-            if f.encode_name == part:
-                return f.type
-        return None
-    if isinstance(info, ins.DictType) and isinstance(part, str):
-        return info.value_type
-    if isinstance(info, (ins.ListType, ins.TupleType, ins.VarTupleType)) and isinstance(part, int):
-        if isinstance(info, ins.TupleType):
-            return info.item_types[part] if 0 <= part < len(info.item_types) else None
-        return info.item_type
-    return None
 
 
 def _accepts_str(info: Any) -> bool:
@@ -156,7 +97,7 @@ def _unknown_keys(value: Any, info: Any, path: tuple[PathPart, ...]) -> Iterator
             if key in fields:
                 yield from _unknown_keys(sub, fields[key], (*path, key))
                 continue
-            shown = _fmt_path((*path, str(key)))
+            shown = fmt_path((*path, str(key)))
             close = difflib.get_close_matches(str(key), list(fields), n=1, cutoff=0.6)
             hint = f"did you mean `{close[0]}`?" if close else f"valid keys: {', '.join(fields)}"
             yield shown, f"unknown key `{shown}` ({hint})"
@@ -166,16 +107,6 @@ def _unknown_keys(value: Any, info: Any, path: tuple[PathPart, ...]) -> Iterator
     elif isinstance(info, (ins.ListType, ins.VarTupleType)) and isinstance(value, list):
         for i, sub in enumerate(value):
             yield from _unknown_keys(sub, info.item_type, (*path, i))
-
-
-_CONFIG_INFO: Any = None
-
-
-def _config_info() -> Any:
-    global _CONFIG_INFO
-    if _CONFIG_INFO is None:
-        _CONFIG_INFO = msgspec.inspect.type_info(Config)
-    return _CONFIG_INFO
 
 
 # --------------------------------------------------------------------------- interpolation
@@ -190,7 +121,7 @@ def _substitute(text: str, parts: tuple[PathPart, ...], source: str | None) -> s
         if default is not None:
             return default
         raise ConfigError(
-            _fmt_path(parts),
+            fmt_path(parts),
             f"environment variable `{var}` is not set and `{m.group(0)}` gives no default",
             source=source,
         )
@@ -207,7 +138,7 @@ def interpolate_env(data: Any, source: str | None = None) -> Any:
     string is substituted as text. Raises :class:`ConfigError` naming the key
     path when a variable is unset and has no default.
     """
-    info = _config_info()
+    info = config_info()
 
     def walk(node: Any, parts: tuple[PathPart, ...]) -> Any:
         if isinstance(node, dict):
@@ -219,7 +150,7 @@ def interpolate_env(data: Any, source: str | None = None) -> Any:
         text = _substitute(node, parts, source)
         if not _ENV_RE.fullmatch(node.strip()) or text == "":
             return text
-        target = _type_at(info, parts)
+        target = type_at(info, parts)
         if target is not None and _accepts_str(target):
             return text
         try:
@@ -240,7 +171,7 @@ def _parse_override_key(key: str, item: str) -> list[PathPart]:
             raise ConfigError(key or ROOT, f"malformed override {item!r}: empty key segment")
         for m in _OVERRIDE_TOKEN_RE.finditer(segment):
             parts.append(int(m.group(2)) if m.group(2) is not None else m.group(1))
-    rebuilt = _fmt_path(parts)
+    rebuilt = fmt_path(parts)
     if rebuilt != key:
         raise ConfigError(key, f"malformed override {item!r}: expected `a.b[0].c=value`")
     return parts
@@ -271,11 +202,11 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
         node: Any = result
         for depth, part in enumerate(parts):
             last = depth == len(parts) - 1
-            here = _fmt_path(parts[:depth]) if depth else ROOT
+            here = fmt_path(parts[:depth]) if depth else ROOT
             if isinstance(part, int):
                 if not isinstance(node, list) or not 0 <= part < len(node):
                     raise ConfigError(
-                        _fmt_path(parts[: depth + 1]),
+                        fmt_path(parts[: depth + 1]),
                         f"override {item!r}: no list item {part} at `{here}`",
                     )
                 if last:
@@ -307,10 +238,10 @@ def _resolve_wildcards(data: Any, parts: list[PathPart]) -> list[PathPart]:
     if _WILDCARD not in parts:
         return parts
     i = parts.index(_WILDCARD)
-    found, container = _lookup(data, parts[:i])
+    found, container = lookup(data, parts[:i])
     if not found or not isinstance(container, dict):
         return parts
-    target = _type_at(_config_info(), tuple(p for p in parts[:i]) + ("_",))
+    target = type_at(config_info(), tuple(p for p in parts[:i]) + ("_",))
     cls = getattr(target, "cls", None)
     candidates = list(container)
     if cls is not None:
@@ -323,18 +254,27 @@ def _resolve_wildcards(data: Any, parts: list[PathPart]) -> list[PathPart]:
         candidates = bad or candidates
     for key in candidates:
         resolved = _resolve_wildcards(data, [*parts[:i], str(key), *parts[i + 1 :]])
-        if _lookup(data, resolved)[0]:
+        if lookup(data, resolved)[0]:
             return resolved
     return parts
 
 
-def config_from_dict(data: dict[str, Any], source: str | None = None) -> Config:
+def config_from_dict(
+    data: dict[str, Any],
+    source: str | None = None,
+    *,
+    cuda_available: Callable[[], bool] | None = None,
+) -> Config:
     """Convert a plain mapping (already interpolated) into a :class:`Config`.
 
-    Every unknown key is reported in one :class:`ConfigError` by its full dotted
-    path, with the closest valid key suggested. A type error names the key path,
-    the offending value and ``source`` (the file it came from). Does not run
-    :func:`~rftstream.config.validate.validate_config`.
+    Trinity-RFT 0.6 keys are translated first
+    (:func:`rftstream.config.trinity.translate_trinity`): a mapped key is
+    converted, a key without meaning here gives one
+    :class:`~rftstream.config.trinity.TrinityConfigWarning` naming it and why.
+    Every key in neither schema is reported in one :class:`ConfigError` by its
+    full dotted path, with the closest valid key suggested. A type error names
+    the key path, the offending value and ``source`` (the file it came from).
+    Does not run :func:`~rftstream.config.validate.validate_config`.
     """
     if data is None:
         data = {}
@@ -346,7 +286,11 @@ def config_from_dict(data: dict[str, Any], source: str | None = None) -> Config:
             has_value=True,
             source=source,
         )
-    unknown = list(_unknown_keys(data, _config_info(), ()))
+    translation = translate_config(data, source, cuda_available=cuda_available)
+    for note in translation.warnings:
+        warnings.warn(note.message(), TrinityConfigWarning, stacklevel=2)
+    data = translation.data
+    unknown = translation.unknown + list(_unknown_keys(data, config_info(), ()))
     if unknown:
         reports = [report for _, report in unknown]
         message = (
@@ -363,10 +307,24 @@ def config_from_dict(data: dict[str, Any], source: str | None = None) -> Config:
         if m is None:
             raise ConfigError(ROOT, text, source=source) from exc
         parts = _resolve_wildcards(data, _parse_msgspec_path(m.group("path")))
-        found, value = _lookup(data, parts)
+        found, value = lookup(data, parts)
         raise ConfigError(
-            _fmt_path(parts), m.group("msg"), value=value, has_value=found, source=source
+            fmt_path(parts), m.group("msg"), value=value, has_value=found, source=source
         ) from exc
+
+
+def translate_config(
+    data: dict[str, Any],
+    source: str | None = None,
+    *,
+    cuda_available: Callable[[], bool] | None = None,
+) -> Translation:
+    """:func:`~rftstream.config.trinity.translate_trinity`: what each Trinity-RFT key becomes.
+
+    Issues no warning (:func:`config_from_dict` does); raises :class:`ConfigError`
+    naming ``source`` for a Trinity value that cannot run here.
+    """
+    return translate_trinity(data, source=source, cuda_available=cuda_available)
 
 
 def config_to_dict(cfg: Config) -> dict[str, Any]:

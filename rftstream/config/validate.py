@@ -4,13 +4,14 @@
 cannot express, normalises aliases (``synchronizer.sync_style:
 explorer_driven`` -> ``dynamic_by_explorer``) and raises
 :class:`~rftstream.errors.ConfigError` naming the key path and the offending
-value. :func:`run_id_from_name` turns ``name`` into the run id that scopes every
-stream, subject and bucket. No I/O.
+value. :func:`run_id_from_name` turns ``name`` (any length) into the run id
+that scopes every stream, subject and bucket. No I/O.
 """
 
 from __future__ import annotations
 
 import difflib
+import hashlib
 import re
 from typing import Any
 
@@ -55,6 +56,8 @@ MONITOR_TYPES = ("jsonl", "tensorboard", "none")
 KIB = 1024
 MIB = 1024 * KIB
 RUN_ID_MAX_LEN = 16
+RUN_ID_HASH_LEN = 6
+RUN_ID_PREFIX_LEN = RUN_ID_MAX_LEN - RUN_ID_HASH_LEN - 1
 _RUN_ID_RE = re.compile(rf"[a-z0-9_]{{1,{RUN_ID_MAX_LEN}}}")
 TASKSET_NAME_RE = re.compile(r"[A-Za-z0-9_.-]{1,64}")
 _INPUT = "buffer.explorer_input"
@@ -79,26 +82,32 @@ def eval_tasksets(inp: ExplorerInput) -> list[tuple[str, TasksetConfig]]:
 
 
 def run_id_from_name(name: str, *, source: str | None = None) -> str:
-    """The run id for ``name``: lower-cased, ``-`` and ``.`` replaced by ``_``.
+    """The run id for ``name``: what scopes every stream, subject and bucket of the run.
 
-    The result must match ``[a-z0-9_]{1,16}`` so that stream names such as
-    ``RFT_<RUN>_METRICS`` stay under 32 characters. Raises
-    :class:`ConfigError` for key ``name`` otherwise.
+    A name that gives ``[a-z0-9_]{1,16}`` after lower-casing and replacing
+    ``-`` and ``.`` by ``_`` keeps that id (``GSM8K-GRPO`` -> ``gsm8k_grpo``).
+    Any other name (longer, or with spaces, ``/``, other characters) gets a
+    readable prefix of at most 9 characters and 6 hex digits of the SHA-256 of
+    the full name (``qwen2.5-1.5B-gsm8k`` -> ``qwen2_5_1_`` + hash), so stream
+    names ``RFT_<RUN>_METRICS`` stay under 32 characters and different names
+    get different ids. The full name is kept in the streams' metadata
+    (``rft.run_name``). Raises :class:`ConfigError` for key ``name`` when it is
+    not a string or is empty.
     """
-    if not isinstance(name, str):
-        raise ConfigError("name", "must be a string", value=name, has_value=True, source=source)
-    run_id = name.lower().replace("-", "_").replace(".", "_")
-    if not _RUN_ID_RE.fullmatch(run_id):
+    if not isinstance(name, str) or not name.strip():
         raise ConfigError(
             "name",
-            f"must give a run id of 1 to {RUN_ID_MAX_LEN} characters from [a-z0-9_] after "
-            f"lower-casing and replacing '-' and '.' by '_' (it gives {run_id!r}); "
-            f"stream names RFT_<RUN>_... must stay under 32 characters",
+            "must be a non-empty string (it names the run, its streams and its run_dir)",
             value=name,
             has_value=True,
             source=source,
         )
-    return run_id
+    run_id = name.lower().replace("-", "_").replace(".", "_")
+    if _RUN_ID_RE.fullmatch(run_id):
+        return run_id
+    prefix = re.sub(r"[^a-z0-9]+", "_", name.lower()).strip("_")[:RUN_ID_PREFIX_LEN]
+    digest = hashlib.sha256(name.encode("utf-8")).hexdigest()[:RUN_ID_HASH_LEN]
+    return f"{prefix.rstrip('_') or 'run'}_{digest}"
 
 
 class _Checker:
