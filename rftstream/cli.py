@@ -728,8 +728,16 @@ def _step_line(r: dict[str, Any]) -> str:
         f"filtered {int(r.get('experience/filtered') or 0):>4}  "
         f"staleness {_fmt(r.get('staleness/mean'), '.2f')}  "
         f"wait {_fmt(r.get('time/trainer_wait'), '.2f')}s  "
-        f"loss {_fmt(r.get('actor/pg_loss'), '.4f')}"
+        f"loss {_fmt(_step_loss(r), '.4f')}"
     )
+
+
+def _step_loss(r: dict[str, Any]) -> float | None:
+    """The step's policy loss; for runs without one (sft, dpo) the loss they train on."""
+    for key in ("actor/pg_loss", "actor/sft_loss", "actor/dpo_loss", "actor/loss"):
+        if r.get(key) is not None:
+            return r[key]
+    return None
 
 
 def _first_leaf(group: BaseException) -> BaseException:

@@ -97,10 +97,12 @@ def _check_components(cfg: Config) -> None:
 
 def can_be_stale(cfg: Config) -> bool:
     """Whether a run's trained experience can come from older weights than the trainer's:
-    any asynchronous run (``mode: both``), but ``sync_style: fixed`` at interval 1 and
+    any asynchronous run (``mode: both``, or a trainer on the stream of a separate
+    explorer), but ``sync_style: fixed`` at interval 1 and
     offset 0 (strictly on-policy) and ``max_staleness: 0``."""
     sync = cfg.synchronizer
-    if cfg.mode != "both" or sync.max_staleness == 0:
+    from_rollouts = cfg.mode == "both" or (cfg.mode == "train" and not cfg.trainer_reads_dataset)
+    if not from_rollouts or sync.max_staleness == 0:
         return False
     on_policy = sync.sync_style == "fixed" and sync.sync_interval <= 1 and sync.sync_offset == 0
     return not on_policy
@@ -198,10 +200,11 @@ def _preset_check_config(cfg: Config) -> Config:
     from rftstream.errors import RegistryError
 
     eb = cfg.buffer.trainer_input.experience_buffer
-    if cfg.mode == "train" and (eb is None or not eb.path):
+    if cfg.trainer_reads_dataset and (eb is None or not eb.path):
         raise ConfigError(
             "buffer.trainer_input.experience_buffer.path",
-            "is required in mode: train (the dataset the trainer reads)",
+            "is required in mode: train (the dataset the trainer reads; with storage_type: "
+            "queue the trainer reads the run's experience stream instead)",
         )
     try:
         algo_cls = ALGORITHM_TYPE.get(cfg.algorithm.algorithm_type)
@@ -223,11 +226,13 @@ def _check_algorithm(cfg: Config, algorithm: Any) -> None:
     from rftstream.training.batch import trainer_tensors
 
     schema = str(getattr(algorithm.algorithm_type, "schema", "experience"))
-    if cfg.mode == "train" and schema not in ("sft", "dpo"):
+    if cfg.trainer_reads_dataset and schema not in ("sft", "dpo"):
         raise ConfigError(
             "mode",
             f"`train` reads a dataset, which only the sft and dpo presets train on; "
-            f"{algorithm.name} learns from rollouts (use mode: both)",
+            f"{algorithm.name} learns from rollouts (use mode: both, or mode: train with "
+            "buffer.trainer_input.experience_buffer.storage_type: queue beside a mode: explore "
+            "run of the same name)",
             value=cfg.mode,
         )
     if not algorithm.use_reference:
@@ -352,6 +357,19 @@ ACTIVE_HEARTBEAT_S = 30.0
 FINAL_EVAL_GRACE_S = 300.0  # how long `up` waits for the final evaluation after training
 
 
+async def _run_status(bus: Bus) -> str:
+    """The run's status in its KV bucket ("" when there is no bucket or no status)."""
+    import nats.js.errors
+
+    from rftstream.bus.state import RunState
+
+    try:
+        kv = await bus.js.key_value(bus.names.kv_bucket)
+    except (nats.js.errors.BucketNotFoundError, nats.js.errors.NotFoundError):
+        return ""
+    return str(await RunState(kv).status() or "")
+
+
 async def start_fresh(run: PreparedRun, url: str) -> str | None:
     """Remove what an earlier run with the same run id left on the server.
 
@@ -359,6 +377,10 @@ async def start_fresh(run: PreparedRun, url: str) -> str | None:
     run directory (or against the same server) would find the old run finished
     and do nothing. Refuses (:class:`RftError`) while an actor of that run sent a
     heartbeat in the last 30 s. Returns a note of what was removed, or None.
+
+    The halves of an explorer/trainer pair (``mode: explore``, and ``mode: train``
+    on the experience stream; Trinity-RFT's asynchronous setup) join a run of
+    their name whose status is ``running`` instead: the half started first made it.
     """
     import time
 
@@ -368,7 +390,14 @@ async def start_fresh(run: PreparedRun, url: str) -> str | None:
     from rftstream.errors import RftError
 
     names = run.names
+    half_of_a_pair = run.cfg.mode == "explore" or (
+        run.cfg.mode == "train" and not run.cfg.trainer_reads_dataset
+    )
     async with await Bus.connect(url, names, run.cfg.nats, "starter") as bus:
+        if half_of_a_pair:
+            kv_state = await _run_status(bus)
+            if kv_state == "running":
+                return None  # the other half (mode: train / explore) started it: join
         present = []
         for stream in names.streams:
             try:

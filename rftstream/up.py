@@ -228,9 +228,13 @@ def run_up(run: PreparedRun, *, console: Console) -> int:
             window_mean(records, "reward/mean", True),
             window_mean(records, "reward/mean", False),
         )
+        rewards = (
+            f"; reward/mean first 20 steps {round(first, 3)} -> last 20 {round(last, 3)}"
+            if first is not None and last is not None
+            else ""  # sft, dpo: no rollouts, no rewards
+        )
         console.print(
-            f"[bold green]done[/] in {elapsed:.0f}s: {len(records)} trainer steps; "
-            f"reward/mean first 20 steps {first if first is None else round(first, 3)} -> last 20 {last if last is None else round(last, 3)}"
+            f"[bold green]done[/] in {elapsed:.0f}s: {len(records)} trainer steps{rewards}"
         )
         trainer_idle, explorer_idle = idle_shares(records)
         if trainer_idle is not None:

@@ -154,6 +154,7 @@ class SimpleWorkflow(Workflow):
             self.reward_fn,
             response=exp.response_text or "",
             truth=self.truth,
+            response_token=exp.response_tokens,
             **self.reward_kwargs(),
         )
         exp.reward = float(sum(scores.values()))

@@ -68,6 +68,7 @@ __all__ = [
     "AccuracyReward",
     "CountdownReward",
     "FormatReward",
+    "MathDAPOReward",
     "MathBoxedReward",
     "MathReward",
     "RewardFn",
@@ -626,3 +627,79 @@ class CountdownReward(RewardFn):
         if value is None or abs(value - target) >= 1e-5:
             return {"score": self.format_score}
         return {"score": self.score}
+
+
+@REWARD_FUNCTIONS.register_module("math_dapo_reward")
+class MathDAPOReward(RewardFn):
+    """DAPO's rule-based math reward with its overlong shaping, as Trinity-RFT's ``math_dapo_reward``.
+
+    Returns ``{"accuracy": +1.0 or -1.0, "format_score": penalty}`` (the reward
+    is their sum). The answer is the last ``\\boxed{}`` after any ``</think>``
+    (else that whole text), compared with the truth's final answer by
+    :func:`math_equal`. With ``enable_overlong_penalty`` the penalty is 0 up to
+    ``max_response_length - cache_length`` response tokens, then falls linearly
+    to ``-penalty_factor`` at ``max_response_length`` and stays there beyond
+    (DAPO, section 3.4). Raises :class:`WorkflowError` naming the argument when
+    the penalty is enabled without its three settings.
+    """
+
+    fast = False
+
+    def __init__(
+        self,
+        enable_overlong_penalty: bool | None = None,
+        penalty_factor: float | None = None,
+        max_response_length: int | None = None,
+        cache_length: int | None = None,
+        use_math_verify: bool = True,
+    ) -> None:
+        self.enable_overlong_penalty = bool(enable_overlong_penalty)
+        if self.enable_overlong_penalty:
+            for name, value in (
+                ("penalty_factor", penalty_factor),
+                ("max_response_length", max_response_length),
+                ("cache_length", cache_length),
+            ):
+                if value is None:
+                    raise WorkflowError(
+                        f"buffer.explorer_input.taskset.reward_fn_args.{name}: required by "
+                        "math_dapo_reward when enable_overlong_penalty is true"
+                    )
+            if int(max_response_length) <= int(cache_length):  # type: ignore[arg-type]
+                raise WorkflowError(
+                    "buffer.explorer_input.taskset.reward_fn_args.max_response_length: must be "
+                    f"greater than cache_length ({max_response_length} <= {cache_length})"
+                )
+        self.penalty_factor = float(penalty_factor or 0.0)
+        self.max_response_length = int(max_response_length or 0)
+        self.cache_length = int(cache_length or 0)
+        self.use_math_verify = bool(use_math_verify)
+
+    def overlong_penalty(self, response_length: int) -> float:
+        """The shaping term for a response of ``response_length`` tokens (<= 0)."""
+        expected = self.max_response_length - self.cache_length
+        if response_length <= expected:
+            return 0.0
+        if response_length > self.max_response_length:
+            return -self.penalty_factor
+        return (expected - response_length) / self.cache_length * self.penalty_factor
+
+    def __call__(
+        self,
+        response: str,
+        truth: str | None = None,
+        response_token: Any = None,
+        **kwargs: Any,
+    ) -> dict[str, float]:
+        text = (response or "").split("</think>")[-1]
+        answer = extract_boxed(text)
+        if answer is None:
+            answer = text.strip()
+        correct = truth is not None and math_equal(
+            answer, _truth_answer(truth), use_math_verify=self.use_math_verify
+        )
+        penalty = 0.0
+        if self.enable_overlong_penalty:
+            length = len(response_token) if response_token is not None else 0
+            penalty = self.overlong_penalty(length)
+        return {"accuracy": 1.0 if correct else -1.0, "format_score": penalty}

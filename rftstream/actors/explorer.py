@@ -381,8 +381,12 @@ class Explorer(EvaluationMixin):
         return self.cfg.mode == "explore"
 
     def _syncs_weights(self) -> bool:
-        """Whether weights published by a trainer are loaded into the engine."""
-        return self.cfg.mode in TRAINER_MODES and bool(
+        """Whether weights published by a trainer are loaded into the engine: with a
+        trainer in the run, and in ``mode: explore`` with ``sync_method: checkpoint``
+        (the explorer half of an explorer/trainer pair: it takes the newest checkpoint a
+        separate ``mode: train`` trainer published, at its sync interval, never waiting)."""
+        follows = self.explore_only and self.cfg.synchronizer.sync_method == "checkpoint"
+        return (self.cfg.mode in TRAINER_MODES or follows) and bool(
             getattr(self.engine, "can_load_weights", True)
         )
 
@@ -520,7 +524,8 @@ class Explorer(EvaluationMixin):
             t_wait = time.perf_counter()
             take = batch_size
             if self._syncs_weights():
-                take = await self._respect_staleness(state, next_step)
+                if not self.explore_only:  # no trainer of ours to wait for otherwise
+                    take = await self._respect_staleness(state, next_step)
                 await self._sync_weights(state, next_step)
             wait_sync = time.perf_counter() - t_wait
             msgs: list[Msg] = []
@@ -815,7 +820,7 @@ class Explorer(EvaluationMixin):
     async def _sync_weights(self, state: RunState, step: int) -> None:
         if not self._syncs_weights():
             return
-        need = self.policy.explorer_waits_for_version(step)
+        need = None if self.explore_only else self.policy.explorer_waits_for_version(step)
         if need is not None:
             with anyio.fail_after(self.cfg.synchronizer.sync_timeout):
                 while True:

@@ -302,7 +302,7 @@ class Trainer:
                         self.version - int(e.model_version) for e in batch if _from_rollout(e)
                     ]
                     async with anyio.create_task_group() as beside:
-                        if self.cfg.mode != "train":  # the next batch arrives while this trains
+                        if not self.cfg.trainer_reads_dataset:  # the next batch arrives meanwhile
                             beside.start_soon(feed.prefetch, self.cfg.buffer.train_batch_size)
                         train_metrics = await anyio.to_thread.run_sync(trainer.train_step, batch)
                         beside.cancel_scope.cancel()
@@ -396,7 +396,8 @@ class Trainer:
         """The algorithm's sample strategy on the trainer's input.
 
         ``mode: train`` reads ``buffer.trainer_input.experience_buffer`` (SFT /
-        DPO data, ``total_epochs`` passes), the other modes ``exp.train``. A
+        DPO data, ``total_epochs`` passes), the other modes (and ``mode: train``
+        with a ``queue`` experience buffer) ``exp.train``. A
         strategy whose constructor takes ``expert_source`` (MIX) gets the
         auxiliary buffer its ``sft_dataset_name`` names, cycled; strategies that
         call :func:`rftstream.buffer.get_buffer_reader` themselves (Trinity-RFT
@@ -406,7 +407,7 @@ class Trainer:
         tin = cfg.buffer.trainer_input
         schema = str(getattr(self.algorithm.algorithm_type, "schema", "experience"))
         source: Any = feed
-        if cfg.mode == "train":
+        if cfg.trainer_reads_dataset:
             if tin.experience_buffer is None:
                 raise ConfigError(
                     "buffer.trainer_input.experience_buffer", "is required in mode: train"

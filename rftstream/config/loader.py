@@ -1,6 +1,6 @@
 """Load a :class:`~rftstream.config.schema.Config` from YAML, with key-path errors.
 
-Steps of :func:`load_config`: read the YAML file (``yaml.safe_load``), apply
+Steps of :func:`load_config`: read the YAML file (``yaml.safe_load``, with OmegaConf's float spellings), apply
 ``key.path=value`` overrides, resolve ``${oc.env:VAR,default}`` interpolation,
 report every unknown key by its full dotted path, convert with
 ``msgspec.convert`` (type errors become :class:`~rftstream.errors.ConfigError`
@@ -48,6 +48,29 @@ _MSGSPEC_PATH_RE = re.compile(r"^(?P<msg>.*) - at `\$(?P<path>[^`]*)`$", re.DOTA
 _PATH_TOKEN_RE = re.compile(r"\.([^.\[\]]+)|\[(\d+|\.\.\.)\]")
 _OVERRIDE_TOKEN_RE = re.compile(r"([^.\[\]]+)|\[(\d+)\]")
 _WILDCARD = "..."
+
+
+class ConfigYamlLoader(yaml.SafeLoader):
+    """``yaml.SafeLoader`` that reads ``1e-6`` and ``1.0e6`` as floats, as OmegaConf does.
+
+    YAML 1.1 (PyYAML) wants a dot and a signed exponent (``1.0e+6``); Trinity-RFT
+    reads its configs with OmegaConf, whose loader accepts both spellings, and its
+    example configs use them (``lr: 1e-6``, ``clip_ratio_c: 1.0e6``).
+    """
+
+
+ConfigYamlLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(
+        r"""^(?:[-+]?[0-9][0-9_]*\.[0-9_]*(?:[eE][-+]?[0-9]+)?
+        |[-+]?[0-9][0-9_]*[eE][-+]?[0-9]+
+        |\.[0-9_]+(?:[eE][-+]?[0-9]+)?
+        |[-+]?\.(?:inf|Inf|INF)
+        |\.(?:nan|NaN|NAN))$""",
+        re.X,
+    ),
+    list("-+0123456789."),
+)
 
 
 # --------------------------------------------------------------------------- paths
@@ -154,7 +177,7 @@ def interpolate_env(data: Any, source: str | None = None) -> Any:
         if target is not None and _accepts_str(target):
             return text
         try:
-            return yaml.safe_load(text)
+            return yaml.load(text, Loader=ConfigYamlLoader)
         except yaml.YAMLError:
             return text
 
@@ -196,7 +219,7 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
             )
         parts = _parse_override_key(key, item)
         try:
-            value = yaml.safe_load(raw) if raw.strip() else ""
+            value = yaml.load(raw, Loader=ConfigYamlLoader) if raw.strip() else ""
         except yaml.YAMLError as exc:
             raise ConfigError(key, f"override value is not valid YAML: {exc}", value=raw) from exc
         node: Any = result
@@ -349,7 +372,7 @@ def _read_yaml(path: str) -> Any:
     except OSError as exc:
         raise ConfigError(ROOT, f"cannot read config file: {exc}", source=path) from exc
     try:
-        return yaml.safe_load(text)
+        return yaml.load(text, Loader=ConfigYamlLoader)
     except yaml.MarkedYAMLError as exc:
         mark = exc.problem_mark or exc.context_mark
         line = mark.line + 1 if mark is not None else 0

@@ -376,3 +376,12 @@ class Config(_Base):
     trainer: TrainerConfig = msgspec.field(default_factory=TrainerConfig)
     monitor: MonitorConfig = msgspec.field(default_factory=MonitorConfig)
     nats: NatsConfig = msgspec.field(default_factory=NatsConfig)
+
+    @property
+    def trainer_reads_dataset(self) -> bool:
+        """Whether the trainer reads a dataset file: ``mode: train`` with a file
+        experience buffer. ``mode: train`` with ``storage_type: queue`` (Trinity-RFT's
+        trainer half of an explorer/trainer pair) trains on the run's experience
+        stream instead, fed by another process's ``mode: explore``."""
+        eb = self.buffer.trainer_input.experience_buffer
+        return self.mode == "train" and not (eb is not None and eb.storage_type == "queue")

@@ -316,6 +316,9 @@ def _dynamic_bsz(source: str, value: Any, ctx: _Ctx) -> None:
     sp = ctx.get("trainer.ulysses_sequence_parallel_size", 1) or 1
     budget = ctx.get("trainer.max_token_len_per_gpu")
     how = "trainer.max_token_len_per_gpu"
+    if budget is None and ctx.get("trainer.ppo_max_token_len_per_gpu") is not None:
+        budget = ctx.get("trainer.ppo_max_token_len_per_gpu")
+        how = "trainer.ppo_max_token_len_per_gpu"
     if budget is None:
         budget = -(-2 * seq // sp)  # Trinity's default: ceil(2 * max_model_len / sp)
         how = f"Trinity's default token budget 2 x {seq} (max_model_len)"
@@ -328,6 +331,11 @@ def _dynamic_bsz(source: str, value: Any, ctx: _Ctx) -> None:
         "max_prompt_tokens + max_response_tokens)",
         60,
     )
+
+
+def _total_steps(source: str, value: Any, ctx: _Ctx) -> None:
+    """Trinity's trainer.total_steps bounds the run: here that is buffer.total_steps."""
+    ctx.assign(source, "buffer.total_steps", value, "the run's trainer steps", 50)
 
 
 def _token_budget(source: str, value: Any, ctx: _Ctx) -> None:
@@ -684,7 +692,13 @@ def _build_table() -> dict[str, Rule]:
         "trainer.trainer_type": Mapped("verl -> deepspeed", _trainer_type),
         "trainer.trainer_strategy": Ignored("the trainer is DeepSpeed (trainer.zero_stage)"),
         "trainer.enable_preview": Ignored(_MONITOR),
-        "trainer.total_steps": Ignored("the run length is buffer.total_steps here"),
+        "trainer.total_steps": Mapped(
+            "-> buffer.total_steps (unless the file sets buffer.total_steps)", _total_steps
+        ),
+        "trainer.ppo_max_token_len_per_gpu": Mapped(
+            "token budget of trainer.use_dynamic_bsz (older name of max_token_len_per_gpu)",
+            _token_budget,
+        ),
         "trainer.save_hf_checkpoint": Ignored(
             "checkpoints are always Hugging Face safetensors directories here"
         ),

@@ -284,3 +284,18 @@ def test_config_explain_unknown_key_is_an_error(
     assert main(["config", "explain", str(path)]) == 1
     out = capsys.readouterr().out
     assert "did you mean `gpu_per_node`" in out
+
+
+def test_floats_are_read_as_omegaconf_reads_them(tmp_path: Path) -> None:
+    """Trinity's examples write ``lr: 1e-6`` and ``clip_ratio_c: 1.0e6`` (strings for PyYAML)."""
+    path = tmp_path / "c.yaml"
+    path.write_text(
+        "algorithm:\n  algorithm_type: dapo\n  optimizer:\n    lr: 1e-6\n"
+        "  policy_loss_fn_args:\n    clip_range_low: 2e-1\n    clip_ratio_c: 1.0e6\n"
+    )
+    cfg = load_config(path, ["algorithm.optimizer.weight_decay=1e-2"])
+    assert cfg.algorithm.optimizer.lr == 1e-6
+    assert cfg.algorithm.optimizer.weight_decay == 0.01
+    args = cfg.algorithm.policy_loss_fn_args or {}
+    assert args["clip_ratio_c"] == 1e6 and isinstance(args["clip_ratio_c"], float)
+    assert args["clip_range_low"] == 0.2
