@@ -75,9 +75,14 @@ def _common(p: argparse.ArgumentParser, *, need_url: bool) -> None:
     )
     p.add_argument(
         "--run-dir",
-        help="run directory (NATS store, checkpoints, logs, metrics.jsonl); default runs/<name>",
+        help="run directory (NATS store, checkpoints, logs, metrics.jsonl); default runs/<name>; "
+        "with `stages`, each stage runs in <run-dir>/<stage_name>",
     )
-    p.add_argument("--steps", type=int, help="override buffer.total_steps")
+    p.add_argument(
+        "--steps",
+        type=int,
+        help="override buffer.total_steps (of every stage, when the config has `stages`)",
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -218,7 +223,9 @@ def _quiet_noisy_loggers() -> None:
         logging.getLogger(noisy).setLevel(logging.WARNING)
 
 
-def _setup_logging(run_dir: Path, level: str) -> None:
+def _setup_logging(run_dir: Path, level: str) -> Callable[[], None]:
+    """Log to ``<run_dir>/logs/rftstream.log`` (INFO) and the console (``level``); returns
+    what removes (and closes) those two handlers again."""
     run_dir.joinpath("logs").mkdir(parents=True, exist_ok=True)
     root = logging.getLogger()
     root.setLevel(logging.INFO)
@@ -232,6 +239,13 @@ def _setup_logging(run_dir: Path, level: str) -> None:
     )
     root.addHandler(ch)
     _quiet_noisy_loggers()
+
+    def stop() -> None:
+        for handler in (fh, ch):
+            root.removeHandler(handler)
+            handler.close()
+
+    return stop
 
 
 def _prepare(args: argparse.Namespace) -> Any:
@@ -257,8 +271,47 @@ def _prepare(args: argparse.Namespace) -> Any:
 def cmd_up(args: argparse.Namespace) -> int:
     from rftstream.up import run_up
 
+    if args.config:
+        from rftstream.config.stages import load_stages
+        from rftstream.plugins import load_plugins
+
+        load_plugins(args.plugin_dir)
+        stages = load_stages(args.config, list(args.set))
+        if stages:
+            return _up_stages(args, stages)
     run = _prepare(args)
     return run_up(run, console=console)
+
+
+def _up_stages(args: argparse.Namespace, stages: list[Any]) -> int:
+    """``rftstream up`` of a config with ``stages``: see :mod:`rftstream.up_stages`."""
+    from rftstream.runtime import prepare_run
+    from rftstream.up import run_up
+    from rftstream.up_stages import run_stages
+
+    plugin_dirs = tuple(str(Path(d).resolve()) for d in args.plugin_dir or ())
+
+    def prepare(cfg: Config, stage: Any) -> Any:
+        run_dir = str(Path(args.run_dir) / stage.stage_name) if args.run_dir else None
+        with console.status(f"preparing stage {stage.stage_name} (model, algorithm, pipeline)…"):
+            run = prepare_run(
+                cfg,
+                steps=args.steps,
+                run_dir=run_dir,
+                nats_url=args.nats_url,
+                progress=lambda msg: console.log(msg),
+                source=args.config,
+            )
+        run.plugin_dirs = plugin_dirs
+        return run
+
+    return run_stages(
+        stages,
+        prepare=prepare,
+        run_up=lambda run: run_up(run, console=console),
+        console=console,
+        start_logging=lambda run: _setup_logging(run.run_dir, args.log_level),
+    )
 
 
 def _operator_pipeline(args: argparse.Namespace) -> Any:

@@ -34,6 +34,7 @@ from rftstream.config.schema import (
     TrainerConfig,
     TrainerInput,
 )
+from rftstream.config.stages import StageConfig, load_stages, stages_from_dict
 from rftstream.config.validate import run_id_from_name, validate_config
 
 __all__ = [
@@ -53,6 +54,7 @@ __all__ = [
     "OptimizerConfig",
     "RolloutModelConfig",
     "StorageConfig",
+    "StageConfig",
     "SynchronizerConfig",
     "TasksetConfig",
     "TrainerConfig",
@@ -63,6 +65,8 @@ __all__ = [
     "dump_config_yaml",
     "interpolate_env",
     "load_config",
+    "load_stages",
     "run_id_from_name",
+    "stages_from_dict",
     "validate_config",
 ]

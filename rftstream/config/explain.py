@@ -18,6 +18,14 @@ from rftstream.config.loader import (
     translate_config,
 )
 from rftstream.config.paths import PathPart, config_info, fmt_path, type_at
+from rftstream.config.stages import (
+    STAGES_KEY,
+    RawStage,
+    StageConfigError,
+    has_stages,
+    split_with_overrides,
+    stage_data,
+)
 from rftstream.config.trinity import KeyNote
 from rftstream.errors import ConfigError
 
@@ -85,6 +93,8 @@ def explain_file(path: str, overrides: list[str] | None = None) -> tuple[list[st
         data = _read_yaml(path) or {}
         if not isinstance(data, dict):
             raise ConfigError("(root)", "the top level must be a mapping", source=path)
+        if has_stages(data):
+            return _explain_stages(data, list(overrides or []), path)
         if overrides:
             data = apply_overrides(data, overrides)
         data = interpolate_env(data, path)
@@ -100,3 +110,54 @@ def explain_file(path: str, overrides: list[str] | None = None) -> tuple[list[st
     except ConfigError as exc:
         errors.append(str(exc))
     return lines, errors
+
+
+def _explain_stages(
+    data: dict[str, Any], overrides: list[str], path: str
+) -> tuple[list[str], list[str]]:
+    """A staged config: the base's keys, then per stage a header (its run name, the
+    sections it replaces) and the keys of those sections as ``stages[i].<key>``; the
+    errors of every stage's config. Raises :class:`ConfigError` for a malformed
+    ``stages`` list (the caller reports it)."""
+    import warnings
+
+    from rftstream.config.validate import validate_config
+
+    base, stages, others = split_with_overrides(data, overrides, path)
+    base = interpolate_env(base, path)
+    lines = explain_lines(base, translate_config(base, path).notes)
+    lines.append(
+        f"{STAGES_KEY}: {len(stages)} stages, run in order by `rftstream up`; a section a "
+        "stage sets replaces the base's whole section (as in Trinity-RFT; `model` is merged); "
+        "each stage after the first starts from the previous stage's final checkpoint "
+        "unless it sets model.model_path"
+    )
+    errors: list[str] = []
+    for stage in stages:
+        lines.append(_stage_header(stage))
+        try:
+            stage_map = stage_data(stage, others, path)
+            translation = translate_config(stage_map, path)
+            own = {k: stage_map[k] for k in stage.sections if k in stage_map}
+            notes = [n for n in translation.notes if stage.owns(n.path)]
+            lines += [f"  {stage.prefix}.{line}" for line in explain_lines(own, notes)]
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                validate_config(config_from_dict(stage_map, path), path)
+        except ConfigError as exc:
+            errors.append(str(StageConfigError(exc, stage)))
+    return lines, errors
+
+
+def _stage_header(stage: RawStage) -> str:
+    replaced = ", ".join(stage.sections) or "nothing (the base config as it is)"
+    start = (
+        "model.model_path set by the stage"
+        if stage.sets_model_path
+        else "the base model.model_path"
+        if stage.index == 0
+        else "the previous stage's final checkpoint"
+    )
+    return (
+        f"stage {stage.label}: run `{stage.data.get('name')}`, sets {replaced}; starts from {start}"
+    )

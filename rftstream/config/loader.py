@@ -309,6 +309,7 @@ def config_from_dict(
             has_value=True,
             source=source,
         )
+    data = _without_stages(data, source)
     translation = translate_config(data, source, cuda_available=cuda_available)
     for note in translation.warnings:
         warnings.warn(note.message(), TrinityConfigWarning, stacklevel=2)
@@ -334,6 +335,23 @@ def config_from_dict(
         raise ConfigError(
             fmt_path(parts), m.group("msg"), value=value, has_value=found, source=source
         ) from exc
+
+
+def _without_stages(data: dict[str, Any], source: str | None) -> dict[str, Any]:
+    """``data`` without an empty ``stages``; raises :class:`ConfigError` for a non-empty one
+    (a staged config is several runs: :func:`rftstream.config.stages.stages_from_dict`)."""
+    if "stages" not in data:
+        return data
+    stages = data["stages"]
+    if stages is not None and stages != []:
+        count = f"{len(stages)} stages" if isinstance(stages, list) else "stages"
+        raise ConfigError(
+            "stages",
+            f"this config has {count}, each a run of its own: `rftstream up` runs them in "
+            "order (in Python: rftstream.config.load_stages gives each stage's config)",
+            source=source,
+        )
+    return {k: v for k, v in data.items() if k != "stages"}
 
 
 def translate_config(
