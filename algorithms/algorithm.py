@@ -143,6 +143,14 @@ def _rl(advantage_fn: str, policy_loss_fn: str, kl_loss_fn: str = "k2", **more: 
 GRPOAlgorithm = _preset(
     "grpo", "GRPO: group-normalised advantages, PPO-clip loss, k2 KL loss.", _rl("grpo", "ppo")
 )
+GRPOVerlAlgorithm = _preset(
+    "grpo_verl",
+    "GRPO with the advantage computed in the trainer on the whole batch (Trinity-RFT's "
+    "grpo_verl): the preset for trainer-side advantages such as clipb / clipv, which need "
+    "the current policy's per-token entropies.",
+    _rl("grpo", "ppo"),
+    compute_advantage_in_trainer=True,
+)
 PPOAlgorithm = _preset(
     "ppo",
     "PPO: a critic (value head) and GAE advantages computed in the trainer.",

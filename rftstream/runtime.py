@@ -244,6 +244,21 @@ def _check_algorithm(cfg: Config, algorithm: Any) -> None:
                 value=algorithm.config.kl_loss_fn,
             )
     algorithm.check_loss_inputs(trainer_tensors(algorithm))
+    adv_fn = algorithm.advantage_fn
+    if (
+        not algorithm.compute_advantage_in_trainer
+        and (algorithm.config.advantage_fn or "none") != "none"
+        and adv_fn is not None
+        and type(adv_fn).compute_in_trainer()
+    ):
+        raise ConfigError(
+            "algorithm.advantage_fn",
+            f"{algorithm.config.advantage_fn} is computed in the trainer (it needs trainer "
+            f"state: critic values or the policy's token entropies), but algorithm_type "
+            f"{algorithm.name} computes advantages in the experience pipeline; use an "
+            f"algorithm_type that computes them in the trainer (grpo_verl, ppo)",
+            value=algorithm.config.advantage_fn,
+        )
     if algorithm.use_critic:
         try:
             check_loss_agg_mode(cfg.trainer.critic.loss_agg_mode)

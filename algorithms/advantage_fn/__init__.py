@@ -4,20 +4,23 @@ Registered (Trinity-RFT names): ``grpo``, ``opmd``, ``rloo``, ``reinforce``,
 ``asymre``, ``rec`` (group advantages) and ``step_wise_grpo`` (multi-step
 GRPO) and ``gigpo`` (multi-step, anchor states), which run in the experience
 pipeline; ``ppo`` (GAE),
-``reinforceplusplus``, ``remax`` and the distillation advantages
+``reinforceplusplus``, ``remax``, the distillation advantages
 ``on_policy_distill`` and ``jsd`` (teacher log-probs in
-``info["teacher_logprobs"]``), which run in the trainer
+``info["teacher_logprobs"]``) and the entropy-guided ``clipb`` / ``clipv``
+(per-token entropies from the trainer's no-grad pass), which run in the trainer
 (``compute_in_trainer() -> True``); and ``none``.
 """
 
 from algorithms.advantage_fn.advantage_fn import (
     ADVANTAGE_FN,
+    TRAINER_ADVANTAGE_INPUTS,
     AdvantageFn,
     GroupAdvantage,
     NoAdvantageFn,
 )
 from algorithms.advantage_fn.asymre_advantage import ASYMREGroupAdvantage
 from algorithms.advantage_fn.distill_advantage import JSDAdvantage, OnPolicyDistillAdvantage
+from algorithms.advantage_fn.entropy_clip_advantage import ClipBAdvantageFn, ClipVAdvantageFn
 from algorithms.advantage_fn.gigpo_advantage import GiGPOAdvantageFn
 from algorithms.advantage_fn.grpo_advantage import (
     GRPOGroupedAdvantage,
@@ -35,6 +38,8 @@ __all__ = [
     "ADVANTAGE_FN",
     "ASYMREGroupAdvantage",
     "AdvantageFn",
+    "ClipBAdvantageFn",
+    "ClipVAdvantageFn",
     "GRPOGroupedAdvantage",
     "GiGPOAdvantageFn",
     "GroupAdvantage",
@@ -49,5 +54,6 @@ __all__ = [
     "REMAXAdvantageFn",
     "RLOOGroupAdvantage",
     "StepWiseGRPOAdvantageFn",
+    "TRAINER_ADVANTAGE_INPUTS",
     "compute_gae_advantage_return",
 ]

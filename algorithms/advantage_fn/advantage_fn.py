@@ -23,8 +23,37 @@ from rftstream.registry import Registry
 ADVANTAGE_FN: Registry[type[AdvantageFn]] = Registry("advantage_fn")
 
 
+TRAINER_ADVANTAGE_INPUTS: frozenset[str] = frozenset(
+    {"entropy", "nec", "old_logprob", "rollout_logprob"}
+)
+"""Per-token tensors the trainer can compute for an advantage fn that declares them in
+:attr:`AdvantageFn.trainer_inputs` (each passed as a keyword argument: one float32
+tensor per experience, covering the response tokens the trainer trains on):
+
+* ``old_logprob``: log-probs of the response under the current policy (no-grad pass);
+* ``entropy``: entropy of the current policy's next-token distribution per token;
+* ``nec``: ``H * sum(p^2) + sum(p^2 log p)`` of that distribution (Clip_V's ``necs``);
+* ``rollout_logprob``: the experience's rollout log-probs where it has usable ones,
+  else ``old_logprob``.
+
+All use the rollout temperature, as the log-probs of the loss do.
+"""
+
+
 class AdvantageFn(ABC):
-    """Computes ``advantages`` and ``returns`` for a list of experiences."""
+    """Computes ``advantages`` and ``returns`` for a list of experiences.
+
+    Class attributes a trainer-side function may set:
+
+    * ``trainer_inputs``: names from :data:`TRAINER_ADVANTAGE_INPUTS` the trainer
+      must compute (one no-grad forward pass over the batch, only when non-empty)
+      and pass as keyword arguments;
+    * ``rewrites_action_mask``: the function narrows ``exp.action_mask`` (never
+      widens it) and the trainer trains on the narrowed mask.
+    """
+
+    trainer_inputs: frozenset[str] = frozenset()
+    rewrites_action_mask: bool = False
 
     def __init__(self, **kwargs: Any) -> None:
         if kwargs:

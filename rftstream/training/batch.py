@@ -353,6 +353,61 @@ def response_logprobs(
     return logp, entropy
 
 
+@dataclass
+class TokenStats:
+    """Per-token statistics of the policy over the response positions, ``(B, R)`` float32.
+
+    ``nec`` is ``H * sum(p^2) + sum(p^2 log p)`` (Clip_V's ``necs``), None unless asked for.
+    """
+
+    logprob: torch.Tensor
+    entropy: torch.Tensor
+    nec: torch.Tensor | None = None
+
+    def cat(self, other: TokenStats) -> TokenStats:
+        """Rows of ``self`` then rows of ``other``."""
+        nec = None
+        if self.nec is not None and other.nec is not None:
+            nec = torch.cat([self.nec, other.nec], 0)
+        return TokenStats(
+            torch.cat([self.logprob, other.logprob], 0),
+            torch.cat([self.entropy, other.entropy], 0),
+            nec,
+        )
+
+
+def response_token_stats(
+    logits: torch.Tensor,
+    input_ids: torch.Tensor,
+    prompt_width: int,
+    temperature: float,
+    *,
+    with_nec: bool = False,
+    logits_start: int = 0,
+) -> TokenStats:
+    """Log-prob, entropy (and ``nec``) of every response token under ``logits / temperature``.
+
+    The same positions and scaling as :func:`response_logprobs`; with ``p`` the
+    next-token distribution: ``entropy = -sum(p log p)``, ``nec = entropy *
+    sum(p^2) + sum(p^2 log p)``. Float32; meant for no-grad passes.
+    """
+    R = input_ids.shape[1] - prompt_width
+    first = prompt_width - 1 - logits_start
+    lg = logits[:, first : first + R, :].float()
+    if temperature and temperature != 1.0:
+        lg = lg / temperature
+    logp_all = torch.log_softmax(lg, dim=-1)
+    p = logp_all.exp()
+    targets = input_ids[:, prompt_width : prompt_width + R]
+    logp = torch.gather(logp_all, -1, targets.unsqueeze(-1)).squeeze(-1)
+    entropy = -(p * logp_all).sum(-1)
+    nec = None
+    if with_nec:
+        p2 = p * p
+        nec = entropy * p2.sum(-1) + (p2 * logp_all).sum(-1)
+    return TokenStats(logp, entropy, nec)
+
+
 def balanced_partitions(lengths: Sequence[int], k: int) -> list[list[int]]:
     """Split row indices into ``k`` micro-batches of (nearly) equal token totals.
 

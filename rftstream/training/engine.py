@@ -30,11 +30,13 @@ from rftstream.errors import ConfigError
 from rftstream.experience import Experience
 from rftstream.hf import forward_kwargs, output_cache, quiet_progress_bars
 from rftstream.training.batch import (
+    TokenStats,
     TrainBatch,
     balanced_partitions,
     collate,
     contiguous_partitions,
     response_logprobs,
+    response_token_stats,
     trainer_tensors,
 )
 from rftstream.training.critic import value_loss
@@ -65,11 +67,16 @@ class PolicyTrainer:
        ``values`` with a critic) without gradient; ``old_logprob`` is instead
        the gradient pass's own log-probs, detached, when that is provably the
        same (:meth:`_old_logprob_is_redundant`: ``ppo_epochs`` 1, no dropout,
-       no KL penalty on rewards);
+       no KL penalty on rewards); an advantage fn that declares
+       ``trainer_inputs`` (``clipb``, ``clipv``) gets one no-grad pass computing
+       each token's log-prob, entropy (and ``nec``), which also serves as the
+       ``old_logprob`` pass, whether or not that one is skipped; without such
+       an fn no extra pass runs;
     3. if the algorithm computes advantages in the trainer
        (``compute_advantage_in_trainer``): apply ``kl_penalty_fn`` to the
        token-level rewards, then call ``advantage_fn`` (with ``values=`` for
-       a critic);
+       a critic, and the declared token statistics); an fn that
+       ``rewrites_action_mask`` narrows the mask the losses use;
     4. split into exactly ``gradient_accumulation`` micro-batches, balanced by
        token count when ``trainer.balance_batch`` and the algorithm's
        ``can_balance_batch`` allow it (DPO pairs stay together), and run
@@ -104,6 +111,7 @@ class PolicyTrainer:
         self.advantage_in_trainer = bool(algorithm.compute_advantage_in_trainer) and (
             (algorithm.config.advantage_fn or "none") != "none"
         )
+        self.advantage_inputs = _advantage_inputs(algorithm) if self.advantage_in_trainer else ()
         self.kl_penalty = (algorithm.config.kl_penalty_fn or "none") != "none"
         self.kl_loss = (algorithm.config.kl_loss_fn or "none") != "none"
         torch.manual_seed(cfg.seed)
@@ -224,13 +232,26 @@ class PolicyTrainer:
     def _forward(
         self, model: torch.nn.Module, mb: TrainBatch, *, with_entropy: bool
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Response log-probs (and entropy) of ``mb``; the LM head runs on the positions that
-        predict response tokens only, where the model's forward can be told so. Rows that
-        share a prompt share its forward pass (``trainer.share_prompts``)."""
+        """Response log-probs (and entropy) of ``mb`` (see :meth:`_response_logits`)."""
+        logits, start = self._response_logits(model, mb)
+        return response_logprobs(
+            logits,
+            mb.input_ids,
+            mb.prompt_width,
+            self.temperature,
+            with_entropy=with_entropy,
+            logits_start=start,
+        )
+
+    def _response_logits(self, model: torch.nn.Module, mb: TrainBatch) -> tuple[torch.Tensor, int]:
+        """The logits that predict ``mb``'s response tokens, and the sequence position of
+        their first column. The LM head runs on the positions that predict response
+        tokens only, where the model's forward can be told so. Rows that share a prompt
+        share its forward pass (``trainer.share_prompts``)."""
         if self.share_prompts:
             shared = _shared_prompts(mb)
             if shared is not None:
-                return self._forward_shared(model, mb, *shared, with_entropy=with_entropy)
+                return self._forward_shared(model, mb, *shared)
         kwargs: dict[str, Any] = {}
         start = 0
         if self.keep_kwarg is not None:
@@ -244,14 +265,7 @@ class PolicyTrainer:
             use_cache=False,
             **kwargs,
         )
-        return response_logprobs(
-            out.logits,
-            mb.input_ids,
-            mb.prompt_width,
-            self.temperature,
-            with_entropy=with_entropy,
-            logits_start=start,
-        )
+        return out.logits, start
 
     def _forward_shared(
         self,
@@ -259,11 +273,10 @@ class PolicyTrainer:
         mb: TrainBatch,
         first: torch.Tensor,
         inverse: torch.Tensor,
-        *,
-        with_entropy: bool,
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """:meth:`_forward` with each distinct prompt run once (the rows ``first``), its KV
-        cache repeated for every row that has it (``inverse``), then the responses on top.
+    ) -> tuple[torch.Tensor, int]:
+        """:meth:`_response_logits` with each distinct prompt run once (the rows ``first``),
+        its KV cache repeated for every row that has it (``inverse``), then the responses
+        on top.
 
         The same logits as the plain forward (attention sees the same keys; the
         gradient of a shared prompt sums over its rows through the repetition), for
@@ -291,14 +304,7 @@ class PolicyTrainer:
                 **{self.cache_kwarg: cache, self.keep_kwarg: R},
             )
             logits = torch.cat([logits, rest.logits[:, : R - 1]], 1)
-        return response_logprobs(
-            logits,
-            mb.input_ids,
-            P,
-            self.temperature,
-            with_entropy=with_entropy,
-            logits_start=P - 1,
-        )
+        return logits, P - 1
 
     def _values(self, mb: TrainBatch) -> torch.Tensor:
         assert self.critic is not None
@@ -307,6 +313,26 @@ class PolicyTrainer:
     @torch.no_grad()
     def _no_grad(self, fn: Callable[[TrainBatch], torch.Tensor], batch: TrainBatch) -> torch.Tensor:
         return torch.cat([fn(batch.rows(idx)) for idx in _chunks(batch.size, self.micro)], 0)
+
+    @torch.no_grad()
+    def _token_stats_no_grad(self, batch: TrainBatch, *, with_nec: bool) -> TokenStats:
+        """Log-prob, entropy (and ``nec``) of every response token under the current policy:
+        one no-grad pass over ``batch`` in micro-batch chunks. Blocks."""
+        stats: TokenStats | None = None
+        for idx in _chunks(batch.size, self.micro):
+            mb = batch.rows(idx)
+            logits, start = self._response_logits(self.engine.module, mb)
+            part = response_token_stats(
+                logits,
+                mb.input_ids,
+                mb.prompt_width,
+                self.temperature,
+                with_nec=with_nec,
+                logits_start=start,
+            )
+            stats = part if stats is None else stats.cat(part)
+        assert stats is not None  # collate rejects an empty batch
+        return stats
 
     def _logprobs_no_grad(self, model: torch.nn.Module, batch: TrainBatch) -> torch.Tensor:
         return self._no_grad(lambda mb: self._forward(model, mb, with_entropy=False)[0], batch)
@@ -331,8 +357,16 @@ class PolicyTrainer:
         old_logprob: torch.Tensor | None,
         ref_logprob: torch.Tensor | None,
         values: torch.Tensor | None,
+        stats: TokenStats | None = None,
     ) -> dict[str, float]:
-        """KL penalty on rewards, then the advantage fn; writes advantages/returns into ``batch``."""
+        """KL penalty on rewards, then the advantage fn; writes advantages/returns into ``batch``.
+
+        ``stats``: the current policy's per-token statistics, for an advantage fn
+        that declares ``trainer_inputs``; each declared input goes to it as one
+        tensor per experience over the tokens the batch trains on. An fn that
+        ``rewrites_action_mask`` narrows ``batch.response_mask`` with the masks it
+        returns.
+        """
         metrics: dict[str, float] = {}
         algo = self.algorithm
         if self.kl_penalty:
@@ -350,6 +384,13 @@ class PolicyTrainer:
         if values is not None:
             v = values.detach().cpu()
             kwargs["values"] = [_fit(v[i], e.response_length) for i, e in enumerate(exps)]
+        if self.advantage_inputs:
+            if stats is None:
+                raise RuntimeError(
+                    f"advantage_fn {type(algo.advantage_fn).__name__} needs "
+                    f"{list(self.advantage_inputs)}, but no token statistics were computed"
+                )
+            kwargs.update(_advantage_kwargs(self.advantage_inputs, exps, batch, stats))
         exps_out, adv_metrics = algo.advantage_fn(exps, **kwargs)
         if len(exps_out) != len(exps):
             raise RuntimeError(
@@ -369,6 +410,9 @@ class PolicyTrainer:
                 )
             batch.advantages[i] = _fit(e.advantages, width).to(batch.advantages.device)
             batch.returns[i] = _fit(e.returns, width).to(batch.returns.device)
+            if getattr(algo.advantage_fn, "rewrites_action_mask", False):
+                narrowed = _fit(e.action_mask, width).to(batch.response_mask.device)
+                batch.response_mask[i] = batch.response_mask[i] * narrowed
         metrics.update({f"advantage/{k}": float(v) for k, v in adv_metrics.items()})
         return metrics
 
@@ -403,10 +447,19 @@ class PolicyTrainer:
         )
         batch = batch.to(self.engine.device)
         self.engine.eval()  # the no-grad passes see no dropout
+        stats = None
+        if self.advantage_inputs:
+            # the advantage fn needs the policy's entropies before the gradient pass: one
+            # no-grad pass gives them, and the old log-probs with them
+            stats = self._token_stats_no_grad(batch, with_nec="nec" in self.advantage_inputs)
         # None: the gradient pass's own detached log-probs serve (see _old_logprob_is_redundant)
-        old_logprob = (
-            None if self.reuse_old_logprob else self._logprobs_no_grad(self.engine.module, batch)
-        )
+        old_logprob = None
+        if not self.reuse_old_logprob:
+            old_logprob = (
+                stats.logprob
+                if stats is not None
+                else self._logprobs_no_grad(self.engine.module, batch)
+            )
         ref_logprob = (
             self._logprobs_no_grad(self.ref_model, batch) if self.ref_model is not None else None
         )
@@ -416,7 +469,9 @@ class PolicyTrainer:
             values = self._no_grad(self._values, batch)
         out: dict[str, float] = {}
         if self.advantage_in_trainer:
-            out.update(self._compute_advantages(exps, batch, old_logprob, ref_logprob, values))
+            out.update(
+                self._compute_advantages(exps, batch, old_logprob, ref_logprob, values, stats)
+            )
         self.engine.train()
         if self.critic is not None:
             self.critic.train()
@@ -590,6 +645,51 @@ class PolicyTrainer:
             shutil.rmtree(path)
         os.replace(tmp, path)
         return path
+
+
+def _advantage_inputs(algorithm: Any) -> tuple[str, ...]:
+    """The token statistics the algorithm's advantage fn declares (``trainer_inputs``), sorted.
+
+    Raises:
+        ConfigError: at ``algorithm.advantage_fn`` for a name the trainer cannot compute.
+    """
+    from algorithms.advantage_fn import TRAINER_ADVANTAGE_INPUTS
+
+    declared = set(getattr(algorithm.advantage_fn, "trainer_inputs", ()) or ())
+    unknown = sorted(declared - TRAINER_ADVANTAGE_INPUTS)
+    if unknown:
+        raise ConfigError(
+            "algorithm.advantage_fn",
+            f"{type(algorithm.advantage_fn).__name__} declares trainer_inputs {unknown}, which "
+            f"the trainer does not compute (it computes {sorted(TRAINER_ADVANTAGE_INPUTS)})",
+            value=algorithm.config.advantage_fn,
+        )
+    return tuple(sorted(declared))
+
+
+def _advantage_kwargs(
+    names: tuple[str, ...], exps: list[Experience], batch: TrainBatch, stats: TokenStats
+) -> dict[str, list[torch.Tensor]]:
+    """One CPU float32 tensor per experience for each of ``names``, over the tokens the
+    batch holds of its response (``min(response length, batch response width)``)."""
+    rollout = None
+    if "rollout_logprob" in names:
+        have = batch.rollout_logprob_mask > 0
+        rollout = torch.where(have, batch.rollout_logprobs, stats.logprob)
+    full = {
+        "old_logprob": stats.logprob,
+        "entropy": stats.entropy,
+        "nec": stats.nec,
+        "rollout_logprob": rollout,
+    }
+    width = batch.response_width
+    out: dict[str, list[torch.Tensor]] = {}
+    for name in names:
+        t = full[name]
+        assert t is not None, name  # nec is computed whenever it is declared
+        t = t.detach().to(device="cpu", dtype=torch.float32)
+        out[name] = [t[i, : min(e.response_length, width)].clone() for i, e in enumerate(exps)]
+    return out
 
 
 def _fit(t: torch.Tensor | None, n: int) -> torch.Tensor:

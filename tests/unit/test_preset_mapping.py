@@ -48,6 +48,8 @@ EXPECTED = {
     "ppo": (PPOAdvantageFn, PPOPolicyLossFn, DummyKLFn, K2Fn, Default, DS, True, True, True, True),
     "grpo": (GRPOGroupedAdvantage, PPOPolicyLossFn, DummyKLFn, K2Fn, Default, DS)
     + (False, True, False, True),
+    "grpo_verl": (GRPOGroupedAdvantage, PPOPolicyLossFn, DummyKLFn, K2Fn, Default, DS)
+    + (False, True, True, True),
     "dapo": (GRPOGroupedAdvantage, PPOPolicyLossFn, DummyKLFn, DummyKLFn, Default, DS)
     + (False, False, False, True),
     "opmd": (OPMDGroupAdvantage, OPMDPolicyLossFn, DummyKLFn, K2Fn, Default, DS)
@@ -116,6 +118,7 @@ def test_preset_resolves_to_exactly_its_components(preset: str) -> None:
         in_trainer,
     )
     assert r.algorithm_type.can_balance_batch is balance
-    # the advantage runs where its own compute_in_trainer() says, for every preset with one
-    if adv is not NoAdvantageFn:
+    # the advantage runs where its own compute_in_trainer() says, for every preset with one,
+    # except grpo_verl, whose point is a group advantage computed in the trainer (Trinity's)
+    if adv is not NoAdvantageFn and preset != "grpo_verl":
         assert adv.compute_in_trainer() is in_trainer
