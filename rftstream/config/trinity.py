@@ -861,6 +861,10 @@ VERL_KEYS: dict[str, Rule] = {
     f"{_A}.kl_loss_type": Mapped(
         "-> algorithm.kl_loss_fn (kl=k1, mse=k2, low_var_kl, abs)", _kl_type
     ),
+    f"{_A}.log_prob_fn": Ignored(
+        "the trainer computes the per-token statistics an advantage fn asks for (clipb, "
+        "clipv: entropy and nec) by itself"
+    ),
     "critic.optim.lr": _verl_to("trainer.critic.optim.lr"),
     "critic.optim.weight_decay": _verl_to("trainer.critic.optim.weight_decay"),
     "critic.cliprange_value": _verl_to("trainer.critic.cliprange_value"),

@@ -10,6 +10,7 @@ from __future__ import annotations
 from types import SimpleNamespace
 from typing import Any
 
+import anyio
 import pytest
 import torch
 
@@ -45,11 +46,15 @@ class Engine:
         self.model_version = version
 
 
-def _explorer(mode: str, engine: Engine, run: str) -> Any:
+def _explorer(
+    mode: str, engine: Engine, run: str, sync_method: str = "checkpoint", **sync: Any
+) -> Any:
     from rftstream.actors.explorer import Explorer
+    from rftstream.config.schema import SynchronizerConfig
 
     bus = SimpleNamespace(names=RunNames(run))
-    explorer = Explorer(Config(mode=mode), bus, model_path="unused")  # type: ignore[arg-type]
+    cfg = Config(mode=mode, synchronizer=SynchronizerConfig(sync_method=sync_method, **sync))
+    explorer = Explorer(cfg, bus, model_path="unused")  # type: ignore[arg-type]
     explorer.engine = engine
     return explorer
 
@@ -72,7 +77,7 @@ async def test_weights_load_with_a_trainer_into_an_engine_that_can() -> None:
     "mode,engine",
     [
         ("both", Engine(can_load=False)),  # an external server (engine_type openai)
-        ("explore", Engine()),  # no trainer: nothing to sync with
+        ("explore", Engine()),  # no trainer and weights in memory: nothing to sync with
         ("bench", Engine()),  # bench loads saved checkpoints itself
     ],
     ids=["cannot-load", "explore", "bench"],
@@ -81,7 +86,7 @@ async def test_no_sync_without_a_trainer_or_into_an_engine_that_cannot(
     mode: str, engine: Engine
 ) -> None:
     ptr, _ = _published("guard_b", 2)
-    explorer = _explorer(mode, engine, "guard_b")
+    explorer = _explorer(mode, engine, "guard_b", "memory" if mode == "explore" else "checkpoint")
     state = State(ptr)
     assert not explorer._syncs_weights()
     await explorer._load(state, 0)
@@ -95,3 +100,17 @@ async def test_a_failed_load_keeps_the_current_weights() -> None:
     explorer = _explorer("both", engine, "guard_c")
     await explorer._load(State(ptr), 0)  # logged, not raised
     assert engine.model_version == 0 and explorer._version() == 0
+
+
+async def test_an_explore_half_takes_a_separate_trainers_checkpoint_without_waiting() -> None:
+    """mode: explore with checkpoint sync (Trinity's explorer half of an explorer/trainer
+    pair) loads the newest published weights at its sync interval; it never waits for a
+    version, even in the fixed style, which would make a mode: both explorer wait."""
+    ptr, weights = _published("guard_d", 2)
+    engine = Engine()
+    explorer = _explorer("explore", engine, "guard_d", sync_style="fixed", sync_interval=2)
+    assert explorer._syncs_weights()
+    state = State(ptr)
+    with anyio.fail_after(5):  # before step 5 the fixed style would wait for version 4
+        await explorer._sync_weights(state, 5)
+    assert engine.model_version == 2 and torch.equal(engine.loaded[0][0]["w"], weights["w"])
