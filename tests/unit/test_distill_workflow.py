@@ -5,16 +5,19 @@ of the auxiliary models."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
+import anyio
 import pytest
 import torch
 
 from algorithms.advantage_fn import ADVANTAGE_FN
 from rftstream.config.schema import AuxiliaryModelConfig
+from rftstream.engines.model_wrapper import wrapper_of
 from rftstream.engines.openai_server import serve_auxiliary_models
-from rftstream.errors import WorkflowError
+from rftstream.errors import RftError, WorkflowError
 from rftstream.experience import EID
 from tests.unit._util import ScriptedModel, task_for, wrapper
 from workflows import (
@@ -201,3 +204,31 @@ async def test_construct_workflow_hands_over_the_wrappers_of_served_models(
         plain = construct_workflow(_Plain, task, ScriptedModel(["7"]), clients)
         assert plain.auxiliary_model_wrappers == [served, None]
         assert wf.auxiliary_model_wrappers == [served, None]
+
+
+@pytest.mark.anyio
+async def test_auxiliary_model_paths(tiny_model_path: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``builtin:tiny`` serves the embedded tiny model; a missing directory names the entry."""
+    monkeypatch.setenv("RFTSTREAM_CACHE", str(Path(tiny_model_path).parent))
+    async with serve_auxiliary_models([AuxiliaryModelConfig(model_path="builtin:tiny")]) as aux:
+        assert wrapper_of(aux[0]).model_path == tiny_model_path
+    missing = AuxiliaryModelConfig(model_path=str(Path(tiny_model_path) / "nope"))
+    with pytest.raises(RftError, match=r"explorer\.auxiliary_models\[1\]\.model_path"):
+        async with serve_auxiliary_models([AuxiliaryModelConfig(base_url="http://x/v1"), missing]):
+            pass
+
+
+@pytest.mark.anyio
+async def test_blocking_run_records_the_same_teacher_logprobs(tiny_model_path: str) -> None:
+    """``run()`` in a worker thread (the form a sync caller uses) scores like ``run_async``."""
+    teacher_cfg = AuxiliaryModelConfig(model_path=tiny_model_path, max_response_tokens=8)
+    async with wrapper(tiny_model_path) as student, serve_auxiliary_models([teacher_cfg]) as aux:
+        task = task_for(ROW, "on_policy_distill_workflow", repeat=2)
+        wf = construct_workflow(OnPolicyDistillWorkflow, task, student, aux)
+        wf.set_repeat_times(2, 0)
+        exps = await anyio.to_thread.run_sync(wf.run)
+    assert len(exps) == 2
+    for exp in exps:
+        expected = reference_teacher_logprobs(tiny_model_path, exp, 1.0)
+        teacher = torch.tensor(exp.info["teacher_logprobs"])
+        assert torch.allclose(teacher, expected, atol=1e-4), (teacher, expected)
