@@ -9,6 +9,7 @@ from rftstream.engines.model_wrapper import ModelWrapper
 from rftstream.experience import Experience
 from workflows.code_workflow import CodeReward, CodeWorkflow
 from workflows.countdown import CountdownWorkflow
+from workflows.distill_workflow import OnPolicyDistillMathWorkflow, OnPolicyDistillWorkflow
 from workflows.env_workflow import EnvWorkflow
 from workflows.envs import ENVS, TextEnv
 from workflows.math_workflow import MathBoxedWorkflow, MathWorkflow, SimpleWorkflow
@@ -44,6 +45,8 @@ __all__ = [
     "MathReward",
     "MathWorkflow",
     "ModelWrapper",
+    "OnPolicyDistillMathWorkflow",
+    "OnPolicyDistillWorkflow",
     "PythonToolWorkflow",
     "RewardFn",
     "SandboxResult",

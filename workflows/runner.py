@@ -40,7 +40,8 @@ reused instance's leftover history is cleared before its next task. When the
 model has ``enable_openai_api``, its OpenAI server is started (once) before
 the first task. ``auxiliary_models`` (a list of ``openai.OpenAI`` clients, see
 :func:`rftstream.engines.openai_server.serve_auxiliary_models`) are passed to
-every workflow.
+every workflow, and their model wrappers to one that takes
+``auxiliary_model_wrappers`` (:func:`~workflows.workflow.construct_workflow`).
 """
 
 from __future__ import annotations
@@ -60,7 +61,7 @@ import msgspec
 
 from rftstream.errors import WorkflowError
 from rftstream.experience import Experience
-from workflows.workflow import Task, Workflow, _workflow_limiter
+from workflows.workflow import Task, Workflow, _workflow_limiter, construct_workflow
 
 log = logging.getLogger(__name__)
 
@@ -238,7 +239,7 @@ class WorkflowRunner:
         aux = list(self.auxiliary_models)
         model = self._model_for_new_workflow()
         return await anyio.to_thread.run_sync(
-            lambda: cls(task=task, model=model, auxiliary_models=aux),
+            lambda: construct_workflow(cls, task, model, aux),
             abandon_on_cancel=True,
             limiter=_workflow_limiter(),
         )

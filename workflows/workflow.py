@@ -10,7 +10,13 @@ Both constructor styles of the guides work: the current keyword-only
 ``__init__(self, *, task, model, auxiliary_models=None)`` and the older
 positional ``__init__(self, model, task, auxiliary_models)``, including
 ``super().__init__(model, task, auxiliary_models)``; the runner always
-constructs with keywords. Likewise ``can_reset`` / ``can_repeat`` (class
+constructs with keywords (:func:`construct_workflow`). ``auxiliary_models``
+are ``openai.OpenAI`` clients; ``self.auxiliary_model_wrappers`` holds, in the
+same order, the :class:`~rftstream.engines.model_wrapper.ModelWrapper` of each
+one served here (``model_path``; None for an external ``base_url``), for
+what the OpenAI API cannot do, e.g. a teacher's log-probs of given tokens. A
+workflow whose ``__init__`` takes ``auxiliary_model_wrappers`` (Trinity-RFT's
+keyword) also gets them there. Likewise ``can_reset`` / ``can_repeat`` (class
 attributes) and the older ``resettable()`` / ``repeatable()`` methods are
 equivalent. A workflow may override ``run()`` (blocking), ``run_async()``
 (native async) or both; the missing form is derived from the other.
@@ -44,7 +50,16 @@ from rftstream.registry import Registry
 if TYPE_CHECKING:
     from rftstream.engines.model_wrapper import ModelWrapper
 
-__all__ = ["WORKFLOWS", "Task", "Workflow", "call_reward_fn", "make_task", "resolve_reward_fn"]
+__all__ = [
+    "WORKFLOWS",
+    "Task",
+    "Workflow",
+    "auxiliary_model_wrappers",
+    "call_reward_fn",
+    "construct_workflow",
+    "make_task",
+    "resolve_reward_fn",
+]
 
 WORKFLOWS: Registry[type[Workflow]] = Registry("workflows")
 
@@ -133,9 +148,42 @@ class Task:
     def to_workflow(
         self, model: ModelWrapper, auxiliary_models: list[Any] | None = None
     ) -> Workflow:
-        """Construct this task's workflow (keywords ``task=, model=, auxiliary_models=``). May block."""
-        aux = list(auxiliary_models) if auxiliary_models is not None else []
-        return self.workflow_cls(task=self, model=model, auxiliary_models=aux)
+        """Construct this task's workflow (:func:`construct_workflow`). May block."""
+        return construct_workflow(self.workflow_cls, self, model, auxiliary_models)
+
+
+def auxiliary_model_wrappers(clients: list[Any]) -> list[ModelWrapper | None]:
+    """The :class:`ModelWrapper` behind each auxiliary-model client (None where there is none:
+    an external ``base_url`` server). Non-blocking."""
+    from rftstream.engines.model_wrapper import wrapper_of
+
+    return [wrapper_of(c) for c in clients]
+
+
+def construct_workflow(
+    cls: type[Workflow], task: Task, model: Any, auxiliary_models: list[Any] | None = None
+) -> Workflow:
+    """``cls(task=, model=, auxiliary_models=)``, plus ``auxiliary_model_wrappers=`` (see
+    :func:`auxiliary_model_wrappers`) when ``cls.__init__`` takes that keyword, as
+    Trinity-RFT's on-policy distillation workflow does. May block (the workflow's
+    constructor); raises what the constructor raises."""
+    aux = list(auxiliary_models) if auxiliary_models is not None else []
+    kwargs: dict[str, Any] = {"task": task, "model": model, "auxiliary_models": aux}
+    if _takes_keyword(cls, "auxiliary_model_wrappers"):
+        kwargs["auxiliary_model_wrappers"] = auxiliary_model_wrappers(aux)
+    return cls(**kwargs)
+
+
+def _takes_keyword(cls: type, name: str) -> bool:
+    try:
+        params = inspect.signature(cls.__init__).parameters
+    except (TypeError, ValueError):
+        return False
+    param = params.get(name)
+    return param is not None and param.kind in (
+        inspect.Parameter.KEYWORD_ONLY,
+        inspect.Parameter.POSITIONAL_OR_KEYWORD,
+    )
 
 
 class Workflow(ABC):  # noqa: B024 - ABC so subclasses may declare abstract methods
@@ -193,6 +241,7 @@ class Workflow(ABC):  # noqa: B024 - ABC so subclasses may declare abstract meth
         self.task = task
         self.model = model
         self.auxiliary_models = auxiliary_models if auxiliary_models is not None else []
+        self.auxiliary_model_wrappers = auxiliary_model_wrappers(self.auxiliary_models)
         self.is_eval = task.is_eval
         self.repeat_times = task.repeat_times
         self.run_id_base = 0

@@ -60,7 +60,8 @@ class GiGPOAdvantageFn(AdvantageFn):
     Metrics: ``gigpo/episode_reward_mean`` / ``gigpo/episode_reward_std``
     (averaged over tasks), ``gigpo/anchor_groups_total``,
     ``gigpo/anchor_groups_size_gt1``, ``gigpo/anchor_group_hit_ratio``,
-    ``gigpo/mean_abs_A_E``, ``gigpo/mean_abs_A_S``, ``experience_count``.
+    ``gigpo/mean_abs_A_E``, ``gigpo/mean_abs_A_S``, ``experience_count`` and, as every
+    group advantage, ``group_count`` (tasks).
     """
 
     def __init__(
@@ -157,6 +158,7 @@ class GiGPOAdvantageFn(AdvantageFn):
                 "gigpo/mean_abs_A_E": sum(abs_e) / len(abs_e),
                 "gigpo/mean_abs_A_S": sum(abs_s) / len(abs_s),
                 "experience_count": float(len(exps)),
+                "group_count": float(len(episode_metrics)),
             }
         )
         return exps, metrics

@@ -66,7 +66,7 @@ from rftstream.experience import Experience
 if TYPE_CHECKING:
     from rftstream.engines.openai_server import OpenAIServer
 
-__all__ = ["ModelWrapper", "merge_history"]
+__all__ = ["ModelWrapper", "merge_history", "wrapper_of"]
 
 T = TypeVar("T")
 
@@ -785,6 +785,14 @@ def _render_key(
         )
     except (TypeError, msgspec.EncodeError):
         return None
+
+
+def wrapper_of(client: Any) -> ModelWrapper | None:
+    """The :class:`ModelWrapper` behind an OpenAI client from :meth:`ModelWrapper.get_openai_client`
+    (e.g. an ``explorer.auxiliary_models`` entry served here), None for any other client (one of
+    an external ``base_url`` server). Non-blocking."""
+    wrapper = getattr(client, "_rft_wrapper", None)
+    return wrapper if isinstance(wrapper, ModelWrapper) else None
 
 
 def _on_event_loop() -> bool:

@@ -949,6 +949,23 @@ async def _start_site(app: Any, sock: socket.socket | None) -> Any:
 # ---------------------------------------------------------------------------
 
 
+def _auxiliary_model_path(index: int, model_path: str) -> str:
+    """The local directory of ``explorer.auxiliary_models[index]``; builds the tiny model for
+    ``builtin:tiny``. Blocks. RftError naming the entry when the directory does not exist."""
+    from pathlib import Path
+
+    if model_path == "builtin:tiny":
+        from rftstream.engines.tiny import ensure_tiny_model
+
+        return str(ensure_tiny_model())
+    if not Path(model_path).is_dir():
+        raise RftError(
+            f"explorer.auxiliary_models[{index}].model_path: no such directory {model_path!r} "
+            "(models are loaded from local paths; builtin:tiny is the embedded tiny model)"
+        )
+    return model_path
+
+
 @contextlib.asynccontextmanager
 async def serve_auxiliary_models(
     configs: Sequence[Any],
@@ -965,9 +982,11 @@ async def serve_auxiliary_models(
     and ``temperature`` are the server's defaults for requests that omit
     them. An entry with ``base_url`` just gets a client for that server. Every
     client has ``model_path`` set to the model name to pass as ``model=``
-    (``name``, else ``model_path``). Loading blocks a worker thread; on exit
-    the servers and engines stop. Raises :class:`RftError` for an entry with
-    neither key.
+    (``name``, else ``model_path``). ``model_path: builtin:tiny`` is the
+    embedded tiny model (built and cached on first use, as for
+    ``model.model_path``). Loading blocks a worker thread; on exit the servers
+    and engines stop. Raises :class:`RftError` naming the entry for one with
+    neither key or with a ``model_path`` that is not a directory.
     """
     import openai
 
@@ -980,22 +999,28 @@ async def serve_auxiliary_models(
                 f"explorer.auxiliary_models[{i}]: set `model_path` (served here) "
                 "or `base_url` (an external OpenAI-compatible server)"
             )
+    paths = {  # before anything starts: a wrong path is one plain error
+        i: await anyio.to_thread.run_sync(_auxiliary_model_path, i, cfg.model_path)
+        for i, cfg in enumerate(configs)
+        if not cfg.base_url
+    }
     clients: list[Any] = []
     wrappers: list[ModelWrapper] = []
     engines: list[Any] = []
     async with anyio.create_task_group() as tg:
         try:
-            for cfg in configs:
+            for i, cfg in enumerate(configs):
                 name = cfg.name or cfg.model_path
                 if cfg.base_url:
                     client = openai.OpenAI(base_url=cfg.base_url, api_key=cfg.api_key or "EMPTY")
                     client.model_path = name  # type: ignore[attr-defined]
                     clients.append(client)
                     continue
+                path = paths[i]
                 engine = await anyio.to_thread.run_sync(
-                    lambda c=cfg: create_engine(
+                    lambda c=cfg, p=path: create_engine(
                         c.engine_type,
-                        c.model_path,
+                        p,
                         dtype=dtype,
                         device=device,
                         seed=seed,
@@ -1006,7 +1031,7 @@ async def serve_auxiliary_models(
                 await tg.start(engine.run)
                 wrapper = ModelWrapper(
                     engine,
-                    model_path=cfg.model_path,
+                    model_path=path,
                     max_response_tokens=cfg.max_response_tokens,
                     default_temperature=cfg.temperature,
                     served_model_name=name,

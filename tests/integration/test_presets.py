@@ -17,6 +17,7 @@ import pytest
 
 from algorithms import ALGORITHM_TYPE
 from rftstream.config import config_from_dict
+from rftstream.experience import Experience, decode_group
 from rftstream.runtime import prepare_run
 from tests.integration._util import read_stream, run_actors_to_end, small_config
 
@@ -38,39 +39,72 @@ KL_LOSS = {
     "topr",
     "rec",
     "mix",
+    "mix_chord",
     "dpo",
     "multi_step_grpo",
+    "sapo",
+    "gigpo",
+    "grpo_verl",
 }
-PPO_LOSS = {"grpo", "ppo", "dapo", "rloo", "reinforceplusplus", "multi_step_grpo"}
+PPO_LOSS = {
+    "grpo",
+    "grpo_verl",
+    "ppo",
+    "dapo",
+    "rloo",
+    "reinforceplusplus",
+    "multi_step_grpo",
+    "gigpo",
+    "on_policy_distill",
+    "jsd",
+}
 TRAINER_KEYS: dict[str, set[str]] = {
     "actor/pg_clipfrac_lower": PPO_LOSS,  # PPO's dual clip
     "actor/ppo_kl_seq": {"gspo"},  # the sequence-level ratio
     "actor/sppo_loss": {"sppo"},
+    "actor/sapo_loss": {"sapo"},
+    "actor/avg_soft_gate": {"sapo"},  # SAPO's soft gate instead of the hard clip
     "actor/cispo_loss": {"cispo"},
     "actor/topr_loss": {"topr"},
     "actor/opmd_loss": {"opmd", "asymre"},
     "actor/sft_loss": {"raft", "sft"},
     "actor/dpo_loss": {"dpo"},
-    "actor/usual/pg_loss": {"mix"},
+    "actor/usual/pg_loss": {"mix", "mix_chord"},
     "actor/expert/sft_loss": {"mix"},
-    "sample/expert_count": {"mix"},
+    "actor/expert/sft_phi_loss": {"mix_chord"},  # CHORD's phi-weighted SFT part
+    "actor/mu": {"mix_chord"},  # CHORD's scheduled SFT weight
+    "sample/expert_count": {"mix", "mix_chord"},
     "actor/kl_loss": KL_LOSS,  # only with a reference model and a KL loss
     "critic/vf_loss": {"ppo"},
-    "advantage/advantages/mean": {"ppo"},  # GAE in the trainer
+    "advantage/advantages/mean": {"ppo", "on_policy_distill", "jsd"},  # in the trainer
+    "advantage/kl/mean": {"on_policy_distill"},  # teacher vs student log-probs
+    "advantage/jsd/mean": {"jsd"},
     "advantage/return_mean": {"reinforceplusplus"},  # REINFORCE++ in the trainer
 }
 PIPELINE_KEYS: dict[str, set[str]] = {
     "rloo_baseline": {"rloo"},
     "drop_balance": {"rec"},
-    "experience_count": {"multi_step_grpo"},
+    "experience_count": {"multi_step_grpo", "gigpo"},
+    "gigpo/mean_abs_A_S": {"gigpo"},
     "group_baseline": {"opmd", "asymre", "sppo"},
-    "reward_std": {"grpo", "dapo", "gspo", "cispo", "rec", "mix", "multi_step_grpo"},
+    "reward_std": {
+        "grpo",
+        "dapo",
+        "gspo",
+        "cispo",
+        "rec",
+        "mix",
+        "mix_chord",
+        "multi_step_grpo",
+        "sapo",
+    },
 }
 PRESETS = (
     "grpo ppo dapo opmd asymre rloo reinforceplusplus gspo cispo topr sppo rec "
-    "multi_step_grpo mix raft sft dpo"
+    "multi_step_grpo mix raft sft dpo sapo gigpo grpo_verl mix_chord on_policy_distill jsd"
 ).split()
 PIPELINE = {p for presets in PIPELINE_KEYS.values() for p in presets} | {"topr"}
+DISTILL = {"on_policy_distill", "jsd"}  # need the teacher's log-probs from the workflow
 
 
 def _write_jsonl(path: Path, rows: list[dict]) -> str:
@@ -95,7 +129,7 @@ def _config(preset: str, tmp_path: Path, tiny_model_path: str) -> dict:
     cfg = small_config(tmp_path, tiny_model_path)
     cfg["name"] = f"preset{sorted(PRESETS).index(preset)}"  # run ids are at most 16 chars
     algo = {"algorithm_type": preset, "repeat_times": 4, "optimizer": {"lr": 1e-3}}
-    if preset == "mix":
+    if preset in ("mix", "mix_chord"):
         algo["sample_strategy_args"] = {"expert_data_ratio": 0.25}
         cfg["buffer"]["trainer_input"] = {
             "auxiliary_buffers": {
@@ -125,6 +159,13 @@ def _config(preset: str, tmp_path: Path, tiny_model_path: str) -> dict:
             }
         }
         cfg["buffer"]["train_batch_size"] = 4
+    if preset in DISTILL:  # the student rolls out, a teacher (the same tiny model) scores
+        cfg["buffer"]["explorer_input"]["taskset"]["default_workflow_type"] = (
+            "on_policy_distill_workflow"
+        )
+        cfg["explorer"]["auxiliary_models"] = [
+            {"model_path": tiny_model_path, "max_response_tokens": 6}
+        ]
     cfg["algorithm"] = algo
     return cfg
 
@@ -143,6 +184,13 @@ async def _operator_metrics(url: str, run: str) -> list[dict[str, float]]:
                 }
             )
     return out
+
+
+async def _trained_experiences(url: str, run: str) -> list[Experience]:
+    """Every experience the pipeline handed the trainer (``exp.train``), decoded."""
+    return [
+        e for msg in await read_stream(url, f"rft.{run}.exp.train") for e in decode_group(msg.data)
+    ]
 
 
 @pytest.mark.parametrize("preset", sorted(PRESETS))
@@ -183,6 +231,19 @@ def test_preset_trains_two_steps(
     if preset == "rloo":  # over groups of 4 the leave-one-out baselines average to the mean
         for m in ops:
             assert m["rloo_baseline"] == pytest.approx(m["reward_mean"], abs=1e-6)
+    if preset == "mix_chord":  # mu's schedule at its defaults: the constant 0.1
+        assert all(r["actor/mu"] == pytest.approx(0.1) for r in lines)
+    if preset in DISTILL:
+        exps = anyio.run(_trained_experiences, nats_url, run.names.run, backend="asyncio")
+        assert exps, preset
+        for exp in exps:  # one finite teacher log-prob per response token
+            teacher = exp.info["teacher_logprobs"]
+            assert len(teacher) == exp.response_length > 0, preset
+            assert all(math.isfinite(v) and v <= 0 for v in teacher), teacher
+        # the first step trains on rollouts of the initial weights, which the teacher (the
+        # same model) scores alike: a misaligned teacher would be far from 0
+        divergence = "advantage/kl/mean" if preset == "on_policy_distill" else "advantage/jsd/mean"
+        assert lines[0][divergence] == pytest.approx(0.0, abs=1e-3), lines[0]
 
 
 def test_every_builtin_preset_is_covered() -> None:

@@ -299,6 +299,8 @@ def test_gigpo_episode_and_anchor_advantages() -> None:
         np.testing.assert_allclose(exp.advantages.numpy(), [want, want], rtol=1e-5, atol=1e-7)
     assert metrics["gigpo/anchor_groups_total"] == 4.0  # s0, s1, s2, s3
     assert metrics["gigpo/anchor_groups_size_gt1"] == 2.0  # s0 and s1
+    assert metrics["group_count"] == 2.0  # tasks a and b
+    assert metrics["experience_count"] == float(len(exps))
     assert not fn.compute_in_trainer()
     with pytest.raises(ValueError, match="fnorm"):
         ADVANTAGE_FN.get("gigpo")(fnorm="batch")
