@@ -840,7 +840,9 @@ class Explorer(EvaluationMixin):
         while not one task's group fits.
 
         The backlog is what waits on (or in) the trainer's side plus this
-        explorer's tasks in flight (they are published soon). A paused explorer
+        explorer's tasks in flight (they are published soon). An explorer whose
+        weights alone put it past the bound (it started late, or is slower than the
+        others) loads the newest weights instead of waiting. A paused explorer
         re-checks when the trainer writes its step, weights, starving flag or
         the run status (a KV subscription), at the latest every 0.25 s.
         """
@@ -864,6 +866,15 @@ class Explorer(EvaluationMixin):
             )
             if room is None or room >= group:
                 return batch_size if room is None else min(batch_size, room // group)
+            if not will_sync and newest > mine:
+                fresh = self.policy.explorer_room(backlog * group, tbs, version_lag=0)
+                if fresh is None or fresh >= group:
+                    # only our old weights stand in the way (an explorer that started late,
+                    # or ran slower than the others): take the newest now, else it would
+                    # wait for room forever while the trainer moves on without it
+                    await self._load(state, 0)
+                    if self._version() > mine:
+                        continue
             if queued.in_transit == 0 and self._in_flight == 0:
                 # all the backlog is what the trainer holds, and it says it is starving (its
                 # messages carry fewer experiences than full groups): never stall it
