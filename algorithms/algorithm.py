@@ -347,6 +347,15 @@ class SFTAlgorithm(_DatasetAlgorithm):
         }
 
 
+@ALGORITHM_TYPE.register_module("cpt")
+class CPTAlgorithm(SFTAlgorithm):
+    """Continued pre-training (``mode: train``): next-token loss on every token of a
+    plain-text dataset (rows' ``format.prompt_key``, else ``text``), through the ``sft``
+    loss; no chat template, no prompt/reply split."""
+
+    schema: str = "cpt"
+
+
 @ALGORITHM_TYPE.register_module("dpo")
 class DPOAlgorithm(_DatasetAlgorithm):
     """DPO on a dataset of (prompt, chosen, rejected) rows (``mode: train``).

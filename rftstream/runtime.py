@@ -226,10 +226,10 @@ def _check_algorithm(cfg: Config, algorithm: Any) -> None:
     from rftstream.training.batch import trainer_tensors
 
     schema = str(getattr(algorithm.algorithm_type, "schema", "experience"))
-    if cfg.trainer_reads_dataset and schema not in ("sft", "dpo"):
+    if cfg.trainer_reads_dataset and schema not in ("sft", "dpo", "cpt"):
         raise ConfigError(
             "mode",
-            f"`train` reads a dataset, which only the sft and dpo presets train on; "
+            f"`train` reads a dataset, which only the sft, dpo and cpt presets train on; "
             f"{algorithm.name} learns from rollouts (use mode: both, or mode: train with "
             "buffer.trainer_input.experience_buffer.storage_type: queue beside a mode: explore "
             "run of the same name)",

@@ -418,7 +418,7 @@ class Trainer:
                 trainer,
                 tin.experience_buffer,
                 "buffer.trainer_input.experience_buffer",
-                schema="dpo" if schema == "dpo" else "sft",
+                schema=schema if schema in ("dpo", "cpt") else "sft",
                 epochs=epochs,
             )
         datasets: dict[str, DatasetSource] = {}

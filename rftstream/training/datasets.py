@@ -7,6 +7,7 @@ list) file. :func:`load_dataset_experiences` tokenises every row into
 * ``sft`` schema: a chat list (``format.messages_key``, default ``messages``;
   the last message must be the assistant's reply, which becomes the response)
   or a plaintext ``prompt_key`` / ``response_key`` pair;
+* ``cpt`` rows: plain text under ``prompt_key`` (else ``text``), trained on every token;
 * ``dpo`` schema: ``prompt_key`` (a string or a chat list) with ``chosen_key``
   and ``rejected_key`` (strings, or chat lists whose last message is the
   reply); each row gives two experiences, chosen then rejected, which the
@@ -98,6 +99,18 @@ class _Renderer:
             ids = ids[: self.max_response]
         return ids
 
+    def text_experience(self, text: str, eid: EID) -> Experience:
+        """Plain text for continued pre-training: every token but the first is trained on
+        (the first has nothing to be predicted from), at most max_prompt + max_response
+        tokens, EOS appended."""
+        ids = list(self.tok(text, add_special_tokens=False)["input_ids"]) + self.eos
+        limit = (self.max_prompt or 0) + (self.max_response or 0)
+        if limit > 0:
+            ids = ids[:limit]
+        if len(ids) < 2:
+            raise ValueError("the text has fewer than 2 tokens: nothing to predict")
+        return self.experience(ids[:1], ids[1:], eid, {})
+
     def experience(
         self, prompt: list[int], reply: list[int], eid: EID, info: dict[str, Any]
     ) -> Experience:
@@ -110,6 +123,16 @@ class _Renderer:
             prompt_text=None,
             response_text=None,
         )
+
+
+def _plain_text(row: dict[str, Any], fmt: FormatConfig) -> str:
+    """A continued-pre-training row's text: ``format.prompt_key`` when the row has it, else
+    ``text`` (the usual name of a corpus column)."""
+    for key in (fmt.prompt_key, "text"):
+        value = row.get(key)
+        if isinstance(value, str):
+            return value
+    raise ValueError(f"has no text under {fmt.prompt_key!r} or 'text' (format.prompt_key)")
 
 
 def _as_messages(value: Any, where: str) -> list[dict[str, Any]]:
@@ -153,8 +176,10 @@ def load_dataset_experiences(
     ``dpo`` (two per row). Raises :class:`ConfigError` at ``key_path`` naming
     the file and row of the first bad row. Blocks.
     """
-    if schema not in ("sft", "dpo"):
-        raise ConfigError(key_path, f"cannot read a dataset for schema {schema!r} (sft or dpo)")
+    if schema not in ("sft", "dpo", "cpt"):
+        raise ConfigError(
+            key_path, f"cannot read a dataset for schema {schema!r} (sft, dpo or cpt)"
+        )
     rows = read_numbered_rows(storage.path, f"{key_path}.path")
     fmt = storage.format
     render = _Renderer(tokenizer, fmt, max_prompt, max_response)
@@ -162,7 +187,11 @@ def load_dataset_experiences(
     out: list[Experience] = []
     for i, (where, row) in enumerate(rows):
         try:
-            if schema == "sft":
+            if schema == "cpt":
+                out.append(
+                    render.text_experience(_plain_text(row, fmt), EID(batch="dataset", task=i))
+                )
+            elif schema == "sft":
                 use_messages = fmt.prompt_type == "messages" or (
                     fmt.prompt_type in ("", None) and messages_key in row
                 )

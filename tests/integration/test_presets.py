@@ -67,7 +67,7 @@ TRAINER_KEYS: dict[str, set[str]] = {
     "actor/cispo_loss": {"cispo"},
     "actor/topr_loss": {"topr"},
     "actor/opmd_loss": {"opmd", "asymre"},
-    "actor/sft_loss": {"raft", "sft"},
+    "actor/sft_loss": {"raft", "sft", "cpt"},
     "actor/dpo_loss": {"dpo"},
     "actor/usual/pg_loss": {"mix", "mix_chord"},
     "actor/expert/sft_loss": {"mix"},
@@ -101,7 +101,7 @@ PIPELINE_KEYS: dict[str, set[str]] = {
 }
 PRESETS = (
     "grpo ppo dapo opmd asymre rloo reinforceplusplus gspo cispo topr sppo rec "
-    "multi_step_grpo mix raft sft dpo sapo gigpo grpo_verl mix_chord on_policy_distill jsd"
+    "multi_step_grpo mix raft sft dpo sapo gigpo grpo_verl mix_chord on_policy_distill jsd cpt"
 ).split()
 PIPELINE = {p for presets in PIPELINE_KEYS.values() for p in presets} | {"topr"}
 DISTILL = {"on_policy_distill", "jsd"}  # need the teacher's log-probs from the workflow
@@ -139,6 +139,14 @@ def _config(preset: str, tmp_path: Path, tiny_model_path: str) -> dict:
                 }
             }
         }
+    if preset == "cpt":  # continued pre-training on plain text
+        cfg["mode"] = "train"
+        algo.pop("repeat_times")
+        rows = [{"text": f"{a}+{b}={a + b}"} for a in range(3) for b in range(3)]
+        cfg["buffer"]["trainer_input"] = {
+            "experience_buffer": {"path": _write_jsonl(tmp_path / "corpus.jsonl", rows)}
+        }
+        cfg["buffer"]["train_batch_size"] = 4
     if preset == "sft":
         cfg["mode"] = "train"
         algo.pop("repeat_times")

@@ -519,3 +519,32 @@ def test_a_template_failure_names_the_row(tmp_path: Path, tok: Any) -> None:
     with pytest.raises(ConfigError) as ei:
         load_dataset_experiences(storage(path), tok, schema="sft", key_path=KP)
     assert ei.value.key_path == KP and f"{path}:2:" in str(ei.value)
+
+
+# ----------------------------------------------------------------------- cpt (plain text)
+
+
+def test_cpt_rows_train_every_token_but_the_first(tmp_path: Path, tok: Any) -> None:
+    path = write_jsonl(
+        tmp_path / "corpus.jsonl", [{"text": "1+2=3"}, {"question": "ab", "text": "ignored"}]
+    )
+    a, b = load_dataset_experiences(storage(path), tok, schema="cpt", key_path=KP)
+    eos = [tok.eos_token_id]
+    # no chat template: the text's own characters, then eos; the first token is the context
+    assert split(a) == (ids(tok, "1")[:1], ids(tok, "+2=3") + eos)
+    assert split(b) == (ids(tok, "a"), ids(tok, "b") + eos)  # format.prompt_key first
+    assert a.action_mask.tolist() == [True] * 5
+
+
+def test_cpt_text_is_cut_at_prompt_plus_response_tokens(tmp_path: Path, tok: Any) -> None:
+    path = write_jsonl(tmp_path / "corpus.jsonl", [{"text": "abcdefgh"}])
+    (e,) = load_dataset_experiences(
+        storage(path), tok, schema="cpt", key_path=KP, max_prompt=2, max_response=3
+    )
+    assert e.tokens.tolist() == ids(tok, "abcde")
+
+
+def test_cpt_row_without_text_names_the_row(tmp_path: Path, tok: Any) -> None:
+    path = write_jsonl(tmp_path / "corpus.jsonl", [{"text": "ok"}, {"body": "no text key"}])
+    with pytest.raises(ConfigError, match=r"corpus.jsonl:2.*'text'"):
+        load_dataset_experiences(storage(path), tok, schema="cpt", key_path=KP)

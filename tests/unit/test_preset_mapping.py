@@ -74,6 +74,8 @@ EXPECTED = {
     + (False, True, False, True),
     "sft": (NoAdvantageFn, SFTLossFn, DummyKLFn, DummyKLFn, Dummy, DS)
     + (False, False, False, True),
+    "cpt": (NoAdvantageFn, SFTLossFn, DummyKLFn, DummyKLFn, Dummy, DS)
+    + (False, False, False, True),
     "dpo": (NoAdvantageFn, DPOLossFn, DummyKLFn, K2Fn, Default, DS) + (False, True, False, False),
     "raft": (NoAdvantageFn, SFTLossFn, DummyKLFn, DummyKLFn, Dummy, DS)
     + (False, False, False, True),
