@@ -74,7 +74,6 @@ from __future__ import annotations
 
 import logging
 import time
-from collections import Counter
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -165,7 +164,6 @@ class Explorer(EvaluationMixin):
         self._last_eval: tuple[int, int] | None = None
         self._unacked: dict[int, Msg] = {}
         self._in_flight = 0  # tasks started and not finished
-        self._flight_versions: Counter[int] = Counter()  # tasks in flight by weights version
         self._flight_changed = anyio.Event()
         self._loop_start = self._idle_since = time.monotonic()
         self._idle_total = 0.0
@@ -555,11 +553,8 @@ class Explorer(EvaluationMixin):
                     log.info("%s: no tasks left after %d steps", self.name, self.step)
                     return "drained"
             self.step = next_step
-            version = self._version()
-            self._started(len(msgs), version)
-            steps.start_soon(
-                self._run_step, next_step, msgs, runner, limiter, ticker, wait_sync, version
-            )
+            self._started(len(msgs))
+            steps.start_soon(self._run_step, next_step, msgs, runner, limiter, ticker, wait_sync)
             if self._eval_rows and (
                 next_step % self.cfg.explorer.eval_interval == 0
                 or next_step == self.cfg.buffer.total_steps
@@ -568,34 +563,17 @@ class Explorer(EvaluationMixin):
                 await self._evaluate(state, runner, final=False)
 
     # ------------------------------------------------------------ tasks in flight
-    def _started(self, n: int, version: int = 0) -> None:
+    def _started(self, n: int) -> None:
         if self._in_flight == 0 and n:
             self._idle_total += time.monotonic() - self._idle_since
         self._in_flight += n
-        self._flight_versions[version] += n
 
-    def _finished(self, n: int = 1, version: int = 0) -> None:
+    def _finished(self, n: int = 1) -> None:
         self._in_flight -= n
-        self._flight_versions[version] -= n
-        if self._flight_versions[version] <= 0:
-            del self._flight_versions[version]
         if self._in_flight == 0:
             self._idle_since = time.monotonic()
         self._flight_changed.set()
         self._flight_changed = anyio.Event()
-
-    async def _after_older_tasks(self, version: int) -> None:
-        """Wait until no task started with weights older than ``version`` is in flight.
-
-        Experience reaches the trainer in the order of the weights it was sampled
-        with, so ``max_staleness``, counted by position in the trainer's queue, holds
-        for every task: without this a slow task started before a sync could be
-        published behind tasks started after it, and be trained one version past the
-        bound. Tasks of the same version are not ordered. Never waits on a newer task
-        (no cycle); a task that fails counts as done.
-        """
-        while any(v < version for v in self._flight_versions):
-            await self._flight_changed.wait()
 
     async def _room_for(self, limit: int) -> None:
         """Wait until at most ``limit`` tasks are in flight."""
@@ -624,10 +602,8 @@ class Explorer(EvaluationMixin):
         limiter: anyio.CapacityLimiter,
         ticker: InProgressTicker,
         wait_sync: float,
-        version: int = 0,
     ) -> None:
-        """Run one step's tasks concurrently (started with weights ``version``), then publish
-        the step's metrics."""
+        """Run one step's tasks concurrently, then publish the step's metrics."""
         t0 = time.perf_counter()
         stats: dict[str, float] = {
             "reward_sum": 0.0,
@@ -641,9 +617,9 @@ class Explorer(EvaluationMixin):
 
         async def task(msg: Msg) -> None:
             try:
-                await self._run_task(msg, runner, limiter, ticker, stats, version)
+                await self._run_task(msg, runner, limiter, ticker, stats)
             finally:
-                self._finished(1, version)
+                self._finished()
 
         async with anyio.create_task_group() as tg:
             for msg in msgs:
@@ -716,10 +692,7 @@ class Explorer(EvaluationMixin):
         limiter: anyio.CapacityLimiter,
         ticker: InProgressTicker,
         stats: dict[str, float],
-        version: int = 0,
     ) -> None:
-        """Run one task and publish its group (after the tasks started with older weights,
-        :meth:`_after_older_tasks`), then ack it; a failure is dead-lettered or retried."""
         from workflows.workflow import make_task
 
         try:
@@ -763,7 +736,6 @@ class Explorer(EvaluationMixin):
                 return
             exps = result.experiences
             msg_id = f"raw:{ts_cfg.name}:{tmsg.epoch}:{tmsg.index}"
-            await self._after_older_tasks(version)
             if not await self._publish_group(exps, msg_id, where, stats):
                 return  # the run ended first: the task stays unacked (nak'ed at the end)
             await msg.ack()
