@@ -74,6 +74,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import Counter
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -164,6 +165,7 @@ class Explorer(EvaluationMixin):
         self._last_eval: tuple[int, int] | None = None
         self._unacked: dict[int, Msg] = {}
         self._in_flight = 0  # tasks started and not finished
+        self._flight_versions: Counter[int] = Counter()  # tasks in flight by weights version
         self._flight_changed = anyio.Event()
         self._loop_start = self._idle_since = time.monotonic()
         self._idle_total = 0.0
@@ -553,8 +555,11 @@ class Explorer(EvaluationMixin):
                     log.info("%s: no tasks left after %d steps", self.name, self.step)
                     return "drained"
             self.step = next_step
-            self._started(len(msgs))
-            steps.start_soon(self._run_step, next_step, msgs, runner, limiter, ticker, wait_sync)
+            version = self._version()
+            self._started(len(msgs), version)
+            steps.start_soon(
+                self._run_step, next_step, msgs, runner, limiter, ticker, wait_sync, version
+            )
             if self._eval_rows and (
                 next_step % self.cfg.explorer.eval_interval == 0
                 or next_step == self.cfg.buffer.total_steps
@@ -563,13 +568,17 @@ class Explorer(EvaluationMixin):
                 await self._evaluate(state, runner, final=False)
 
     # ------------------------------------------------------------ tasks in flight
-    def _started(self, n: int) -> None:
+    def _started(self, n: int, version: int = 0) -> None:
         if self._in_flight == 0 and n:
             self._idle_total += time.monotonic() - self._idle_since
         self._in_flight += n
+        self._flight_versions[version] += n
 
-    def _finished(self, n: int = 1) -> None:
+    def _finished(self, n: int = 1, version: int = 0) -> None:
         self._in_flight -= n
+        self._flight_versions[version] -= n
+        if self._flight_versions[version] <= 0:
+            del self._flight_versions[version]
         if self._in_flight == 0:
             self._idle_since = time.monotonic()
         self._flight_changed.set()
@@ -602,8 +611,10 @@ class Explorer(EvaluationMixin):
         limiter: anyio.CapacityLimiter,
         ticker: InProgressTicker,
         wait_sync: float,
+        version: int = 0,
     ) -> None:
-        """Run one step's tasks concurrently, then publish the step's metrics."""
+        """Run one step's tasks concurrently (started with weights ``version``), then publish
+        the step's metrics."""
         t0 = time.perf_counter()
         stats: dict[str, float] = {
             "reward_sum": 0.0,
@@ -619,7 +630,7 @@ class Explorer(EvaluationMixin):
             try:
                 await self._run_task(msg, runner, limiter, ticker, stats)
             finally:
-                self._finished()
+                self._finished(1, version)
 
         async with anyio.create_task_group() as tg:
             for msg in msgs:
@@ -840,7 +851,9 @@ class Explorer(EvaluationMixin):
         while not one task's group fits.
 
         The backlog is what waits on (or in) the trainer's side plus this
-        explorer's tasks in flight (they are published soon). An explorer whose
+        explorer's tasks in flight (they are published soon); the lag is counted
+        from the oldest weights among those tasks, since a slow one started with
+        older weights may be published behind the tasks starting now. An explorer whose
         weights alone put it past the bound (it started late, or is slower than the
         others) loads the newest weights instead of waiting. A paused explorer
         re-checks when the trainer writes its step, weights, starving flag or
@@ -861,8 +874,11 @@ class Explorer(EvaluationMixin):
             ptr = await state.latest_weights()
             newest = ptr.version if ptr is not None else 0
             mine = newest if will_sync else self._version()
+            # tasks still in flight with older weights may land behind what starts now
+            # (they finish later): the bound must hold for them at the back of the queue
+            oldest = min(mine, min(self._flight_versions, default=mine))
             room = self.policy.explorer_room(
-                backlog * group, tbs, version_lag=max(0, newest - mine)
+                backlog * group, tbs, version_lag=max(0, newest - oldest)
             )
             if room is None or room >= group:
                 return batch_size if room is None else min(batch_size, room // group)
