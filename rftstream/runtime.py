@@ -395,7 +395,7 @@ async def start_fresh(run: PreparedRun, url: str) -> str | None:
 
     The halves of an explorer/trainer pair (``mode: explore``, and ``mode: train``
     on the experience stream; Trinity-RFT's asynchronous setup) join a run of
-    their name whose status is ``running`` instead: the half started first made it.
+    their name that has not ended instead: the half started first made it.
     """
     import time
 
@@ -405,14 +405,16 @@ async def start_fresh(run: PreparedRun, url: str) -> str | None:
     from rftstream.errors import RftError
 
     names = run.names
+    from rftstream.bus.state import END_STATUSES
+
     half_of_a_pair = run.cfg.mode == "explore" or (
         run.cfg.mode == "train" and not run.cfg.trainer_reads_dataset
     )
     async with await Bus.connect(url, names, run.cfg.nats, "starter") as bus:
-        if half_of_a_pair:
-            kv_state = await _run_status(bus)
-            if kv_state == "running":
-                return None  # the other half (mode: train / explore) started it: join
+        if half_of_a_pair and await _run_status(bus) not in END_STATUSES:
+            # the other half (mode: train / explore) started it, or is provisioning it
+            # right now (streams made, status not yet written): join, never replace
+            return None
         present = []
         for stream in names.streams:
             try:
