@@ -139,7 +139,7 @@ KV_EXPLORER_DONE = "explorer.{name}.done"
 KV_TRAINER_STEP = "trainer.step"
 KV_TRAINER_DONE = "trainer.done"
 KV_TRAINER_STARVING = (
-    "trainer.starving"  # {"since": ts} while the trainer waits with less than a batch
+    "trainer.starving"  # {"since": ts, "held": messages} while it waits with less than a batch
 )
 KV_WEIGHTS = "weights.latest"  # JSON: {"version", "method", "uri", "sha256"}
 KV_HEARTBEAT = "heartbeat.{actor}"

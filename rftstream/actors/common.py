@@ -138,9 +138,30 @@ class Backlog(NamedTuple):
         return self.total - self.held_by_trainer
 
 
-async def consumer_backlog(bus: Bus, stream: str, exclude: tuple[str, ...] = ()) -> int:
-    """Messages waiting or being worked on across the durable consumers of ``stream``."""
-    return (await experience_backlog(bus, stream, exclude)).total
+def _is_trainer_consumer(name: str) -> bool:
+    return name == "trainer" or name.startswith("trainer_")
+
+
+def pipeline_order(consumers: Sequence[tuple[str, str]]) -> list[str]:
+    """Durable consumer names of the experience stream, upstream first.
+
+    ``consumers`` are ``(name, filter subject)`` pairs. An operator consumer
+    ``op_<from>_to_<to>`` reads stage ``<from>`` (the last token of its filter)
+    and feeds ``<to>``; stages are ranked by their distance from ``raw``, and
+    the trainer's consumers come last. Unknown consumers rank with ``raw``.
+    """
+    stage_of = {name: subject.rsplit(".", 1)[-1].replace("-", "_") for name, subject in consumers}
+    depth = {"raw": 0}
+    for _ in consumers:  # a chain of n operators needs at most n passes
+        for name, stage in stage_of.items():
+            prefix = f"op_{stage}_to_"
+            if stage in depth and name.startswith(prefix):
+                depth.setdefault(name[len(prefix) :], depth[stage] + 1)
+
+    def rank(name: str) -> tuple[int, int, str]:
+        return (_is_trainer_consumer(name), depth.get(stage_of[name], 0), name)
+
+    return sorted(stage_of, key=rank)
 
 
 async def experience_backlog(bus: Bus, stream: str, exclude: tuple[str, ...] = ()) -> Backlog:
@@ -150,18 +171,32 @@ async def experience_backlog(bus: Bus, stream: str, exclude: tuple[str, ...] = (
     ``nats sub`` or ``rftstream tail`` from a terminal) do no work toward
     training: a message not yet pushed to one of them is not backlog. The
     trainer's consumers are ``trainer`` and, after a splice, ``trainer_<stage>``.
+
+    Never too low: an operator publishes a message's output before it acks
+    the input, so the message is in one count or both at every moment; the
+    consumers are read one at a time, upstream first (:func:`pipeline_order`),
+    so a message moving downstream while they are read is counted at least
+    once (read downstream first, it could be missed by both). One JetStream
+    API round trip for the list, then one per consumer.
     """
-    total = held = 0
     try:
-        infos = await bus.js.consumers_info(stream)
+        listed = await bus.js.consumers_info(stream)
     except nats.js.errors.APIError:
         return Backlog(0, 0)
-    for info in infos:
-        if info.name in exclude or not getattr(info.config, "durable_name", None):
-            continue
+    consumers = [
+        (info.name, str(getattr(info.config, "filter_subject", None) or ""))
+        for info in listed
+        if info.name not in exclude and getattr(info.config, "durable_name", None)
+    ]
+    total = held = 0
+    for name in pipeline_order(consumers):
+        try:
+            info = await bus.js.consumer_info(stream, name)
+        except nats.js.errors.NotFoundError:
+            continue  # deleted meanwhile (a splice retired it): its messages were handed on
         pending, unacked = int(info.num_pending or 0), int(info.num_ack_pending or 0)
         total += pending + unacked
-        if info.name == "trainer" or info.name.startswith("trainer_"):
+        if _is_trainer_consumer(name):
             held += unacked
     return Backlog(total, held)
 

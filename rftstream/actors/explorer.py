@@ -869,14 +869,18 @@ class Explorer(EvaluationMixin):
         )
         group = max(1, self.repeat_times)
         while True:
+            # our tasks in flight are read before the queues: one published while these are
+            # read is then counted twice, never missed (read after, it could be in neither)
+            in_flight = self._in_flight
+            flight_oldest = min(self._flight_versions, default=None)
             queued = await experience_backlog(self.bus, self.names.exp_stream)
-            backlog = queued.total + self._in_flight
-            ptr = await state.latest_weights()
+            backlog = queued.total + in_flight
+            ptr = await state.latest_weights()  # after the queues: the trainer acks after it
             newest = ptr.version if ptr is not None else 0
             mine = newest if will_sync else self._version()
             # tasks still in flight with older weights may land behind what starts now
             # (they finish later): the bound must hold for them at the back of the queue
-            oldest = min(mine, min(self._flight_versions, default=mine))
+            oldest = mine if flight_oldest is None else min(mine, flight_oldest)
             room = self.policy.explorer_room(
                 backlog * group, tbs, version_lag=max(0, newest - oldest)
             )
@@ -891,11 +895,18 @@ class Explorer(EvaluationMixin):
                     await self._load(state, 0)
                     if self._version() > mine:
                         continue
-            if queued.in_transit == 0 and self._in_flight == 0:
+            if queued.in_transit == 0 and in_flight == 0:
                 # all the backlog is what the trainer holds, and it says it is starving (its
-                # messages carry fewer experiences than full groups): never stall it
+                # messages carry fewer experiences than full groups): never stall it. A flag
+                # written before more was delivered to it is stale (it said so while waiting
+                # for its first batch, and has two batches now): the trainer says it again
+                # with its new count at its next empty fetch if it still starves
                 starving = await state.get_json(KV_TRAINER_STARVING)
-                if isinstance(starving, dict) and starving.get("since"):
+                if (
+                    isinstance(starving, dict)
+                    and starving.get("since")
+                    and queued.held_by_trainer <= int(starving.get("held") or 0)
+                ):
                     return batch_size
             if await state.status() in END_STATUSES:
                 return batch_size

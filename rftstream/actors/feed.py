@@ -79,7 +79,7 @@ class ExperienceFeed:
         fetch_batch: int = 64,
         fetch_timeout: float = 0.5,
         group_size: int = 1,
-        starving: Callable[[bool], Awaitable[None]] | None = None,
+        starving: Callable[[bool, int], Awaitable[None]] | None = None,
         validate: Callable[[Experience], str | None] | None = None,
     ) -> None:
         self.validate = validate
@@ -177,6 +177,11 @@ class ExperienceFeed:
     def buffered(self) -> int:
         return len(self._buffer)
 
+    @property
+    def held_messages(self) -> int:
+        """Messages delivered to the trainer and not acked yet (buffered or in its batch)."""
+        return len({id(h) for _, h in self._buffer} | {id(h) for h in self._taken})
+
     def _to_fetch(self, n: int) -> int:
         """Messages to fetch so that about ``n`` experiences are buffered (at least one)."""
         need = n - len(self._buffer)
@@ -256,7 +261,7 @@ class ExperienceFeed:
         """Take ``n`` experiences (fewer only when the upstream is exhausted). Blocks."""
         t0 = time.perf_counter()
         idle = 0
-        announced = False
+        announced: int | None = None  # messages held when the trainer last said it starves
         try:
             if self.on_idle is not None and len(self._buffer) >= n:
                 await self.on_idle()  # a splice is answered at every step, however full
@@ -267,17 +272,19 @@ class ExperienceFeed:
                     idle = 0
                     continue
                 idle += 1
-                if not announced and self.starving is not None:
-                    await self.starving(True)  # explorers must not pause for staleness now
-                    announced = True
+                if self.starving is not None and announced != (held := self.held_messages):
+                    # explorers must not pause for staleness now; the count of messages held
+                    # lets them tell a stale flag (more has been delivered since) from a true one
+                    await self.starving(True, held)
+                    announced = held
                 if idle % 2 == 0 and await self.exhausted():
                     # one last look: something may have landed after the check
                     if not await self._fill_once(n):
                         break
         finally:
-            if announced and self.starving is not None:
+            if announced is not None and self.starving is not None:
                 with anyio.CancelScope(shield=True):
-                    await self.starving(False)
+                    await self.starving(False, 0)
         self.wait_time += time.perf_counter() - t0
         out: list[Experience] = []
         while self._buffer and len(out) < n:

@@ -240,8 +240,10 @@ class Trainer:
         consumer = await topology.open()  # moved by a splice, if any
         ticker = InProgressTicker(self.cfg.nats.ack_wait / 3)
 
-        async def starving(flag: bool) -> None:
-            await state.put_json(KV_TRAINER_STARVING, {"since": time.time() if flag else None})
+        async def starving(flag: bool, held: int) -> None:
+            await state.put_json(
+                KV_TRAINER_STARVING, {"since": time.time() if flag else None, "held": held}
+            )
 
         feed = ExperienceFeed(
             self.bus,
