@@ -9,9 +9,11 @@ actor's own anyio task group; they return only when cancelled (or, for
 
 from __future__ import annotations
 
+import gc
 import logging
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -23,6 +25,23 @@ from rftstream.bus.client import Bus, PullConsumer
 from rftstream.bus.state import END_STATUSES, RunState
 
 log = logging.getLogger(__name__)
+
+
+@contextmanager
+def frozen_heap() -> Iterator[None]:
+    """Keep the objects that exist now (the model, the libraries) out of the garbage
+    collector's passes while the block runs (``gc.freeze``; ``gc.unfreeze`` after).
+
+    An actor's loop makes many short-lived objects per step, and each collection
+    pass used to walk the whole model's Python objects too: about 1 ms per trainer
+    step on the embedded default (2% of it). Objects that become garbage inside
+    the block are still collected; frozen ones that do are freed after it.
+    """
+    gc.freeze()
+    try:
+        yield
+    finally:
+        gc.unfreeze()
 
 
 async def heartbeat_loop(
@@ -131,6 +150,7 @@ class Backlog(NamedTuple):
 
     total: int  # waiting or being worked on, anywhere
     held_by_trainer: int  # delivered to the trainer and not yet acked (its batch, its buffer)
+    held_by_operators: int = 0  # delivered to an operator stage and not acked yet
 
     @property
     def in_transit(self) -> int:
@@ -188,7 +208,7 @@ async def experience_backlog(bus: Bus, stream: str, exclude: tuple[str, ...] = (
         for info in listed
         if info.name not in exclude and getattr(info.config, "durable_name", None)
     ]
-    total = held = 0
+    total = held = working = 0
     for name in pipeline_order(consumers):
         try:
             info = await bus.js.consumer_info(stream, name)
@@ -198,7 +218,9 @@ async def experience_backlog(bus: Bus, stream: str, exclude: tuple[str, ...] = (
         total += pending + unacked
         if _is_trainer_consumer(name):
             held += unacked
-    return Backlog(total, held)
+        else:
+            working += unacked
+    return Backlog(total, held, working)
 
 
 async def consumer_drained(bus: Bus, stream: str, durable: str) -> bool:

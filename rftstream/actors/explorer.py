@@ -88,6 +88,7 @@ from rftstream.actors.common import (
     KeyChanges,
     consumer_drained,
     experience_backlog,
+    frozen_heap,
     heartbeat_loop,
 )
 from rftstream.actors.evaluation import EvaluationMixin
@@ -117,6 +118,7 @@ log = logging.getLogger(__name__)
 TASKS_DLQ_STAGE = "tasks"
 PUBLISH_CHUNK = 64  # tasks published concurrently between two progress records
 RETRY_MAX_S = 30.0  # the longest wait between two attempts to publish a group
+RECOUNT_S = 0.01  # a max_staleness pause taken while counts moved is re-checked this soon
 
 
 class _ClaimLost(Exception):
@@ -436,11 +438,12 @@ class Explorer(EvaluationMixin):
                     max_retry_times=self.cfg.explorer.max_retry_times,
                     auxiliary_models=aux,
                 )
-                async with anyio.create_task_group() as tg:
-                    tg.start_soon(ticker.run)
-                    tg.start_soon(heartbeat_loop, state, self.name, self.role, self._info)
-                    await self._loop(state, consumer, runner, ticker)
-                    tg.cancel_scope.cancel()
+                with frozen_heap():  # the model's objects stay out of GC passes
+                    async with anyio.create_task_group() as tg:
+                        tg.start_soon(ticker.run)
+                        tg.start_soon(heartbeat_loop, state, self.name, self.role, self._info)
+                        await self._loop(state, consumer, runner, ticker)
+                        tg.cancel_scope.cancel()
         finally:
             with anyio.CancelScope(shield=True):
                 await self._nak_unacked()
@@ -584,6 +587,20 @@ class Explorer(EvaluationMixin):
         self._flight_changed.set()
         self._flight_changed = anyio.Event()
 
+    async def _after_older_tasks(self, version: int) -> None:
+        """Wait until no task started with weights older than ``version`` is in flight.
+
+        Experience reaches the trainer in the order of the weights it was sampled
+        with, so ``max_staleness``, counted by position in the trainer's queue
+        (:meth:`_respect_staleness`), holds for every task: without this a slow task
+        started before a sync could be published behind tasks started after it and be
+        trained a version past the bound. Tasks of one version are not ordered. Never
+        waits on a newer task (no cycle); a task that fails counts as done. Blocks;
+        cancelling loses nothing (the task is not acked yet).
+        """
+        while any(v < version for v in self._flight_versions):
+            await self._flight_changed.wait()
+
     async def _room_for(self, limit: int) -> None:
         """Wait until at most ``limit`` tasks are in flight."""
         while self._in_flight > limit:
@@ -628,7 +645,7 @@ class Explorer(EvaluationMixin):
 
         async def task(msg: Msg) -> None:
             try:
-                await self._run_task(msg, runner, limiter, ticker, stats)
+                await self._run_task(msg, runner, limiter, ticker, stats, version)
             finally:
                 self._finished(1, version)
 
@@ -703,7 +720,11 @@ class Explorer(EvaluationMixin):
         limiter: anyio.CapacityLimiter,
         ticker: InProgressTicker,
         stats: dict[str, float],
+        version: int = 0,
     ) -> None:
+        """Run one task (started with weights ``version``) and publish its group after
+        the tasks started with older weights (:meth:`_after_older_tasks`), then ack it; a
+        failure is dead-lettered or retried."""
         from workflows.workflow import make_task
 
         try:
@@ -747,6 +768,7 @@ class Explorer(EvaluationMixin):
                 return
             exps = result.experiences
             msg_id = f"raw:{ts_cfg.name}:{tmsg.epoch}:{tmsg.index}"
+            await self._after_older_tasks(version)
             if not await self._publish_group(exps, msg_id, where, stats):
                 return  # the run ended first: the task stays unacked (nak'ed at the end)
             await msg.ack()
@@ -851,13 +873,16 @@ class Explorer(EvaluationMixin):
         while not one task's group fits.
 
         The backlog is what waits on (or in) the trainer's side plus this
-        explorer's tasks in flight (they are published soon); the lag is counted
-        from the oldest weights among those tasks, since a slow one started with
-        older weights may be published behind the tasks starting now. An explorer whose
-        weights alone put it past the bound (it started late, or is slower than the
-        others) loads the newest weights instead of waiting. A paused explorer
-        re-checks when the trainer writes its step, weights, starving flag or
-        the run status (a KV subscription), at the latest every 0.25 s.
+        explorer's tasks in flight (they are published soon, and before anything
+        started with newer weights: :meth:`_after_older_tasks`). It is never
+        under-counted (see :func:`experience_backlog`); a group moving while it is
+        counted may be counted twice, so a pause taken then is re-checked after
+        ``RECOUNT_S``. An explorer whose weights alone put it past the bound (it
+        started late, or is slower than the others) loads the newest weights
+        instead of waiting. A paused explorer re-checks when the trainer writes its
+        step, weights, starving flag or the run status (a KV subscription), at the
+        latest every 0.25 s. Other explorers' tasks in flight are not seen: with
+        several explorers the bound can be passed by what they have in flight.
         """
         batch_size = self.cfg.buffer.batch_size
         if self.policy.max_staleness is None:
@@ -872,17 +897,15 @@ class Explorer(EvaluationMixin):
             # our tasks in flight are read before the queues: one published while these are
             # read is then counted twice, never missed (read after, it could be in neither)
             in_flight = self._in_flight
-            flight_oldest = min(self._flight_versions, default=None)
             queued = await experience_backlog(self.bus, self.names.exp_stream)
             backlog = queued.total + in_flight
             ptr = await state.latest_weights()  # after the queues: the trainer acks after it
             newest = ptr.version if ptr is not None else 0
             mine = newest if will_sync else self._version()
-            # tasks still in flight with older weights may land behind what starts now
-            # (they finish later): the bound must hold for them at the back of the queue
-            oldest = mine if flight_oldest is None else min(mine, flight_oldest)
+            # what starts now lands behind all of that: tasks in flight with older weights
+            # publish first (_after_older_tasks), so a slow one is not pushed back by it
             room = self.policy.explorer_room(
-                backlog * group, tbs, version_lag=max(0, newest - oldest)
+                backlog * group, tbs, version_lag=max(0, newest - mine)
             )
             if room is None or room >= group:
                 return batch_size if room is None else min(batch_size, room // group)
@@ -910,7 +933,10 @@ class Explorer(EvaluationMixin):
                     return batch_size
             if await state.status() in END_STATUSES:
                 return batch_size
+            # a group our task published, or an operator handed on, while the counts were
+            # read may be in two of them: look again soon, the room it hides is real
+            unsettled = self._in_flight != in_flight or queued.held_by_operators > 0
             if self._trainer_changes is not None:
-                await self._trainer_changes.wait(0.25)
+                await self._trainer_changes.wait(RECOUNT_S if unsettled else 0.25)
             else:
-                await anyio.sleep(0.05)
+                await anyio.sleep(RECOUNT_S if unsettled else 0.05)

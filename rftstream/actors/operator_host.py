@@ -4,7 +4,8 @@ It pulls up to ``batch_messages`` groups from ``exp.<from>`` (a durable shared
 by all replicas of this stage), runs the operators on all their experiences at
 once, regroups the survivors by task group and publishes each group to
 ``exp.<to>`` with ``Nats-Msg-Id = "<to>:<input id>"`` (so a redelivered input
-is never stored twice downstream), then acks the inputs.
+is never stored twice downstream); an input is acked as soon as the groups it
+feeds are published (one the operators dropped whole, at the end of the batch).
 
 Failures: a body that does not decode is dead-lettered at once. When the
 pipeline raises (or runs longer than ``process_timeout``), a batch of several
@@ -376,25 +377,38 @@ class OperatorHost:
         groups: dict[str, list[Experience]] = defaultdict(list)
         for e in out:
             groups[e.group_id].append(e)
+        # an input is acked as soon as every group it feeds is published, one the pipeline
+        # dropped whole at the end: a message is counted upstream or downstream at every
+        # moment, and in both only briefly (what max_staleness counts, see the explorer)
+        feeds = [(m, {e.group_id for e in group} & groups.keys()) for m, group in decoded]
+        waiting = [(m, gids) for m, gids in feeds if gids]
+        acked: set[int] = set()
         try:
             for gid, group in groups.items():
                 base = group_msg_id.get(gid) or f"group:{gid}"
                 await self.bus.publish_group(
                     self.to_stage, group, msg_id=f"{self.to_stage}:{base}", group_id=gid
                 )
+                for m, gids in waiting:
+                    gids.discard(gid)
+                    if not gids and id(m) not in acked:
+                        await m.ack()
+                        acked.add(id(m))
         except (SchemaError, PayloadTooLargeError) as exc:
             # the output itself is at fault (e.g. an operator left something unencodable in
             # `info`); any other BusError is NATS trouble: process_batch gives the inputs back
             if not single:
                 for m, _ in decoded:
-                    await self._handle([m], stats)
+                    if id(m) not in acked:  # each input not handed on yet, on its own
+                        await self._handle([m], stats)
                 return
             await self._dead_letter(
                 decoded[0][0], f"{self.name}: output not publishable: {exc}", len(exps), stats
             )
             return
         for m, _ in decoded:
-            await m.ack()
+            if id(m) not in acked:
+                await m.ack()
         stats.messages_out += len(groups)
         stats.experiences_in += len(exps)
         stats.experiences_out += len(out)

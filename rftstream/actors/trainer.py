@@ -34,6 +34,7 @@ from rftstream.actors.common import (
     InProgressTicker,
     append_line,
     consumer_drained,
+    frozen_heap,
     heartbeat_loop,
     nan_to_none,
 )
@@ -278,64 +279,78 @@ class Trainer:
                 finally:
                     emitted.set()
 
-            async with anyio.create_task_group() as tg:
-                tg.start_soon(emitter)
-                tg.start_soon(ticker.run)
-                tg.start_soon(
-                    heartbeat_loop,
-                    state,
-                    self.name,
-                    self.role,
-                    lambda: {"step": self.step, "version": self.version},
-                )
-                last_end = time.perf_counter()
-                while total is None or self.step < total:
-                    step = self.step + 1
-                    t0 = time.perf_counter()
-                    try:
-                        batch, sample_metrics, _samples = await strategy.sample(step)
-                    except (StopAsyncIteration, StopIteration):
-                        batch, sample_metrics = [], {}  # a Trinity-style reader ran dry
-                    wait = time.perf_counter() - t0
-                    if not batch:
-                        log.info("%s: upstream exhausted after %d steps", self.name, self.step)
-                        break
-                    staleness = [
-                        self.version - int(e.model_version) for e in batch if _from_rollout(e)
-                    ]
-                    async with anyio.create_task_group() as beside:
-                        if not self.cfg.trainer_reads_dataset:  # the next batch arrives meanwhile
-                            beside.start_soon(feed.prefetch, self.cfg.buffer.train_batch_size)
-                        train_metrics = await anyio.to_thread.run_sync(trainer.train_step, batch)
-                        beside.cancel_scope.cancel()
-                    self.step = step
-                    self.version = step
-                    self.trained += len(batch)
-                    if self.policy.trainer_publishes_after(step) or (
-                        total is not None and step == total
-                    ):
-                        await self._publish_weights(state, trainer, step)
-                    # ack only now: an explorer that sees the backlog shrink also sees the new weights
-                    await feed.commit()
-                    if (
-                        self.cfg.trainer.save_interval
-                        and step % self.cfg.trainer.save_interval == 0
-                    ):
-                        await anyio.to_thread.run_sync(
-                            trainer.save_hf_checkpoint, self.checkpoint_dir / f"global_step_{step}"
-                        )
-                    record = self._record(
-                        step, batch, staleness, wait, train_metrics, sample_metrics, monitor, feed
+            with frozen_heap():  # the model's objects stay out of GC passes
+                async with anyio.create_task_group() as tg:
+                    tg.start_soon(emitter)
+                    tg.start_soon(ticker.run)
+                    tg.start_soon(
+                        heartbeat_loop,
+                        state,
+                        self.name,
+                        self.role,
+                        lambda: {"step": self.step, "version": self.version},
                     )
-                    now = time.perf_counter()
-                    self.idle_seconds += wait
-                    record["trainer/idle_share"] = min(1.0, wait / max(now - last_end, 1e-9))
-                    record["time/trainer_step_period"] = now - last_end
-                    last_end = now
-                    records.send_nowait(record)  # written by the emitter while training goes on
-                records.close()
-                await emitted.wait()
-                tg.cancel_scope.cancel()
+                    last_end = time.perf_counter()
+                    while total is None or self.step < total:
+                        step = self.step + 1
+                        t0 = time.perf_counter()
+                        try:
+                            batch, sample_metrics, _samples = await strategy.sample(step)
+                        except (StopAsyncIteration, StopIteration):
+                            batch, sample_metrics = [], {}  # a Trinity-style reader ran dry
+                        wait = time.perf_counter() - t0
+                        if not batch:
+                            log.info("%s: upstream exhausted after %d steps", self.name, self.step)
+                            break
+                        staleness = [
+                            self.version - int(e.model_version) for e in batch if _from_rollout(e)
+                        ]
+                        async with anyio.create_task_group() as beside:
+                            if (
+                                not self.cfg.trainer_reads_dataset
+                            ):  # the next batch arrives meanwhile
+                                beside.start_soon(feed.prefetch, self.cfg.buffer.train_batch_size)
+                            train_metrics = await anyio.to_thread.run_sync(
+                                trainer.train_step, batch
+                            )
+                            beside.cancel_scope.cancel()
+                        self.step = step
+                        self.version = step
+                        self.trained += len(batch)
+                        if self.policy.trainer_publishes_after(step) or (
+                            total is not None and step == total
+                        ):
+                            await self._publish_weights(state, trainer, step)
+                        # ack only now: an explorer that sees the backlog shrink also sees the new weights
+                        await feed.commit()
+                        if (
+                            self.cfg.trainer.save_interval
+                            and step % self.cfg.trainer.save_interval == 0
+                        ):
+                            await anyio.to_thread.run_sync(
+                                trainer.save_hf_checkpoint,
+                                self.checkpoint_dir / f"global_step_{step}",
+                            )
+                        record = self._record(
+                            step,
+                            batch,
+                            staleness,
+                            wait,
+                            train_metrics,
+                            sample_metrics,
+                            monitor,
+                            feed,
+                        )
+                        now = time.perf_counter()
+                        self.idle_seconds += wait
+                        record["trainer/idle_share"] = min(1.0, wait / max(now - last_end, 1e-9))
+                        record["time/trainer_step_period"] = now - last_end
+                        last_end = now
+                        records.send_nowait(record)  # written by the emitter while training goes on
+                        del batch, _samples  # freed now: not counted as waiting for the next one
+                    records.close()
+                    await emitted.wait()
+                    tg.cancel_scope.cancel()
             final = await anyio.to_thread.run_sync(
                 trainer.save_hf_checkpoint, self.checkpoint_dir / f"global_step_{self.step}"
             )

@@ -186,3 +186,34 @@ async def test_a_stale_starving_flag_does_not_let_the_explorer_run_ahead() -> No
     world.starving = {"since": time.time(), "held": 16}  # said again with what it holds
     with anyio.fail_after(5):
         assert await explorer._respect_staleness(world, 3) == 8  # type: ignore[arg-type]
+
+
+async def test_a_group_is_published_after_the_tasks_started_with_older_weights() -> None:
+    """A slow task started with v0 is not overtaken by tasks started with v1: experience
+    reaches the trainer in weights order, which the count by position relies on."""
+    explorer = _explorer(2)
+    explorer._started(1, 0)  # the slow one
+    explorer._started(2, 1)
+    published: list[int] = []
+
+    async def publish(version: int) -> None:
+        await explorer._after_older_tasks(version)
+        published.append(version)
+        explorer._finished(1, version)
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(publish, 1)
+        tg.start_soon(publish, 1)  # same version: not ordered among themselves
+        await anyio.sleep(0.05)
+        assert published == []  # both wait for the v0 task
+        published.append(0)
+        explorer._finished(1, 0)  # the slow task publishes (or fails: it counts as done)
+    assert published == [0, 1, 1]
+
+
+async def test_a_newer_task_never_waits_for_itself_or_a_newer_one() -> None:
+    explorer = _explorer(2)
+    explorer._started(1, 3)
+    explorer._started(1, 5)
+    with anyio.fail_after(1):
+        await explorer._after_older_tasks(3)  # only v3 and v5 in flight: nothing older
