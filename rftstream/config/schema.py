@@ -20,11 +20,37 @@ class _Base(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, omit_defau
 # ----------------------------------------------------------------- model
 
 
+class LoRAConfig(_Base):
+    """One entry of ``model.lora_configs``: a LoRA adapter trained through ``peft``.
+
+    Trinity-RFT's key names. ``lora_rank`` is peft's ``r``; each adapted weight
+    becomes ``W + (lora_alpha / lora_rank) * B @ A``. ``target_modules``: module
+    names or a regex (a string), ``"all-linear"`` (every linear layer but the
+    output head). ``path``: an adapter directory saved by peft to continue
+    training from (none: a fresh adapter, ``B = 0``). ``lora_dropout`` (peft's, an
+    rftstream extension) drops the adapter's input while training.
+    ``save_adapter``: checkpoints also hold the adapter alone, in
+    ``<checkpoint>/lora_adapter`` (peft format); the checkpoint itself and the
+    weights sent to explorers are always the merged weights.
+    """
+
+    name: str | None = None
+    path: str | None = None
+    lora_rank: int = 32
+    lora_alpha: float = 32.0
+    lora_dropout: float = 0.0
+    target_modules: str | list[str] = "all-linear"
+    exclude_modules: str | list[str] | None = None
+    save_adapter: bool = True
+
+
 class ModelConfig(_Base):
     """``model``: the policy being trained.
 
     ``model_path`` empty (or ``"builtin:tiny"``) means the embedded tiny model,
-    built and cached locally (no hub access).
+    built and cached locally (no hub access). ``lora_configs``: at most one
+    :class:`LoRAConfig`; with one, the trainer trains that adapter only (the
+    base weights stay frozen) and explorers get merged weights.
     """
 
     model_path: str = ""
@@ -33,6 +59,7 @@ class ModelConfig(_Base):
     max_response_tokens: int = 64
     max_model_len: int | None = None
     dtype: str = "float32"
+    lora_configs: list[LoRAConfig] | None = None
 
 
 # ----------------------------------------------------------------- buffer
@@ -326,6 +353,12 @@ class TrainerConfig(_Base):
     balance_batch: bool = True  # length-balanced micro-batches where the algorithm allows it
     # rows with the same prompt (a GRPO group) share one forward pass of it: same result
     share_prompts: bool = True
+    # recompute each decoder layer's activations in the backward pass instead of keeping them:
+    # same loss and gradients, less memory, about one more forward pass of time
+    gradient_checkpointing: bool = False
+    # fp32 | bf16 (DeepSpeed bf16: bf16 weights and activations, fp32 master weights in the
+    # optimizer); bf16 raises ConfigError where the accelerator has no bf16
+    mixed_precision: str = "fp32"
     critic: CriticConfig = msgspec.field(default_factory=CriticConfig)
     deepspeed_config: dict[str, Any] = msgspec.field(
         default_factory=dict

@@ -391,7 +391,8 @@ _VLLM_ONLY = "vLLM engine setting without a counterpart; pass vLLM engine argume
 _MODEL_GEN = "sampling is set per taskset here (buffer.explorer_input.taskset.rollout_args)"
 _NOT_HERE = "feature not implemented in rftstream"
 _SERVE = "serve mode (`mode: serve`) does not exist here"
-_LORA = "LoRA is not supported: the trainer fine-tunes all weights"
+_LORA_VLLM = "vLLM's LoRA serving setting; explorers here get the merged weights (base + adapter), never the adapter alone"
+_LORA_VERL = "Trinity-RFT fills it from model.lora_configs; set the adapter there"
 _VERL_OTHER = "verl setting (trainer.trainer_config is verl's own config); the DeepSpeed trainer here has no counterpart"
 _MONITOR = "monitor backends other than jsonl are not written yet; metrics go to <run_dir>/metrics.jsonl and the metrics stream"
 
@@ -613,10 +614,13 @@ def _build_table() -> dict[str, Rule]:
                 "rope_theta",
             )
         },
-        **{
-            f"model.{k}": Ignored(_LORA)
-            for k in ("lora_configs", "fully_sharded_loras", "max_cpu_loras")
-        },
+        **{f"model.{k}": Ignored(_LORA_VLLM) for k in ("fully_sharded_loras", "max_cpu_loras")},
+        "model.lora_configs[*].base_model_name": Ignored(_LORA_VLLM),
+        "model.lora_configs[*].lora_dtype": Ignored(
+            "the dtype vLLM serves the adapter in; here the adapter trains in "
+            "trainer.mixed_precision and explorers get merged weights in model.dtype"
+        ),
+        "model.lora_configs[*].is_dummy": Ignored(_AUTO),
         "model.tinker": Ignored("Tinker training service is not supported"),
         "model.external_model": Ignored(
             "use explorer.rollout_model.engine_type: openai with base_url"
@@ -822,6 +826,32 @@ def _kl_type(source: str, value: Any, ctx: _Ctx) -> None:
     ctx.assign(source, "algorithm.kl_loss_fn", name, f"verl {value!r} is {name!r} here", 30)
 
 
+_PRECISIONS = {"bf16": "bf16", "bfloat16": "bf16", "fp32": "fp32", "float32": "fp32"}
+
+
+def _mixed_precision(source: str, value: Any, ctx: _Ctx) -> None:
+    """verl's ``fsdp_config.mixed_precision`` (``param_dtype``, ``reduce_dtype``,
+    ``buffer_dtype``): its ``param_dtype`` is the precision DeepSpeed computes in here."""
+    param = value.get("param_dtype") if isinstance(value, dict) else None
+    mode = _PRECISIONS.get(str(param)) if param is not None else None
+    if mode is None:
+        ctx.ignore(
+            source,
+            value,
+            "only param_dtype bf16 (DeepSpeed bf16 with fp32 master weights) or fp32 has a "
+            "counterpart here (trainer.mixed_precision)",
+        )
+        return
+    ctx.assign(
+        source,
+        "trainer.mixed_precision",
+        mode,
+        f"param_dtype {param}: DeepSpeed computes in {mode} (master weights fp32); "
+        "reduce_dtype and buffer_dtype have no counterpart",
+        30,
+    )
+
+
 def _verl_to(target: str) -> Mapped:
     return Mapped(
         f"-> {target}", lambda s, v, c: c.assign(s, target, v, f"same meaning as {target}", 30)
@@ -865,6 +895,22 @@ VERL_KEYS: dict[str, Rule] = {
         "the trainer computes the per-token statistics an advantage fn asks for (clipb, "
         "clipv: entropy and nec) by itself"
     ),
+    "actor_rollout_ref.model.enable_gradient_checkpointing": _verl_to(
+        "trainer.gradient_checkpointing"
+    ),
+    f"{_A}.fsdp_config.mixed_precision": Mapped(
+        "param_dtype bf16 -> trainer.mixed_precision: bf16 (fp32: fp32)", _mixed_precision
+    ),
+    **{
+        f"actor_rollout_ref.model.{k}": Ignored(_LORA_VERL)
+        for k in (
+            "lora_rank",
+            "lora_alpha",
+            "target_modules",
+            "exclude_modules",
+            "lora_adapter_path",
+        )
+    },
     "critic.optim.lr": _verl_to("trainer.critic.optim.lr"),
     "critic.optim.weight_decay": _verl_to("trainer.critic.optim.weight_decay"),
     "critic.cliprange_value": _verl_to("trainer.critic.cliprange_value"),
@@ -977,8 +1023,11 @@ def _struct_union(parts: tuple[PathPart, ...]) -> bool:
 
 def _is_list_of_structs(parts: tuple[PathPart, ...]) -> bool:
     info = type_at(config_info(), parts)
-    return isinstance(info, msgspec.inspect.ListType) and isinstance(
-        info.item_type, msgspec.inspect.StructType
+    options = info.types if isinstance(info, msgspec.inspect.UnionType) else (info,)
+    return any(
+        isinstance(t, msgspec.inspect.ListType)
+        and isinstance(t.item_type, msgspec.inspect.StructType)
+        for t in options
     )
 
 

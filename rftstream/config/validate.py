@@ -17,7 +17,7 @@ from typing import Any
 
 from msgspec.structs import replace
 
-from rftstream.config.schema import Config, ExplorerInput, TasksetConfig
+from rftstream.config.schema import Config, ExplorerInput, LoRAConfig, TasksetConfig
 from rftstream.errors import ConfigError
 
 __all__ = [
@@ -52,6 +52,7 @@ ALGORITHM_LOSS_AGG_MODES = (
     "seq-mean-token-sum-norm",
 )
 MONITOR_TYPES = ("jsonl", "tensorboard", "none")
+MIXED_PRECISIONS = ("fp32", "bf16")
 
 KIB = 1024
 MIB = 1024 * KIB
@@ -198,6 +199,8 @@ def validate_config(cfg: Config, source: str | None = None) -> Config:
 
     c.at_least("trainer.save_interval", cfg.trainer.save_interval, 0)
     c.between("trainer.zero_stage", cfg.trainer.zero_stage, 0, 3)
+    c.choice("trainer.mixed_precision", cfg.trainer.mixed_precision, MIXED_PRECISIONS)
+    _check_lora(c, cfg.model.lora_configs)
 
     c.between("nats.max_payload", cfg.nats.max_payload, KIB, 64 * MIB, " bytes (1 KiB to 64 MiB)")
 
@@ -242,3 +245,23 @@ def _check_tasksets(c: _Checker, inp: ExplorerInput) -> ExplorerInput:
         return inp
     marked = [ts if ts.is_eval else replace(ts, is_eval=True) for ts in inp.eval_tasksets]
     return replace(inp, eval_tasksets=marked)
+
+
+def _check_lora(c: _Checker, configs: list[LoRAConfig] | None) -> None:
+    """At most one adapter (as in Trinity-RFT), with a rank, alpha and dropout peft accepts."""
+    if not configs:
+        return
+    if len(configs) > 1:
+        c.fail(
+            "model.lora_configs",
+            "only one LoRA adapter can be trained (as in Trinity-RFT); list one entry",
+            [lc.name for lc in configs],
+        )
+    key = "model.lora_configs[0]"
+    lora = configs[0]
+    c.at_least(f"{key}.lora_rank", lora.lora_rank, 1)
+    c.positive(f"{key}.lora_alpha", lora.lora_alpha)
+    if not 0.0 <= lora.lora_dropout < 1.0:
+        c.fail(f"{key}.lora_dropout", "must be in [0, 1)", lora.lora_dropout)
+    if not lora.target_modules:
+        c.fail(f"{key}.target_modules", "names no module to adapt", lora.target_modules)

@@ -40,6 +40,11 @@ from rftstream.training.batch import (
     trainer_tensors,
 )
 from rftstream.training.critic import value_loss
+from rftstream.training.memory import (
+    check_bf16_supported,
+    enable_gradient_checkpointing,
+    mixed_precision_config,
+)
 from rftstream.training.schedule import lr_schedule
 
 log = logging.getLogger(__name__)
@@ -118,21 +123,41 @@ class PolicyTrainer:
         self.tokenizer = load_tokenizer(model_path)
         pad = self.tokenizer.pad_token_id
         self.pad_token_id = int(pad if pad is not None else (self.tokenizer.eos_token_id or 0))
-        model = load_causal_lm(model_path, cfg.model.dtype)
+        self.bf16 = cfg.trainer.mixed_precision == "bf16"
+        if self.bf16:
+            check_bf16_supported()
+        # bf16: loaded in fp32, the optimizer's master weights; DeepSpeed casts the module
+        model = load_causal_lm(model_path, "float32" if self.bf16 else cfg.model.dtype)
         model.config.use_cache = False
+        checkpointing = bool(cfg.trainer.gradient_checkpointing)
+        if checkpointing:
+            enable_gradient_checkpointing(model)
         self.cache_kwarg, self.keep_kwarg = forward_kwargs(model)
-        self.share_prompts = bool(cfg.trainer.share_prompts) and self.keep_kwarg is not None
+        # a shared prompt's KV cache: transformers runs checkpointed layers without a cache
+        self.share_prompts = (
+            bool(cfg.trainer.share_prompts) and self.keep_kwarg is not None and not checkpointing
+        )
         # from the loaded model, before any sharding: token ids must be below this
         self.vocab_size = int(model.get_input_embeddings().weight.shape[0])
         self.loss_inputs = loss_inputs_for(algorithm.policy_loss_fn)
         self.needs_ref = bool(algorithm.use_reference) and (
             self.kl_loss or self.kl_penalty or "ref_logprob" in self.loss_inputs
         )
-        self.ref_model = None
-        if self.needs_ref:
+        self.lora = None
+        if cfg.model.lora_configs:
+            from rftstream.training.lora import wrap_with_lora
+
+            self.lora = wrap_with_lora(model, cfg.model.lora_configs[0])
+            model = self.lora.module
+        self.ref_model: torch.nn.Module | None = None
+        if self.needs_ref and self.lora is not None:
+            self.ref_model = self.lora.reference()  # the policy, adapter disabled: no copy
+        elif self.needs_ref:
             self.ref_model = copy.deepcopy(model).eval()
             for p in self.ref_model.parameters():
                 p.requires_grad_(False)
+            if self.bf16:
+                self.ref_model.to(torch.bfloat16)
         # raises ConfigError naming the loss and the first required field nothing provides
         self.loss_inputs = algorithm.check_loss_inputs(trainer_tensors(algorithm))
         self.entropy_inputs, self.entropy_var_kw = _entropy_extra_inputs(algorithm.entropy_loss_fn)
@@ -205,8 +230,7 @@ class PolicyTrainer:
             "gradient_accumulation_steps": self.gas,
             "gradient_clipping": cfg.trainer.grad_clip,
             "zero_optimization": {"stage": cfg.trainer.zero_stage},
-            "bf16": {"enabled": False},
-            "fp16": {"enabled": False},
+            **mixed_precision_config(cfg.trainer.mixed_precision),
             "steps_per_print": 10**9,
             "wall_clock_breakdown": False,
         }
@@ -630,14 +654,20 @@ class PolicyTrainer:
         """The current policy weights (CPU, detached copies)."""
         from rftstream.weights import snapshot
 
-        return snapshot(self.engine.module.state_dict())
+        state = snapshot(self.engine.module.state_dict())
+        # LoRA: the plain model's weights, adapter merged (explorers need no peft)
+        return self.lora.merged(state) if self.lora is not None else state
 
     def save_hf_checkpoint(self, path: str | Path) -> Path:
-        """Write an HF-format (safetensors) checkpoint ``transformers`` can load. Blocks."""
+        """Write an HF-format (safetensors) checkpoint ``transformers`` can load; with LoRA
+        the merged weights, and the adapter alone in ``lora_adapter/``. Blocks."""
         path = Path(path)
         tmp = path.with_name(path.name + ".tmp")
         with quiet_progress_bars():
-            self.engine.module.save_pretrained(tmp, safe_serialization=True)
+            if self.lora is not None:
+                self.lora.save(tmp, self.engine.module.state_dict())
+            else:
+                self.engine.module.save_pretrained(tmp, safe_serialization=True)
         self.tokenizer.save_pretrained(tmp)
         if path.exists():
             import shutil
