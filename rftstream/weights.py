@@ -77,7 +77,19 @@ def save_weights(
     *,
     step: int,
 ) -> WeightsPointer:
-    """Make version ``version`` available by ``method``; returns the pointer to put in KV."""
+    """Make version ``version`` available by ``method``; returns the pointer to put in KV.
+
+    Raises:
+        WeightSyncError: a tensor of ``state`` is empty (a ZeRO-3 partition that was not
+            gathered: see :func:`rftstream.training.zero.full_state_dict`), or ``method``
+            is not ``memory`` or ``checkpoint``.
+    """
+    empty = [k for k, v in state.items() if v.numel() == 0]
+    if empty:
+        raise WeightSyncError(
+            f"weights v{version}: {len(empty)} empty tensors ({', '.join(empty[:3])}...): "
+            "ZeRO-3 partitions, not whole weights; publish the gathered state dict"
+        )
     if method == "memory":
         MEMORY_STORE.put(run, version, state)
         return WeightsPointer(

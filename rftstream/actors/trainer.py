@@ -38,6 +38,7 @@ from rftstream.actors.common import (
     heartbeat_loop,
     nan_to_none,
 )
+from rftstream.actors.dead_letters import DeadLetterWatcher
 from rftstream.actors.feed import ExperienceFeed
 from rftstream.actors.topology import TrainerTopology
 from rftstream.buffer import TrainerInputs, trainer_inputs
@@ -246,6 +247,13 @@ class Trainer:
                 KV_TRAINER_STARVING, {"since": time.time() if flag else None, "held": held}
             )
 
+        watcher = DeadLetterWatcher(
+            self.bus,
+            lambda: self.feed.messages_accepted if self.feed is not None else 0,
+            window=self.cfg.monitor.dead_letter_window,
+            max_share=self.cfg.monitor.max_dead_letter_share,
+        )
+        await watcher.start()  # before the model loads: the explorers may fail tasks already
         feed = ExperienceFeed(
             self.bus,
             consumer,
@@ -283,6 +291,7 @@ class Trainer:
                 async with anyio.create_task_group() as tg:
                     tg.start_soon(emitter)
                     tg.start_soon(ticker.run)
+                    tg.start_soon(watcher.watch)  # raises when dead letters pass the threshold
                     tg.start_soon(
                         heartbeat_loop,
                         state,
@@ -301,6 +310,7 @@ class Trainer:
                         wait = time.perf_counter() - t0
                         if not batch:
                             log.info("%s: upstream exhausted after %d steps", self.name, self.step)
+                            await watcher.check_final(self.step)  # raises if it all died
                             break
                         staleness = [
                             self.version - int(e.model_version) for e in batch if _from_rollout(e)
@@ -362,6 +372,7 @@ class Trainer:
         finally:
             with anyio.CancelScope(shield=True):
                 await monitor.stop()
+                await watcher.stop()
                 await feed.consumer.unsubscribe()
                 try:
                     await state.heartbeat(

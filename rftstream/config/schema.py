@@ -373,6 +373,10 @@ class MonitorConfig(_Base):
 
     monitor_type: str = "jsonl"  # jsonl | tensorboard | none
     plot: bool = True  # write metrics.png at the end of a run
+    # the run fails when at least max_dead_letter_share of the last dead_letter_window groups
+    # (tasks, or groups of experiences) were dead-lettered, at any stage; 0 turns it off
+    dead_letter_window: int = 64
+    max_dead_letter_share: float = 1.0  # 1.0: every group of the window
 
 
 class NatsConfig(_Base):

@@ -180,6 +180,14 @@ def validate_config(cfg: Config, source: str | None = None) -> Config:
     c.at_least("algorithm.repeat_times", cfg.algorithm.repeat_times, 1, optional=True)
 
     c.choice("monitor.monitor_type", cfg.monitor.monitor_type, MONITOR_TYPES)
+    c.at_least("monitor.dead_letter_window", cfg.monitor.dead_letter_window, 0)
+    share = cfg.monitor.max_dead_letter_share
+    if not 0 < share <= 1:
+        c.fail(
+            "monitor.max_dead_letter_share",
+            "must be above 0 and at most 1 (1.0: every group of monitor.dead_letter_window)",
+            share,
+        )
 
     buf = cfg.buffer
     c.at_least("buffer.batch_size", buf.batch_size, 1)

@@ -46,6 +46,7 @@ from rftstream.training.memory import (
     mixed_precision_config,
 )
 from rftstream.training.schedule import lr_schedule
+from rftstream.training.zero import embedding_rows, full_state_dict
 
 log = logging.getLogger(__name__)
 
@@ -137,8 +138,9 @@ class PolicyTrainer:
         self.share_prompts = (
             bool(cfg.trainer.share_prompts) and self.keep_kwarg is not None and not checkpointing
         )
-        # from the loaded model, before any sharding: token ids must be below this
-        self.vocab_size = int(model.get_input_embeddings().weight.shape[0])
+        # token ids must be below this: from the embedding module, not its weight (empty
+        # under ZeRO-3)
+        self.vocab_size = embedding_rows(model)
         self.loss_inputs = loss_inputs_for(algorithm.policy_loss_fn)
         self.needs_ref = bool(algorithm.use_reference) and (
             self.kl_loss or self.kl_penalty or "ref_logprob" in self.loss_inputs
@@ -651,23 +653,32 @@ class PolicyTrainer:
 
     # ------------------------------------------------------------ weights
     def state_dict(self) -> dict[str, torch.Tensor]:
-        """The current policy weights (CPU, detached copies)."""
-        from rftstream.weights import snapshot
-
-        state = snapshot(self.engine.module.state_dict())
-        # LoRA: the plain model's weights, adapter merged (explorers need no peft)
+        """The current policy weights, whole (ZeRO-3 partitions gathered), as detached CPU
+        copies; with LoRA the plain model's weights, adapter merged (explorers need no
+        peft). Blocks; under ZeRO-3 a collective: every rank must call it."""
+        state = full_state_dict(self.engine.module)
         return self.lora.merged(state) if self.lora is not None else state
 
+    def critic_state_dict(self) -> dict[str, torch.Tensor] | None:
+        """The critic's weights (backbone and ``value_head``), whole, as detached CPU copies;
+        None without a critic. Blocks; under ZeRO-3 a collective: every rank must call it."""
+        return None if self.critic is None else full_state_dict(self.critic.module)
+
     def save_hf_checkpoint(self, path: str | Path) -> Path:
-        """Write an HF-format (safetensors) checkpoint ``transformers`` can load; with LoRA
-        the merged weights, and the adapter alone in ``lora_adapter/``. Blocks."""
+        """Write an HF-format (safetensors) checkpoint ``transformers`` can load: the whole
+        policy weights of :meth:`state_dict` (gathered under ZeRO-3; with LoRA merged, and
+        the adapter alone in ``lora_adapter/``). Blocks; under ZeRO-3 a collective (every
+        rank gathers; rank 0 alone writes). Returns ``path``."""
         path = Path(path)
+        raw = full_state_dict(self.engine.module)  # peft's names with LoRA
+        if _rank() != 0:
+            return path
         tmp = path.with_name(path.name + ".tmp")
         with quiet_progress_bars():
             if self.lora is not None:
-                self.lora.save(tmp, self.engine.module.state_dict())
+                self.lora.save(tmp, raw)
             else:
-                self.engine.module.save_pretrained(tmp, safe_serialization=True)
+                self.engine.module.save_pretrained(tmp, state_dict=raw, safe_serialization=True)
         self.tokenizer.save_pretrained(tmp)
         if path.exists():
             import shutil
@@ -675,6 +686,12 @@ class PolicyTrainer:
             shutil.rmtree(path)
         os.replace(tmp, path)
         return path
+
+
+def _rank() -> int:
+    """This process's rank in the default process group (0 when there is none)."""
+    dist = torch.distributed
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
 def _advantage_inputs(algorithm: Any) -> tuple[str, ...]:
