@@ -22,7 +22,7 @@ from rftstream.config.schema import (
     SynchronizerConfig,
 )
 from rftstream.messages import WeightsPointer
-from rftstream.subjects import KV_TRAINER_STARVING, RunNames
+from rftstream.subjects import KV_TRAINER_STARVING, KV_TRAINER_UNACKED, RunNames
 
 pytestmark = pytest.mark.anyio
 
@@ -48,6 +48,7 @@ class World:
         self.trainer_held = trainer
         self.version = 0
         self.starving: dict[str, Any] | None = None
+        self.trained_unacked: Any = None  # the trainer's TrainedUnacked record
         self.on_list: list[Any] = []  # one callable per consumers_info call, then nothing
         self.after_trainer_read: list[Any] = []  # one per read of the trainer's consumer
         self.on_weights: list[Any] = []  # one per latest_weights call
@@ -81,7 +82,9 @@ class World:
             self.on_weights.pop(0)()
         return ptr
 
-    async def get_json(self, key: str) -> Any:
+    async def get_json(self, key: str, typ: Any = None) -> Any:
+        if key == KV_TRAINER_UNACKED:
+            return self.trained_unacked
         assert key == KV_TRAINER_STARVING
         return self.starving
 
