@@ -861,7 +861,7 @@ class Explorer(EvaluationMixin):
                 current,
             )
             return
-        if ptr.version < current:
+        if ptr.incarnation:
             log.info(
                 "%s: loaded weights v%d of the restarted trainer (incarnation %d; had v%d)",
                 self.name,
