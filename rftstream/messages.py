@@ -61,6 +61,44 @@ class WeightsPointer(msgspec.Struct, kw_only=True):
     sha256: str = ""
     step: int = 0
     ts: float = 0.0
+    # appended: which start of the trainer published it (0, then +1 at each restart). An
+    # explorer takes a pointer of a newer incarnation whatever its version: a trainer that
+    # resumed from an earlier checkpoint publishes versions lower than its predecessor's
+    incarnation: int = 0
+
+    def newer_than(self, incarnation: int, version: int) -> bool:
+        """Whether these weights replace weights ``version`` of trainer ``incarnation``."""
+        return (self.incarnation, self.version) > (incarnation, version)
+
+
+class CheckpointRecord(msgspec.Struct, kw_only=True):
+    """KV record ``trainer.checkpoint``: the newest complete resumable checkpoint.
+
+    The run's commit point for resuming: written after the checkpoint is complete on
+    disk and before the trainer acks the experience it contains, so a restarted trainer
+    resumes from exactly this one (see :mod:`rftstream.training.checkpoint`).
+    """
+
+    step: int
+    version: int
+    incarnation: int
+    path: str  # the checkpoint's directory (resume/global_step_<step>)
+    ts: float
+
+
+class TrainedUnacked(msgspec.Struct, kw_only=True):
+    """KV record ``trainer.trained_unacked``: messages the trainer trained but holds unacked
+    until its next checkpoint, as two running totals (``trained - acked`` are held).
+
+    ``trained`` is written after it grows (never ahead of the truth), ``acked`` before
+    the acks it counts are sent (never behind): a reader that reads ``trained`` before
+    the consumer's counts and ``acked`` after them gets a lower bound of the trained
+    messages those counts include (see :func:`rftstream.actors.common.experience_backlog`).
+    """
+
+    trained: int = 0
+    acked: int = 0
+    ts: float = 0.0
 
 
 class TasksetRecord(msgspec.Struct, kw_only=True):

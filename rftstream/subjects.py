@@ -141,6 +141,8 @@ KV_TRAINER_DONE = "trainer.done"
 KV_TRAINER_STARVING = (
     "trainer.starving"  # {"since": ts, "held": messages} while it waits with less than a batch
 )
+KV_TRAINER_CHECKPOINT = "trainer.checkpoint"  # CheckpointRecord: where a restart resumes
+KV_TRAINER_UNACKED = "trainer.trained_unacked"  # TrainedUnacked: trained, held until a checkpoint
 KV_WEIGHTS = "weights.latest"  # JSON: {"version", "method", "uri", "sha256"}
 KV_HEARTBEAT = "heartbeat.{actor}"
 # the trainer's input and the spliced stages (see rftstream.splice)

@@ -33,23 +33,26 @@ class WeightSyncError(RftError):
 
 
 class _MemoryStore:
-    """Process-wide store of the latest few weight versions per run."""
+    """Process-wide store of the latest few weight versions per run, by (trainer
+    incarnation, version): a restarted trainer's versions replace its predecessor's."""
 
     def __init__(self, keep: int = 2) -> None:
         self._lock = threading.Lock()
-        self._data: dict[str, dict[int, dict[str, torch.Tensor]]] = {}
+        self._data: dict[str, dict[tuple[int, int], dict[str, torch.Tensor]]] = {}
         self.keep = keep
 
-    def put(self, run: str, version: int, state: dict[str, torch.Tensor]) -> None:
+    def put(
+        self, run: str, version: int, state: dict[str, torch.Tensor], incarnation: int = 0
+    ) -> None:
         with self._lock:
             versions = self._data.setdefault(run, {})
-            versions[version] = state
+            versions[(incarnation, version)] = state
             for old in sorted(versions)[: -self.keep]:
                 del versions[old]
 
-    def get(self, run: str, version: int) -> dict[str, torch.Tensor] | None:
+    def get(self, run: str, version: int, incarnation: int = 0) -> dict[str, torch.Tensor] | None:
         with self._lock:
-            return self._data.get(run, {}).get(version)
+            return self._data.get(run, {}).get((incarnation, version))
 
 
 MEMORY_STORE = _MemoryStore()
@@ -76,8 +79,16 @@ def save_weights(
     directory: Path,
     *,
     step: int,
+    incarnation: int = 0,
 ) -> WeightsPointer:
     """Make version ``version`` available by ``method``; returns the pointer to put in KV.
+
+    ``incarnation``: which start of the trainer publishes it (see
+    :class:`WeightsPointer`). Checkpoint files are ``v<N>.safetensors`` for the first
+    one, ``v<N>.r<incarnation>.safetensors`` after a restart (a resumed trainer publishes
+    versions its predecessor published already, with other weights); the two newest
+    files of this incarnation are kept, older ones and those of earlier incarnations
+    are deleted.
 
     Raises:
         WeightSyncError: a tensor of ``state`` is empty (a ZeRO-3 partition that was not
@@ -91,28 +102,32 @@ def save_weights(
             "ZeRO-3 partitions, not whole weights; publish the gathered state dict"
         )
     if method == "memory":
-        MEMORY_STORE.put(run, version, state)
+        MEMORY_STORE.put(run, version, state, incarnation)
         return WeightsPointer(
             version=version,
             method="memory",
             uri=f"memory://{run}/{version}",
             step=step,
             ts=time.time(),
+            incarnation=incarnation,
         )
     if method == "checkpoint":
         directory.mkdir(parents=True, exist_ok=True)
-        final = directory / f"v{version}.safetensors"
-        tmp = directory / f".v{version}.safetensors.tmp"
+        name = weights_file_name(version, incarnation)
+        final = directory / name
+        tmp = directory / f".{name}.tmp"
         save_file(state, str(tmp), metadata={"version": str(version), "run": run})
         os.replace(tmp, final)
         digest = _sha256(final)
         # keep the two newest files: explorers may still be reading the previous one
         for old in directory.glob("v*.safetensors"):
-            try:
-                n = int(old.stem[1:])
-            except ValueError:
+            parsed = _parse_weights_file_name(old.name)
+            if parsed is None:
                 continue
-            if n < version - 1:
+            old_version, old_incarnation = parsed
+            if old_incarnation < incarnation or (
+                old_incarnation == incarnation and old_version < version - 1
+            ):
                 old.unlink(missing_ok=True)
         return WeightsPointer(
             version=version,
@@ -121,16 +136,39 @@ def save_weights(
             sha256=digest,
             step=step,
             ts=time.time(),
+            incarnation=incarnation,
         )
     raise WeightSyncError(
         f"synchronizer.sync_method {method!r} is not supported here (use checkpoint or memory)"
     )
 
 
+def weights_file_name(version: int, incarnation: int = 0) -> str:
+    """The file name of weights ``version`` published by trainer ``incarnation``."""
+    return (
+        f"v{version}.safetensors" if not incarnation else f"v{version}.r{incarnation}.safetensors"
+    )
+
+
+def _parse_weights_file_name(name: str) -> tuple[int, int] | None:
+    """(version, incarnation) of a :func:`weights_file_name`; None for another name."""
+    if not name.startswith("v") or not name.endswith(".safetensors"):
+        return None
+    parts = name[1 : -len(".safetensors")].split(".r")
+    try:
+        if len(parts) == 1:
+            return int(parts[0]), 0
+        if len(parts) == 2:
+            return int(parts[0]), int(parts[1])
+    except ValueError:
+        return None
+    return None
+
+
 def load_weights(ptr: WeightsPointer, run: str) -> dict[str, torch.Tensor]:
     """Fetch the tensors a pointer names; verifies the sha256 of checkpoint files."""
     if ptr.method == "memory":
-        state = MEMORY_STORE.get(run, ptr.version)
+        state = MEMORY_STORE.get(run, ptr.version, ptr.incarnation)
         if state is None:
             raise WeightSyncError(
                 f"weights v{ptr.version} are in another process's memory; "

@@ -157,6 +157,12 @@ class Backlog(NamedTuple):
         """Messages the trainer will still receive (or that an operator still works on)."""
         return self.total - self.held_by_trainer
 
+    def without_trained(self, trained: int) -> Backlog:
+        """This backlog less ``trained`` messages the trainer holds already trained
+        (acked at its next checkpoint); never less than nothing of what it holds."""
+        n = max(0, min(trained, self.held_by_trainer))
+        return Backlog(self.total - n, self.held_by_trainer - n, self.held_by_operators)
+
 
 def _is_trainer_consumer(name: str) -> bool:
     return name == "trainer" or name.startswith("trainer_")

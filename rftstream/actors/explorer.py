@@ -98,7 +98,14 @@ from rftstream.config.schema import Config, TasksetConfig
 from rftstream.config.validate import TRAINER_MODES, eval_tasksets, training_tasksets
 from rftstream.errors import BusError, PayloadTooLargeError, RftError, SchemaError
 from rftstream.experience import Experience
-from rftstream.messages import TaskMsg, TasksetClaim, TasksetRecord, decode_json, encode_json
+from rftstream.messages import (
+    TaskMsg,
+    TasksetClaim,
+    TasksetRecord,
+    TrainedUnacked,
+    decode_json,
+    encode_json,
+)
 from rftstream.subjects import (
     KV_EXPLORER_DONE,
     KV_EXPLORER_STEP,
@@ -107,6 +114,7 @@ from rftstream.subjects import (
     KV_TASKSET_CLAIM,
     KV_TRAINER_STARVING,
     KV_TRAINER_STEP,
+    KV_TRAINER_UNACKED,
     KV_WEIGHTS,
     RAW_STAGE,
 )
@@ -174,6 +182,8 @@ class Explorer(EvaluationMixin):
         self._idle_mark = (self._loop_start, 0.0)
         self._step_recorded = 0
         self._trainer_changes: KeyChanges | None = None
+        # the trainer start (WeightsPointer.incarnation) whose weights the engine holds
+        self._weights_incarnation = 0
 
     # ------------------------------------------------------------ taskset
     async def publish_taskset(self, state: RunState) -> None:
@@ -831,11 +841,14 @@ class Explorer(EvaluationMixin):
             return
         ptr = await state.latest_weights()
         current = self._version()
-        if ptr is None or ptr.version <= current or ptr.version < min_version:
+        if ptr is None or not ptr.newer_than(self._weights_incarnation, current):
+            return
+        if ptr.version < min_version and ptr.incarnation == self._weights_incarnation:
             return
         try:
             sd = await anyio.to_thread.run_sync(load_weights, ptr, self.names.run)
             await self.engine.load_weights(sd, ptr.version)
+            self._weights_incarnation = ptr.incarnation
         except (
             RftError,
             OSError,
@@ -848,7 +861,16 @@ class Explorer(EvaluationMixin):
                 current,
             )
             return
-        log.info("%s: loaded weights v%d", self.name, ptr.version)
+        if ptr.incarnation:
+            log.info(
+                "%s: loaded weights v%d of the restarted trainer (incarnation %d; had v%d)",
+                self.name,
+                ptr.version,
+                ptr.incarnation,
+                current,
+            )
+        else:
+            log.info("%s: loaded weights v%d", self.name, ptr.version)
 
     async def _sync_weights(self, state: RunState, step: int) -> None:
         if not self._syncs_weights():
@@ -883,6 +905,10 @@ class Explorer(EvaluationMixin):
         step, weights, starving flag or the run status (a KV subscription), at the
         latest every 0.25 s. Other explorers' tasks in flight are not seen: with
         several explorers the bound can be passed by what they have in flight.
+        Messages the trainer trained and holds unacked until its next checkpoint
+        (``trainer.save_interval``) are not backlog: the ``trainer.trained_unacked``
+        totals read before and after the queues bound them from below
+        (:class:`~rftstream.messages.TrainedUnacked`), so the count stays never too low.
         """
         batch_size = self.cfg.buffer.batch_size
         if self.policy.max_staleness is None:
@@ -897,7 +923,14 @@ class Explorer(EvaluationMixin):
             # our tasks in flight are read before the queues: one published while these are
             # read is then counted twice, never missed (read after, it could be in neither)
             in_flight = self._in_flight
+            before = await state.get_json(KV_TRAINER_UNACKED, TrainedUnacked)
             queued = await experience_backlog(self.bus, self.names.exp_stream)
+            if before is not None and before.trained > before.acked:
+                # the trainer holds trained messages unacked until its next checkpoint: they
+                # are in its consumer's counts but no longer ahead of anything we start
+                after = await state.get_json(KV_TRAINER_UNACKED, TrainedUnacked)
+                if after is not None:
+                    queued = queued.without_trained(before.trained - after.acked)
             backlog = queued.total + in_flight
             ptr = await state.latest_weights()  # after the queues: the trainer acks after it
             newest = ptr.version if ptr is not None else 0

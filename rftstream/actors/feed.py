@@ -10,7 +10,13 @@ first, then the mean seen so far), so little is fetched ahead of a step.
 
 Acks: a message is held (``in_progress()`` ticks keep it from redelivery during
 long steps) until every experience it carried has been trained; then
-:meth:`commit` acks it. A message with an experience the trainer cannot use
+:meth:`commit` acks it, or, with ``hold_trained`` (a trainer that writes resumable
+checkpoints), keeps holding it until :meth:`release_trained` after the next
+checkpoint: a trainer killed before that checkpoint gets it redelivered and trains
+it again from the checkpoint's weights. :meth:`trained_uids` lists what a checkpoint
+must remember (experience trained from messages not acked yet), :meth:`mark_trained`
+gives that list back to the feed of a resumed trainer, which then skips those
+experiences when their messages come again. A message with an experience the trainer cannot use
 (``validate`` returns the reason) goes to ``dlq.train`` instead of crash-looping
 the trainer. Experiences are deduplicated by ``eid.uid``, so a
 redelivered message is never trained twice. A body that does not decode goes
@@ -31,7 +37,7 @@ import math
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import anyio
 import nats.errors
@@ -53,6 +59,7 @@ class _Held:
     msg: Msg
     remaining: int
     stage: str = ""
+    trained_uids: list[str] = field(default_factory=list)  # trained, the message not acked
 
 
 @dataclass
@@ -81,7 +88,17 @@ class ExperienceFeed:
         group_size: int = 1,
         starving: Callable[[bool, int], Awaitable[None]] | None = None,
         validate: Callable[[Experience], str | None] | None = None,
+        hold_trained: bool = False,
+        trained_counts: Callable[[int, int], Awaitable[None]] | None = None,
     ) -> None:
+        self.hold_trained = hold_trained
+        # told (messages trained and held in total, messages of those acked in total):
+        # after the first grows, before the acks the second counts are sent
+        self.trained_counts = trained_counts
+        self._trained_unacked: list[_Held] = []
+        self.trained_messages_total = 0
+        self.released_messages_total = 0
+        self._resumed_trained: set[str] = set()
         self.validate = validate
         self.starving = starving
         self.bus = bus
@@ -217,7 +234,8 @@ class ExperienceFeed:
                 self.dead_lettered += 1
                 continue
             fresh = [e for e in exps if e.eid.uid not in self._seen]
-            self.duplicates += len(exps) - len(fresh)
+            already = [e.eid.uid for e in exps if e.eid.uid in self._resumed_trained]
+            self.duplicates += len(exps) - len(fresh) - len(already)
             if not fresh:
                 still_held = {
                     id(self._held_by_uid[e.eid.uid]): self._held_by_uid[e.eid.uid]
@@ -234,7 +252,7 @@ class ExperienceFeed:
                 else:
                     await m.ack()
                 continue
-            held = _Held(m, len(fresh), stage=m.subject.rsplit(".", 1)[-1])
+            held = _Held(m, len(fresh), stage=m.subject.rsplit(".", 1)[-1], trained_uids=already)
             self.ticker.hold(m)
             for e in fresh:
                 self._seen.add(e.eid.uid)
@@ -298,6 +316,9 @@ class ExperienceFeed:
     async def commit(self) -> int:
         """Ack every message whose experiences have all been trained. Returns acks sent.
 
+        With ``hold_trained`` nothing is acked: those messages stay in progress until
+        :meth:`release_trained`, and ``trained_counts`` is told how many there are now.
+
         The last ack waits for the server's confirmation (acks of one consumer are
         applied in order), so when this returns the consumer's counts no longer hold
         these messages: an explorer that reads them (``max_staleness``) sees the room
@@ -305,15 +326,69 @@ class ExperienceFeed:
         only; the ack itself was sent.
         """
         done: list[Msg] = []
-        for uid in self._taken_uids:
-            self._held_by_uid.pop(uid, None)
-        self._taken_uids.clear()
-        for held in self._taken:
+        grown = 0
+        for uid, held in zip(self._taken_uids, self._taken, strict=True):
+            held.trained_uids.append(uid)
             held.remaining -= 1
-            if held.remaining == 0:
+            if not self.hold_trained:
+                self._held_by_uid.pop(uid, None)
+            if held.remaining > 0:
+                continue
+            if self.hold_trained:  # kept in progress until the next checkpoint
+                self._trained_unacked.append(held)
+                grown += 1
+            else:
                 self.ticker.release(held.msg)
                 done.append(held.msg)
+        self._taken_uids.clear()
         self._taken.clear()
+        if grown:
+            self.trained_messages_total += grown
+            if self.trained_counts is not None:
+                await self.trained_counts(self.trained_messages_total, self.released_messages_total)
+        await self._ack_all(done)
+        return len(done)
+
+    @property
+    def trained_unacked(self) -> int:
+        """Messages fully trained and held until :meth:`release_trained`."""
+        return len(self._trained_unacked)
+
+    def trained_uids(self) -> list[str]:
+        """Every experience trained from a message not acked yet (held until the next
+        checkpoint, or partly trained): what a checkpoint written now must remember."""
+        out: list[str] = []
+        seen: set[int] = set()
+        for held in [*self._trained_unacked, *(h for _, h in self._buffer)]:
+            if id(held) not in seen:
+                seen.add(id(held))
+                out.extend(held.trained_uids)
+        return out
+
+    def mark_trained(self, uids: list[str]) -> None:
+        """Experiences a checkpoint says were trained before it (a resumed trainer): skipped
+        when their messages are delivered again, acked with the rest of their message."""
+        self._resumed_trained.update(uids)
+        self._seen.update(uids)
+
+    async def release_trained(self) -> int:
+        """Ack the messages held since they were trained (call once a checkpoint that
+        contains them is committed). Tells ``trained_counts`` first. Returns acks sent."""
+        held, self._trained_unacked = self._trained_unacked, []
+        if not held:
+            return 0
+        self.released_messages_total += len(held)
+        if self.trained_counts is not None:
+            await self.trained_counts(self.trained_messages_total, self.released_messages_total)
+        for h in held:
+            self.ticker.release(h.msg)
+            for uid in h.trained_uids:
+                self._held_by_uid.pop(uid, None)
+        await self._ack_all([h.msg for h in held])
+        return len(held)
+
+    async def _ack_all(self, done: list[Msg]) -> None:
+        """Ack ``done``; the last ack waits for the server's confirmation (see :meth:`commit`)."""
         for msg in done[:-1]:
             await msg.ack()
         if done:
@@ -321,4 +396,3 @@ class ExperienceFeed:
                 await done[-1].ack_sync(timeout=ACK_CONFIRM_S)
             except (nats.errors.Error, TimeoutError) as exc:
                 log.debug("ack confirmation: %s", exc)
-        return len(done)

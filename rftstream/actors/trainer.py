@@ -12,6 +12,22 @@ waiting for experience), ``experience/filtered`` and the algorithm's losses.
 Weights are published after the steps the sync policy names; an HF-format
 checkpoint is saved every ``trainer.save_interval`` steps and at the end.
 
+Resuming (``trainer.save_interval`` > 0): at those steps and at the end the trainer
+also writes a resumable checkpoint (:mod:`rftstream.training.checkpoint`: DeepSpeed's
+model and optimizer state, lr schedules, step, weights version, RNG states), names it
+in the KV record ``trainer.checkpoint`` and only then acks the messages it trained
+since the previous one (held in progress until then). A trainer started again in the
+same run (same command, the run's KV bucket still there) with
+``continue_from_checkpoint`` (default true, as in Trinity-RFT) loads the checkpoint
+that record names: steps, versions and the trained total continue from it, the
+messages trained after it are redelivered and trained again, and the records of the
+steps it redoes are moved from ``metrics.jsonl`` (and ``trained_uids.jsonl``) to
+``metrics.discarded.jsonl`` (``trained_uids.discarded.jsonl``), so both files describe
+the steps the final model contains, each once. Every start of a trainer in a run
+after the first publishes its weights with a higher ``incarnation``
+(:class:`~rftstream.messages.WeightsPointer`), which explorers take whatever its
+version. ``trained_uids.jsonl`` lists the experiences (``eid.uid``) of each step.
+
 Cancelling :meth:`Trainer.run` mid-step loses no data: the batch's messages
 are not acked and are redelivered to the next trainer.
 """
@@ -47,9 +63,16 @@ from rftstream.bus.state import RunState
 from rftstream.config.schema import Config, StorageConfig
 from rftstream.errors import ConfigError
 from rftstream.experience import H_COUNT, H_REWARD_MEAN
-from rftstream.messages import MetricsMsg
-from rftstream.subjects import KV_TRAINER_STARVING, KV_TRAINER_STEP, RAW_STAGE
+from rftstream.messages import CheckpointRecord, MetricsMsg, TrainedUnacked
+from rftstream.subjects import (
+    KV_TRAINER_CHECKPOINT,
+    KV_TRAINER_STARVING,
+    KV_TRAINER_STEP,
+    KV_TRAINER_UNACKED,
+    RAW_STAGE,
+)
 from rftstream.sync import SyncPolicy
+from rftstream.training import checkpoint as ckpt
 from rftstream.training.datasets import DatasetSource, load_dataset_experiences
 from rftstream.weights import checkpoint_dir, save_weights
 
@@ -57,6 +80,7 @@ log = logging.getLogger(__name__)
 
 
 ADVANTAGE_OP_PREFIX = "group_advantage/"
+_UIDS = "_uids"  # a step record's trained eid.uids, written to trained_uids.jsonl only
 
 
 class RawMonitor:
@@ -204,7 +228,13 @@ class Trainer:
         self.idle_seconds = 0.0  # waiting for experience, over the run
         self.checkpoint_dir = checkpoint_dir(cfg, self.run_dir)
         self.metrics_path = self.run_dir / "metrics.jsonl"
+        self.uids_path = self.run_dir / "trained_uids.jsonl"
         self.feed: ExperienceFeed | None = None
+        self.incarnation = 0  # which start of a trainer in this run (0: the first)
+        self.saved_step: int | None = None  # the step of the committed resumable checkpoint
+        self.resumed_from: int | None = None
+        self._emitted_step = 0  # the last step whose record the emitter wrote
+        self._emit_event: anyio.Event | None = None  # set by the emitter after each record
 
     async def _exhausted(self) -> bool:
         """Every task done, every stage before the trainer drained, nothing left on exp.train.
@@ -254,6 +284,12 @@ class Trainer:
             max_share=self.cfg.monitor.max_dead_letter_share,
         )
         await watcher.start()  # before the model loads: the explorers may fail tasks already
+
+        async def trained_counts(trained: int, acked: int) -> None:
+            await state.put_json(
+                KV_TRAINER_UNACKED, TrainedUnacked(trained=trained, acked=acked, ts=time.time())
+            )
+
         feed = ExperienceFeed(
             self.bus,
             consumer,
@@ -261,6 +297,8 @@ class Trainer:
             self._exhausted,
             starving=starving,
             group_size=int(self.cfg.algorithm.repeat_times or 1),
+            hold_trained=self.cfg.trainer.save_interval > 0,
+            trained_counts=trained_counts,
         )
         self.feed = feed
         await topology.attach(feed)  # answers splice/unsplice requests between fetches
@@ -270,13 +308,15 @@ class Trainer:
             lambda: PolicyTrainer(self.cfg, self.model_path, self.algorithm)
         )
         feed.validate = trainer.check_experience
-        strategy = await self._sample_strategy(trainer, feed)
         self.run_dir.mkdir(parents=True, exist_ok=True)
+        await self._resume(state, trainer, feed)
+        strategy = await self._sample_strategy(trainer, feed)
         total = self.cfg.buffer.total_steps
         status = "failed"
         try:
             records, to_emit = anyio.create_memory_object_stream[dict[str, Any]](math.inf)
             emitted = anyio.Event()
+            self._emit_event = anyio.Event()
 
             async def emitter() -> None:
                 """Each step's record, in order: KV, metrics stream, metrics.jsonl, on_step."""
@@ -284,6 +324,10 @@ class Trainer:
                     async with to_emit:
                         async for record in to_emit:
                             await self._emit(state, record)
+                            self._emitted_step = record["step"]
+                            if self._emit_event is not None:
+                                self._emit_event.set()
+                            self._emit_event = anyio.Event()
                 finally:
                     emitted.set()
 
@@ -312,13 +356,15 @@ class Trainer:
                             log.info("%s: upstream exhausted after %d steps", self.name, self.step)
                             await watcher.check_final(self.step)  # raises if it all died
                             break
+                        # never negative: experience from weights a killed trainer published
+                        # after the checkpoint this one resumed from counts as fresh
                         staleness = [
-                            self.version - int(e.model_version) for e in batch if _from_rollout(e)
+                            max(0, self.version - int(e.model_version))
+                            for e in batch
+                            if _from_rollout(e)
                         ]
                         async with anyio.create_task_group() as beside:
-                            if (
-                                not self.cfg.trainer_reads_dataset
-                            ):  # the next batch arrives meanwhile
+                            if not self.cfg.trainer_reads_dataset:  # the next batch meanwhile
                                 beside.start_soon(feed.prefetch, self.cfg.buffer.train_batch_size)
                             train_metrics = await anyio.to_thread.run_sync(
                                 trainer.train_step, batch
@@ -331,7 +377,8 @@ class Trainer:
                             total is not None and step == total
                         ):
                             await self._publish_weights(state, trainer, step)
-                        # ack only now: an explorer that sees the backlog shrink also sees the new weights
+                        # ack only now: an explorer that sees the backlog shrink also sees the new
+                        # weights (with save_interval, held until the next checkpoint instead)
                         await feed.commit()
                         if (
                             self.cfg.trainer.save_interval
@@ -357,9 +404,19 @@ class Trainer:
                         record["time/trainer_step_period"] = now - last_end
                         last_end = now
                         records.send_nowait(record)  # written by the emitter while training goes on
+                        if (
+                            self.cfg.trainer.save_interval
+                            and step % self.cfg.trainer.save_interval == 0
+                        ):
+                            # the records up to this step are on disk before the checkpoint
+                            # that a restart resumes from (it keeps those, drops later ones)
+                            await self._emitted_through(step)
+                            await self._save_resumable(state, trainer, feed)
                         del batch, _samples  # freed now: not counted as waiting for the next one
                     records.close()
                     await emitted.wait()
+                    if self.cfg.trainer.save_interval and self.saved_step != self.step:
+                        await self._save_resumable(state, trainer, feed)
                     tg.cancel_scope.cancel()
             final = await anyio.to_thread.run_sync(
                 trainer.save_hf_checkpoint, self.checkpoint_dir / f"global_step_{self.step}"
@@ -483,13 +540,129 @@ class Trainer:
         with trainer_inputs(inputs):
             return self.algorithm.create_sample_strategy(buffer_cfg, source, **extra)
 
+    async def _resume(self, state: RunState, trainer: Any, feed: ExperienceFeed) -> None:
+        """Pick this start's incarnation; with a committed resumable checkpoint (KV
+        ``trainer.checkpoint``) and ``continue_from_checkpoint``, load it (see the module
+        docstring) and publish its weights. Blocks for the loading.
+
+        Raises:
+            CheckpointError: the checkpoint the record names cannot be loaded.
+        """
+        record = await state.get_json(KV_TRAINER_CHECKPOINT, CheckpointRecord)
+        previous = await state.latest_weights()
+        earlier = [r.incarnation for r in (record, previous) if r is not None]
+        self.incarnation = max(earlier) + 1 if earlier else 0
+        if record is None:
+            return
+        if not self.cfg.continue_from_checkpoint:
+            log.warning(
+                "%s: continue_from_checkpoint is false: ignoring the checkpoint of step %d "
+                "(%s) and training from model.model_path at step 1",
+                self.name,
+                record.step,
+                record.path,
+            )
+        else:
+            directory = Path(record.path).parent.parent
+            engines = [trainer.engine] + ([trainer.critic] if trainer.critic is not None else [])
+
+            def load() -> ckpt.ResumeState:
+                loaded = ckpt.load_resumable(directory, record.step, engines)
+                schedulers = (trainer.scheduler, trainer.critic_scheduler)
+                for scheduler, sd in zip(schedulers, loaded.lr_schedulers, strict=False):
+                    if scheduler is not None and sd is not None:
+                        scheduler.load_state_dict(sd)
+                ckpt.restore_rng(loaded.rng)
+                return loaded
+
+            loaded = await anyio.to_thread.run_sync(load)
+            self.step = loaded.step
+            self.version = loaded.version
+            self.trained = loaded.trained
+            trainer.global_step = loaded.step
+            self.saved_step = self.resumed_from = loaded.step
+            feed.mark_trained(loaded.trained_uids)
+            moved = []
+            for path in (self.metrics_path, self.uids_path):
+                discarded = path.with_name(path.stem + ".discarded.jsonl")
+                moved.append(
+                    await anyio.to_thread.run_sync(
+                        ckpt.drop_records_after, path, loaded.step, discarded
+                    )
+                )
+            log.info(
+                "%s: resumed from the checkpoint of step %d (%s), incarnation %d; "
+                "%d step(s) after it are trained again",
+                self.name,
+                loaded.step,
+                record.path,
+                self.incarnation,
+                moved[0],
+            )
+            await state.put_json(KV_TRAINER_STEP, self.step)
+        if previous is not None:  # explorers leave the weights of the trainer that is gone
+            await self._publish_weights(state, trainer, self.step)
+
+    async def _emitted_through(self, step: int) -> None:
+        """Block until the emitter has written the record of ``step``."""
+        while self._emitted_step < step:
+            if self._emit_event is None:
+                self._emit_event = anyio.Event()
+            await self._emit_event.wait()
+
+    async def _save_resumable(self, state: RunState, trainer: Any, feed: ExperienceFeed) -> None:
+        """Write the resumable checkpoint of ``self.step``, commit it in KV, then ack the
+        messages it contains and delete older checkpoints. Blocks for the writing.
+
+        Raises:
+            CheckpointError: DeepSpeed or the disk failed (nothing is acked then).
+        """
+        step = self.step
+        engines = [trainer.engine] + ([trainer.critic] if trainer.critic is not None else [])
+        resume_state = ckpt.ResumeState(
+            step=step,
+            version=self.version,
+            incarnation=self.incarnation,
+            trained=self.trained,
+            rng=ckpt.capture_rng(),
+            trained_uids=feed.trained_uids(),
+            lr_schedulers=[
+                s.state_dict() if s is not None else None
+                for s in (trainer.scheduler, trainer.critic_scheduler)
+            ],
+            ts=time.time(),
+        )
+        path = await anyio.to_thread.run_sync(
+            ckpt.save_resumable, self.checkpoint_dir, step, engines, resume_state
+        )
+        await state.put_json(
+            KV_TRAINER_CHECKPOINT,
+            CheckpointRecord(
+                step=step,
+                version=self.version,
+                incarnation=self.incarnation,
+                path=str(path.resolve()),
+                ts=time.time(),
+            ),
+        )
+        previous, self.saved_step = self.saved_step, step
+        await feed.release_trained()
+        keep = {step} | ({previous} if previous is not None else set())
+        await anyio.to_thread.run_sync(ckpt.prune, self.checkpoint_dir, keep)
+
     async def _publish_weights(self, state: RunState, trainer: Any, step: int) -> None:
         method = self.cfg.synchronizer.sync_method
         weights_dir = self.checkpoint_dir / "weights"
 
         def _save() -> Any:
             return save_weights(
-                method, self.names.run, step, trainer.state_dict(), weights_dir, step=step
+                method,
+                self.names.run,
+                step,
+                trainer.state_dict(),
+                weights_dir,
+                step=step,
+                incarnation=self.incarnation,
             )
 
         ptr = await anyio.to_thread.run_sync(_save)
@@ -512,6 +685,7 @@ class Trainer:
             if _from_rollout(e) and e.reward is not None and not math.isnan(float(e.reward))
         ]
         record: dict[str, Any] = {"step": step, "ts": time.time()}
+        record[_UIDS] = [e.eid.uid for e in batch]
         record.update(monitor.take())
         for stage, count in feed.taken_stages.items():
             record[f"experience/trained_from/{stage}"] = count
@@ -537,6 +711,7 @@ class Trainer:
     async def _emit(self, state: RunState, record: dict[str, Any]) -> None:
         """Publish one step's record: ``trainer.step`` in KV first (it wakes explorers paused
         by ``max_staleness``), then the metrics stream, ``metrics.jsonl`` and ``on_step``."""
+        uids = record.pop(_UIDS, [])
         await state.put_json(KV_TRAINER_STEP, record["step"])
         values = {
             k: float(v) for k, v in record.items() if isinstance(v, (int, float)) and k != "step"
@@ -548,6 +723,8 @@ class Trainer:
             else json.dumps(nan_to_none(record))
         )
         await anyio.to_thread.run_sync(append_line, self.metrics_path, line)
+        uids_line = json.dumps({"step": record["step"], "uids": uids})
+        await anyio.to_thread.run_sync(append_line, self.uids_path, uids_line)
         if self.on_step is not None:
             self.on_step(record)
 

@@ -403,6 +403,10 @@ class Config(_Base):
     name: str = "default"
     checkpoint_root_dir: str = ""  # "" -> <run_dir>/checkpoints
     run_dir: str = ""  # "" -> runs/<name>
+    # a trainer started again in a run that has a committed resumable checkpoint (KV
+    # trainer.checkpoint; trainer.save_interval > 0) continues from it; false: from
+    # model.model_path at step 1 (Trinity-RFT's key and default)
+    continue_from_checkpoint: bool = True
     seed: int = 42
     model: ModelConfig = msgspec.field(default_factory=ModelConfig)
     buffer: BufferConfig = msgspec.field(default_factory=BufferConfig)

@@ -556,9 +556,6 @@ def _build_table() -> dict[str, Rule]:
         ),
         "checkpoint_job_dir": Ignored(_AUTO),
         "ray_namespace": Ignored(_RAY),
-        "continue_from_checkpoint": Ignored(
-            "a run starts fresh from model.model_path; point it at a checkpoint to continue"
-        ),
         "ignore_validator_suggestions": Ignored("there is no GPU-memory validator here"),
         "service": Ignored("outside services (Data-Juicer server) are not started by rftstream"),
         "log": Ignored(

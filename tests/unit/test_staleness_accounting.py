@@ -21,8 +21,8 @@ from rftstream.config.schema import (
     Config,
     SynchronizerConfig,
 )
-from rftstream.messages import WeightsPointer
-from rftstream.subjects import KV_TRAINER_STARVING, RunNames
+from rftstream.messages import TrainedUnacked, WeightsPointer
+from rftstream.subjects import KV_TRAINER_STARVING, KV_TRAINER_UNACKED, RunNames
 
 pytestmark = pytest.mark.anyio
 
@@ -48,6 +48,7 @@ class World:
         self.trainer_held = trainer
         self.version = 0
         self.starving: dict[str, Any] | None = None
+        self.trained_unacked: Any = None  # the trainer's TrainedUnacked record
         self.on_list: list[Any] = []  # one callable per consumers_info call, then nothing
         self.after_trainer_read: list[Any] = []  # one per read of the trainer's consumer
         self.on_weights: list[Any] = []  # one per latest_weights call
@@ -81,7 +82,9 @@ class World:
             self.on_weights.pop(0)()
         return ptr
 
-    async def get_json(self, key: str) -> Any:
+    async def get_json(self, key: str, typ: Any = None) -> Any:
+        if key == KV_TRAINER_UNACKED:
+            return self.trained_unacked
         assert key == KV_TRAINER_STARVING
         return self.starving
 
@@ -217,3 +220,45 @@ async def test_a_newer_task_never_waits_for_itself_or_a_newer_one() -> None:
     explorer._started(1, 5)
     with anyio.fail_after(1):
         await explorer._after_older_tasks(3)  # only v3 and v5 in flight: nothing older
+
+
+async def test_messages_trained_and_held_for_a_checkpoint_are_not_backlog() -> None:
+    """The trainer holds 16 messages it trained (acked at its next checkpoint): nothing is
+    ahead of what the explorer starts now, so it must not wait (it would forever with a
+    save_interval past max_staleness + 1); without the record they count and it waits."""
+    explorer = _explorer(1)
+    world = World(explorer, trainer=16)
+    _attach(explorer, world)
+    with anyio.move_on_after(0.6) as scope:
+        await explorer._respect_staleness(world, 3)  # type: ignore[arg-type]
+    assert scope.cancelled_caught  # 16 messages = 2 batches ahead: staleness 2 > 1
+    world.trained_unacked = TrainedUnacked(trained=16, acked=0)
+    with anyio.fail_after(5):
+        assert await explorer._respect_staleness(world, 3) == 8  # type: ignore[arg-type]
+
+
+async def test_trained_messages_acked_while_counted_are_not_subtracted_twice() -> None:
+    """The trainer acks 8 of its trained messages while the explorer reads the queues (its
+    record says so before the acks): what is left is counted, never less."""
+    explorer = _explorer(1)
+    world = World(explorer, trainer=24)  # 8 trained-unacked, 16 untrained ahead
+    world.trained_unacked = TrainedUnacked(trained=8, acked=0)
+    _attach(explorer, world)
+
+    def checkpoint() -> None:  # record first, then the acks: after the consumer was read
+        world.trained_unacked = TrainedUnacked(trained=8, acked=8)
+        world.trainer_held = 16
+
+    world.after_trainer_read.append(checkpoint)
+    with anyio.move_on_after(0.6) as scope:
+        await explorer._respect_staleness(world, 3)  # type: ignore[arg-type]
+    assert scope.cancelled_caught  # 16 untrained messages ahead still: it waits
+
+
+def test_backlog_less_trained_is_clamped_to_what_the_trainer_holds() -> None:
+    from rftstream.actors.common import Backlog
+
+    b = Backlog(total=30, held_by_trainer=10, held_by_operators=2)
+    assert b.without_trained(4) == Backlog(26, 6, 2)
+    assert b.without_trained(50) == Backlog(20, 0, 2)
+    assert b.without_trained(-3) == b
