@@ -229,7 +229,8 @@ class RankLeader:
 
     def train_step(self, exps: list[Experience]) -> dict[str, float]:
         """One trainer step of ``exps`` over all ranks (each trains its shard); the metrics
-        merged over ranks (:func:`merge_metrics`). Blocks until every rank has finished.
+        merged over ranks (:func:`merge_metrics`), plus ``trainer/rank_rows/<r>``: the rows
+        rank ``r`` trained (they sum to ``len(exps)``). Blocks until every rank has finished.
 
         Raises:
             RuntimeError: another rank failed its step (its error named).
@@ -252,7 +253,10 @@ class RankLeader:
         for rank, (_, _, error) in enumerate(gathered):
             if error is not None:
                 raise RuntimeError(f"trainer rank {rank} failed its step: {error}")
-        return merge_metrics([(rows, m) for rows, m, _ in gathered])
+        merged = merge_metrics([(rows, m) for rows, m, _ in gathered])
+        for rank, (rows, _, _) in enumerate(gathered):
+            merged[f"trainer/rank_rows/{rank}"] = float(rows)  # rows each rank trained
+        return merged
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """The policy's whole weights (every rank joins the ZeRO-3 gather). Blocks."""

@@ -92,3 +92,25 @@ def test_env_world_size_names_the_variable(monkeypatch: pytest.MonkeyPatch) -> N
         env_world_size()
     monkeypatch.setenv("WORLD_SIZE", "3")
     assert env_world_size() == 3
+
+
+def test_trainer_ranks_config_key_and_errors() -> None:
+    from rftstream.config import config_from_dict
+    from rftstream.config.validate import validate_config
+
+    assert config_from_dict({}).trainer.n_gpus_per_node == 1
+    two = validate_config(config_from_dict({"trainer": {"n_gpus_per_node": 2}}))
+    assert two.trainer.n_gpus_per_node == 2
+    # Trinity-RFT's cluster key maps onto it
+    cfg = config_from_dict({"cluster": {"trainer_gpu_num": 4}})
+    assert cfg.trainer.n_gpus_per_node == 4
+    with pytest.raises(ConfigError, match="trainer.n_gpus_per_node"):
+        validate_config(config_from_dict({"trainer": {"n_gpus_per_node": 0}}))
+    with pytest.raises(ConfigError, match=r"trainer.n_gpus_per_node.*sync_method"):
+        validate_config(
+            config_from_dict(
+                {"trainer": {"n_gpus_per_node": 2}, "synchronizer": {"sync_method": "memory"}}
+            )
+        )
+    with pytest.raises(ConfigError, match=r"trainer.n_gpus_per_node.*mode train"):
+        validate_config(config_from_dict({"mode": "train", "trainer": {"n_gpus_per_node": 2}}))
