@@ -31,7 +31,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -43,6 +43,8 @@ from rftstream.errors import RftError
 log = logging.getLogger(__name__)
 
 ROLLOUT_ROLES = ("explorer", "operator")
+# a trainer rank other than 0: no actor, no bus; it trains the shards rank 0 sends it
+TRAINER_RANK_ROLE = "trainer-rank"
 STOP_GRACE_S = 15.0  # SIGTERM, then this long, then SIGKILL
 
 
@@ -97,8 +99,10 @@ class ActorProcess:
         threads: int | None = None,
         exit_grace: float = 60.0,
         explorers: Sequence[str] | None = None,
+        env: Mapping[str, str] | None = None,
     ) -> None:
         self.run = run
+        self.env = dict(env or {})
         self.url = url
         self.roles = tuple(roles)
         self.name = name
@@ -150,7 +154,7 @@ class ActorProcess:
         self._write_config()
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         self._log_file = self.log_path.open("ab")  # closed in __aexit__; a local file
-        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        env = dict(os.environ, PYTHONUNBUFFERED="1", **self.env)
         # spawned from the event loop's (main) thread: PR_SET_PDEATHSIG follows that thread
         self.process = await anyio.open_process(
             self.argv(),
@@ -206,6 +210,54 @@ class ActorProcess:
         finally:
             if self._log_file is not None:
                 self._log_file.close()
+
+
+def trainer_rank_processes(
+    run: Any,
+    url: str,
+    *,
+    threads: int,
+    plugin_dirs: Sequence[str] = (),
+    exit_grace: float = 60.0,
+) -> list[ActorProcess]:
+    """The child processes of trainer ranks 1 .. ``trainer.n_gpus_per_node - 1`` (none for
+    one rank), not started yet; sets this process's torch.distributed env as rank 0 of
+    them (``MASTER_ADDR``/``MASTER_PORT`` on this host, ``RANK`` 0, ``WORLD_SIZE``), the
+    contract ``torchrun`` also follows. Each child builds the same
+    :class:`~rftstream.training.engine.PolicyTrainer` and follows rank 0
+    (:func:`rftstream.training.ranks.follow_leader`); it exits 0 when rank 0 stops it."""
+    n = int(run.cfg.trainer.n_gpus_per_node)
+    if n <= 1:
+        return []
+    from rftstream.bus.server import free_port
+
+    dist_env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": str(n)}
+    os.environ.update(dist_env, RANK="0", LOCAL_RANK="0")
+    return [
+        ActorProcess(
+            run,
+            url,
+            roles=(TRAINER_RANK_ROLE,),
+            name=f"trainer-rank-{rank}",
+            plugin_dirs=plugin_dirs,
+            threads=threads,
+            exit_grace=exit_grace,
+            env={**dist_env, "RANK": str(rank), "LOCAL_RANK": str(rank)},
+        )
+        for rank in range(1, n)
+    ]
+
+
+def _follow_trainer_rank(run: Any) -> int:
+    """This process as a trainer rank other than 0: build the policy, follow rank 0 until it
+    says stop. Blocks; returns 0."""
+    from rftstream.training.engine import PolicyTrainer
+    from rftstream.training.ranks import env_rank, follow_leader
+
+    policy = PolicyTrainer(run.cfg, run.model_path, run.algorithm)
+    steps = follow_leader(policy)
+    log.info("trainer rank %d: %d steps", env_rank(), steps)
+    return 0
 
 
 # ------------------------------------------------------------------ child side
@@ -272,10 +324,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             time.time() - t0,
         )
 
-        async def actors() -> None:
-            await run_actors(run, args.nats_url, roles, explorers=args.explorer)
+        if roles == (TRAINER_RANK_ROLE,):
+            code = _follow_trainer_rank(run)
+        else:
 
-        code = run_with_signals(actors)
+            async def actors() -> None:
+                await run_actors(run, args.nats_url, roles, explorers=args.explorer)
+
+            code = run_with_signals(actors)
     except Exception as exc:  # noqa: BLE001 - the parent reads the reason off the log
         log.exception("failed: %s", exc)
         print(f"error: {type(exc).__name__}: {exc}", flush=True)

@@ -127,14 +127,19 @@ async def _run_split(run: PreparedRun, url: str, console: Console, **callbacks: 
     final evaluation); raises when a child fails, which stops the run."""
     import torch
 
-    from rftstream.actor_process import ActorProcess, torch_threads_per_process
+    from rftstream.actor_process import (
+        ActorProcess,
+        torch_threads_per_process,
+        trainer_rank_processes,
+    )
     from rftstream.runtime import FINAL_EVAL_GRACE_S, explorer_names, provision
 
     await provision(run, url)  # the durables exist before either side publishes
     grace = FINAL_EVAL_GRACE_S if run.cfg.buffer.explorer_input.eval_tasksets else 30.0
     explorers = explorer_names(run.cfg)  # one per rollout engine (engine_num)
     # the trainer's and each explorer's forward passes share the cores
-    threads = torch_threads_per_process(1 + len(explorers))
+    ranks = max(1, run.cfg.trainer.n_gpus_per_node)
+    threads = torch_threads_per_process(ranks + len(explorers))
     common: dict[str, Any] = {"plugin_dirs": run.plugin_dirs, "exit_grace": grace}
     children = [
         ActorProcess(
@@ -151,6 +156,8 @@ async def _run_split(run: PreparedRun, url: str, console: Console, **callbacks: 
     children.append(
         ActorProcess(run, url, roles=("operator",), name="operator", threads=1, **common)
     )
+    # trainer ranks 1.. (trainer.n_gpus_per_node); the trainer here is rank 0
+    children += trainer_rank_processes(run, url, threads=threads, **common)
     async with contextlib.AsyncExitStack() as stack:
         for child in children:
             await stack.enter_async_context(child)

@@ -74,6 +74,7 @@ from rftstream.subjects import (
 from rftstream.sync import SyncPolicy
 from rftstream.training import checkpoint as ckpt
 from rftstream.training.datasets import DatasetSource, load_dataset_experiences
+from rftstream.training.ranks import RankLeader
 from rftstream.weights import checkpoint_dir, save_weights
 
 log = logging.getLogger(__name__)
@@ -304,9 +305,11 @@ class Trainer:
         await topology.attach(feed)  # answers splice/unsplice requests between fetches
         monitor = RawMonitor()
         await monitor.start(self.bus)
-        trainer = await anyio.to_thread.run_sync(
+        trainer: Any = await anyio.to_thread.run_sync(
             lambda: PolicyTrainer(self.cfg, self.model_path, self.algorithm)
         )
+        if trainer.world_size > 1:  # this is rank 0: it feeds the other ranks each step
+            trainer = RankLeader(trainer)
         feed.validate = trainer.check_experience
         self.run_dir.mkdir(parents=True, exist_ok=True)
         await self._resume(state, trainer, feed)
@@ -422,6 +425,8 @@ class Trainer:
                 trainer.save_hf_checkpoint, self.checkpoint_dir / f"global_step_{self.step}"
             )
             log.info("%s: final checkpoint %s", self.name, final)
+            if isinstance(trainer, RankLeader):
+                await anyio.to_thread.run_sync(trainer.stop)  # the other ranks exit
             status = "finished"
         except anyio.get_cancelled_exc_class():
             status = "stopped"  # Ctrl-C / SIGTERM: not a failure

@@ -346,6 +346,10 @@ class TrainerConfig(_Base):
     trainer_type: str = "deepspeed"
     save_interval: int = 0  # 0: only at the end
     zero_stage: int = 0
+    # verl's key: data-parallel trainer ranks on this node (GPUs on a GPU machine, processes
+    # on CPU); rftstream up starts n - 1 rank processes beside the trainer (rank 0), which
+    # alone reads the bus and feeds them (rftstream.training.ranks)
+    n_gpus_per_node: int = 1
     ppo_micro_batch_size_per_gpu: int = 16
     ppo_epochs: int = 1
     grad_clip: float = 1.0

@@ -573,11 +573,11 @@ def _build_table() -> dict[str, Rule]:
                 "rollout_gpu_num",
                 "auxiliary_model_gpu_num",
                 "explorer_gpu_num",
-                "trainer_gpu_num",
                 "trainer_node_num",
-                "trainer_gpu_num_per_node",
             )
         },
+        "cluster.trainer_gpu_num": _to("trainer.n_gpus_per_node", priority=40),
+        "cluster.trainer_gpu_num_per_node": _to("trainer.n_gpus_per_node", priority=45),
         # algorithm
         "algorithm.optimizer.lr_scheduler_type": _to(
             "algorithm.optimizer.warmup_style", priority=40

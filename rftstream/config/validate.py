@@ -207,6 +207,21 @@ def validate_config(cfg: Config, source: str | None = None) -> Config:
 
     c.at_least("trainer.save_interval", cfg.trainer.save_interval, 0)
     c.between("trainer.zero_stage", cfg.trainer.zero_stage, 0, 3)
+    c.at_least("trainer.n_gpus_per_node", cfg.trainer.n_gpus_per_node, 1)
+    if cfg.trainer.n_gpus_per_node > 1 and cfg.mode != "both":
+        c.fail(
+            "trainer.n_gpus_per_node",
+            f"several trainer ranks are started by rftstream up in mode both only, not in mode "
+            f"{cfg.mode}",
+            cfg.trainer.n_gpus_per_node,
+        )
+    elif cfg.trainer.n_gpus_per_node > 1 and cfg.synchronizer.sync_method == "memory":
+        c.fail(
+            "trainer.n_gpus_per_node",
+            "several trainer ranks run in separate processes, so the weights must leave the "
+            "trainer: set synchronizer.sync_method to checkpoint (or nccl on GPUs)",
+            cfg.trainer.n_gpus_per_node,
+        )
     c.choice("trainer.mixed_precision", cfg.trainer.mixed_precision, MIXED_PRECISIONS)
     _check_lora(c, cfg.model.lora_configs)
 

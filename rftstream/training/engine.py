@@ -45,6 +45,7 @@ from rftstream.training.memory import (
     enable_gradient_checkpointing,
     mixed_precision_config,
 )
+from rftstream.training.ranks import env_world_size, per_rank_batch_size
 from rftstream.training.schedule import lr_schedule
 from rftstream.training.zero import embedding_rows, full_state_dict
 
@@ -166,9 +167,18 @@ class PolicyTrainer:
         coef = getattr(algorithm.entropy_loss_fn, "entropy_coef", 1.0)
         self.entropy_grad = (algorithm.config.entropy_loss_fn or "none") != "none" and coef != 0
         self.micro = max(1, cfg.trainer.ppo_micro_batch_size_per_gpu)
-        self.train_batch_size = max(1, cfg.buffer.train_batch_size)
+        # with several ranks each trains its shard (rftstream.training.ranks)
+        self.world_size = env_world_size()
+        self.train_batch_size = per_rank_batch_size(cfg.buffer.train_batch_size, self.world_size)
         self.gas = max(1, math.ceil(self.train_batch_size / self.micro))
         self.verl_scaling = getattr(algorithm, "batch_shape", None)  # from prepare_run
+        if self.verl_scaling is not None and self.world_size > 1:
+            raise ConfigError(
+                "algorithm.policy_loss_fn",
+                f"{type(algorithm.policy_loss_fn).__name__} weights its micro-batches "
+                f"verl-style, which is supported on one trainer rank only (WORLD_SIZE is "
+                f"{self.world_size})",
+            )
         opt_cfg = cfg.algorithm.optimizer
         with HF_LOAD_LOCK:  # DeepSpeed moves the module; keep it apart from concurrent loads
             self.engine, self.optimizer, self.scheduler = self._deepspeed(
@@ -450,9 +460,13 @@ class PolicyTrainer:
             parts = contiguous_partitions(batch.size, self.gas, self.pair_unit)
         return [torch.tensor(p, dtype=torch.long) for p in parts]
 
-    def train_step(self, exps: list[Experience]) -> dict[str, float]:
+    def train_step(self, exps: list[Experience], *, rank_scale: float = 1.0) -> dict[str, float]:
         """One trainer step on ``exps`` (``ppo_epochs`` optimizer steps, then one step of the
-        lr schedules); returns averaged metrics. Blocks."""
+        lr schedules); returns averaged metrics. Blocks; with several ranks a collective.
+
+        ``rank_scale``: this rank's factor on its losses, ``world_size * len(exps) /
+        global batch rows`` when ``exps`` is one rank's shard (see
+        :mod:`rftstream.training.ranks`); 1 on a single rank."""
         t0, cpu0 = time.perf_counter(), time.thread_time()
         groups = self.optimizer.param_groups if self.optimizer is not None else []
         step_lr = float(groups[0]["lr"]) if groups else None
@@ -524,7 +538,7 @@ class PolicyTrainer:
                 loss = self._actor_micro_step(
                     batch, rows, old_logprob, ref_logprob, values, metrics
                 )
-                self.engine.backward(loss * self._actor_weight(rows.numel(), weight))
+                self.engine.backward(loss * (self._actor_weight(rows.numel(), weight) * rank_scale))
                 self.engine.step()
                 metrics["actor/loss"].append(float(loss.detach()))
                 if self.critic is not None and values is not None:
@@ -537,7 +551,7 @@ class PolicyTrainer:
                         self.cfg.trainer.critic.cliprange_value,
                         self.cfg.trainer.critic.loss_agg_mode,
                     )
-                    self.critic.backward(vloss * weight)
+                    self.critic.backward(vloss * (weight * rank_scale))
                     self.critic.step()
                     for k, v in vmetrics.items():
                         metrics[f"critic/{k}"].append(v)

@@ -1,0 +1,322 @@
+"""Data-parallel trainer ranks: one consumer (rank 0) feeding N training processes.
+
+Design. Rank 0 alone runs the trainer actor: it owns the JetStream consumer, the
+feed, acks, KV writes, metrics and weight publishing. Every other rank runs
+:func:`follow_leader` instead, a loop with no bus connection at all. Each
+trainer step rank 0 cuts its batch into one shard per rank (:func:`shard_batch`)
+and sends each rank its shard over a gloo control group
+(``scatter_object_list``: the experiences are pickled, tensors included); every
+rank then runs :meth:`PolicyTrainer.train_step` on its shard, where DeepSpeed
+all-reduces (averages) the gradients. Experience is therefore consumed, acked
+and counted once, by rank 0, whatever the number of ranks: a rank never reads
+the bus, so nothing is duplicated or dropped.
+
+Why a separate gloo group: the control messages are small Python objects; gloo
+carries them on CPU whatever the training backend (nccl on GPU), so no control
+traffic needs a CUDA device or stalls behind the gradient all-reduce.
+
+Gradient equivalence (what the tests check). A 1-rank step's gradient is the
+rows-weighted mean of its micro-batch losses: ``sum_mb rows_mb / B * grad
+L_mb``. DeepSpeed averages the ranks' gradients, so rank ``r`` (``B_r`` rows)
+scales its loss by ``rank_scale = N * B_r / B`` (:func:`rank_scales`); then the
+N-rank gradient is exactly the 1-rank gradient whose micro-batches are the
+union of the ranks' micro-batches, also for shards of unequal size (a short
+final batch). With ``ppo_micro_batch_size_per_gpu`` 1, or shards that are whole
+multiples of it, those micro-batches are the 1-rank run's own. A rank with
+nothing to train (fewer groups than ranks) trains a copy of one experience
+at ``rank_scale`` 0: it joins every collective and adds exactly zero.
+
+Shards keep each group (consecutive experiences of one task, ``eid.tid``; DPO
+pairs) whole, so an advantage fn computed in the trainer on groups (GRPO's,
+GAE per row) sees the same groups as on one rank. One computed over the whole
+batch (REINFORCE++'s whitening) sees the rank's shard instead.
+
+Failure: a rank that raises in a training step leaves the others blocked in a
+collective until torch.distributed's timeout; the launcher (``torchrun``) stops
+every rank when one exits with an error.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+from collections import defaultdict
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from rftstream.errors import ConfigError
+from rftstream.experience import Experience, Experiences
+
+if TYPE_CHECKING:
+    from rftstream.training.engine import PolicyTrainer
+
+log = logging.getLogger(__name__)
+
+LEADER = 0
+
+# control commands rank 0 sends the others
+_TRAIN = "train"
+_STATE_DICT = "state_dict"
+_CRITIC_STATE_DICT = "critic_state_dict"
+_SAVE = "save_hf_checkpoint"
+_STOP = "stop"
+
+
+def env_world_size() -> int:
+    """The number of trainer ranks of this process's launch (``WORLD_SIZE``, default 1).
+
+    Raises:
+        ConfigError: ``WORLD_SIZE`` is not a positive integer.
+    """
+    raw = os.environ.get("WORLD_SIZE", "1")
+    try:
+        n = int(raw)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise ConfigError("WORLD_SIZE", f"must be a positive integer, got {raw!r}")
+    return n
+
+
+def env_rank() -> int:
+    """This process's trainer rank (``RANK``, default 0)."""
+    return int(os.environ.get("RANK", "0"))
+
+
+def per_rank_batch_size(train_batch_size: int, world_size: int) -> int:
+    """Rows one rank trains per step: ``ceil(train_batch_size / world_size)`` (at least 1).
+
+    Every rank sizes its gradient accumulation from it, so all ranks run the same
+    number of micro-batches (DeepSpeed's accumulation boundary) whatever their shard.
+    """
+    return max(1, math.ceil(max(1, train_batch_size) / max(1, world_size)))
+
+
+def _blocks(exps: Sequence[Experience], unit: int) -> list[int]:
+    """Sizes of the indivisible runs of ``exps``: consecutive experiences of one task
+    (``eid.tid``), merged with their successors until each run is a whole number of
+    ``unit`` rows (DPO pairs: 2)."""
+    sizes: list[int] = []
+    prev: str | None = None
+    for exp in exps:
+        tid = exp.eid.tid
+        if sizes and tid == prev:
+            sizes[-1] += 1
+        else:
+            sizes.append(1)
+        prev = tid
+    out: list[int] = []
+    carry = 0
+    for size in sizes:
+        carry += size
+        if carry % unit == 0:
+            out.append(carry)
+            carry = 0
+    if carry:
+        out.append(carry)
+    return out
+
+
+def shard_batch(exps: Sequence[Experience], world_size: int, unit: int = 1) -> list[list[int]]:
+    """Row indices of each rank's shard of ``exps``: ``world_size`` contiguous runs of whole
+    groups (see :func:`_blocks`), cut at the group boundary nearest to each rank's even
+    share of the rows. Every row is in exactly one shard; a shard is empty only when there
+    are fewer groups than ranks. Pure.
+
+    Raises:
+        ValueError: ``world_size`` or ``unit`` is below 1.
+    """
+    if world_size < 1 or unit < 1:
+        raise ValueError(f"world_size and unit must be >= 1, got {world_size} and {unit}")
+    blocks = _blocks(exps, unit)
+    ends = [0]
+    for size in blocks:
+        ends.append(ends[-1] + size)
+    total = ends[-1]
+    cuts = [0]
+    for r in range(1, world_size):
+        target = total * r / world_size
+        # the nearest group boundary not before the previous cut
+        best = min((e for e in ends if e >= cuts[-1]), key=lambda e: (abs(e - target), e))
+        cuts.append(best)
+    cuts.append(total)
+    return [list(range(cuts[r], cuts[r + 1])) for r in range(world_size)]
+
+
+def rank_scales(sizes: Sequence[int]) -> list[float]:
+    """Each rank's loss factor ``N * B_r / B`` for shards of ``sizes`` rows, so that
+    DeepSpeed's mean over ranks weights every row as a 1-rank step does; 0 for an empty
+    shard. Pure."""
+    total = sum(sizes)
+    n = len(sizes)
+    return [n * s / total if total else 0.0 for s in sizes]
+
+
+def merge_metrics(per_rank: Sequence[tuple[int, dict[str, float]]]) -> dict[str, float]:
+    """One step's metrics from every rank's ``(rows, metrics)``: rows-weighted means
+    (ranks that trained nothing are left out), ``time/*`` the slowest rank's. Pure."""
+    weighted: dict[str, float] = defaultdict(float)
+    weights: dict[str, float] = defaultdict(float)
+    times: dict[str, float] = {}
+    for rows, metrics in per_rank:
+        if rows <= 0:
+            continue
+        for key, value in metrics.items():
+            if key.startswith("time/"):
+                times[key] = max(times.get(key, value), value)
+            else:
+                weighted[key] += rows * value
+                weights[key] += rows
+    out = {k: weighted[k] / weights[k] for k in weighted}
+    out.update(times)
+    return out
+
+
+def control_group() -> Any:
+    """A gloo process group over every rank, for the control messages. A collective: every
+    rank must call it, in the same order relative to other group creations."""
+    dist = torch.distributed
+    if dist.get_backend() == "gloo":
+        return None  # the default group already is gloo
+    return dist.new_group(backend="gloo")
+
+
+def _with_fields(rows: list[Experience], like: Sequence[Experience]) -> list[Experience]:
+    """``rows`` as an :class:`Experiences` carrying ``like``'s custom fields, if it has any."""
+    fields = getattr(like, "custom_fields", None)
+    if not fields:
+        return rows
+    return Experiences(rows, custom_fields=fields, pad_token_id=getattr(like, "pad_token_id", 0))
+
+
+class RankLeader:
+    """Rank 0's view of the trainer ranks: the :class:`PolicyTrainer` interface the trainer
+    actor uses, each call also run on every other rank (which waits in
+    :func:`follow_leader`).
+
+    Attributes not defined here (``tokenizer``, ``vocab_size``, ``check_experience``,
+    ...) are rank 0's policy's: they need no other rank.
+    """
+
+    def __init__(self, policy: PolicyTrainer) -> None:
+        dist = torch.distributed
+        if not dist.is_initialized():
+            raise RuntimeError("RankLeader needs torch.distributed initialised (DeepSpeed does)")
+        if dist.get_rank() != LEADER:
+            raise RuntimeError(f"RankLeader runs on rank {LEADER}, not {dist.get_rank()}")
+        self.policy = policy
+        self.world_size = dist.get_world_size()
+        self.group = control_group()
+        self.stopped = False
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.policy, name)
+
+    def _send(self, commands: list[tuple[str, Any]]) -> tuple[str, Any]:
+        """Scatter one ``(command, argument)`` per rank; returns rank 0's own. Blocks."""
+        if self.stopped:
+            raise RuntimeError("the trainer ranks were stopped")
+        mine: list[Any] = [None]
+        torch.distributed.scatter_object_list(mine, commands, src=LEADER, group=self.group)
+        return mine[0]
+
+    def _broadcast(self, command: str, argument: Any = None) -> None:
+        self._send([(command, argument)] * self.world_size)
+
+    def train_step(self, exps: list[Experience]) -> dict[str, float]:
+        """One trainer step of ``exps`` over all ranks (each trains its shard); the metrics
+        merged over ranks (:func:`merge_metrics`), plus ``trainer/rank_rows/<r>``: the rows
+        rank ``r`` trained (they sum to ``len(exps)``). Blocks until every rank has finished.
+
+        Raises:
+            RuntimeError: another rank failed its step (its error named).
+        """
+        n = self.world_size
+        shards = shard_batch(exps, n, self.policy.pair_unit)
+        sizes = [len(s) for s in shards]
+        scales = rank_scales(sizes)
+        commands: list[tuple[str, Any]] = []
+        for rows, scale in zip(shards, scales, strict=True):
+            # an empty shard trains a copy of one row at scale 0: it joins every collective
+            picked = [exps[i] for i in rows] if rows else [exps[0]]
+            commands.append((_TRAIN, (_with_fields(picked, exps), scale)))
+        _, (mine, scale) = self._send(commands)
+        metrics = self.policy.train_step(mine, rank_scale=scale)
+        gathered: list[Any] = [None] * n
+        torch.distributed.gather_object(
+            (sizes[LEADER], metrics, None), gathered, dst=LEADER, group=self.group
+        )
+        for rank, (_, _, error) in enumerate(gathered):
+            if error is not None:
+                raise RuntimeError(f"trainer rank {rank} failed its step: {error}")
+        merged = merge_metrics([(rows, m) for rows, m, _ in gathered])
+        for rank, (rows, _, _) in enumerate(gathered):
+            merged[f"trainer/rank_rows/{rank}"] = float(rows)  # rows each rank trained
+        return merged
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """The policy's whole weights (every rank joins the ZeRO-3 gather). Blocks."""
+        self._broadcast(_STATE_DICT)
+        return self.policy.state_dict()
+
+    def critic_state_dict(self) -> dict[str, torch.Tensor] | None:
+        """The critic's whole weights, or None without a critic. Blocks."""
+        self._broadcast(_CRITIC_STATE_DICT)
+        return self.policy.critic_state_dict()
+
+    def save_hf_checkpoint(self, path: str | Path) -> Path:
+        """Every rank gathers the weights, rank 0 writes ``path``. Blocks. Returns ``path``."""
+        self._broadcast(_SAVE, str(path))
+        return self.policy.save_hf_checkpoint(path)
+
+    def stop(self) -> None:
+        """Tell every other rank to leave :func:`follow_leader`. Idempotent. Blocks."""
+        if not self.stopped:
+            self._broadcast(_STOP)
+            self.stopped = True
+
+
+def follow_leader(policy: PolicyTrainer) -> int:
+    """Run rank ``!= 0``'s side of the trainer: receive a command from rank 0, run it on
+    ``policy`` (joining the collectives), until rank 0 says stop. Returns the number of
+    trainer steps run. Blocks.
+
+    A training step that raises is reported to rank 0 (which raises it, naming this
+    rank) and re-raised here.
+    """
+    dist = torch.distributed
+    group = control_group()
+    rank = dist.get_rank()
+    steps = 0
+    while True:
+        mine: list[Any] = [None]
+        dist.scatter_object_list(mine, None, src=LEADER, group=group)
+        command, argument = mine[0]
+        if command == _STOP:
+            log.info("trainer rank %d: stopped by rank %d after %d steps", rank, LEADER, steps)
+            return steps
+        if command == _TRAIN:
+            shard, scale = argument
+            error: str | None = None
+            metrics: dict[str, float] = {}
+            try:
+                metrics = policy.train_step(shard, rank_scale=scale)
+            except Exception as exc:  # reported to rank 0, then raised here
+                error = f"{type(exc).__name__}: {exc}"
+                dist.gather_object((0, {}, error), None, dst=LEADER, group=group)
+                raise
+            rows = len(shard) if scale > 0 else 0
+            dist.gather_object((rows, metrics, error), None, dst=LEADER, group=group)
+            steps += 1
+        elif command == _STATE_DICT:
+            policy.state_dict()
+        elif command == _CRITIC_STATE_DICT:
+            policy.critic_state_dict()
+        elif command == _SAVE:
+            policy.save_hf_checkpoint(argument)
+        else:
+            raise RuntimeError(f"trainer rank {rank}: unknown command {command!r} from rank 0")

@@ -1,0 +1,119 @@
+"""One trainer rank of the several-ranks tests (tests/integration/test_trainer_ranks.py).
+
+Run by ``torchrun`` (``python -m torch.distributed.run --standalone --nproc-per-node N
+-m tests.integration._ranks_worker MODEL OUT CASE``): rank 0 trains ``STEPS`` steps on
+the case's fixed batch through :class:`~rftstream.training.ranks.RankLeader` and saves
+the losses, KL losses and final weights to ``OUT``; the other ranks follow it.
+:func:`train_reference` runs the same steps on one rank, in the calling process.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from rftstream.config import config_from_dict
+from rftstream.experience import EID, Experience
+from rftstream.runtime import prepare_run
+from rftstream.training.engine import PolicyTrainer
+from tests.integration._util import small_config
+
+STEPS = 2
+
+# case name: (rows of each group, ppo_micro_batch_size_per_gpu)
+CASES: dict[str, tuple[tuple[int, ...], int]] = {
+    # 4 groups of 2 on 2 ranks: equal shards of whole micro-batches of 2
+    "equal": ((2, 2, 2, 2), 2),
+    # groups of 4, 1 and 1 rows: shards of 4 and 2 rows (a group is never cut), each rank
+    # weighted by its share; micro-batches of 1 row
+    "uneven": ((4, 1, 1), 1),
+    # 1 group on 2 ranks: one rank trains nothing (scale 0)
+    "one_group": ((4,), 1),
+}
+
+
+def batch(case: str) -> list[Experience]:
+    """The case's groups; the rows of a group share their 3-token prompt."""
+    sizes, _ = CASES[case]
+    out = []
+    for g, size in enumerate(sizes):
+        prompt = [10 + g, 20 + g, 30]
+        for r in range(size):
+            resp = [40 + (g * 7 + r * 3 + j) % 50 for j in range(3 + g + r)]
+            adv = 1.0 - r * 0.7
+            out.append(
+                Experience(
+                    tokens=prompt + resp,
+                    prompt_length=len(prompt),
+                    reward=adv,
+                    logprobs=[-0.5] * len(resp),
+                    advantages=[adv] * len(resp),
+                    eid=EID(0, f"t{g}", r),
+                )
+            )
+    return out
+
+
+def build(tmp_path: Path, model_path: str, case: str) -> PolicyTrainer:
+    """A GRPO trainer with a KL loss and an entropy bonus; AdamW with ``eps`` 1, so the
+    first steps move each weight by about ``lr * g / (|g| + 1)``: the weights depend on the
+    gradients' scale, not only their sign, and no clipping hides a wrong scale."""
+    _, micro = CASES[case]
+    data = small_config(tmp_path, model_path)
+    data["model"]["max_response_tokens"] = 16
+    data["buffer"]["train_batch_size"] = 8
+    data["algorithm"].update(
+        {
+            "kl_loss_fn": "low_var_kl",
+            "kl_loss_fn_args": {"kl_coef": 0.5},
+            "entropy_loss_fn": "default",
+            "entropy_loss_fn_args": {"entropy_coef": 0.01},
+            "optimizer": {"lr": 0.1, "eps": 1.0},
+        }
+    )
+    data["trainer"] = {
+        "ppo_micro_batch_size_per_gpu": micro,
+        "balance_batch": False,
+        "share_prompts": True,
+        "grad_clip": 1e9,
+    }
+    run = prepare_run(config_from_dict(data))
+    return PolicyTrainer(run.cfg, run.model_path, run.algorithm)
+
+
+def _train(trainer: Any, case: str) -> dict[str, Any]:
+    metrics = [trainer.train_step(batch(case)) for _ in range(STEPS)]
+    return {
+        "losses": [m["actor/loss"] for m in metrics],
+        "kl": [m["actor/kl_loss"] for m in metrics],
+        "state": trainer.state_dict(),
+    }
+
+
+def train_reference(tmp_path: Path, model_path: str, case: str) -> dict[str, Any]:
+    """The case's steps on one rank, in this process."""
+    return _train(build(tmp_path, model_path, case), case)
+
+
+def main(model_path: str, out: str, case: str) -> None:
+    from rftstream.training.ranks import RankLeader, env_rank, follow_leader
+
+    rank = env_rank()
+    trainer = build(Path(out).parent / f"rank{rank}", model_path, case)
+    if rank != 0:
+        steps = follow_leader(trainer)
+        assert steps == STEPS, steps
+        return
+    leader = RankLeader(trainer)
+    try:
+        result = _train(leader, case)
+    finally:
+        leader.stop()
+    torch.save(result, out)
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:4])

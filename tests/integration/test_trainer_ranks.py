@@ -1,0 +1,67 @@
+"""Several trainer ranks (real DeepSpeed on CPU, gloo, launched by torchrun) train exactly
+as one rank does on the same batch.
+
+A 2-rank run (``torchrun --standalone --nproc-per-node 2``, rank 0 scattering shards
+through :class:`~rftstream.training.ranks.RankLeader`) and a 1-rank run in this process
+train 2 steps on the same fixed batch; the 2-rank run's losses (merged over ranks), KL
+losses and final weights equal the 1-rank run's. The optimizer's ``eps`` of 1 makes each
+weight's update about ``lr * g / (|g| + 1)``: it depends on the gradient's scale (plain
+Adam would hide a rank weighting off by a constant factor), and clipping is off. Cases: equal
+shards, unequal shards (a group is never cut), and a rank that gets no group at all.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.integration import _ranks_worker as worker
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def launch(model_path: str, out: Path, case: str, nproc: int = 2) -> None:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")])
+    env["DS_ACCELERATOR"] = "cpu"
+    env["CUDA_VISIBLE_DEVICES"] = ""
+    env["OMP_NUM_THREADS"] = "1"
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(key, None)
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc-per-node={nproc}",
+        "-m",
+        "tests.integration._ranks_worker",
+        model_path,
+        str(out),
+        case,
+    ]
+    proc = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-8000:]
+
+
+@pytest.mark.parametrize("case", sorted(worker.CASES))
+def test_two_ranks_train_as_one(case: str, tiny_model_path: str, tmp_path: Path) -> None:
+    out = tmp_path / "ranks.pt"
+    launch(tiny_model_path, out, case)
+    got = torch.load(out, weights_only=False)
+    ref = worker.train_reference(tmp_path / "one", tiny_model_path, case)
+
+    assert len(set(ref["losses"])) == worker.STEPS  # the second step saw the first's update
+    assert got["losses"] == pytest.approx(ref["losses"], rel=1e-5, abs=1e-6)
+    assert got["kl"] == pytest.approx(ref["kl"], rel=1e-5, abs=1e-7)
+    initial = worker.build(tmp_path / "init", tiny_model_path, case).state_dict()
+    assert set(got["state"]) == set(ref["state"])
+    moved = max(float((ref["state"][k] - initial[k]).abs().max()) for k in initial)
+    assert moved > 1e-3
+    for key, value in got["state"].items():
+        torch.testing.assert_close(value, ref["state"][key], rtol=1e-5, atol=1e-6)

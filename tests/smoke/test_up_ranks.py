@@ -1,0 +1,51 @@
+"""Smoke: ``rftstream up`` with 2 trainer ranks (``trainer.n_gpus_per_node``) on CPU."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.integration._util import user_env
+
+pytestmark = pytest.mark.smoke
+
+RFTSTREAM = [sys.executable, "-m", "rftstream.cli"]
+
+
+def test_up_with_two_trainer_ranks(tmp_path: Path, tiny_model_path: str) -> None:
+    run_dir = tmp_path / "run"
+    proc = subprocess.run(
+        [
+            *RFTSTREAM,
+            "up",
+            "--steps",
+            "3",
+            "--run-dir",
+            str(run_dir),
+            "--set",
+            "trainer.n_gpus_per_node=2",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=480,
+        env=user_env(tiny_model_path),
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    records = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [1, 2, 3]
+    total = 0
+    for r in records:
+        # rank 0 read the batch once; the ranks' shards partition it
+        rows = [r["trainer/rank_rows/0"], r["trainer/rank_rows/1"]]
+        assert sum(rows) == r["experience/trained"] > 0
+        assert rows[1] > 0  # rank 1 really trained
+        total += r["experience/trained"]
+        assert r["experience/trained_total"] == total
+        assert r["experience/duplicates_dropped"] == 0
+    rank_log = (run_dir / "logs" / "trainer-rank-1.log").read_text()
+    assert "trainer rank 1: 3 steps" in rank_log and "(exit 0)" in rank_log
+    assert (run_dir / "checkpoints" / "global_step_3" / "model.safetensors").is_file()
