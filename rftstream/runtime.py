@@ -147,7 +147,8 @@ def _fill_batch_args(cfg: Config, algorithm: Any) -> tuple[Config, Any]:
     derived (:func:`rftstream.training.batch.loss_batch_args`):
     ``ppo_mini_batch_size`` (the train batch), ``ppo_micro_batch_size_per_gpu``,
     ``ngpus_trainer`` (1) and ``train_batch_size_usual`` /
-    ``train_batch_size_expert`` (from ``sample_strategy_args.expert_data_ratio``).
+    ``train_batch_size_expert`` (from ``sample_strategy_args.expert_data_ratio``), and
+    ``use_dynamic_bsz`` with ``trainer.use_dynamic_bsz``.
     Returns ``(cfg, algorithm)``: the algorithm is resolved again when
     something was filled, and carries the loss's verl batch arithmetic in
     ``batch_shape`` (computed here, once; the trainer applies it).
@@ -169,10 +170,12 @@ def _fill_batch_args(cfg: Config, algorithm: Any) -> tuple[Config, Any]:
         train_batch_size=total,
         micro_batch=micro,
         expert_ratio=float(ratio),
+        use_dynamic_bsz=cfg.trainer.use_dynamic_bsz,
     )
     if fill:
         mb = fill.get("ppo_micro_batch_size_per_gpu", micro)
-        if "ppo_mini_batch_size" in fill and total % mb:
+        fixed = not cfg.trainer.use_dynamic_bsz  # else micro-batches weigh by their rows
+        if fixed and "ppo_mini_batch_size" in fill and total % mb:
             raise ConfigError(
                 "trainer.ppo_micro_batch_size_per_gpu",
                 f"{type(algorithm.policy_loss_fn).__name__} weights each micro-batch by "

@@ -351,6 +351,13 @@ class TrainerConfig(_Base):
     # alone reads the bus and feeds them (rftstream.training.ranks)
     n_gpus_per_node: int = 1
     ppo_micro_batch_size_per_gpu: int = 16
+    # verl's dynamic batch size: each step's micro-batches are formed from the rows' token
+    # counts, as few as fit max_token_len_per_gpu padded tokens each (rows x the longest
+    # row of the micro-batch), instead of ppo_micro_batch_size_per_gpu rows each
+    use_dynamic_bsz: bool = False
+    # the token budget of one micro-batch with use_dynamic_bsz; None: Trinity-RFT's default,
+    # 2 x (model.max_prompt_tokens + model.max_response_tokens)
+    max_token_len_per_gpu: int | None = None
     ppo_epochs: int = 1
     grad_clip: float = 1.0
     max_wait_for_batch: float = 0.0  # 0: wait until experience arrives or the explorer finishes
@@ -367,6 +374,14 @@ class TrainerConfig(_Base):
     deepspeed_config: dict[str, Any] = msgspec.field(
         default_factory=dict
     )  # merged over the generated one
+
+    def token_budget(self, model: ModelConfig) -> int:
+        """The padded tokens one micro-batch may hold with ``use_dynamic_bsz``:
+        ``max_token_len_per_gpu``, or (None) ``2 x (max_prompt_tokens +
+        max_response_tokens)`` of ``model``."""
+        if self.max_token_len_per_gpu is not None:
+            return int(self.max_token_len_per_gpu)
+        return 2 * (model.max_prompt_tokens + model.max_response_tokens)
 
 
 # ----------------------------------------------------------------- monitor / nats

@@ -304,7 +304,10 @@ def _data_selector(source: str, value: Any, ctx: _Ctx) -> None:
 
 
 def _dynamic_bsz(source: str, value: Any, ctx: _Ctx) -> None:
-    """``use_dynamic_bsz`` + ``max_token_len_per_gpu`` -> rows per micro-batch holding the budget."""
+    """``use_dynamic_bsz`` is ours too (micro-batches formed per step by the token budget);
+    Trinity-RFT's default budget, ``2 x max_model_len``, becomes
+    ``trainer.max_token_len_per_gpu`` when the file sets ``model.max_model_len`` and no
+    budget (else ours applies: ``2 x (max_prompt_tokens + max_response_tokens)``)."""
     if not value:
         ctx.notes.append(
             KeyNote(
@@ -312,24 +315,26 @@ def _dynamic_bsz(source: str, value: Any, ctx: _Ctx) -> None:
             )
         )
         return
-    seq = _sequence_len(ctx)
-    sp = ctx.get("trainer.ulysses_sequence_parallel_size", 1) or 1
-    budget = ctx.get("trainer.max_token_len_per_gpu")
-    how = "trainer.max_token_len_per_gpu"
-    if budget is None and ctx.get("trainer.ppo_max_token_len_per_gpu") is not None:
-        budget = ctx.get("trainer.ppo_max_token_len_per_gpu")
-        how = "trainer.ppo_max_token_len_per_gpu"
-    if budget is None:
-        budget = -(-2 * seq // sp)  # Trinity's default: ceil(2 * max_model_len / sp)
-        how = f"Trinity's default token budget 2 x {seq} (max_model_len)"
-    rows = max(1, int(budget) // seq)
+    how = (
+        "micro-batches formed per step, as few as hold trainer.max_token_len_per_gpu padded "
+        "tokens each"
+    )
+    budget_set = any(
+        ctx.get(k) is not None
+        for k in ("trainer.max_token_len_per_gpu", "trainer.ppo_max_token_len_per_gpu")
+    )
+    max_len = ctx.get("model.max_model_len")
+    if budget_set or not (isinstance(max_len, int) and max_len > 0):
+        if not budget_set:
+            how += " (unset: 2 x (model.max_prompt_tokens + model.max_response_tokens))"
+        ctx.notes.append(KeyNote(source, "mapped", how, value))
+        return
     ctx.assign(
         source,
-        "trainer.ppo_micro_batch_size_per_gpu",
-        rows,
-        f"token budget {budget} ({how}) / {seq} tokens per padded row (max_model_len, else "
-        "max_prompt_tokens + max_response_tokens)",
-        60,
+        "trainer.max_token_len_per_gpu",
+        2 * max_len,
+        f"{how}; Trinity-RFT's default budget 2 x model.max_model_len",
+        40,
     )
 
 
@@ -339,21 +344,29 @@ def _total_steps(source: str, value: Any, ctx: _Ctx) -> None:
 
 
 def _token_budget(source: str, value: Any, ctx: _Ctx) -> None:
-    if ctx.get("trainer.use_dynamic_bsz", False):
-        ctx.notes.append(KeyNote(source, "mapped", "used by trainer.use_dynamic_bsz", value))
+    """``max_token_len_per_gpu`` (ours too) or its older name ``ppo_max_token_len_per_gpu``
+    (onto ours, unless the file sets ours): the micro-batch token budget of
+    ``use_dynamic_bsz``."""
+    used = bool(ctx.get("trainer.use_dynamic_bsz", False))
+    if source == "trainer.max_token_len_per_gpu":
+        reason = (
+            "the micro-batch token budget of trainer.use_dynamic_bsz"
+            if used
+            else "unused: only trainer.use_dynamic_bsz: true forms micro-batches by tokens"
+        )
+        ctx.notes.append(KeyNote(source, "mapped", reason, value))
+    elif used:
+        ctx.assign(
+            source,
+            "trainer.max_token_len_per_gpu",
+            value,
+            "older name of the micro-batch token budget of trainer.use_dynamic_bsz",
+            50,
+        )
     else:
         ctx.ignore(
             source, value, "only used with trainer.use_dynamic_bsz: true (as in Trinity-RFT)"
         )
-
-
-def _sequence_len(ctx: _Ctx) -> int:
-    max_len = ctx.get("model.max_model_len")
-    if isinstance(max_len, int) and max_len > 0:
-        return max_len
-    return int(ctx.get("model.max_prompt_tokens", 256)) + int(
-        ctx.get("model.max_response_tokens", 64)
-    )
 
 
 def _trainer_type(source: str, value: Any, ctx: _Ctx) -> None:
@@ -697,18 +710,19 @@ def _build_table() -> dict[str, Rule]:
             "-> buffer.total_steps (unless the file sets buffer.total_steps)", _total_steps
         ),
         "trainer.ppo_max_token_len_per_gpu": Mapped(
-            "token budget of trainer.use_dynamic_bsz (older name of max_token_len_per_gpu)",
+            "-> trainer.max_token_len_per_gpu (its older name) with trainer.use_dynamic_bsz",
             _token_budget,
         ),
         "trainer.save_hf_checkpoint": Ignored(
             "checkpoints are always Hugging Face safetensors directories here"
         ),
         "trainer.use_dynamic_bsz": Mapped(
-            "true -> trainer.ppo_micro_batch_size_per_gpu = token budget / max_model_len",
+            "ours: micro-batches formed per step by the token budget "
+            "(trainer.max_token_len_per_gpu; Trinity's default 2 x model.max_model_len)",
             _dynamic_bsz,
         ),
         "trainer.max_token_len_per_gpu": Mapped(
-            "token budget of trainer.use_dynamic_bsz", _token_budget
+            "ours: the micro-batch token budget of trainer.use_dynamic_bsz", _token_budget
         ),
         "trainer.use_remove_padding": Ignored("micro-batches are padded to their longest row here"),
         "trainer.critic_warmup": Ignored(_NOT_HERE),

@@ -223,6 +223,7 @@ def validate_config(cfg: Config, source: str | None = None) -> Config:
             cfg.trainer.n_gpus_per_node,
         )
     c.choice("trainer.mixed_precision", cfg.trainer.mixed_precision, MIXED_PRECISIONS)
+    _check_token_budget(c, cfg)
     _check_lora(c, cfg.model.lora_configs)
 
     c.between("nats.max_payload", cfg.nats.max_payload, KIB, 64 * MIB, " bytes (1 KiB to 64 MiB)")
@@ -230,6 +231,25 @@ def validate_config(cfg: Config, source: str | None = None) -> Config:
     if style != sync.sync_style:
         cfg = replace(cfg, synchronizer=replace(sync, sync_style=style))
     return cfg
+
+
+def _check_token_budget(c: _Checker, cfg: Config) -> None:
+    """``trainer.max_token_len_per_gpu`` must hold the longest row the trainer can see
+    (``max_prompt_tokens + max_response_tokens``: collate cuts rows to them), so that every
+    row fits a micro-batch of its own; checked with ``use_dynamic_bsz`` only."""
+    t = cfg.trainer
+    c.at_least("trainer.max_token_len_per_gpu", t.max_token_len_per_gpu, 1, optional=True)
+    if not t.use_dynamic_bsz or t.max_token_len_per_gpu is None:
+        return
+    row = cfg.model.max_prompt_tokens + cfg.model.max_response_tokens
+    if t.max_token_len_per_gpu < row:
+        c.fail(
+            "trainer.max_token_len_per_gpu",
+            f"the token budget of one micro-batch (use_dynamic_bsz) is smaller than the longest "
+            f"row, model.max_prompt_tokens + model.max_response_tokens = {row}; raise it to at "
+            f"least {row} (or leave it unset: 2 x {row})",
+            t.max_token_len_per_gpu,
+        )
 
 
 def _check_tasksets(c: _Checker, inp: ExplorerInput) -> ExplorerInput:

@@ -86,6 +86,7 @@ def loss_batch_args(
     train_batch_size: int,
     micro_batch: int,
     expert_ratio: float,
+    use_dynamic_bsz: bool = False,
 ) -> tuple[dict[str, int], VerlBatchShape | None]:
     """The batch-shape arguments to fill in for a policy loss, and its verl arithmetic.
 
@@ -94,7 +95,8 @@ def loss_batch_args(
     set: ``ppo_mini_batch_size`` (the train batch),
     ``ppo_micro_batch_size_per_gpu`` (``micro_batch``, at most the mini
     batch), ``ngpus_trainer`` (1), ``train_batch_size_expert`` (``ceil(ratio
-    * train batch)``) and ``train_batch_size_usual`` (the rest). The shape is
+    * train batch)``), ``train_batch_size_usual`` (the rest) and, with
+    ``use_dynamic_bsz`` (``trainer.use_dynamic_bsz``), ``use_dynamic_bsz``. The shape is
     None unless the constructor takes ``ppo_mini_batch_size``; its values
     come from ``args``, then the filled ones, then the constructor's
     defaults. Pure; inspects the constructor once.
@@ -114,6 +116,8 @@ def loss_batch_args(
         "train_batch_size_usual": max(1, total - expert),
         "train_batch_size_expert": max(1, expert),
     }
+    if use_dynamic_bsz:
+        derived["use_dynamic_bsz"] = True
     fill = {k: v for k, v in derived.items() if k in params and k not in args}
     if "ppo_mini_batch_size" not in params:
         return fill, None
@@ -182,6 +186,48 @@ class TrainBatch:
     def rows(self, idx: torch.Tensor | slice) -> TrainBatch:
         """A sub-batch (micro-batch) of the given rows."""
         return self._map(lambda t: t[idx])
+
+    def prompt_lengths(self) -> list[int]:
+        """Each row's real (unpadded) prompt tokens."""
+        return [int(n) for n in self.attention_mask[:, : self.prompt_width].sum(1).tolist()]
+
+    def response_lengths(self) -> list[int]:
+        """Each row's real (unpadded) response tokens."""
+        return [int(n) for n in self.attention_mask[:, self.prompt_width :].sum(1).tolist()]
+
+    def trimmed(self, *, responses: bool = True) -> TrainBatch:
+        """The same rows with the padding no row needs cut away: the prompt columns
+        narrowed to the longest real prompt (left padding), and with ``responses`` the
+        response columns to the longest real response (right padding).
+
+        The model sees the same tokens at the same positions (``position_ids`` count
+        real tokens only), so log-probs are unchanged; every ``[B, R]`` tensor keeps its
+        first columns. ``responses=False`` keeps the response width, for a loss
+        that divides by it (``seq-mean-token-sum-norm``).
+        """
+        p = max(1, max(self.prompt_lengths(), default=1))
+        r = max(1, max(self.response_lengths(), default=1)) if responses else self.response_width
+        cut = self.prompt_width - p
+
+        def seq(t: torch.Tensor) -> torch.Tensor:
+            return t[:, cut : self.prompt_width + r]
+
+        def resp(t: torch.Tensor) -> torch.Tensor:
+            return t[:, :r]
+
+        return TrainBatch(
+            input_ids=seq(self.input_ids),
+            attention_mask=seq(self.attention_mask),
+            position_ids=seq(self.position_ids),
+            prompt_width=p,
+            response_mask=resp(self.response_mask),
+            advantages=resp(self.advantages),
+            returns=resp(self.returns),
+            rollout_logprobs=resp(self.rollout_logprobs),
+            rollout_logprob_mask=resp(self.rollout_logprob_mask),
+            rewards=self.rewards,
+            fields=dict(self.fields),
+        )
 
 
 def _np(t: torch.Tensor | None) -> np.ndarray | None:
@@ -455,3 +501,74 @@ def contiguous_partitions(n: int, k: int, unit: int = 1) -> list[list[int]]:
     if start < n:  # a trailing partial unit joins the last run
         out[-1].extend(range(start, n))
     return out
+
+
+def padded_tokens(prompt_lengths: Sequence[int], response_lengths: Sequence[int]) -> int:
+    """The tokens of a micro-batch of these rows once padded (:meth:`TrainBatch.trimmed`):
+    rows x (longest prompt + longest response)."""
+    if not prompt_lengths:
+        return 0
+    return len(prompt_lengths) * (max(prompt_lengths) + max(response_lengths))
+
+
+def token_budget_partitions(
+    prompt_lengths: Sequence[int],
+    response_lengths: Sequence[int],
+    budget: int,
+    *,
+    unit: int = 1,
+    reorder: bool = True,
+) -> list[list[int]]:
+    """Split row indices into micro-batches of at most ``budget`` padded tokens each
+    (:func:`padded_tokens`: rows x (longest prompt + longest response), the size of the
+    micro-batch's tensors after :meth:`TrainBatch.trimmed`), as few as this greedy finds.
+
+    Rows go in blocks of ``unit`` consecutive rows that are never split (DPO pairs: 2; a
+    trailing partial block is a block of its own). Blocks are taken longest first
+    (``reorder``; by their longest prompt + response) or in their order, each added to the
+    open micro-batch while that stays within ``budget``, else opening the next one.
+
+    The count: in order (``reorder=False``), the fewest of any split into consecutive
+    runs (a run's size only grows with its rows). Reordered, with ``unit`` 1: the fewest
+    possible when every row has the same prompt length or the same response length (the
+    size is then rows x the longest row, where longest-first is optimal); in general at
+    most the fewest possible for half the budget, since a micro-batch opened by a row of
+    ``w`` tokens takes every following row while rows x ``2w`` fit. Each micro-batch
+    lists its rows in ascending order; micro-batches come longest first. Pure.
+
+    Raises:
+        ValueError: a block alone needs more than ``budget`` tokens, or the lengths
+            differ in number.
+    """
+    n = len(prompt_lengths)
+    if len(response_lengths) != n:
+        raise ValueError(
+            f"token_budget_partitions: {n} prompt lengths but {len(response_lengths)} "
+            f"response lengths"
+        )
+    unit = max(1, unit)
+    blocks = [list(range(i, min(i + unit, n))) for i in range(0, n, unit)]
+    if reorder:
+        blocks.sort(key=lambda b: (-max(prompt_lengths[i] + response_lengths[i] for i in b), b[0]))
+    parts: list[list[int]] = []
+    current: list[int] = []
+    for block in blocks:
+        alone = padded_tokens(
+            [prompt_lengths[i] for i in block], [response_lengths[i] for i in block]
+        )
+        if alone > budget:
+            raise ValueError(
+                f"rows {block} need {alone} padded tokens, more than the micro-batch token "
+                f"budget {budget}"
+            )
+        grown = current + block
+        if current and (
+            padded_tokens([prompt_lengths[i] for i in grown], [response_lengths[i] for i in grown])
+            > budget
+        ):
+            parts.append(sorted(current))
+            grown = list(block)
+        current = grown
+    if current:
+        parts.append(sorted(current))
+    return parts

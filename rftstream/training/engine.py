@@ -37,6 +37,7 @@ from rftstream.training.batch import (
     contiguous_partitions,
     response_logprobs,
     response_token_stats,
+    token_budget_partitions,
     trainer_tensors,
 )
 from rftstream.training.critic import value_loss
@@ -172,6 +173,20 @@ class PolicyTrainer:
         self.train_batch_size = per_rank_batch_size(cfg.buffer.train_batch_size, self.world_size)
         self.gas = max(1, math.ceil(self.train_batch_size / self.micro))
         self.verl_scaling = getattr(algorithm, "batch_shape", None)  # from prepare_run
+        self.dynamic_bsz = bool(cfg.trainer.use_dynamic_bsz)
+        self.token_budget = cfg.trainer.token_budget(cfg.model)
+        # rows may be reordered into micro-batches where the algorithm allows it
+        self.can_reorder = bool(getattr(algo_type, "can_balance_batch", True)) and (
+            self.pair_unit == 1
+        )
+        # a loss that divides by the response width must see the whole batch's
+        self.trim_responses = "seq-mean-token-sum-norm" not in {
+            self.loss_agg_mode,
+            getattr(algorithm.policy_loss_fn, "loss_agg_mode", None),
+        }
+        if self.dynamic_bsz:
+            self._check_dynamic_bsz(cfg)
+            self.gas = 1  # the caller owns the accumulation boundary (see _deepspeed)
         if self.verl_scaling is not None and self.world_size > 1:
             raise ConfigError(
                 "algorithm.policy_loss_fn",
@@ -204,6 +219,34 @@ class PolicyTrainer:
         self.reuse_old_logprob = self._old_logprob_is_redundant()
         self.global_step = 0
 
+    def _check_dynamic_bsz(self, cfg: Config) -> None:
+        """Refuse what ``trainer.use_dynamic_bsz`` cannot train correctly.
+
+        Raises:
+            ConfigError: at ``trainer.max_token_len_per_gpu`` when the longest row (a
+                DPO pair: two) does not fit the budget; at
+                ``algorithm.policy_loss_fn_args.use_dynamic_bsz`` for a loss that weights
+                its micro-batches verl-style by a fixed accumulation count.
+        """
+        row = cfg.model.max_prompt_tokens + cfg.model.max_response_tokens
+        if self.token_budget < self.pair_unit * row:
+            what = "a DPO pair (2 rows)" if self.pair_unit > 1 else "the longest row"
+            raise ConfigError(
+                "trainer.max_token_len_per_gpu",
+                f"the micro-batch token budget {self.token_budget} cannot hold {what} of "
+                f"model.max_prompt_tokens + model.max_response_tokens = {row} tokens each",
+                value=self.token_budget,
+            )
+        shape = self.verl_scaling
+        if shape is not None and not shape.use_dynamic_bsz:
+            raise ConfigError(
+                "algorithm.policy_loss_fn_args.use_dynamic_bsz",
+                f"{type(self.algorithm.policy_loss_fn).__name__} weights its micro-batches "
+                f"by a fixed gradient accumulation count, but trainer.use_dynamic_bsz forms "
+                f"them by tokens: set this argument to true (or unset it)",
+                value=False,
+            )
+
     def _old_logprob_is_redundant(self) -> bool:
         """Whether the gradient pass's own log-probs (detached) equal a recomputed ``old_logprob``.
 
@@ -226,6 +269,15 @@ class PolicyTrainer:
         critic's, at config path ``opt_key``) and its lr schedule
         (:func:`~rftstream.training.schedule.lr_schedule`: constant or cosine, with warm-up).
 
+        With ``trainer.use_dynamic_bsz`` the engine runs with
+        ``managed_gradient_accumulation: false``: ``backward`` only accumulates and
+        each ``step`` is the accumulation boundary, so a step may have any number of
+        micro-batches, each weighted by its rows (``gradient_accumulation_steps`` 1:
+        DeepSpeed divides by nothing). Chosen over a worst-case fixed count padded
+        with zero-gradient passes, which would cost a pass over the parameters for
+        every missing micro-batch; with several ranks the counts are made equal
+        (:meth:`_partitions`), as ZeRO 2-3 reduce in every ``backward``.
+
         Raises:
             ConfigError: the schedule is invalid or needs ``buffer.total_steps``.
         """
@@ -240,6 +292,8 @@ class PolicyTrainer:
         ds_config: dict[str, Any] = {
             "train_micro_batch_size_per_gpu": self.micro,
             "gradient_accumulation_steps": self.gas,
+            # use_dynamic_bsz: a step's micro-batch count varies, DeepSpeed's is fixed
+            **({"managed_gradient_accumulation": False} if self.dynamic_bsz else {}),
             "gradient_clipping": cfg.trainer.grad_clip,
             "zero_optimization": {"stage": cfg.trainer.zero_stage},
             **mixed_precision_config(cfg.trainer.mixed_precision),
@@ -346,17 +400,36 @@ class PolicyTrainer:
         assert self.critic is not None
         return self.critic(mb.input_ids, mb.attention_mask, mb.position_ids, mb.prompt_width)
 
+    def _no_grad_batches(self, batch: TrainBatch) -> list[TrainBatch]:
+        """``batch`` in consecutive micro-batches for a no-grad pass (whose outputs are
+        concatenated in row order): ``ppo_micro_batch_size_per_gpu`` rows each, or with
+        ``use_dynamic_bsz`` as few as fit the token budget, each trimmed to its own
+        longest prompt and response."""
+        if not self.dynamic_bsz:
+            return [batch.rows(idx) for idx in _chunks(batch.size, self.micro)]
+        parts = token_budget_partitions(
+            batch.prompt_lengths(), batch.response_lengths(), self.token_budget, reorder=False
+        )
+        return [batch.rows(slice(p[0], p[-1] + 1)).trimmed() for p in parts]
+
+    def _micro_batch(self, batch: TrainBatch, rows: torch.Tensor) -> TrainBatch:
+        """The gradient pass's micro-batch of ``rows``; with ``use_dynamic_bsz`` trimmed to
+        its own longest prompt (and response, unless the loss divides by the width)."""
+        mb = batch.rows(rows)
+        return mb.trimmed(responses=self.trim_responses) if self.dynamic_bsz else mb
+
     @torch.no_grad()
     def _no_grad(self, fn: Callable[[TrainBatch], torch.Tensor], batch: TrainBatch) -> torch.Tensor:
-        return torch.cat([fn(batch.rows(idx)) for idx in _chunks(batch.size, self.micro)], 0)
+        width = batch.response_width
+        return torch.cat([_pad_columns(fn(mb), width) for mb in self._no_grad_batches(batch)], 0)
 
     @torch.no_grad()
     def _token_stats_no_grad(self, batch: TrainBatch, *, with_nec: bool) -> TokenStats:
         """Log-prob, entropy (and ``nec``) of every response token under the current policy:
         one no-grad pass over ``batch`` in micro-batch chunks. Blocks."""
         stats: TokenStats | None = None
-        for idx in _chunks(batch.size, self.micro):
-            mb = batch.rows(idx)
+        width = batch.response_width
+        for mb in self._no_grad_batches(batch):
             logits, start = self._response_logits(self.engine.module, mb)
             part = response_token_stats(
                 logits,
@@ -365,6 +438,11 @@ class PolicyTrainer:
                 self.temperature,
                 with_nec=with_nec,
                 logits_start=start,
+            )
+            part = TokenStats(
+                _pad_columns(part.logprob, width),
+                _pad_columns(part.entropy, width),
+                None if part.nec is None else _pad_columns(part.nec, width),
             )
             stats = part if stats is None else stats.cat(part)
         assert stats is not None  # collate rejects an empty batch
@@ -453,7 +531,33 @@ class PolicyTrainer:
         return metrics
 
     def _partitions(self, batch: TrainBatch) -> list[torch.Tensor]:
-        if self.balance:
+        """The rows of each gradient micro-batch of ``batch``.
+
+        Fixed: exactly ``gas`` micro-batches (some empty when the batch is small),
+        balanced by tokens where allowed, else contiguous (DPO pairs together). With
+        ``use_dynamic_bsz``: :func:`token_budget_partitions` (longest rows first where
+        the algorithm allows reordering; DPO pairs together), then, with several ranks,
+        empty ones appended up to the largest count of any rank (a collective), since
+        ZeRO 2-3 reduce gradients in every ``backward``.
+        """
+        if self.dynamic_bsz:
+            responses = (
+                batch.response_lengths()
+                if self.trim_responses
+                else [batch.response_width] * batch.size
+            )
+            parts = token_budget_partitions(
+                batch.prompt_lengths(),
+                responses,
+                self.token_budget,
+                unit=self.pair_unit,
+                reorder=self.can_reorder,
+            )
+            if self.world_size > 1:
+                count = torch.tensor([len(parts)], device=self.engine.device)
+                torch.distributed.all_reduce(count, op=torch.distributed.ReduceOp.MAX)
+                parts += [[] for _ in range(int(count.item()) - len(parts))]
+        elif self.balance:
             lengths = batch.attention_mask.sum(1).tolist()
             parts = balanced_partitions(lengths, self.gas)
         else:
@@ -516,9 +620,14 @@ class PolicyTrainer:
         if self.critic is not None:
             self.critic.train()
         metrics: dict[str, list[float]] = defaultdict(list)
-        # exactly `gas` micro-batches per optimizer step (DeepSpeed's accumulation boundary)
+        # fixed: exactly `gas` micro-batches per optimizer step (DeepSpeed's accumulation
+        # boundary); use_dynamic_bsz: any number, then one step() (unmanaged accumulation)
         splits = self._partitions(batch)
-        if self.balance and len(splits) > 1:
+        sizes = [self._micro_batch(batch, p).input_ids.numel() for p in splits if p.numel()]
+        out["actor/micro_batches"] = float(len(sizes))
+        out["actor/micro_batch_max_tokens"] = float(max(sizes, default=0))
+        loss_sum, loss_rows = 0.0, 0
+        if self.balance and not self.dynamic_bsz and len(splits) > 1:
             tokens = [float(batch.attention_mask[p].sum()) for p in splits]
             out["actor/micro_batch_token_spread"] = (max(tokens) - min(tokens)) / max(
                 1.0, max(tokens)
@@ -526,11 +635,13 @@ class PolicyTrainer:
         for _epoch in range(max(1, self.cfg.trainer.ppo_epochs)):
             for rows in splits:
                 if rows.numel() == 0:
-                    # fewer rows than micro-batches: a zero-gradient pass keeps DeepSpeed in step
+                    # fewer rows than micro-batches (or than another rank's): a zero-gradient
+                    # pass keeps DeepSpeed (and the other ranks' reductions) in step
                     for engine in (self.engine, self.critic):
                         if engine is not None:
                             engine.backward(_zero_loss(engine.module))
-                            engine.step()
+                            if not self.dynamic_bsz:
+                                engine.step()
                     continue
                 rows = rows.to(batch.input_ids.device)
                 # rows-weighted mean over the micro-batches (DeepSpeed divides by gas)
@@ -539,27 +650,36 @@ class PolicyTrainer:
                     batch, rows, old_logprob, ref_logprob, values, metrics
                 )
                 self.engine.backward(loss * (self._actor_weight(rows.numel(), weight) * rank_scale))
-                self.engine.step()
-                metrics["actor/loss"].append(float(loss.detach()))
+                if not self.dynamic_bsz:
+                    self.engine.step()
+                loss_sum += float(loss.detach()) * rows.numel()
+                loss_rows += rows.numel()
                 if self.critic is not None and values is not None:
-                    mb = batch.rows(rows)
+                    mb = self._micro_batch(batch, rows)
                     vloss, vmetrics = value_loss(
                         self._values(mb),
                         mb.returns,
-                        values[rows],
+                        values[rows][:, : mb.response_width],
                         mb.response_mask,
                         self.cfg.trainer.critic.cliprange_value,
                         self.cfg.trainer.critic.loss_agg_mode,
                     )
                     self.critic.backward(vloss * (weight * rank_scale))
-                    self.critic.step()
+                    if not self.dynamic_bsz:
+                        self.critic.step()
                     for k, v in vmetrics.items():
                         metrics[f"critic/{k}"].append(v)
+            if self.dynamic_bsz:  # the epoch's one accumulation boundary
+                for engine in (self.engine, self.critic):
+                    if engine is not None:
+                        engine.step()
         self.global_step += 1
         for scheduler in (self.scheduler, self.critic_scheduler):
             if scheduler is not None:
                 scheduler.step()  # the next trainer step's lr
         out.update({k: sum(v) / len(v) for k, v in metrics.items() if v})
+        if loss_rows:
+            out["actor/loss"] = loss_sum / loss_rows  # rows-weighted, as the gradient
         gn = self.engine.get_global_grad_norm()
         if gn is not None:
             out["actor/grad_norm"] = float(gn)
@@ -605,14 +725,19 @@ class PolicyTrainer:
     ) -> torch.Tensor:
         """Policy + KL + entropy loss of one micro-batch (not yet backpropagated)."""
         algo = self.algorithm
-        mb = batch.rows(rows)
+        mb = self._micro_batch(batch, rows)
+        width = mb.response_width  # trimmed with use_dynamic_bsz: the first columns
+
+        def sub(t: torch.Tensor) -> torch.Tensor:
+            return t[rows][:, :width]
+
         logprob, entropy = self._forward(self.engine, mb, with_entropy=True)
         if entropy is not None and not self.entropy_grad:
             entropy = entropy.detach()  # reported only: no B x R x V graph kept for it
-        ref_mb = ref_logprob[rows] if ref_logprob is not None else None
+        ref_mb = sub(ref_logprob) if ref_logprob is not None else None
         tensors: dict[str, torch.Tensor] = {
             "logprob": logprob,
-            "old_logprob": logprob.detach() if old_logprob is None else old_logprob[rows],
+            "old_logprob": logprob.detach() if old_logprob is None else sub(old_logprob),
             "ref_logprob": ref_mb if ref_mb is not None else torch.zeros_like(logprob),
             "action_mask": mb.response_mask,
             "advantages": mb.advantages,
@@ -624,7 +749,7 @@ class PolicyTrainer:
         if entropy is not None:
             tensors["entropy"] = entropy
         if values is not None:
-            tensors["values"] = values[rows]
+            tensors["values"] = sub(values)
         missing = [n for n in self.loss_inputs if n not in tensors]
         if missing:
             raise RuntimeError(
@@ -814,6 +939,12 @@ def _entropy_extra_inputs(fn: Any) -> tuple[set[str], bool]:
     }
     var_kw = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
     return named | set(getattr(fn, "required_fields", ()) or ()), var_kw
+
+
+def _pad_columns(t: torch.Tensor, width: int) -> torch.Tensor:
+    """``t`` (``[B, w]``, ``w <= width``) right-padded with zeros to ``width`` columns."""
+    missing = width - t.shape[1]
+    return t if missing <= 0 else torch.nn.functional.pad(t, (0, missing))
 
 
 def _chunks(n: int, size: int) -> list[slice]:

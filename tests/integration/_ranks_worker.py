@@ -32,6 +32,9 @@ CASES: dict[str, tuple[tuple[int, ...], int]] = {
     "uneven": ((4, 1, 1), 1),
     # 1 group on 2 ranks: one rank trains nothing (scale 0)
     "one_group": ((4,), 1),
+    # trainer.use_dynamic_bsz, token budget 20 (rows of 6 to 9 tokens): the 4-row shard
+    # forms 2 micro-batches, the 2-row shard 1, padded with a zero pass to rank 0's 2
+    "dynamic_uneven": ((4, 1, 1), 1),
 }
 
 
@@ -80,6 +83,11 @@ def build(tmp_path: Path, model_path: str, case: str) -> PolicyTrainer:
         "share_prompts": True,
         "grad_clip": 1e9,
     }
+    if case.startswith("dynamic"):
+        data["model"]["max_prompt_tokens"] = 4
+        data["trainer"].update(use_dynamic_bsz=True, max_token_len_per_gpu=20)
+        # per-row means: the step is the same however the rows fall into micro-batches
+        data["algorithm"]["loss_agg_mode"] = "seq-mean-token-mean"
     run = prepare_run(config_from_dict(data))
     return PolicyTrainer(run.cfg, run.model_path, run.algorithm)
 
@@ -89,6 +97,7 @@ def _train(trainer: Any, case: str) -> dict[str, Any]:
     return {
         "losses": [m["actor/loss"] for m in metrics],
         "kl": [m["actor/kl_loss"] for m in metrics],
+        "micro_batches": [m["actor/micro_batches"] for m in metrics],
         "state": trainer.state_dict(),
     }
 

@@ -168,7 +168,8 @@ def _captured_gradient(trainer: PolicyTrainer) -> dict[str, torch.Tensor]:
     original = engine.step
 
     def step(*args: Any, **kwargs: Any) -> Any:
-        if engine.is_gradient_accumulation_boundary():
+        # with use_dynamic_bsz every step() is the boundary (unmanaged accumulation)
+        if trainer.dynamic_bsz or engine.is_gradient_accumulation_boundary():
             for name, p in engine.module.named_parameters():
                 if p.grad is not None:
                     grads[name] = p.grad.detach().clone().cpu()
@@ -199,6 +200,9 @@ def _row_logprobs(model: torch.nn.Module, e: Experience) -> torch.Tensor:
         {"rows": 6, "micro": 3, "balance": True, "explicit": False},
         # a short last batch: 4 of 6 rows, so the micro-batches are uneven (2 + 2 + 0 ...)
         {"rows": 6, "micro": 2, "balance": False, "explicit": False, "short": 4},
+        # trainer.use_dynamic_bsz: micro-batches of 2 and 4 rows (token budget 20); the
+        # loss gets use_dynamic_bsz filled in and weighs each by its rows
+        {"rows": 6, "micro": 2, "balance": True, "explicit": False, "trainer_dynamic": True},
     ],
 )
 def test_mix_step_gradient_is_the_seed_objective(
@@ -237,9 +241,15 @@ def test_mix_step_gradient_is_the_seed_objective(
             "ppo_micro_batch_size_per_gpu": case["micro"],
             "balance_batch": case["balance"],
             "grad_clip": 0.0,
+            "use_dynamic_bsz": case.get("trainer_dynamic", False),
+            "max_token_len_per_gpu": 20,
         },
+        model={"max_prompt_tokens": 4},
     )
     args = trainer.algorithm.config.policy_loss_fn_args
+    assert bool(args.get("use_dynamic_bsz")) == bool(
+        case.get("trainer_dynamic") or case.get("dynamic")
+    )
     tbs_u, tbs_e = args["train_batch_size_usual"], args["train_batch_size_expert"]
     assert (tbs_u, tbs_e) == (n_rows - n_expert, n_expert)
     batch_rows = case.get("short", n_rows)
@@ -251,8 +261,11 @@ def test_mix_step_gradient_is_the_seed_objective(
     for i in expert_rows:
         exps[i].advantages = torch.zeros(lengths[i])
     grads = _captured_gradient(trainer)
-    trainer.train_step(exps)
+    out = trainer.train_step(exps)
     assert grads
+    if case.get("trainer_dynamic"):
+        # 2 + (5, 4) tokens: 2 x 7 | 2 + (3, 3, 2, 1): 4 x 5 (4 x 7 > 20)
+        assert out["actor/micro_batches"] == 2
 
     # the seed's objective, one row at a time on a fresh copy of the initial model
     model = AutoModelForCausalLM.from_pretrained(tiny_model_path, torch_dtype=torch.float32)
@@ -277,6 +290,31 @@ def test_mix_step_gradient_is_the_seed_objective(
     torch.testing.assert_close(
         flat_got, flat_want, rtol=1e-3, atol=1e-5 * float(flat_want.abs().max())
     )
+
+
+def test_mix_with_a_fixed_count_and_dynamic_micro_batches_is_refused(
+    tmp_path: Path, tiny_model_path: str
+) -> None:
+    from rftstream.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="fixed gradient accumulation count") as ei:
+        trainer_for(
+            tmp_path,
+            tiny_model_path,
+            algorithm={
+                "algorithm_type": "mix",
+                "kl_loss_fn": "none",
+                "policy_loss_fn_args": {"use_dynamic_bsz": False},
+            },
+            buffer={
+                "train_batch_size": 4,
+                "trainer_input": {
+                    "auxiliary_buffers": {"sft_dataset": {"path": _expert_file(tmp_path)}}
+                },
+            },
+            trainer={"use_dynamic_bsz": True},
+        )
+    assert ei.value.key_path == "algorithm.policy_loss_fn_args.use_dynamic_bsz"
 
 
 # ------------------------------------------------------------------ a declared field that never comes

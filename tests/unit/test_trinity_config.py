@@ -48,8 +48,9 @@ def test_gsm8k_example_maps_and_warns_once_per_key(monkeypatch: pytest.MonkeyPat
     assert cfg.name == "qwen2.5-1.5B-gsm8k"
     # runner_per_model 8 x engine_num 2
     assert cfg.explorer.runner_num == 8 * 2
-    # token budget 16384 per GPU, padded rows of max_model_len 2048 tokens
-    assert cfg.trainer.ppo_micro_batch_size_per_gpu == 16384 // 2048
+    # use_dynamic_bsz and its token budget are ours: micro-batches formed per step
+    assert cfg.trainer.use_dynamic_bsz is True
+    assert cfg.trainer.max_token_len_per_gpu == 16384
     assert cfg.model.dtype == "bfloat16"
     assert cfg.trainer.trainer_type == "deepspeed"
     inp = cfg.buffer.explorer_input
@@ -130,22 +131,37 @@ def test_workflow_defaults_fill_only_unset_tasksets() -> None:
     assert messages == []
 
 
-def test_dynamic_bsz_default_budget_is_twice_max_model_len() -> None:
+def test_dynamic_bsz_maps_onto_our_keys() -> None:
     prompt, response = 100, 60
+    model = {"max_prompt_tokens": prompt, "max_response_tokens": response}
+    # no max_model_len: our default budget, 2 x (max_prompt_tokens + max_response_tokens)
+    cfg, messages = load_warned({"model": model, "trainer": {"use_dynamic_bsz": True}})
+    assert messages == []
+    assert cfg.trainer.use_dynamic_bsz and cfg.trainer.max_token_len_per_gpu is None
+    assert cfg.trainer.token_budget(cfg.model) == 2 * (prompt + response)
+    assert cfg.trainer.ppo_micro_batch_size_per_gpu == 16  # not derived from the budget
+    # Trinity-RFT's default: 2 x max_model_len
     cfg, _ = load_warned(
-        {
-            "model": {"max_prompt_tokens": prompt, "max_response_tokens": response},
-            "trainer": {"use_dynamic_bsz": True},
-        }
+        {"model": {**model, "max_model_len": 400}, "trainer": {"use_dynamic_bsz": True}}
     )
-    assert cfg.trainer.ppo_micro_batch_size_per_gpu == (2 * (prompt + response)) // (
-        prompt + response
+    assert cfg.trainer.max_token_len_per_gpu == 2 * 400
+    # the older name maps onto ours; ours wins when both are set
+    cfg, messages = load_warned(
+        {"trainer": {"use_dynamic_bsz": True, "ppo_max_token_len_per_gpu": 3000}}
     )
+    assert cfg.trainer.max_token_len_per_gpu == 3000 and messages == []
+    both = {"ppo_max_token_len_per_gpu": 3000, "max_token_len_per_gpu": 5000}
+    cfg, _ = load_warned({"trainer": {"use_dynamic_bsz": True, **both}})
+    assert cfg.trainer.max_token_len_per_gpu == 5000
+    # without use_dynamic_bsz our budget is kept but unused; the older name is dropped
     cfg, messages = load_warned(
         {"trainer": {"use_dynamic_bsz": False, "max_token_len_per_gpu": 4096}}
     )
     assert cfg.trainer.ppo_micro_batch_size_per_gpu == 16  # the default stays
-    assert warned_keys(messages) == ["trainer.max_token_len_per_gpu"]
+    assert not cfg.trainer.use_dynamic_bsz and messages == []
+    cfg, messages = load_warned({"trainer": {"ppo_max_token_len_per_gpu": 4096}})
+    assert cfg.trainer.max_token_len_per_gpu is None
+    assert warned_keys(messages) == ["trainer.ppo_max_token_len_per_gpu"]
 
 
 def test_verl_trainer_config_keys_with_a_meaning_are_mapped() -> None:
@@ -262,7 +278,8 @@ def test_config_explain_prints_each_key_and_errors(
     assert code == 0, out
     assert "explorer.runner_per_model = 8 -> explorer.runner_num = 16" in out
     assert "cluster.node_num = 1: IGNORED" in out
-    assert "trainer.use_dynamic_bsz = True -> trainer.ppo_micro_batch_size_per_gpu = 8" in out
+    assert "trainer.use_dynamic_bsz = True: micro-batches formed per step" in out
+    assert "trainer.max_token_len_per_gpu = 16384: the micro-batch token budget" in out
     assert (
         "synchronizer.sync_method = 'nccl': REPLACED by synchronizer.sync_method = 'checkpoint'"
         in out
