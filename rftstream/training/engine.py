@@ -48,7 +48,7 @@ from rftstream.training.memory import (
 )
 from rftstream.training.ranks import env_world_size, per_rank_batch_size
 from rftstream.training.schedule import lr_schedule
-from rftstream.training.zero import embedding_rows, full_state_dict
+from rftstream.training.zero import embedding_rows, full_state_dict, tied_aliases
 
 log = logging.getLogger(__name__)
 
@@ -817,6 +817,9 @@ class PolicyTrainer:
             if self.lora is not None:
                 self.lora.save(tmp, raw)
             else:
+                # tied weights once, as save_pretrained writes them (copies hide the tie)
+                for key in tied_aliases(self.engine.module):
+                    raw.pop(key, None)
                 self.engine.module.save_pretrained(tmp, state_dict=raw, safe_serialization=True)
         self.tokenizer.save_pretrained(tmp)
         if path.exists():

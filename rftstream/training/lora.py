@@ -32,6 +32,7 @@ import torch
 
 from rftstream.config.schema import LoRAConfig
 from rftstream.errors import ConfigError
+from rftstream.training.zero import tied_aliases
 
 __all__ = ["ADAPTER_DIR", "LoraPolicy", "peft_lora_config", "wrap_with_lora"]
 
@@ -183,7 +184,10 @@ class LoraPolicy:
         checkpoint at ``path`` (safetensors, the base model's config), and the adapter
         alone in ``path / lora_adapter`` when ``save_adapter``. Blocks."""
         base = self.module.get_base_model()
-        base.save_pretrained(path, state_dict=self.merged(state), safe_serialization=True)
+        merged = self.merged(state)
+        for key in tied_aliases(base):  # tied weights once, as save_pretrained writes them
+            merged.pop(key, None)
+        base.save_pretrained(path, state_dict=merged, safe_serialization=True)
         if self.save_adapter:
             self.module.save_pretrained(path / ADAPTER_DIR, safe_serialization=True)
 

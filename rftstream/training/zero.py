@@ -67,6 +67,23 @@ def full_state_dict(module: torch.nn.Module) -> dict[str, torch.Tensor]:
     return out
 
 
+def tied_aliases(module: torch.nn.Module) -> set[str]:
+    """Names of ``module``'s parameters that are another, earlier-named parameter (tied
+    weights: ``lm_head.weight`` of a model whose output layer is its input embedding).
+
+    A checkpoint leaves them out, as ``save_pretrained`` does on its own: loading
+    ties them again. (A state dict of copies, as :func:`full_state_dict` returns,
+    no longer shows the tie, so the caller drops these keys.)
+    """
+    seen: set[int] = set()
+    aliases: set[str] = set()
+    for name, param in module.named_parameters(remove_duplicate=False):
+        if id(param) in seen:
+            aliases.add(name)
+        seen.add(id(param))
+    return aliases
+
+
 def embedding_rows(model: torch.nn.Module) -> int:
     """How many token ids ``model``'s input embedding has rows for (valid ids are
     ``0 .. n - 1``).
