@@ -170,6 +170,11 @@ class PolicyTrainer:
         self.micro = max(1, cfg.trainer.ppo_micro_batch_size_per_gpu)
         # with several ranks each trains its shard (rftstream.training.ranks)
         self.world_size = env_world_size()
+        # ZeRO-3 gathers the weights in every forward call, a collective: every rank must
+        # make as many calls (a shared prompt's pass makes two, see _lockstep_extra)
+        self.lockstep_forwards = cfg.trainer.zero_stage == 3 and self.world_size > 1
+        if self.lockstep_forwards:
+            self.share_prompts = False
         self.train_batch_size = per_rank_batch_size(cfg.buffer.train_batch_size, self.world_size)
         self.gas = max(1, math.ceil(self.train_batch_size / self.micro))
         self.verl_scaling = getattr(algorithm, "batch_shape", None)  # from prepare_run
@@ -421,7 +426,22 @@ class PolicyTrainer:
     @torch.no_grad()
     def _no_grad(self, fn: Callable[[TrainBatch], torch.Tensor], batch: TrainBatch) -> torch.Tensor:
         width = batch.response_width
-        return torch.cat([_pad_columns(fn(mb), width) for mb in self._no_grad_batches(batch)], 0)
+        batches = self._no_grad_batches(batch)
+        out = torch.cat([_pad_columns(fn(mb), width) for mb in batches], 0)
+        for _ in range(self._lockstep_extra(len(batches))):
+            fn(batches[0])  # discarded: keeps this rank's forward calls in step
+        return out
+
+    def _lockstep_extra(self, calls: int) -> int:
+        """How many discarded forward calls this rank adds to its ``calls`` so that every
+        rank makes as many as the rank that makes most: under ZeRO-3 with several ranks
+        (each call gathers the weights, a collective), else 0. Blocks; then a collective
+        every rank reaches at the same point of its step."""
+        if not self.lockstep_forwards:
+            return 0
+        most = torch.tensor([calls], device=self.engine.device)
+        torch.distributed.all_reduce(most, op=torch.distributed.ReduceOp.MAX)
+        return int(most.item()) - calls
 
     @torch.no_grad()
     def _token_stats_no_grad(self, batch: TrainBatch, *, with_nec: bool) -> TokenStats:
@@ -429,7 +449,10 @@ class PolicyTrainer:
         one no-grad pass over ``batch`` in micro-batch chunks. Blocks."""
         stats: TokenStats | None = None
         width = batch.response_width
-        for mb in self._no_grad_batches(batch):
+        batches = self._no_grad_batches(batch)
+        for _ in range(self._lockstep_extra(len(batches))):
+            self._response_logits(self.engine.module, batches[0])  # see _lockstep_extra
+        for mb in batches:
             logits, start = self._response_logits(self.engine.module, mb)
             part = response_token_stats(
                 logits,
@@ -635,13 +658,9 @@ class PolicyTrainer:
         for _epoch in range(max(1, self.cfg.trainer.ppo_epochs)):
             for rows in splits:
                 if rows.numel() == 0:
-                    # fewer rows than micro-batches (or than another rank's): a zero-gradient
-                    # pass keeps DeepSpeed (and the other ranks' reductions) in step
-                    for engine in (self.engine, self.critic):
-                        if engine is not None:
-                            engine.backward(_zero_loss(engine.module))
-                            if not self.dynamic_bsz:
-                                engine.step()
+                    # fewer rows than micro-batches (or than another rank's): a pass that
+                    # adds nothing keeps DeepSpeed (and the other ranks' reductions) in step
+                    self._padding_micro_step(batch, old_logprob, ref_logprob, values)
                     continue
                 rows = rows.to(batch.input_ids.device)
                 # rows-weighted mean over the micro-batches (DeepSpeed divides by gas)
@@ -696,6 +715,47 @@ class PolicyTrainer:
         out["time/train_step"] = time.perf_counter() - t0
         out["time/train_step_cpu"] = time.thread_time() - cpu0  # this thread's CPU time
         return out
+
+    def _padding_micro_step(
+        self,
+        batch: TrainBatch,
+        old_logprob: torch.Tensor | None,
+        ref_logprob: torch.Tensor | None,
+        values: torch.Tensor | None,
+    ) -> None:
+        """A micro-step that adds exactly zero to the gradients: the real losses of the
+        batch's first row (a DPO pair: its first pair), times 0, backpropagated (and
+        stepped, outside ``use_dynamic_bsz``) through the actor and the critic. Its
+        metrics are dropped. Blocks; with several ranks a collective.
+
+        Why a real pass rather than ``sum(p) * 0``: under ZeRO-2 each ``backward`` reduces
+        the gradients in one flat bucket in the order their hooks fire, and that order
+        must be the same on every rank (DeepSpeed pairs the ranks' buckets by position);
+        a sum over the parameters fires them in another order than the model's
+        backward, so a rank padding its micro-batches while another trained mixed up
+        the parameters' gradients. Under ZeRO-3 the parameters are partitions outside a
+        forward pass, which such a sum cannot differentiate at all. A forward of the
+        model gathers the parameters and fires the hooks as every other pass does.
+        """
+        rows = torch.arange(self.pair_unit, device=batch.input_ids.device)
+        unused: dict[str, list[float]] = defaultdict(list)
+        loss = self._actor_micro_step(batch, rows, old_logprob, ref_logprob, values, unused)
+        self.engine.backward(loss * 0.0)
+        if not self.dynamic_bsz:
+            self.engine.step()
+        if self.critic is not None and values is not None:  # as a training micro-step
+            mb = self._micro_batch(batch, rows)
+            vloss, _ = value_loss(
+                self._values(mb),
+                mb.returns,
+                values[rows][:, : mb.response_width],
+                mb.response_mask,
+                self.cfg.trainer.critic.cliprange_value,
+                self.cfg.trainer.critic.loss_agg_mode,
+            )
+            self.critic.backward(vloss * 0.0)
+            if not self.dynamic_bsz:
+                self.critic.step()
 
     def _actor_weight(self, rows: int, rows_weight: float) -> float:
         """The factor on one micro-batch's actor loss before DeepSpeed divides it by ``gas``.
@@ -917,10 +977,6 @@ def _has_active_dropout(module: torch.nn.Module) -> bool:
         if ("dropout" in key or "pdrop" in key) and isinstance(value, (int, float)) and value > 0:
             return True
     return False
-
-
-def _zero_loss(module: torch.nn.Module) -> torch.Tensor:
-    return sum(p.sum() for p in module.parameters() if p.requires_grad) * 0.0  # type: ignore[return-value]
 
 
 def _entropy_extra_inputs(fn: Any) -> tuple[set[str], bool]:

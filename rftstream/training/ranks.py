@@ -26,6 +26,21 @@ multiples of it, those micro-batches are the 1-rank run's own. A rank with
 nothing to train (fewer groups than ranks) trains a copy of one experience
 at ``rank_scale`` 0: it joins every collective and adds exactly zero.
 
+ZeRO stages. Every rank runs the same number of micro-batch passes; a rank
+with fewer rows pads with passes of real losses times 0
+(``PolicyTrainer._padding_micro_step``), not with ``sum(params) * 0``: ZeRO-2
+reduces each ``backward``'s gradients in one flat bucket in the order their
+hooks fire and pairs the ranks' buckets by position, so every rank's pass
+must fire them in the model's backward order (a sum over the parameters
+fires them in parameter order, which mixed up the gradients of different
+parameters: about 2% off the 1-rank loss after one step); ZeRO-3's
+parameters are empty partitions outside a forward pass. ZeRO-3 also gathers
+the weights in every forward call, so with several ranks the trainer turns
+``trainer.share_prompts`` off (a shared prompt's pass makes two calls) and
+pads each rank's no-grad passes with discarded forwards up to the rank making
+most (``PolicyTrainer._lockstep_extra``). Stages 0-3 are tested
+equal to the 1-rank run (tests/integration/test_trainer_ranks.py).
+
 Shards keep each group (consecutive experiences of one task, ``eid.tid``; DPO
 pairs) whole, so an advantage fn computed in the trainer on groups (GRPO's,
 GAE per row) sees the same groups as on one rank. One computed over the whole

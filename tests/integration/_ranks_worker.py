@@ -1,10 +1,11 @@
 """One trainer rank of the several-ranks tests (tests/integration/test_trainer_ranks.py).
 
 Run by ``torchrun`` (``python -m torch.distributed.run --standalone --nproc-per-node N
--m tests.integration._ranks_worker MODEL OUT CASE``): rank 0 trains ``STEPS`` steps on
+-m tests.integration._ranks_worker MODEL OUT CASE ZERO_STAGE``): rank 0 trains ``STEPS`` steps on
 the case's fixed batch through :class:`~rftstream.training.ranks.RankLeader` and saves
 the losses, KL losses and final weights to ``OUT``; the other ranks follow it.
-:func:`train_reference` runs the same steps on one rank, in the calling process.
+:func:`train_reference` runs the same steps on one rank, in the calling process. Both
+train at ``trainer.zero_stage`` ``ZERO_STAGE``.
 """
 
 from __future__ import annotations
@@ -60,7 +61,7 @@ def batch(case: str) -> list[Experience]:
     return out
 
 
-def build(tmp_path: Path, model_path: str, case: str) -> PolicyTrainer:
+def build(tmp_path: Path, model_path: str, case: str, zero_stage: int = 0) -> PolicyTrainer:
     """A GRPO trainer with a KL loss and an entropy bonus; AdamW with ``eps`` 1, so the
     first steps move each weight by about ``lr * g / (|g| + 1)``: the weights depend on the
     gradients' scale, not only their sign, and no clipping hides a wrong scale."""
@@ -82,6 +83,7 @@ def build(tmp_path: Path, model_path: str, case: str) -> PolicyTrainer:
         "balance_batch": False,
         "share_prompts": True,
         "grad_clip": 1e9,
+        "zero_stage": zero_stage,
     }
     if case.startswith("dynamic"):
         data["model"]["max_prompt_tokens"] = 4
@@ -102,16 +104,18 @@ def _train(trainer: Any, case: str) -> dict[str, Any]:
     }
 
 
-def train_reference(tmp_path: Path, model_path: str, case: str) -> dict[str, Any]:
+def train_reference(
+    tmp_path: Path, model_path: str, case: str, zero_stage: int = 0
+) -> dict[str, Any]:
     """The case's steps on one rank, in this process."""
-    return _train(build(tmp_path, model_path, case), case)
+    return _train(build(tmp_path, model_path, case, zero_stage), case)
 
 
-def main(model_path: str, out: str, case: str) -> None:
+def main(model_path: str, out: str, case: str, zero_stage: str = "0") -> None:
     from rftstream.training.ranks import RankLeader, env_rank, follow_leader
 
     rank = env_rank()
-    trainer = build(Path(out).parent / f"rank{rank}", model_path, case)
+    trainer = build(Path(out).parent / f"rank{rank}", model_path, case, int(zero_stage))
     if rank != 0:
         steps = follow_leader(trainer)
         assert steps == STEPS, steps
@@ -125,4 +129,4 @@ def main(model_path: str, out: str, case: str) -> None:
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:4])
+    main(*sys.argv[1:5])

@@ -8,7 +8,11 @@ losses and final weights equal the 1-rank run's. The optimizer's ``eps`` of 1 ma
 weight's update about ``lr * g / (|g| + 1)``: it depends on the gradient's scale (plain
 Adam would hide a rank weighting off by a constant factor), and clipping is off. Cases: equal
 shards, unequal shards (a group is never cut), a rank that gets no group at all, and
-``trainer.use_dynamic_bsz`` with unequal micro-batch counts on the two ranks.
+``trainer.use_dynamic_bsz`` with unequal micro-batch counts on the two ranks; each at every
+``trainer.zero_stage`` 0-3. The unequal cases pad the short rank with passes that add nothing
+(``PolicyTrainer._padding_micro_step``): under ZeRO-2 a padding pass that fired the
+gradient hooks in another order than a training pass mixed up the ranks' gradients, under
+ZeRO-3 it could not differentiate the partitioned parameters.
 """
 
 from __future__ import annotations
@@ -26,7 +30,7 @@ from tests.integration import _ranks_worker as worker
 REPO = Path(__file__).resolve().parents[2]
 
 
-def launch(model_path: str, out: Path, case: str, nproc: int = 2) -> None:
+def launch(model_path: str, out: Path, case: str, zero_stage: int, nproc: int = 2) -> None:
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")])
     env["DS_ACCELERATOR"] = "cpu"
@@ -45,17 +49,21 @@ def launch(model_path: str, out: Path, case: str, nproc: int = 2) -> None:
         model_path,
         str(out),
         case,
+        str(zero_stage),
     ]
     proc = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-8000:]
 
 
+@pytest.mark.parametrize("zero_stage", [0, 1, 2, 3])
 @pytest.mark.parametrize("case", sorted(worker.CASES))
-def test_two_ranks_train_as_one(case: str, tiny_model_path: str, tmp_path: Path) -> None:
+def test_two_ranks_train_as_one(
+    case: str, zero_stage: int, tiny_model_path: str, tmp_path: Path
+) -> None:
     out = tmp_path / "ranks.pt"
-    launch(tiny_model_path, out, case)
+    launch(tiny_model_path, out, case, zero_stage)
     got = torch.load(out, weights_only=False)
-    ref = worker.train_reference(tmp_path / "one", tiny_model_path, case)
+    ref = worker.train_reference(tmp_path / "one", tiny_model_path, case, zero_stage)
 
     assert len(set(ref["losses"])) == worker.STEPS  # the second step saw the first's update
     assert got["losses"] == pytest.approx(ref["losses"], rel=1e-5, abs=1e-6)
@@ -69,7 +77,7 @@ def test_two_ranks_train_as_one(case: str, tiny_model_path: str, tmp_path: Path)
         assert ref["micro_batches"] == [3, 3]
     else:
         assert got["kl"] == pytest.approx(ref["kl"], rel=1e-5, abs=1e-7)
-    initial = worker.build(tmp_path / "init", tiny_model_path, case).state_dict()
+    initial = worker.build(tmp_path / "init", tiny_model_path, case, zero_stage).state_dict()
     assert set(got["state"]) == set(ref["state"])
     moved = max(float((ref["state"][k] - initial[k]).abs().max()) for k in initial)
     assert moved > 1e-3
