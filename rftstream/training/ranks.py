@@ -289,10 +289,25 @@ class RankLeader:
         return self.policy.save_hf_checkpoint(path)
 
     def stop(self) -> None:
-        """Tell every other rank to leave :func:`follow_leader`. Idempotent. Blocks."""
+        """Tell every other rank to leave :func:`follow_leader`, then leave the process
+        groups (:func:`leave_ranks`). Idempotent. Blocks."""
         if not self.stopped:
             self._broadcast(_STOP)
             self.stopped = True
+            leave_ranks()
+
+
+def leave_ranks() -> None:
+    """Destroy this process's torch.distributed groups (the control group and the
+    default one), once no collective is left to run.
+
+    A process that exits with its gloo groups alive can abort in C++ at exit
+    ("terminate called without an active exception": their threads are still
+    joinable); destroying them first joins those threads. No-op without groups.
+    """
+    dist = torch.distributed
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()  # every group, the control group included
 
 
 def follow_leader(policy: PolicyTrainer) -> int:
@@ -313,6 +328,7 @@ def follow_leader(policy: PolicyTrainer) -> int:
         command, argument = mine[0]
         if command == _STOP:
             log.info("trainer rank %d: stopped by rank %d after %d steps", rank, LEADER, steps)
+            leave_ranks()
             return steps
         if command == _TRAIN:
             shard, scale = argument
