@@ -248,7 +248,7 @@ def trainer_rank_processes(
     ]
 
 
-def _follow_trainer_rank(run: Any) -> int:
+def follow_trainer_rank(run: Any) -> int:
     """This process as a trainer rank other than 0: build the policy, follow rank 0 until it
     says stop. Blocks; returns 0."""
     from rftstream.training.engine import PolicyTrainer
@@ -325,7 +325,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
 
         if roles == (TRAINER_RANK_ROLE,):
-            code = _follow_trainer_rank(run)
+            code = follow_trainer_rank(run)
         else:
 
             async def actors() -> None:

@@ -398,12 +398,48 @@ def check_standalone_sync(cfg: Config, command: str) -> None:
         )
 
 
+def _launched_ranks(args: argparse.Namespace) -> int | None:
+    """``rftstream trainer`` under torchrun or DeepSpeed's launcher (``WORLD_SIZE`` > 1).
+
+    Rank 0 goes on as the trainer actor (the one process on the bus; it scatters each
+    step's shards to the others), so this returns None for it. Any other rank builds the
+    same policy, follows rank 0 until it says stop, prints nothing but errors, and its exit
+    code is returned. ``trainer.n_gpus_per_node`` > 1 is ``rftstream up``'s way of starting
+    ranks; under a launcher it must be 1 or equal ``WORLD_SIZE``.
+    """
+    from rftstream.training.ranks import env_rank, env_world_size
+
+    world = env_world_size()
+    if world == 1:
+        return None
+    rank = env_rank()
+    if rank > 0:
+        console.quiet = True  # the launcher's terminal shows rank 0; errors still print
+    run = _prepare(args)
+    declared = run.cfg.trainer.n_gpus_per_node
+    if declared not in (1, world):
+        raise RftError(
+            f"config key `trainer.n_gpus_per_node` is {declared} but the launcher started "
+            f"{world} trainer ranks (WORLD_SIZE): leave it at 1 under torchrun or deepspeed"
+        )
+    if rank == 0:
+        console.print(f"trainer rank 0 of {world}: reads the bus and feeds ranks 1..{world - 1}")
+        return None
+    from rftstream.actor_process import follow_trainer_rank
+
+    return follow_trainer_rank(run)
+
+
 def cmd_actor(args: argparse.Namespace) -> int:
     from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
     from rftstream import runtime
     from rftstream.up import run_with_signals
 
+    if args.command == "trainer":
+        ranks = _launched_ranks(args)
+        if ranks is not None:
+            return ranks
     run = _prepare(args)
     url = args.nats_url
     check_standalone_sync(run.cfg, args.command)
@@ -822,6 +858,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "debug":
             return cmd_debug(args)
     except RftError as exc:  # one line, never re-wrapped, brackets in it kept (not markup)
+        console.quiet = False  # a trainer rank > 0 is quiet but for its errors
         console.print(f"[bold red]error:[/] {escape(str(exc))}", soft_wrap=True)
         return 2
     except BaseExceptionGroup as group:  # an actor's RftError, raised inside a task group

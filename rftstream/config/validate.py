@@ -211,8 +211,9 @@ def validate_config(cfg: Config, source: str | None = None) -> Config:
     if cfg.trainer.n_gpus_per_node > 1 and cfg.mode != "both":
         c.fail(
             "trainer.n_gpus_per_node",
-            f"several trainer ranks are started by rftstream up in mode both only, not in mode "
-            f"{cfg.mode}",
+            f"rftstream up starts several trainer ranks in mode both only, not in mode "
+            f"{cfg.mode}; start the trainer under a launcher instead (`torchrun "
+            f"--nproc-per-node N -m rftstream.cli trainer ...`) with this key at 1",
             cfg.trainer.n_gpus_per_node,
         )
     elif cfg.trainer.n_gpus_per_node > 1 and cfg.synchronizer.sync_method == "memory":

@@ -75,16 +75,22 @@ def _write_config(tmp_path: Path, tiny_model_path: str, name: str, steps: int) -
     return path
 
 
+# the trainer as one process, or as 2 ranks started by torchrun (rank 0 on the bus)
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
+
+
+@pytest.mark.parametrize("trainer_ranks", [1, 2])
 def test_three_actor_processes_against_a_hand_started_server(
-    tmp_path: Path, tiny_model_path: str, hand_started_server: str
+    tmp_path: Path, tiny_model_path: str, hand_started_server: str, trainer_ranks: int
 ) -> None:
     cfg = _write_config(tmp_path, tiny_model_path, "procs", steps=3)
     env = user_env(tiny_model_path)
     procs = {}
     for role in ("trainer", "operator", "explorer"):
+        launcher = TORCHRUN if role == "trainer" and trainer_ranks == 2 else [sys.executable]
         with open(tmp_path / f"{role}.log", "w") as log:
             procs[role] = subprocess.Popen(
-                [*CLI, role, "--config", str(cfg), "--nats-url", hand_started_server]
+                [*launcher, *CLI[1:], role, "--config", str(cfg), "--nats-url", hand_started_server]
                 + ["--run-dir", str(tmp_path / role)],
                 stdout=log,
                 stderr=subprocess.STDOUT,
@@ -112,6 +118,11 @@ def test_three_actor_processes_against_a_hand_started_server(
     ]
     assert [r["step"] for r in records] == [1, 2, 3]
     assert all(r["experience/trained"] == 8 for r in records)
+    if trainer_ranks == 2:
+        # rank 0 read each batch once; the ranks' whole-group shards partition it
+        assert all(r["trainer/rank_rows/0"] + r["trainer/rank_rows/1"] == 8 for r in records)
+        assert all(r["trainer/rank_rows/1"] > 0 for r in records)
+        assert "trainer rank 0 of 2" in outputs["trainer"]
     # weights went through checkpoint files on the shared path, picked up by the explorer process
     weights = sorted(
         (tmp_path / "shared-ckpt" / "rftstream" / "procs" / "weights").glob("v*.safetensors")
@@ -159,3 +170,55 @@ def test_up_against_an_existing_server(
     assert not (run_dir / "nats").exists()  # no embedded server was started
     records = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == [1, 2]
+
+
+def test_sft_trainer_under_torchrun(
+    tmp_path: Path, tiny_model_path: str, hand_started_server: str
+) -> None:
+    """``mode: train`` on a dataset file (SFT), the trainer as 2 torchrun ranks: rank 0 reads
+    the file and splits each batch of 8 rows between the ranks."""
+    rows = [
+        {
+            "messages": [
+                {"role": "user", "content": f"{i}+{i}?"},
+                {"role": "assistant", "content": str(2 * i)},
+            ]
+        }
+        for i in range(16)
+    ]
+    data = tmp_path / "sft.jsonl"
+    data.write_text("\n".join(json.dumps(r) for r in rows))
+    cfg = {
+        "mode": "train",
+        "name": "sft_ranks",
+        "checkpoint_root_dir": str(tmp_path / "ckpt"),
+        "algorithm": {"algorithm_type": "sft"},
+        "model": {"model_path": tiny_model_path, "max_prompt_tokens": 32, "max_response_tokens": 8},
+        "buffer": {
+            "total_epochs": 1,
+            "train_batch_size": 8,
+            "trainer_input": {
+                "experience_buffer": {
+                    "storage_type": "file",
+                    "path": str(data),
+                    "format": {"prompt_type": "messages", "messages_key": "messages"},
+                }
+            },
+        },
+    }
+    path = tmp_path / "sft.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    run_dir = tmp_path / "run"
+    proc = subprocess.run(
+        [*TORCHRUN, *CLI[1:], "trainer", "--config", str(path), "--nats-url", hand_started_server]
+        + ["--run-dir", str(run_dir)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=user_env(tiny_model_path),
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    records = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [1, 2]  # 16 rows, one epoch, batches of 8
+    assert all(r["trainer/rank_rows/0"] == r["trainer/rank_rows/1"] == 4 for r in records)
+    assert proc.stdout.count("step    1") == 1  # rank 1 prints nothing
