@@ -28,7 +28,15 @@ from algorithms.sample_strategy import (
     SampleStrategy,
     gather_custom_fields,
 )
-from algorithms.utils import aggregate_loss, masked_loss, masked_mean, masked_sum, masked_whiten
+from algorithms.utils import (
+    aggregate_loss,
+    masked_count,
+    masked_loss,
+    masked_mean,
+    masked_sum,
+    masked_whiten,
+    whole_batch,
+)
 
 __all__ = [
     "ADVANTAGE_FN",
@@ -55,5 +63,7 @@ __all__ = [
     "masked_mean",
     "masked_sum",
     "masked_whiten",
+    "masked_count",
+    "whole_batch",
     "resolve_algorithm",
 ]

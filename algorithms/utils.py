@@ -21,7 +21,47 @@ float (a per-token weight). Pure tensor code, no I/O.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Callable, Iterator
+from contextvars import ContextVar
+
 import torch
+
+# inside :func:`whole_batch`: adds a tensor of this shard's sums over every trainer rank
+_SUM_OVER_SHARDS: ContextVar[Callable[[torch.Tensor], torch.Tensor] | None] = ContextVar(
+    "rftstream_sum_over_shards", default=None
+)
+
+
+@contextlib.contextmanager
+def whole_batch(sum_over_shards: Callable[[torch.Tensor], torch.Tensor]) -> Iterator[None]:
+    """Within this block the whole-tensor statistics (:func:`masked_count`,
+    :func:`masked_mean` with ``dim=None``, :func:`masked_var`, :func:`masked_whiten`) are
+    those of the whole batch, not of this trainer rank's shard (:func:`masked_sum` stays
+    local: advantage fns sum per group).
+
+    ``sum_over_shards`` takes a 1-D float64 tensor of this shard's partial sums and returns
+    the element-wise sums over every rank (an all-reduce; a collective, so every rank must
+    make the same calls in the same order, which holds when the code branches only on these
+    whole-batch values). The trainer opens it around the advantage fn when it trains on
+    several ranks, so REINFORCE++'s and PPO's whitening see the batch a 1-rank step sees.
+    """
+    token = _SUM_OVER_SHARDS.set(sum_over_shards)
+    try:
+        yield
+    finally:
+        _SUM_OVER_SHARDS.reset(token)
+
+
+def _over_shards(*sums: torch.Tensor) -> list[torch.Tensor]:
+    """``sums`` (scalars) summed over every rank's shard inside :func:`whole_batch`; as
+    given outside it."""
+    reduce = _SUM_OVER_SHARDS.get()
+    if reduce is None:
+        return list(sums)
+    total = reduce(torch.stack([x.detach().to(torch.float64).reshape(()) for x in sums]))
+    return [t.to(dtype=x.dtype, device=x.device) for t, x in zip(total, sums, strict=True)]
+
 
 LOSS_AGG_MODES: tuple[str, ...] = (
     "token-mean",
@@ -69,6 +109,12 @@ def masked_sum(
     return mv.sum() if d is None else mv.sum(dim=d)
 
 
+def masked_count(mask: torch.Tensor) -> int:
+    """Positions where ``mask`` is set (non-zero); over the whole batch inside
+    :func:`whole_batch`."""
+    return int(_over_shards((mask != 0).sum().to(torch.float64))[0])
+
+
 def masked_mean(
     values: torch.Tensor, mask: torch.Tensor, dim: int | None = None, *, axis: int | None = None
 ) -> torch.Tensor:
@@ -79,9 +125,11 @@ def masked_mean(
     NaN. ``axis`` is an alias of ``dim``.
     """
     d = _resolve_dim(dim, axis)
-    num = masked_sum(values, mask, d)
-    m = mask.to(num.dtype)
-    den = m.sum() if d is None else m.sum(dim=d)
+    if d is None:
+        num, den = _over_shards(_masked_values(values, mask).sum(), mask.to(values.dtype).sum())
+    else:
+        num = masked_sum(values, mask, d)
+        den = mask.to(num.dtype).sum(dim=d)
     safe = torch.where(den == 0, torch.ones_like(den), den)
     return torch.where(den == 0, torch.zeros_like(num), num / safe)
 
@@ -91,7 +139,8 @@ def masked_var(values: torch.Tensor, mask: torch.Tensor, unbiased: bool = True) 
 
     Raises ValueError when fewer than one (biased) or two (unbiased) positions are set.
     """
-    count = mask.to(torch.float32).sum()
+    dtype = values.dtype if values.is_floating_point() else torch.float32
+    count = _over_shards(mask.to(dtype).sum())[0]
     if count < 1 or (unbiased and count < 2):
         raise ValueError(
             f"masked_var needs at least {2 if unbiased else 1} unmasked values, got {int(count)}"

@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from algorithms.advantage_fn.advantage_fn import ADVANTAGE_FN, AdvantageFn
-from algorithms.utils import masked_whiten
+from algorithms.utils import masked_count, masked_whiten
 from rftstream.experience import Experience
 
 
@@ -47,7 +47,7 @@ def compute_gae_advantage_return(
         else:
             advantages = torch.zeros_like(rewards)
         returns = advantages + vals
-        if int(mask.sum()) >= 2:
+        if masked_count(mask) >= 2:  # the whole batch's, with several ranks
             advantages = masked_whiten(advantages, mask)
         fmask = mask.to(torch.float32)
         return advantages * fmask, returns * fmask

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from algorithms.advantage_fn.advantage_fn import ADVANTAGE_FN, AdvantageFn
-from algorithms.utils import masked_mean, masked_var, masked_whiten
+from algorithms.utils import masked_count, masked_mean, masked_var, masked_whiten
 from rftstream.experience import Experience
 
 
@@ -78,7 +78,7 @@ class REINFORCEPLUSPLUSAdvantageFn(AdvantageFn):
             masks = [e.action_mask.to(torch.bool) for e in exps]
             flat_ret = torch.cat(returns)
             flat_mask = torch.cat(masks)
-            count = int(flat_mask.sum())
+            count = masked_count(flat_mask)  # the whole batch's, with several ranks
             return_mean = float(masked_mean(flat_ret, flat_mask))
             return_std = 0.0
             if count >= 2:

@@ -487,6 +487,27 @@ class PolicyTrainer:
         return None
 
     # ------------------------------------------------------------ step
+    def _whole_batch_statistics(self, rank_scale: float) -> contextlib.AbstractContextManager[None]:
+        """On several ranks: the advantage fn's whole-tensor statistics (REINFORCE++'s and
+        PPO's whitening, :func:`algorithms.utils.whole_batch`) are all-reduced over every
+        rank's shard, so they are the whole batch's, as on one rank; a rank training a
+        padding copy (``rank_scale`` 0) adds nothing. One rank: no change. Each reduction
+        is a collective: every rank makes the same ones (the fns branch on the reduced
+        values only)."""
+        if self.world_size <= 1:
+            return contextlib.nullcontext()
+        from algorithms.utils import whole_batch
+
+        weight = 1.0 if rank_scale > 0 else 0.0
+        device = self.engine.device
+
+        def sum_over_ranks(local: torch.Tensor) -> torch.Tensor:
+            total = local.to(device) * weight
+            torch.distributed.all_reduce(total)
+            return total.cpu()
+
+        return whole_batch(sum_over_ranks)
+
     def _compute_advantages(
         self,
         exps: list[Experience],
@@ -636,9 +657,10 @@ class PolicyTrainer:
             values = self._no_grad(self._values, batch)
         out: dict[str, float] = {}
         if self.advantage_in_trainer:
-            out.update(
-                self._compute_advantages(exps, batch, old_logprob, ref_logprob, values, stats)
-            )
+            with self._whole_batch_statistics(rank_scale):
+                out.update(
+                    self._compute_advantages(exps, batch, old_logprob, ref_logprob, values, stats)
+                )
         self.engine.train()
         if self.critic is not None:
             self.critic.train()

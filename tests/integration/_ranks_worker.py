@@ -36,6 +36,10 @@ CASES: dict[str, tuple[tuple[int, ...], int]] = {
     # trainer.use_dynamic_bsz, token budget 20 (rows of 6 to 9 tokens): the 4-row shard
     # forms 2 micro-batches, the 2-row shard 1, padded with a zero pass to rank 0's 2
     "dynamic_uneven": ((4, 1, 1), 1),
+    # REINFORCE++: the trainer whitens the returns over the whole batch
+    # (algorithms.utils.whole_batch): unequal shards, and a rank with a padding copy only
+    "reinforce_uneven": ((4, 1, 1), 1),
+    "reinforce_one_group": ((4,), 1),
 }
 
 
@@ -90,6 +94,8 @@ def build(tmp_path: Path, model_path: str, case: str, zero_stage: int = 0) -> Po
         data["trainer"].update(use_dynamic_bsz=True, max_token_len_per_gpu=20)
         # per-row means: the step is the same however the rows fall into micro-batches
         data["algorithm"]["loss_agg_mode"] = "seq-mean-token-mean"
+    if case.startswith("reinforce"):
+        data["algorithm"]["algorithm_type"] = "reinforceplusplus"
     run = prepare_run(config_from_dict(data))
     return PolicyTrainer(run.cfg, run.model_path, run.algorithm)
 
