@@ -172,11 +172,14 @@ def test_up_against_an_existing_server(
     assert [r["step"] for r in records] == [1, 2]
 
 
+@pytest.mark.parametrize("nodes", [1, 2])
 def test_sft_trainer_under_torchrun(
-    tmp_path: Path, tiny_model_path: str, hand_started_server: str
+    tmp_path: Path, tiny_model_path: str, hand_started_server: str, nodes: int
 ) -> None:
     """``mode: train`` on a dataset file (SFT), the trainer as 2 torchrun ranks: rank 0 reads
-    the file and splits each batch of 8 rows between the ranks."""
+    the file and splits each batch of 8 rows between the ranks. ``nodes`` 2: each rank is
+    its own torchrun "node" (``--nnodes 2 --node-rank N``, both on this host, so rank 1
+    has ``LOCAL_RANK`` 0 as on a second machine)."""
     rows = [
         {
             "messages": [
@@ -209,15 +212,30 @@ def test_sft_trainer_under_torchrun(
     path = tmp_path / "sft.yaml"
     path.write_text(yaml.safe_dump(cfg))
     run_dir = tmp_path / "run"
-    proc = subprocess.run(
-        [*TORCHRUN, *CLI[1:], "trainer", "--config", str(path), "--nats-url", hand_started_server]
-        + ["--run-dir", str(run_dir)],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env=user_env(tiny_model_path),
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    trainer = [*CLI[1:], "trainer", "--config", str(path), "--nats-url", hand_started_server]
+    trainer += ["--run-dir", str(run_dir)]
+    env = user_env(tiny_model_path)
+    second = None
+    if nodes == 1:
+        launch = TORCHRUN
+    else:
+        multi = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2"]
+        multi += ["--nproc-per-node=1", "--master-addr=127.0.0.1", f"--master-port={free_port()}"]
+        launch = [*multi, "--node-rank=0"]
+        with open(tmp_path / "node1.log", "w") as log:
+            second = subprocess.Popen(
+                [*multi, "--node-rank=1", *trainer], stdout=log, stderr=subprocess.STDOUT, env=env
+            )
+    try:
+        proc = subprocess.run(
+            [*launch, *trainer], capture_output=True, text=True, timeout=300, env=env
+        )
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        if second is not None:
+            assert second.wait(timeout=60) == 0, (tmp_path / "node1.log").read_text()[-3000:]
+    finally:
+        if second is not None and second.poll() is None:
+            second.kill()
     records = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == [1, 2]  # 16 rows, one epoch, batches of 8
     assert all(r["trainer/rank_rows/0"] == r["trainer/rank_rows/1"] == 4 for r in records)
