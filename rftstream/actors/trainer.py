@@ -45,6 +45,7 @@ from typing import Any
 
 import anyio
 import msgspec
+from nats.js import api
 
 from rftstream.actors.common import (
     InProgressTicker,
@@ -112,6 +113,9 @@ class RawMonitor:
         self._explorer_time: dict[str, tuple[float, float]] = {}
         self._explorer_time_taken: dict[str, tuple[float, float]] = {}
         self._subs: list[Any] = []
+        # stream sequences of the last raw / metrics message read, and as of the last take()
+        self.read_through: dict[str, int] = {"raw": 0, "metrics": 0}
+        self.taken_through: dict[str, int] = {"raw": 0, "metrics": 0}
 
     def on_raw_headers(self, headers: dict[str, str] | None) -> None:
         h = headers or {}
@@ -144,21 +148,47 @@ class RawMonitor:
                     name = key[len(ADVANTAGE_OP_PREFIX) :]
                     self.advantage.setdefault(name, []).append(float(value))
 
-    async def start(self, bus: Bus) -> None:
+    async def start(self, bus: Bus, after: dict[str, int] | None = None) -> None:
+        """Subscribe to the raw experience headers and the metrics stream, from the
+        streams' start, or (a resumed trainer) after the stream sequences ``after`` its
+        checkpoint's step had read (:attr:`taken_through`), so the first resumed step
+        reports what came since that step, not the whole run."""
+
+        def _seen(kind: str, msg: Any) -> None:
+            seq = int(getattr(getattr(msg.metadata, "sequence", None), "stream", 0) or 0)
+            self.read_through[kind] = max(self.read_through[kind], seq)
+
         async def on_raw(msg: Any) -> None:
             self.on_raw_headers(msg.headers)
+            _seen("raw", msg)
 
         async def on_metric(msg: Any) -> None:
             self.on_metrics(msg.data)
+            _seen("metrics", msg)
+
+        def since(kind: str) -> api.ConsumerConfig | None:
+            seq = int((after or {}).get(kind, 0))
+            if seq <= 0:
+                return None
+            self.read_through[kind] = self.taken_through[kind] = seq
+            return api.ConsumerConfig(
+                deliver_policy=api.DeliverPolicy.BY_START_SEQUENCE, opt_start_seq=seq + 1
+            )
 
         n = bus.names
         self._subs.append(
             await bus.js.subscribe(
-                n.exp_subject(RAW_STAGE), cb=on_raw, ordered_consumer=True, headers_only=True
+                n.exp_subject(RAW_STAGE),
+                cb=on_raw,
+                ordered_consumer=True,
+                headers_only=True,
+                config=since("raw"),
             )
         )
         self._subs.append(
-            await bus.js.subscribe(n.metrics_wildcard, cb=on_metric, ordered_consumer=True)
+            await bus.js.subscribe(
+                n.metrics_wildcard, cb=on_metric, ordered_consumer=True, config=since("metrics")
+            )
         )
 
     def take(self) -> dict[str, float | None]:
@@ -188,6 +218,7 @@ class RawMonitor:
         self.reward_sum = self.reward_count = self.raw_groups = self.filtered = (
             self.failed_tasks
         ) = 0.0
+        self.taken_through = dict(self.read_through)
         return out
 
     async def stop(self) -> None:
@@ -234,6 +265,8 @@ class Trainer:
         self.incarnation = 0  # which start of a trainer in this run (0: the first)
         self.saved_step: int | None = None  # the step of the committed resumable checkpoint
         self.resumed_from: int | None = None
+        self.monitor: RawMonitor | None = None
+        self.monitor_resume: dict[str, int] = {}  # a resumed checkpoint's monitor_through
         self._emitted_step = 0  # the last step whose record the emitter wrote
         self._emit_event: anyio.Event | None = None  # set by the emitter after each record
 
@@ -304,7 +337,6 @@ class Trainer:
         self.feed = feed
         await topology.attach(feed)  # answers splice/unsplice requests between fetches
         monitor = RawMonitor()
-        await monitor.start(self.bus)
         trainer: Any = await anyio.to_thread.run_sync(
             lambda: PolicyTrainer(self.cfg, self.model_path, self.algorithm)
         )
@@ -313,6 +345,10 @@ class Trainer:
         feed.validate = trainer.check_experience
         self.run_dir.mkdir(parents=True, exist_ok=True)
         await self._resume(state, trainer, feed)
+        # from the streams' start (ordered consumers: nothing published meanwhile is
+        # missed), or after what the resumed checkpoint's step had read
+        await monitor.start(self.bus, after=self.monitor_resume)
+        self.monitor = monitor
         strategy = await self._sample_strategy(trainer, feed)
         total = self.cfg.buffer.total_steps
         status = "failed"
@@ -587,6 +623,7 @@ class Trainer:
             trainer.global_step = loaded.step
             self.saved_step = self.resumed_from = loaded.step
             feed.mark_trained(loaded.trained_uids)
+            self.monitor_resume = dict(loaded.monitor_through)
             moved = []
             for path in (self.metrics_path, self.uids_path):
                 discarded = path.with_name(path.stem + ".discarded.jsonl")
@@ -631,6 +668,7 @@ class Trainer:
             trained=self.trained,
             rng=ckpt.capture_rng(),
             trained_uids=feed.trained_uids(),
+            monitor_through=dict(self.monitor.taken_through) if self.monitor else {},
             lr_schedulers=[
                 s.state_dict() if s is not None else None
                 for s in (trainer.scheduler, trainer.critic_scheduler)

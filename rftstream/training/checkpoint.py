@@ -72,6 +72,9 @@ class ResumeState(msgspec.Struct, kw_only=True):
     trained: int  # experiences trained in total up to this step
     rng: RngStates
     trained_uids: list[str] = msgspec.field(default_factory=list)
+    # stream sequences (``raw``: exp.raw, ``metrics``) the trainer's upstream monitor had
+    # reported through at this step; a resumed trainer's monitor reads on after them
+    monitor_through: dict[str, int] = msgspec.field(default_factory=dict)
     lr_schedulers: list[dict[str, Any] | None] = msgspec.field(default_factory=list)
     ts: float = 0.0
 

@@ -127,14 +127,20 @@ def test_a_killed_trainer_resumes_and_trains_every_experience_once(
     redone = {u for s in _lines(run_dir / "trained_uids.discarded.jsonl") for u in s["uids"]}
     assert redone and redone <= set(trained), "experience the killed trainer lost was not redone"
 
-    async def consumer_and_stream() -> tuple[object, list]:
+    async def consumer_and_stream() -> tuple[object, list, int]:
         msgs = await read_stream(hand_started_server, "rft.resume.exp.train")
+        raw = len(await read_stream(hand_started_server, "rft.resume.exp.raw"))
         nc = await nats.connect(hand_started_server)
         info = await nc.jetstream().consumer_info("RFT_RESUME_EXP", "trainer")
         await nc.close()
-        return info, msgs
+        return info, msgs, raw
 
-    info, msgs = anyio.run(consumer_and_stream, backend="asyncio")
+    info, msgs, raw_groups = anyio.run(consumer_and_stream, backend="asyncio")
+    # the upstream figures (raw groups, their rewards) of the first resumed step start after
+    # the checkpoint's step, not at the run's start: each raw group is counted once
+    counted = sum(r["rollout/groups"] for r in records)
+    assert 0 < counted <= raw_groups, (counted, raw_groups)
+    assert records[EVERY]["rollout/groups"] < sum(r["rollout/groups"] for r in records[:EVERY])
     groups = [{e.eid.uid for e in decode_group(m.data)} for m in msgs]
     assert set(trained) <= set().union(*groups)
     fully_trained = sum(1 for g in groups if g <= set(trained))
