@@ -64,6 +64,7 @@ from rftstream.config.schema import Config, StorageConfig
 from rftstream.errors import ConfigError
 from rftstream.experience import H_COUNT, H_REWARD_MEAN
 from rftstream.messages import CheckpointRecord, MetricsMsg, TrainedUnacked
+from rftstream.monitors import MonitorSet
 from rftstream.subjects import (
     KV_TRAINER_CHECKPOINT,
     KV_TRAINER_STARVING,
@@ -236,6 +237,7 @@ class Trainer:
         self.resumed_from: int | None = None
         self._emitted_step = 0  # the last step whose record the emitter wrote
         self._emit_event: anyio.Event | None = None  # set by the emitter after each record
+        self.monitors = MonitorSet([])  # monitor.monitor_type's backends, opened in run()
 
     async def _exhausted(self) -> bool:
         """Every task done, every stage before the trainer drained, nothing left on exp.train.
@@ -317,6 +319,9 @@ class Trainer:
         total = self.cfg.buffer.total_steps
         status = "failed"
         try:
+            self.monitors = await anyio.to_thread.run_sync(
+                MonitorSet.open, self.cfg, self.run_dir, self.role
+            )
             records, to_emit = anyio.create_memory_object_stream[dict[str, Any]](math.inf)
             emitted = anyio.Event()
             self._emit_event = anyio.Event()
@@ -433,6 +438,7 @@ class Trainer:
             raise
         finally:
             with anyio.CancelScope(shield=True):
+                await anyio.to_thread.run_sync(self.monitors.close)
                 await monitor.stop()
                 await watcher.stop()
                 await feed.consumer.unsubscribe()
@@ -715,7 +721,8 @@ class Trainer:
 
     async def _emit(self, state: RunState, record: dict[str, Any]) -> None:
         """Publish one step's record: ``trainer.step`` in KV first (it wakes explorers paused
-        by ``max_staleness``), then the metrics stream, ``metrics.jsonl`` and ``on_step``."""
+        by ``max_staleness``), then the metrics stream, ``metrics.jsonl``, the monitors
+        (``monitor.monitor_type``) and ``on_step``."""
         uids = record.pop(_UIDS, [])
         await state.put_json(KV_TRAINER_STEP, record["step"])
         values = {
@@ -728,6 +735,8 @@ class Trainer:
             else json.dumps(nan_to_none(record))
         )
         await anyio.to_thread.run_sync(append_line, self.metrics_path, line)
+        if self.monitors:
+            await anyio.to_thread.run_sync(self.monitors.log, record, record["step"])
         uids_line = json.dumps({"step": record["step"], "uids": uids})
         await anyio.to_thread.run_sync(append_line, self.uids_path, uids_line)
         if self.on_step is not None:
