@@ -6,7 +6,8 @@ stream, and the ``trainer.step`` KV key): ``step``, ``reward/mean`` (mean
 reward of all *raw* experiences explorers published since the previous
 trainer step, read from the explorers' metrics, so filters cannot inflate it),
 ``staleness/mean`` and ``staleness/max`` (trainer version minus the version
-that generated each trained experience), ``time/trainer_wait`` (time spent
+that generated each trained experience; ``staleness/counts`` the experiences per
+value), ``time/trainer_wait`` (time spent
 waiting for experience), ``experience/filtered`` and the algorithm's losses.
 
 Weights are published after the steps the sync policy names; an HF-format
@@ -707,6 +708,8 @@ class Trainer:
                 "reward/train_min": min(rewards) if rewards else None,
                 "staleness/mean": sum(staleness) / len(staleness) if staleness else 0.0,
                 "staleness/max": max(staleness) if staleness else 0,
+                # experiences per staleness value (metrics.jsonl only: not a scalar)
+                "staleness/counts": {str(k): staleness.count(k) for k in sorted(set(staleness))},
                 "time/trainer_wait": wait,
                 "experience/trained": len(batch),
                 "experience/trained_total": self.trained,
