@@ -10,6 +10,7 @@
     rftstream status [--json] [--all]|streams --config C --nats-url U
     rftstream tail STAGE [-n N] [--no-follow] [--dlq] [--json] --config C --nats-url U
     rftstream decode < body    # nats stream view ... --translate "rftstream decode"
+    rftstream report RUN_DIR [--out FILE]   # report.html: curves, summary, resolved config
     rftstream debug workflow [--config C] [--task N] [--taskset NAME] [--plugin-dir D] [--json]
 
 Errors derived from :class:`rftstream.errors.RftError` are printed as one
@@ -170,6 +171,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--set", action="append", default=[], metavar="KEY=VALUE", help="override a config key"
     )
     sub.add_parser("decode", help="read one message body on stdin, print a one-line JSON summary")
+    rep = sub.add_parser(
+        "report", help="write RUN_DIR/report.html again (curves, summary, resolved config)"
+    )
+    rep.add_argument("run_dir", help="the run directory (has metrics.jsonl)")
+    rep.add_argument("--out", help="write the page here instead of RUN_DIR/report.html")
     dbg = sub.add_parser(
         "debug",
         help="run one piece locally, without NATS: `debug workflow` runs one task through its workflow",
@@ -743,6 +749,14 @@ def _show_config_warning(message: Any, category: type[Warning], *args: Any, **kw
 _python_showwarning = warnings.showwarning
 
 
+def cmd_report(args: argparse.Namespace) -> int:
+    """``rftstream report RUN_DIR``: write the run's report.html (blocks: rendering)."""
+    from rftstream.report import write_report
+
+    console.print(f"report: {write_report(args.run_dir, args.out)}", soft_wrap=True)
+    return 0
+
+
 def cmd_decode() -> int:
     from rftstream.errors import SchemaError
     from rftstream.inspect import summarize_body
@@ -855,6 +869,8 @@ def main(argv: list[str] | None = None) -> int:
             return cmd_tail(args)
         if args.command == "decode":
             return cmd_decode()
+        if args.command == "report":
+            return cmd_report(args)
         if args.command == "debug":
             return cmd_debug(args)
     except RftError as exc:  # one line, never re-wrapped, brackets in it kept (not markup)

@@ -68,3 +68,7 @@ class WorkflowError(RftError):
 
 class OperatorError(RftError):
     """An experience operator raised on a batch."""
+
+
+class ReportError(RftError):
+    """A run directory lacks what a report needs (``metrics.jsonl``); names the path."""

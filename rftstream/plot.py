@@ -1,17 +1,24 @@
-"""Curves of a run's ``metrics.jsonl`` as a PNG (matplotlib, Agg backend). Blocks (file I/O)."""
+"""Curves of a run's ``metrics.jsonl`` as one figure (matplotlib, Agg backend).
+
+Panels: the raw reward (each step faint, an exponential moving average bold), the
+staleness of the trained experiences as a histogram, the trainer's and explorers' idle
+shares, the throughput (experiences trained per second), the policy loss and the mean
+response length. Lines carry no markers and the smoothing span grows with the number of
+steps, so 2,000 steps read as well as 20. The series helpers are pure; the plotting
+functions block (rendering, file I/O).
+"""
 
 from __future__ import annotations
 
+import io
 import json
+from collections import Counter
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-PANELS = (
-    ("reward/mean", "raw reward (mean, since previous step)"),
-    ("staleness/mean", "staleness (trainer version - generating version)"),
-    ("time/trainer_wait", "trainer wait for experience (s)"),
-    ("actor/pg_loss", "policy loss"),
-)
+RAW_ALPHA = 0.25  # opacity of the unsmoothed points
+MAX_SPAN = 100  # the most steps one EMA span covers
 
 
 def read_metrics(path: str | Path) -> list[dict[str, Any]]:
@@ -54,24 +61,171 @@ def idle_shares(records: list[dict[str, Any]]) -> tuple[float | None, float | No
     return min(1.0, waits / span), explorer
 
 
-def plot_metrics(metrics_path: str | Path, out_path: str | Path | None = None) -> Path:
-    """Write ``metrics.png`` beside ``metrics.jsonl`` (or at ``out_path``)."""
+# ------------------------------------------------------------------ series (pure)
+
+
+def ema(values: Sequence[float], alpha: float) -> list[float]:
+    """Exponential moving average: ``s[0] = v[0]``, ``s[i] = alpha*v[i] + (1-alpha)*s[i-1]``.
+
+    Raises ValueError unless ``0 < alpha <= 1``."""
+    if not 0 < alpha <= 1:
+        raise ValueError(f"ema: alpha must be in (0, 1], got {alpha}")
+    out: list[float] = []
+    for v in values:
+        out.append(float(v) if not out else alpha * float(v) + (1 - alpha) * out[-1])
+    return out
+
+
+def smoothing_alpha(n: int) -> float:
+    """The EMA weight for ``n`` points: ``2 / (span + 1)`` with a span of ``n / 30``
+    steps, at least 1 (no smoothing) and at most :data:`MAX_SPAN`."""
+    span = min(MAX_SPAN, max(1.0, n / 30))
+    return 2.0 / (span + 1.0)
+
+
+def series(records: Sequence[dict[str, Any]], key: str) -> tuple[list[int], list[float]]:
+    """(steps, values) of the records where ``key`` has a numeric value."""
+    xs: list[int] = []
+    ys: list[float] = []
+    for r in records:
+        v = r.get(key)
+        if isinstance(v, (int, float)) and not isinstance(v, bool):
+            xs.append(int(r["step"]))
+            ys.append(float(v))
+    return xs, ys
+
+
+def throughput(records: Sequence[dict[str, Any]]) -> tuple[list[int], list[float]]:
+    """(steps, experiences trained per second): each step's ``experience/trained`` over
+    its ``time/trainer_step_period`` (steps without a positive period are left out)."""
+    xs: list[int] = []
+    ys: list[float] = []
+    for r in records:
+        n, period = r.get("experience/trained"), r.get("time/trainer_step_period")
+        if isinstance(n, (int, float)) and isinstance(period, (int, float)) and period > 0:
+            xs.append(int(r["step"]))
+            ys.append(float(n) / float(period))
+    return xs, ys
+
+
+def staleness_counts(records: Sequence[dict[str, Any]]) -> dict[int, int]:
+    """Trained experiences per staleness value over the run, from ``staleness/counts``;
+    records without it (older runs) count their ``experience/trained`` at their rounded
+    ``staleness/mean``."""
+    total: Counter[int] = Counter()
+    for r in records:
+        counts = r.get("staleness/counts")
+        if isinstance(counts, dict):
+            for k, n in counts.items():
+                total[int(k)] += int(n)
+        elif isinstance(r.get("staleness/mean"), (int, float)):
+            total[round(float(r["staleness/mean"]))] += int(r.get("experience/trained") or 1)
+    return dict(sorted(total.items()))
+
+
+# ------------------------------------------------------------------ figure (blocks)
+
+
+def _smoothed(ax: Any, xs: list[int], ys: list[float], label: str, color: str) -> None:
+    """Raw points as a faint thin line, their EMA as a bold one; no markers."""
+    if not xs:
+        return
+    ax.plot(xs, ys, color=color, alpha=RAW_ALPHA, linewidth=0.8)
+    ax.plot(xs, ema(ys, smoothing_alpha(len(ys))), color=color, linewidth=2.0, label=label)
+
+
+def _empty(ax: Any, what: str) -> None:
+    ax.text(0.5, 0.5, f"no {what} in this run", ha="center", va="center", transform=ax.transAxes)
+    ax.set_xticks([])
+    ax.set_yticks([])
+
+
+def render_metrics(records: Sequence[dict[str, Any]]) -> Any:
+    """A matplotlib Figure of the run's panels (caller closes it with ``plt.close``)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    records = read_metrics(metrics_path)
-    out = Path(out_path) if out_path else Path(metrics_path).with_name("metrics.png")
-    fig, axes = plt.subplots(2, 2, figsize=(11, 7))
-    for ax, (key, title) in zip(axes.flat, PANELS, strict=True):
-        xs = [r["step"] for r in records if isinstance(r.get(key), (int, float))]
-        ys = [r[key] for r in records if isinstance(r.get(key), (int, float))]
-        ax.plot(xs, ys, marker=".", linewidth=1)
-        ax.set_title(title, fontsize=10)
-        ax.set_xlabel("trainer step")
+    fig, axes = plt.subplots(2, 3, figsize=(15, 8))
+    (rew, stale, idle), (thr, loss, length) = axes
+    n = len(records)
+    span = round(min(MAX_SPAN, max(1.0, n / 30)))
+    smooth_note = f"EMA span {span} steps, raw faint" if span > 1 else "raw"
+
+    xs, ys = series(records, "reward/mean")
+    _smoothed(rew, xs, ys, "reward/mean", "tab:blue")
+    rew.set_title(f"raw reward, mean since previous step ({smooth_note})", fontsize=10)
+    if not xs:
+        _empty(rew, "rollout reward")
+
+    counts = staleness_counts(records)
+    if counts:
+        total = sum(counts.values())
+        stale.bar(list(counts), [c / total for c in counts.values()], color="tab:purple")
+        stale.set_xticks(list(counts))
+        stale.set_xlabel("staleness (trainer version - generating version)")
+        stale.set_ylabel("share of trained experiences")
+    else:
+        _empty(stale, "staleness")
+    stale.set_title("staleness of trained experiences", fontsize=10)
+
+    for key, label, color in (
+        ("trainer/idle_share", "trainer (waiting for experience)", "tab:red"),
+        ("explorer/idle_share", "explorers (no task running)", "tab:green"),
+    ):
+        xs, ys = series(records, key)
+        _smoothed(idle, xs, ys, label, color)
+    idle.set_ylim(-0.02, 1.02)
+    idle.set_title(f"idle share ({smooth_note})", fontsize=10)
+    if idle.lines:
+        idle.legend(fontsize=8, loc="upper right")
+    else:
+        _empty(idle, "idle shares")
+
+    xs, ys = throughput(records)
+    _smoothed(thr, xs, ys, "experiences/s", "tab:orange")
+    thr.set_title("throughput: experiences trained per second", fontsize=10)
+    if not xs:
+        _empty(thr, "throughput")
+
+    xs, ys = series(records, "actor/pg_loss")
+    if not xs:
+        xs, ys = series(records, "actor/loss")
+    _smoothed(loss, xs, ys, "loss", "tab:gray")
+    loss.set_title("policy loss", fontsize=10)
+    if not xs:
+        _empty(loss, "policy loss")
+
+    xs, ys = series(records, "response_length/mean")
+    _smoothed(length, xs, ys, "tokens", "tab:brown")
+    length.set_title("response length (tokens, mean)", fontsize=10)
+    if not xs:
+        _empty(length, "response length")
+
+    for ax in axes.flat:
+        if ax is not stale and ax.lines:
+            ax.set_xlabel("trainer step")
         ax.grid(alpha=0.3)
     fig.tight_layout()
-    fig.savefig(out, dpi=100)
-    plt.close(fig)
+    return fig
+
+
+def metrics_png(records: Sequence[dict[str, Any]], dpi: int = 100) -> bytes:
+    """The figure of :func:`render_metrics` as PNG bytes. Blocks (rendering)."""
+    import matplotlib.pyplot as plt
+
+    fig = render_metrics(records)
+    try:
+        buf = io.BytesIO()
+        fig.savefig(buf, format="png", dpi=dpi)
+        return buf.getvalue()
+    finally:
+        plt.close(fig)
+
+
+def plot_metrics(metrics_path: str | Path, out_path: str | Path | None = None) -> Path:
+    """Write ``metrics.png`` beside ``metrics.jsonl`` (or at ``out_path``). Blocks."""
+    out = Path(out_path) if out_path else Path(metrics_path).with_name("metrics.png")
+    out.write_bytes(metrics_png(read_metrics(metrics_path)))
     return out

@@ -25,6 +25,7 @@ from rftstream.bus.client import Bus
 from rftstream.config.schema import Config
 from rftstream.config.validate import run_id_from_name, validate_config
 from rftstream.errors import ConfigError
+from rftstream.monitors import check_monitor_packages
 from rftstream.subjects import RunNames
 from rftstream.training.schedule import lr_schedule
 
@@ -338,6 +339,8 @@ def prepare_run(
     run = run_id_from_name(cfg.name)
     if cfg.mode != "train":
         _check_components(cfg)
+    if cfg.mode in ("both", "train"):  # the trainer opens them: fail before the model loads
+        check_monitor_packages(cfg.monitor.monitor_type)
     buffer = cfg.buffer
     if steps is not None:
         buffer = msgspec.structs.replace(buffer, total_steps=steps)

@@ -24,6 +24,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rftstream.actor_process import split_roles
 from rftstream.bus.server import EmbeddedNatsServer
 from rftstream.plot import idle_shares, plot_metrics, read_metrics, window_mean
+from rftstream.report import REPORT_FILE, save_run_config, write_report
 from rftstream.runtime import PreparedRun, run_actors, start_fresh
 
 
@@ -180,8 +181,9 @@ async def _run_split(run: PreparedRun, url: str, console: Console, **callbacks: 
 def run_up(run: PreparedRun, *, console: Console) -> int:
     """Start the embedded server (unless ``nats.url`` is set) and all actors; show progress."""
     cfg = run.cfg
-    for old in ("metrics.jsonl", "metrics.png"):  # a new run: its own curves only
+    for old in ("metrics.jsonl", "metrics.png", REPORT_FILE):  # a new run: its own curves only
         (run.run_dir / old).unlink(missing_ok=True)
+    save_run_config(cfg, run.run_dir)  # the report shows it; secrets masked
     server: EmbeddedNatsServer | None = None
     url = cfg.nats.url
     if not url:
@@ -256,6 +258,8 @@ def run_up(run: PreparedRun, *, console: Console) -> int:
         if cfg.monitor.plot and records:
             png = plot_metrics(metrics_path)
             console.print(f"curves: {png}")
+        if records:
+            console.print(f"report: {write_report(run.run_dir)}")
     return 0
 
 

@@ -6,7 +6,8 @@ stream, and the ``trainer.step`` KV key): ``step``, ``reward/mean`` (mean
 reward of all *raw* experiences explorers published since the previous
 trainer step, read from the explorers' metrics, so filters cannot inflate it),
 ``staleness/mean`` and ``staleness/max`` (trainer version minus the version
-that generated each trained experience), ``time/trainer_wait`` (time spent
+that generated each trained experience; ``staleness/counts`` the experiences per
+value), ``time/trainer_wait`` (time spent
 waiting for experience), ``experience/filtered`` and the algorithm's losses.
 
 Weights are published after the steps the sync policy names; an HF-format
@@ -65,6 +66,7 @@ from rftstream.config.schema import Config, StorageConfig
 from rftstream.errors import ConfigError
 from rftstream.experience import H_COUNT, H_REWARD_MEAN
 from rftstream.messages import CheckpointRecord, MetricsMsg, TrainedUnacked
+from rftstream.monitors import MonitorSet
 from rftstream.subjects import (
     KV_TRAINER_CHECKPOINT,
     KV_TRAINER_STARVING,
@@ -269,6 +271,7 @@ class Trainer:
         self.monitor_resume: dict[str, int] = {}  # a resumed checkpoint's monitor_through
         self._emitted_step = 0  # the last step whose record the emitter wrote
         self._emit_event: anyio.Event | None = None  # set by the emitter after each record
+        self.monitors = MonitorSet([])  # monitor.monitor_type's backends, opened in run()
 
     async def _exhausted(self) -> bool:
         """Every task done, every stage before the trainer drained, nothing left on exp.train.
@@ -353,6 +356,9 @@ class Trainer:
         total = self.cfg.buffer.total_steps
         status = "failed"
         try:
+            self.monitors = await anyio.to_thread.run_sync(
+                MonitorSet.open, self.cfg, self.run_dir, self.role
+            )
             records, to_emit = anyio.create_memory_object_stream[dict[str, Any]](math.inf)
             emitted = anyio.Event()
             self._emit_event = anyio.Event()
@@ -469,6 +475,7 @@ class Trainer:
             raise
         finally:
             with anyio.CancelScope(shield=True):
+                await anyio.to_thread.run_sync(self.monitors.close)
                 await monitor.stop()
                 await watcher.stop()
                 await feed.consumer.unsubscribe()
@@ -739,6 +746,8 @@ class Trainer:
                 "reward/train_min": min(rewards) if rewards else None,
                 "staleness/mean": sum(staleness) / len(staleness) if staleness else 0.0,
                 "staleness/max": max(staleness) if staleness else 0,
+                # experiences per staleness value (metrics.jsonl only: not a scalar)
+                "staleness/counts": {str(k): staleness.count(k) for k in sorted(set(staleness))},
                 "time/trainer_wait": wait,
                 "experience/trained": len(batch),
                 "experience/trained_total": self.trained,
@@ -753,7 +762,8 @@ class Trainer:
 
     async def _emit(self, state: RunState, record: dict[str, Any]) -> None:
         """Publish one step's record: ``trainer.step`` in KV first (it wakes explorers paused
-        by ``max_staleness``), then the metrics stream, ``metrics.jsonl`` and ``on_step``."""
+        by ``max_staleness``), then the metrics stream, ``metrics.jsonl``, the monitors
+        (``monitor.monitor_type``) and ``on_step``."""
         uids = record.pop(_UIDS, [])
         await state.put_json(KV_TRAINER_STEP, record["step"])
         values = {
@@ -766,6 +776,8 @@ class Trainer:
             else json.dumps(nan_to_none(record))
         )
         await anyio.to_thread.run_sync(append_line, self.metrics_path, line)
+        if self.monitors:
+            await anyio.to_thread.run_sync(self.monitors.log, record, record["step"])
         uids_line = json.dumps({"step": record["step"], "uids": uids})
         await anyio.to_thread.run_sync(append_line, self.uids_path, uids_line)
         if self.on_step is not None:

@@ -390,12 +390,17 @@ class TrainerConfig(_Base):
 class MonitorConfig(_Base):
     """``monitor``: where metrics go besides the metrics stream."""
 
-    monitor_type: str = "jsonl"  # jsonl | tensorboard | none
+    # jsonl | tensorboard | wandb | mlflow | none, or a list of them ([jsonl, tensorboard]);
+    # <run_dir>/metrics.jsonl is written whatever it says (see rftstream.monitors)
+    monitor_type: str | list[str] = "jsonl"
     plot: bool = True  # write metrics.png at the end of a run
     # the run fails when at least max_dead_letter_share of the last dead_letter_window groups
     # (tasks, or groups of experiences) were dead-lettered, at any stage; 0 turns it off
     dead_letter_window: int = 64
     max_dead_letter_share: float = 1.0  # 1.0: every group of the window
+    # the backends' arguments (Trinity-RFT's keys): wandb base_url, api_key, mode, entity,
+    # tags; mlflow uri, username, password
+    monitor_args: dict[str, Any] = msgspec.field(default_factory=dict)
 
 
 class NatsConfig(_Base):
@@ -419,6 +424,7 @@ class Config(_Base):
 
     mode: str = "both"  # both | explore | train | bench
     project: str = "rftstream"
+    group: str = ""  # monitors group runs by it (wandb group, mlflow tag); "" -> name
     name: str = "default"
     checkpoint_root_dir: str = ""  # "" -> <run_dir>/checkpoints
     run_dir: str = ""  # "" -> runs/<name>

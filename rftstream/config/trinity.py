@@ -6,7 +6,7 @@ declare is either :class:`Mapped` (converted onto our key paths) or
 :class:`Ignored` (dropped with one :class:`TrinityConfigWarning` naming the key
 and why). Keys that both schemas declare pass through untouched, except the few
 values in :data:`VALUE_RULES` (``synchronizer.sync_method: nccl`` without CUDA,
-``monitor.monitor_type: wandb`` ...).
+``monitor.monitor_type: swanlab`` ...).
 
 :func:`translate_trinity` applies the table to a raw mapping (after overrides
 and ``${oc.env:...}`` interpolation, before msgspec conversion), so that
@@ -407,7 +407,7 @@ _SERVE = "serve mode (`mode: serve`) does not exist here"
 _LORA_VLLM = "vLLM's LoRA serving setting; explorers here get the merged weights (base + adapter), never the adapter alone"
 _LORA_VERL = "Trinity-RFT fills it from model.lora_configs; set the adapter there"
 _VERL_OTHER = "verl setting (trainer.trainer_config is verl's own config); the DeepSpeed trainer here has no counterpart"
-_MONITOR = "monitor backends other than jsonl are not written yet; metrics go to <run_dir>/metrics.jsonl and the metrics stream"
+_MONITOR = "swanlab is not a monitor here (jsonl, tensorboard, wandb, mlflow are); metrics go to <run_dir>/metrics.jsonl and the metrics stream"
 
 
 def _inference_model_rules(prefix: str, *, rollout: bool) -> dict[str, Rule]:
@@ -564,9 +564,6 @@ def _storage_rules(prefix: str) -> dict[str, Rule]:
 def _build_table() -> dict[str, Rule]:
     t: dict[str, Rule] = {
         # root
-        "group": Ignored(
-            "Trinity-RFT's checkpoint/namespace grouping; runs are named by `name` (and run_dir) here"
-        ),
         "checkpoint_job_dir": Ignored(_AUTO),
         "ray_namespace": Ignored(_RAY),
         "ignore_validator_suggestions": Ignored("there is no GPU-memory validator here"),
@@ -748,7 +745,6 @@ def _build_table() -> dict[str, Rule]:
             lambda s, v, c: _verl(s, v, c),
         ),
         # monitor
-        "monitor.monitor_args": Ignored(_MONITOR),
         "monitor.detailed_stats": Ignored(_NOT_HERE),
         "monitor.enable_ray_timeline": Ignored(_RAY),
         "monitor.cache_dir": Ignored(_AUTO),
@@ -975,9 +971,13 @@ def _sync_method(source: str, value: Any, ctx: _Ctx) -> Any:
 
 
 def _monitor_type(source: str, value: Any, ctx: _Ctx) -> Any:
-    if value in ("wandb", "tensorboard", "mlflow", "swanlab"):
+    if value == "swanlab":
         ctx.notes.append(KeyNote(source, "replaced", _MONITOR, value, ((source, "jsonl"),)))
         return "jsonl"
+    if isinstance(value, list) and "swanlab" in value:
+        kept = [v for v in value if v != "swanlab"] or ["jsonl"]
+        ctx.notes.append(KeyNote(source, "replaced", _MONITOR, value, ((source, kept),)))
+        return kept
     return value
 
 

@@ -19,6 +19,7 @@ from msgspec.structs import replace
 
 from rftstream.config.schema import Config, ExplorerInput, LoRAConfig, TasksetConfig
 from rftstream.errors import ConfigError
+from rftstream.monitors import MONITOR_TYPES, check_monitor_config
 
 __all__ = [
     "ALGORITHM_LOSS_AGG_MODES",
@@ -51,7 +52,6 @@ ALGORITHM_LOSS_AGG_MODES = (
     "seq-mean-token-mean",
     "seq-mean-token-sum-norm",
 )
-MONITOR_TYPES = ("jsonl", "tensorboard", "none")
 MIXED_PRECISIONS = ("fp32", "bf16")
 
 KIB = 1024
@@ -179,7 +179,9 @@ def validate_config(cfg: Config, source: str | None = None) -> Config:
         c.choice("algorithm.loss_agg_mode", cfg.algorithm.loss_agg_mode, ALGORITHM_LOSS_AGG_MODES)
     c.at_least("algorithm.repeat_times", cfg.algorithm.repeat_times, 1, optional=True)
 
-    c.choice("monitor.monitor_type", cfg.monitor.monitor_type, MONITOR_TYPES)
+    monitor = check_monitor_config(cfg.monitor, source=source)
+    if monitor is not cfg.monitor:
+        cfg = replace(cfg, monitor=monitor)
     c.at_least("monitor.dead_letter_window", cfg.monitor.dead_letter_window, 0)
     share = cfg.monitor.max_dead_letter_share
     if not 0 < share <= 1:

@@ -85,7 +85,7 @@ data_processor:
 trainer:
   save_interval: 100
 monitor:
-  monitor_type: tensorboard
+  monitor_type: swanlab
 """
 
 
@@ -167,7 +167,7 @@ def test_full_trinity_yaml_lands(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
         OperatorConfig(name="reward_filter", args={"threshold": 0.5})
     ]
     assert cfg.trainer.save_interval == 100
-    assert cfg.monitor.monitor_type == "jsonl"  # tensorboard is not written yet: warned
+    assert cfg.monitor.monitor_type == "jsonl"  # swanlab is not a monitor here: warned
     # untouched keys keep their defaults
     assert cfg.nats == Config().nats
 

@@ -78,11 +78,21 @@ def test_nccl_kept_with_cuda() -> None:
 
 
 @pytest.mark.parametrize("kind", ["wandb", "tensorboard", "mlflow"])
-def test_monitor_backends_fall_back_to_jsonl(kind: str) -> None:
-    cfg, messages = load_warned({"monitor": {"monitor_type": kind}})
+def test_monitor_backends_pass_through_with_their_args(kind: str) -> None:
+    data = {"group": "g1", "monitor": {"monitor_type": kind, "monitor_args": {}}}
+    cfg, messages = load_warned(data)
+    assert (cfg.monitor.monitor_type, cfg.group) == (kind, "g1")
+    assert messages == []
+
+
+def test_swanlab_falls_back_to_jsonl_alone_and_in_a_list() -> None:
+    cfg, messages = load_warned({"monitor": {"monitor_type": "swanlab"}})
     assert cfg.monitor.monitor_type == "jsonl"
     assert warned_keys(messages) == ["monitor.monitor_type"]
-    assert kind in messages[0] and "jsonl" in messages[0]
+    assert "swanlab" in messages[0] and "jsonl" in messages[0]
+    cfg, messages = load_warned({"monitor": {"monitor_type": ["tensorboard", "swanlab"]}})
+    assert cfg.monitor.monitor_type == ["tensorboard"]
+    assert warned_keys(messages) == ["monitor.monitor_type"]
 
 
 def test_unknown_keys_in_either_schema_get_did_you_mean() -> None:
