@@ -20,8 +20,7 @@ and cleanup"):
   experience stream then holds only the backlog and that window.
 * ``discard: old`` (dead letters and metrics by default): the oldest messages
   go. Those streams have no durable consumers, so what went is exactly the
-  stream's first sequence less one (:func:`removed_by_limits`);
-  ``rftstream streams`` reports it. ``discard: old`` or ``max_age`` on the
+  stream's first sequence less one (:func:`removed_by_limits`). ``discard: old`` or ``max_age`` on the
   experience stream can drop untrained experience: a config warning names the
   key, and :class:`ExperienceRoom` warns (naming the stream) whenever the
   stream's head passes a consumer's acked floor.
