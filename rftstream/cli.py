@@ -9,6 +9,7 @@
     rftstream operator --unsplice STAGE --config C --nats-url U
     rftstream status [--json] [--all]|streams --config C --nats-url U
     rftstream tail STAGE [-n N] [--no-follow] [--dlq] [--json] --config C --nats-url U
+    rftstream clean [RUN ...|--all] [--dry-run] [--force] [--older-than 7d] [--files] --nats-url U
     rftstream decode < body    # nats stream view ... --translate "rftstream decode"
     rftstream report RUN_DIR [--out FILE]   # report.html: curves, summary, resolved config
     rftstream debug workflow [--config C] [--task N] [--taskset NAME] [--plugin-dir D] [--json]
@@ -159,6 +160,7 @@ def build_parser() -> argparse.ArgumentParser:
     tl.add_argument("--no-follow", action="store_true", help="exit after the latest messages")
     tl.add_argument("--dlq", action="store_true", help="tail rft.<run>.dlq.<stage> instead")
     tl.add_argument("--json", action="store_true", help="one JSON object per line")
+    _clean_parser(sub)
     cfg_cmd = sub.add_parser("config", help="inspect a config file")
     cfg_sub = cfg_cmd.add_subparsers(dest="config_command", required=True)
     explain = cfg_sub.add_parser(
@@ -210,6 +212,28 @@ def build_parser() -> argparse.ArgumentParser:
         help="also print the workflow's traceback when it raises",
     )
     return parser
+
+
+def _clean_parser(sub: Any) -> None:
+    """``rftstream clean``: remove finished runs' streams, consumers, KV bucket, object store."""
+    cl = sub.add_parser(
+        "clean",
+        help="remove the NATS resources of finished runs (streams, consumers, KV bucket, "
+        "object store); refuses live or unfinished runs unless --force",
+    )
+    _common(cl, need_url=True)
+    cl.add_argument("runs", nargs="*", metavar="RUN", help="run ids (default: the run of --config)")
+    cl.add_argument("--all", action="store_true", help="every run on the server")
+    cl.add_argument("--dry-run", action="store_true", help="list what would go, with sizes")
+    cl.add_argument("--force", action="store_true", help="also remove live or unfinished runs")
+    cl.add_argument(
+        "--older-than", metavar="AGE", help="only runs idle longer than AGE (90s, 15m, 12h, 7d)"
+    )
+    cl.add_argument(
+        "--files",
+        action="store_true",
+        help="also delete the checkpoints of the run of --config (its checkpoint directory)",
+    )
 
 
 def load_run_config(args: argparse.Namespace) -> tuple[Any, str]:
@@ -648,6 +672,82 @@ def _names(args: argparse.Namespace) -> tuple[Any, Any]:
     return cfg, RunNames(run_id_from_name(cfg.name), name=cfg.name)
 
 
+def cmd_clean(args: argparse.Namespace) -> int:
+    """``rftstream clean``: see :mod:`rftstream.clean`. Exit 1 when a named run was refused."""
+    import shutil
+
+    import nats
+    from rich.table import Table
+
+    from rftstream import clean
+    from rftstream.weights import checkpoint_dir
+
+    cfg, names = _names(args)
+    try:
+        older = clean.parse_age(args.older_than) if args.older_than else None
+    except ValueError as exc:
+        raise RftError(str(exc)) from exc
+    wanted = None if args.all else set(args.runs or [names.run])
+    if args.files and (args.all or args.runs and set(args.runs) != {names.run}):
+        raise RftError(
+            "--files deletes the checkpoints of the run of --config only; name no other run"
+        )
+
+    async def main() -> tuple[list[Any], list[tuple[Any, str]]]:
+        try:
+            nc = await nats.connect(
+                args.nats_url, connect_timeout=cfg.nats.connect_timeout, max_reconnect_attempts=0
+            )
+        except Exception as exc:  # nats raises several unrelated types here
+            raise RftError(f"clean: cannot connect to NATS at {args.nats_url}: {exc}") from exc
+        try:
+            js = nc.jetstream()
+            runs = await clean.find_runs(js)
+            missing = sorted((wanted or set()) - runs.keys())
+            if missing:
+                raise RftError(f"clean: no run {', '.join(map(repr, missing))} on {args.nats_url}")
+            now = clean.now()
+            go, kept = [], []
+            for run in sorted(runs if wanted is None else wanted):
+                why = clean.refusal(runs[run], now, force=args.force, older_than=older)
+                if why:
+                    kept.append((runs[run], why))
+                else:
+                    go.append(runs[run])
+            if not args.dry_run:
+                for res in go:
+                    await clean.remove_run(js, res)
+            return go, kept
+        finally:
+            await nc.close()
+
+    go, kept = anyio.run(main, backend="asyncio")
+    table = Table(title=("would remove" if args.dry_run else "removed") + f" on {args.nats_url}")
+    for col in ("run", "status", "streams", "consumers", "bytes"):
+        table.add_column(col, overflow="fold")
+    for res in go:
+        table.add_row(
+            res.run,
+            res.status or "-",
+            ", ".join(sorted(res.streams)),
+            str(res.consumers),
+            f"{res.bytes:,}",
+        )
+    console.print(table)
+    for res, why in kept:
+        console.print(f"[yellow]kept[/] run [cyan]{escape(res.run)}[/]: {escape(why)}")
+    if args.files and any(res.run == names.run for res in go):
+        path = checkpoint_dir(cfg, args.run_dir)
+        if path.exists():
+            console.print(
+                ("would delete " if args.dry_run else "deleted ") + f"checkpoints {path}",
+                markup=False,
+            )
+            if not args.dry_run:
+                shutil.rmtree(path)
+    return 1 if kept and wanted is not None else 0
+
+
 def cmd_streams(args: argparse.Namespace) -> int:
     from rich.table import Table
 
@@ -865,6 +965,8 @@ def main(argv: list[str] | None = None) -> int:
             return cmd_status(args)
         if args.command == "streams":
             return cmd_streams(args)
+        if args.command == "clean":
+            return cmd_clean(args)
         if args.command == "tail":
             return cmd_tail(args)
         if args.command == "decode":

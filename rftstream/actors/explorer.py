@@ -93,6 +93,7 @@ from rftstream.actors.common import (
 )
 from rftstream.actors.evaluation import EvaluationMixin
 from rftstream.bus.client import Bus
+from rftstream.bus.limits import ExperienceRoom
 from rftstream.bus.state import END_STATUSES, RunState
 from rftstream.config.schema import Config, TasksetConfig
 from rftstream.config.validate import TRAINER_MODES, eval_tasksets, training_tasksets
@@ -157,6 +158,10 @@ class Explorer(EvaluationMixin):
         self.bus = bus
         self.names = bus.names
         self.name = name
+        # purges acked experience and holds raw publishes while the stream is near its limits
+        self.room = ExperienceRoom(
+            getattr(bus, "js", None), bus.names.exp_stream, cfg.nats.streams.experience, name
+        )
         self.model_path = model_path
         self.policy = SyncPolicy.from_config(cfg.synchronizer)
         self.repeat_times = int(cfg.algorithm.repeat_times or 1)
@@ -675,6 +680,8 @@ class Explorer(EvaluationMixin):
             "rollout/retries": stats["retries"],
             "rollout/publish_failures": stats["publish_failures"],
             "explorer/model_version": float(self._version()),
+            "explorer/stream_full_wait_seconds_total": self.room.waited_s,
+            "explorer/exp_removed_unacked": float(self.room.lost),
             "explorer/idle_share": self._idle_share(),
             "explorer/idle_seconds_total": self.idle_seconds(),
             "explorer/seconds_total": time.monotonic() - self._loop_start,
@@ -804,13 +811,17 @@ class Explorer(EvaluationMixin):
         Every attempt publishes the same group, split the same way under the
         same ``Nats-Msg-Id`` s, so what an earlier attempt stored is
         deduplicated. Backoff from 1 s, doubling, at most ``RETRY_MAX_S``.
-        Returns False when the run ended meanwhile. :class:`SchemaError` and
+        Waits first while the experience stream is near its limits
+        (:class:`~rftstream.bus.limits.ExperienceRoom`; a full stream is retried
+        like any NATS trouble). Returns False when the run ended meanwhile. :class:`SchemaError` and
         :class:`PayloadTooLargeError` (the group itself is at fault) propagate.
         Blocks; cancelling leaves the task unacked.
         """
         delay = 1.0
         while True:
             try:
+                if not await self.room.wait(self._run_ended):
+                    return False
                 await self.bus.publish_group(RAW_STAGE, exps, msg_id=msg_id)
                 return True
             except PayloadTooLargeError:
@@ -832,6 +843,15 @@ class Explorer(EvaluationMixin):
                         return False
                 except Exception:  # noqa: BLE001 - NATS trouble: keep trying
                     pass
+
+    async def _run_ended(self) -> bool:
+        """Whether the run's status is an end status (NATS trouble reads as: not ended)."""
+        if self.state is None:
+            return False
+        try:
+            return await self.state.status() in END_STATUSES
+        except Exception:  # noqa: BLE001 - NATS trouble: keep trying
+            return False
 
     # ------------------------------------------------------------ sync
     async def _load(self, state: RunState, min_version: int) -> None:

@@ -48,6 +48,7 @@ from nats.aio.msg import Msg
 from nats.js import api
 from nats.js.kv import KeyValue
 
+from rftstream.bus.limits import StreamFullError, is_stream_full, purge_acked, stream_limits
 from rftstream.bus.state import RunState
 from rftstream.config.schema import NatsConfig
 from rftstream.errors import BusError, PayloadTooLargeError
@@ -367,6 +368,10 @@ class PullConsumer:
             pass
 
 
+def _value(policy: Any) -> str:
+    return str(getattr(policy, "value", policy))
+
+
 class Bus:
     """One actor's connection to the run's streams, consumers and KV bucket."""
 
@@ -436,19 +441,43 @@ class Bus:
             "rft.created_by": self.actor,
         }
 
-    async def _ensure_stream(self, cfg: api.StreamConfig) -> None:
+    async def _ensure_stream(self, cfg: api.StreamConfig, key: str) -> None:
+        """Create the stream, or update an existing one to ``cfg`` (limits from ``key``,
+        e.g. ``nats.streams.experience``).
+
+        Raises :class:`BusError` when the stream exists with another retention
+        (NATS cannot change a work queue's), naming the stream and what to do.
+        Lowering a ``discard: old`` limit below what is stored drops the oldest
+        messages: logged as a warning naming the stream and key.
+        """
         try:
-            await self.js.stream_info(cfg.name)  # type: ignore[arg-type]
+            info = await self.js.stream_info(cfg.name)  # type: ignore[arg-type]
         except nats.js.errors.NotFoundError:
             try:
                 await self.js.add_stream(cfg)
             except nats.js.errors.APIError as exc:
-                raise BusError(f"cannot create stream {cfg.name}: {exc}") from exc
+                raise BusError(f"cannot create stream {cfg.name} ({key}): {exc}") from exc
             return
+        old = info.config
+        if old.retention != cfg.retention:
+            raise BusError(
+                f"stream {cfg.name} exists with retention {_value(old.retention)}, this run "
+                f"needs {_value(cfg.retention)} (NATS cannot change a work queue's, and rftstream never "
+                f"changes one): delete the stream (`rftstream clean`, or `nats stream rm {cfg.name}`) first"
+            )
+        stored = int(info.state.bytes or 0)
+        if cfg.discard == api.DiscardPolicy.OLD and 0 < (cfg.max_bytes or -1) < stored:
+            log.warning(
+                "stream %s holds %d bytes; %s.max_bytes %d makes the server drop the oldest",
+                cfg.name,
+                stored,
+                key,
+                cfg.max_bytes,
+            )
         try:
             await self.js.update_stream(cfg)
         except nats.js.errors.APIError as exc:
-            log.warning("stream %s exists and could not be updated: %s", cfg.name, exc)
+            log.warning("stream %s exists and could not be updated to %s: %s", cfg.name, key, exc)
 
     async def ensure_consumer(
         self,
@@ -506,6 +535,7 @@ class Bus:
         created here, before any producer starts, so nothing is missed.
         """
         n = self.names
+        limits = self.cfg.streams
         common: dict[str, Any] = {
             "storage": api.StorageType.FILE,
             "num_replicas": self.cfg.num_replicas,
@@ -520,7 +550,9 @@ class Bus:
                 retention=api.RetentionPolicy.WORK_QUEUE,
                 metadata=self._meta("tasks", "rft.task.v1"),
                 **common,
-            )
+                **stream_limits(limits.tasks),
+            ),
+            "nats.streams.tasks",
         )
         await self._ensure_stream(
             api.StreamConfig(
@@ -533,7 +565,9 @@ class Bus:
                 retention=api.RetentionPolicy.LIMITS,
                 metadata=self._meta("experience", SCHEMA_META),
                 **common,
-            )
+                **stream_limits(limits.experience),
+            ),
+            "nats.streams.experience",
         )
         await self._ensure_stream(
             api.StreamConfig(
@@ -543,7 +577,9 @@ class Bus:
                 retention=api.RetentionPolicy.LIMITS,
                 metadata=self._meta("dead-letter", "original message"),
                 **common,
-            )
+                **stream_limits(limits.dead_letter),
+            ),
+            "nats.streams.dead_letter",
         )
         await self._ensure_stream(
             api.StreamConfig(
@@ -553,7 +589,9 @@ class Bus:
                 retention=api.RetentionPolicy.LIMITS,
                 metadata=self._meta("metrics", "rft.metrics.v1"),
                 **{**common, "max_msg_size": -1},
-            )
+                **stream_limits(limits.metrics),
+            ),
+            "nats.streams.metrics",
         )
         await self.ensure_consumer(
             n.tasks_stream,
@@ -661,6 +699,14 @@ class Bus:
                             f"{self.actor}: publish to {subject} timed out {retries + 1} times"
                         ) from exc
                 except nats.js.errors.APIError as exc:
+                    if is_stream_full(exc) and attempt < retries:
+                        await self._free_experience(subject)
+                    if is_stream_full(exc) and attempt == retries:
+                        raise StreamFullError(
+                            f"{self.actor}: publish to {subject} refused: its stream is full "
+                            f"({exc.description}); it waits for consumers, or raise the "
+                            f"stream's nats.streams.<stream>.max_bytes / max_msgs"
+                        ) from exc
                     if getattr(exc, "code", None) in (429, 503) and attempt < retries:
                         pass
                     else:
@@ -672,6 +718,20 @@ class Bus:
             raise AssertionError("unreachable")
         finally:
             self._limiter.release(size)  # synchronous: a cancelled publish gives its bytes back
+
+    async def _free_experience(self, subject: str) -> None:
+        """A publish to ``subject`` found its stream full: when it is the experience
+        stream, purge what every consumer acked (``nats.streams.experience.purge_acked``)
+        before the retry. Best effort: a failure is logged and the retry waits as usual."""
+        if not subject.startswith(self.names.exp_wildcard[:-1]):
+            return
+        exp = self.cfg.streams.experience
+        if not exp.purge_acked:
+            return
+        try:
+            await purge_acked(self.js, self.names.exp_stream, exp)
+        except BusError as exc:
+            log.warning("%s: %s", self.actor, exc)
 
     async def _js_publish(
         self, subject: str, data: bytes, headers: dict[str, str] | None, timeout: float

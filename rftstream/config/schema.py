@@ -403,6 +403,67 @@ class MonitorConfig(_Base):
     monitor_args: dict[str, Any] = msgspec.field(default_factory=dict)
 
 
+class StreamLimitsConfig(_Base):
+    """``nats.streams.<stream>``: the limits of one of the run's streams (NATS's own names).
+
+    ``max_bytes`` / ``max_msgs``: -1 is unlimited; ``max_age``: seconds, 0 is
+    unlimited. ``discard``: what the server does when a limit is reached: ``new``
+    refuses the publish (the producer waits and retries: back-pressure), ``old``
+    removes the oldest messages (read or not).
+    """
+
+    max_bytes: int = -1
+    max_msgs: int = -1
+    max_age: float = 0.0
+    discard: str = "new"
+
+
+class ExperienceStreamConfig(StreamLimitsConfig):
+    """``nats.streams.experience``: limits of ``RFT_<RUN>_EXP`` and what happens to
+    experience every durable consumer has acked.
+
+    ``purge_acked`` true: explorers purge messages that every durable consumer of
+    the stream has acked (trained or filtered), keeping the newest
+    ``keep_acked_msgs`` of them for ``rftstream tail`` / ``nats stream view``;
+    false: everything is kept (replay, inspection) until ``max_bytes``.
+    """
+
+    max_bytes: int = 2 * 1024**3
+    purge_acked: bool = True
+    keep_acked_msgs: int = 1000
+
+
+class TasksStreamConfig(StreamLimitsConfig):
+    """``nats.streams.tasks``: limits of ``RFT_<RUN>_TASKS`` (a work queue: explored tasks go)."""
+
+    max_bytes: int = 1024**3
+
+
+class DeadLetterStreamConfig(StreamLimitsConfig):
+    """``nats.streams.dead_letter``: limits of ``RFT_<RUN>_DLQ`` (the oldest roll over)."""
+
+    max_bytes: int = 256 * 1024**2
+    discard: str = "old"
+
+
+class MetricsStreamConfig(StreamLimitsConfig):
+    """``nats.streams.metrics``: limits of ``RFT_<RUN>_METRICS`` (the oldest roll over)."""
+
+    max_bytes: int = 256 * 1024**2
+    discard: str = "old"
+
+
+class StreamsConfig(_Base):
+    """``nats.streams``: limits of the run's four streams (``rftstream`` defaults bound
+    a long run's disk: acked tasks and experience are removed, dead letters and
+    metrics roll over). A table given in part keeps that stream's other defaults."""
+
+    tasks: TasksStreamConfig = msgspec.field(default_factory=TasksStreamConfig)
+    experience: ExperienceStreamConfig = msgspec.field(default_factory=ExperienceStreamConfig)
+    dead_letter: DeadLetterStreamConfig = msgspec.field(default_factory=DeadLetterStreamConfig)
+    metrics: MetricsStreamConfig = msgspec.field(default_factory=MetricsStreamConfig)
+
+
 class NatsConfig(_Base):
     """``nats``: the bus. ``url`` empty means: start an embedded nats-server."""
 
@@ -414,6 +475,7 @@ class NatsConfig(_Base):
     max_deliver: int = 5
     dedup_window: float = 600.0
     connect_timeout: float = 10.0
+    streams: StreamsConfig = msgspec.field(default_factory=StreamsConfig)
 
 
 # ----------------------------------------------------------------- root

@@ -13,6 +13,7 @@ from __future__ import annotations
 import difflib
 import hashlib
 import re
+import warnings
 from typing import Any
 
 from msgspec.structs import replace
@@ -230,10 +231,42 @@ def validate_config(cfg: Config, source: str | None = None) -> Config:
     _check_lora(c, cfg.model.lora_configs)
 
     c.between("nats.max_payload", cfg.nats.max_payload, KIB, 64 * MIB, " bytes (1 KiB to 64 MiB)")
+    _check_stream_limits(c, cfg)
 
     if style != sync.sync_style:
         cfg = replace(cfg, synchronizer=replace(sync, sync_style=style))
     return cfg
+
+
+def _check_stream_limits(c: _Checker, cfg: Config) -> None:
+    """``nats.streams.<stream>``: limits NATS accepts, and a warning for each that can lose
+    messages nobody processed yet (see :mod:`rftstream.bus.limits`)."""
+    from rftstream.bus.limits import (
+        DISCARD_POLICIES,
+        STREAM_KEYS,
+        StreamLimitWarning,
+        limit_warnings,
+    )
+
+    for name in STREAM_KEYS:
+        limits = getattr(cfg.nats.streams, name)
+        key = f"nats.streams.{name}"
+        c.choice(f"{key}.discard", limits.discard, DISCARD_POLICIES)
+        for field in ("max_bytes", "max_msgs"):
+            value = getattr(limits, field)
+            if value == 0 or value < -1:
+                c.fail(f"{key}.{field}", "must be -1 (unlimited) or > 0", value)
+        c.at_least(f"{key}.max_age", limits.max_age, 0)
+    exp = cfg.nats.streams.experience
+    c.at_least("nats.streams.experience.keep_acked_msgs", exp.keep_acked_msgs, 0)
+    if 0 < exp.max_bytes < 2 * cfg.nats.max_payload:
+        c.fail(
+            "nats.streams.experience.max_bytes",
+            f"must hold at least two messages of nats.max_payload ({cfg.nats.max_payload} bytes)",
+            exp.max_bytes,
+        )
+    for line in limit_warnings(cfg.nats.streams):
+        warnings.warn(line, StreamLimitWarning, stacklevel=3)
 
 
 def _check_token_budget(c: _Checker, cfg: Config) -> None:

@@ -1,0 +1,377 @@
+"""Bounded streams: the limits of the run's streams, purging acked experience, back-pressure.
+
+Pure parts (no I/O): :func:`stream_limits`, :func:`purge_points`,
+:func:`limit_warnings`, :func:`experience_full`. NATS parts: :func:`purge_acked`
+and :class:`ExperienceRoom`, which an explorer awaits before publishing a group
+to ``exp.raw``.
+
+What a limit does to un-consumed messages (see the README, "Bounded streams
+and cleanup"):
+
+* ``discard: new`` (the default of the tasks and experience streams): the
+  server refuses a publish that would pass the limit; nothing stored is lost.
+  The publish fails with "maximum bytes exceeded" (:class:`StreamFullError`),
+  and the publisher's retry path waits. Explorers wait *before* publishing
+  (:class:`ExperienceRoom`) while the experience stream is above
+  :data:`HIGH_WATER` of a limit, so operators and the trainer, which free
+  room by consuming, always have the rest to publish their outputs into.
+* ``purge_acked`` (experience): messages every durable consumer has acked are
+  purged, but for the newest ``keep_acked_msgs`` of them; a long run's
+  experience stream then holds only the backlog and that window.
+* ``discard: old`` (dead letters and metrics by default): the oldest messages
+  go. Those streams have no durable consumers, so what went is exactly the
+  stream's first sequence less one (:func:`removed_by_limits`). ``discard: old`` or ``max_age`` on the
+  experience stream can drop untrained experience: a config warning names the
+  key, and :class:`ExperienceRoom` warns (naming the stream) whenever the
+  stream's head passes a consumer's acked floor.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import anyio
+import nats.errors
+import nats.js.errors
+from nats.js import api
+
+from rftstream.config.schema import ExperienceStreamConfig, StreamLimitsConfig, StreamsConfig
+from rftstream.errors import BusError
+
+log = logging.getLogger(__name__)
+
+#: explorers wait while the experience stream is above this share of a limit
+HIGH_WATER = 0.8
+#: how often a waiting explorer re-checks the stream (and purges what was acked)
+RECHECK_S = 0.25
+#: how long one check of the stream's fill is reused by the next publishes
+CHECK_TTL_S = 0.5
+
+DISCARD_POLICIES = ("new", "old")
+#: the stream keys of ``nats.streams``, with the role each stream has
+STREAM_KEYS = ("tasks", "experience", "dead_letter", "metrics")
+
+# JSStreamStoreFailedF: what the server answers a publish to a full `discard: new` stream
+STREAM_FULL_ERR_CODE = 10077
+
+
+class StreamLimitWarning(UserWarning):
+    """A ``nats.streams`` setting that can remove messages nobody has processed yet."""
+
+
+class StreamFullError(BusError):
+    """A publish was refused because the stream reached ``max_bytes`` / ``max_msgs`` (discard new)."""
+
+
+def stream_limits(limits: StreamLimitsConfig) -> dict[str, Any]:
+    """The :class:`nats.js.api.StreamConfig` fields of one ``nats.streams.<stream>`` table."""
+    return {
+        "max_bytes": int(limits.max_bytes),
+        "max_msgs": int(limits.max_msgs),
+        "max_age": float(limits.max_age),
+        "discard": api.DiscardPolicy.OLD if limits.discard == "old" else api.DiscardPolicy.NEW,
+    }
+
+
+def limit_warnings(streams: StreamsConfig) -> list[str]:
+    """Why a ``nats.streams`` setting may lose messages nobody has processed yet (one line each)."""
+    out: list[str] = []
+    exp = streams.experience
+    if exp.discard == "old" and (exp.max_bytes > 0 or exp.max_msgs > 0):
+        out.append(
+            "config key `nats.streams.experience.discard`: old removes the oldest experience "
+            "when the stream is full, trained or not (the loss is reported, but it is lost); "
+            "`new` makes explorers wait instead"
+        )
+    if exp.max_age > 0:
+        out.append(
+            f"config key `nats.streams.experience.max_age`: experience older than {exp.max_age:g}s "
+            "is removed whether it was trained or not"
+        )
+    tasks = streams.tasks
+    if tasks.discard == "old" and (tasks.max_bytes > 0 or tasks.max_msgs > 0):
+        out.append(
+            "config key `nats.streams.tasks.discard`: old drops tasks not yet explored when the "
+            "tasks stream is full; `new` makes the task feed wait instead"
+        )
+    if tasks.max_age > 0:
+        out.append(
+            f"config key `nats.streams.tasks.max_age`: tasks older than {tasks.max_age:g}s are "
+            "removed whether they were explored or not"
+        )
+    if not exp.purge_acked and exp.max_bytes > 0 and exp.discard == "new":
+        out.append(
+            "config key `nats.streams.experience.purge_acked`: false keeps every message, so a "
+            f"run that publishes more than max_bytes ({exp.max_bytes}) stalls: explorers wait "
+            "for room that nothing frees"
+        )
+    return out
+
+
+@dataclass(frozen=True)
+class ConsumerFloor:
+    """A durable consumer's position: every message on ``filter`` at or below ``ack_floor`` is acked."""
+
+    name: str
+    filter: str  # its filter subject ("" or a wildcard: it reads several subjects)
+    ack_floor: int
+    outstanding: int  # undelivered (num_pending) + delivered and unacked (num_ack_pending)
+
+
+def _exact(subject: str) -> bool:
+    return bool(subject) and "*" not in subject and ">" not in subject
+
+
+def purge_points(
+    first_seq: int, last_seq: int, consumers: Sequence[ConsumerFloor], keep: int
+) -> dict[str, int]:
+    """Per subject, the stream sequence below which its messages may be purged.
+
+    A message may go when every durable consumer reading its subject has acked
+    it: its sequence is at most that consumer's ack floor (a consumer reading
+    several subjects bounds each of them). A consumer with nothing outstanding
+    has acked everything it matches, so it bounds nothing. Only subjects some
+    durable consumer reads (by exact filter) are purged: a stage nobody reads
+    yet keeps everything. The newest ``keep`` sequences of the stream stay.
+    Subjects with nothing to purge (point <= ``first_seq``) are left out.
+    """
+    if last_seq < first_seq:
+        return {}
+    cap = last_seq + 1 - max(0, keep)
+    shared = min(
+        (c.ack_floor for c in consumers if not _exact(c.filter) and c.outstanding > 0),
+        default=last_seq,
+    )
+    points: dict[str, int] = {}
+    for subject in sorted({c.filter for c in consumers if _exact(c.filter)}):
+        floor = min(
+            (c.ack_floor for c in consumers if c.filter == subject and c.outstanding > 0),
+            default=last_seq,
+        )
+        point = min(min(floor, shared) + 1, cap)
+        if point > first_seq:
+            points[subject] = point
+    return points
+
+
+def removed_by_limits(first_seq: int, last_seq: int) -> int:
+    """Messages a stream with no consumers and no purges lost to its limits (``discard: old``
+    or ``max_age``): every sequence below the first one stored is gone."""
+    if last_seq == 0:
+        return 0
+    return max(0, first_seq - 1)
+
+
+def lost_below_head(first_seq: int, consumers: Sequence[ConsumerFloor]) -> list[tuple[str, int]]:
+    """Consumers with outstanding work whose acked floor the stream's head has passed, and by
+    how many sequences, in a stream nothing purges (``purge_acked`` false): only its limits
+    removed those messages, and the ones on the consumer's subject were unread."""
+    return [
+        (c.name, first_seq - 1 - c.ack_floor)
+        for c in consumers
+        if c.outstanding > 0 and first_seq - 1 > c.ack_floor
+    ]
+
+
+def at_limit(stored_bytes: int, stored_msgs: int, limits: StreamLimitsConfig, slack: int) -> bool:
+    """Whether a stream is within ``slack`` bytes of ``max_bytes`` or at ``max_msgs``."""
+    if limits.max_bytes > 0 and stored_bytes + slack >= limits.max_bytes:
+        return True
+    return limits.max_msgs > 0 and stored_msgs >= limits.max_msgs
+
+
+def fill_ratio(stored_bytes: int, stored_msgs: int, limits: StreamLimitsConfig) -> float:
+    """The share of the tightest of ``max_bytes`` / ``max_msgs`` in use (0 with no limit)."""
+    shares = [0.0]
+    if limits.max_bytes > 0:
+        shares.append(stored_bytes / limits.max_bytes)
+    if limits.max_msgs > 0:
+        shares.append(stored_msgs / limits.max_msgs)
+    return max(shares)
+
+
+def experience_full(
+    stored_bytes: int, stored_msgs: int, limits: StreamLimitsConfig, high_water: float = HIGH_WATER
+) -> bool:
+    """Whether the experience stream is at or above ``high_water`` of its byte or message limit."""
+    if limits.max_bytes > 0 and stored_bytes >= high_water * limits.max_bytes:
+        return True
+    return limits.max_msgs > 0 and stored_msgs >= high_water * limits.max_msgs
+
+
+async def consumer_floors(js: Any, stream: str) -> list[ConsumerFloor]:
+    """The durable consumers of ``stream`` and their acked floors (one API round trip)."""
+    out = []
+    for info in await js.consumers_info(stream):
+        if not getattr(info.config, "durable_name", None):
+            continue  # an ordered watch (tail, the trainer's header watch) keeps nothing
+        floor = int(getattr(info.ack_floor, "stream_seq", 0) or 0)
+        outstanding = int(info.num_pending or 0) + int(info.num_ack_pending or 0)
+        out.append(ConsumerFloor(info.name, info.config.filter_subject or "", floor, outstanding))
+    return out
+
+
+@dataclass
+class PurgeResult:
+    """What :func:`purge_acked` saw and did."""
+
+    first_seq: int
+    last_seq: int
+    messages: int
+    bytes: int
+    purged: int  # messages purged now
+    floors: list[ConsumerFloor]
+
+
+async def purge_acked(js: Any, stream: str, cfg: ExperienceStreamConfig) -> PurgeResult:
+    """Purge, subject by subject, the messages of ``stream`` every durable consumer of that
+    subject acked (but the newest ``cfg.keep_acked_msgs``); with ``cfg.purge_acked`` false
+    only read the stream's state.
+
+    The stream is read before its consumers: a consumer that has nothing
+    outstanding then has acked every message up to the last sequence read (a
+    message stored after that read is above it, so never purged), and floors
+    only grow. Blocks for two JetStream API round trips, and two more per
+    purged subject. Raises :class:`BusError` naming the stream on failure.
+    """
+    try:
+        info = await js.stream_info(stream)
+        floors = await consumer_floors(js, stream)
+    except (nats.errors.Error, TimeoutError) as exc:
+        raise BusError(f"stream {stream}: reading its state failed: {exc}") from exc
+    st = info.state
+    first, last = int(st.first_seq or 0), int(st.last_seq or 0)
+    result = PurgeResult(first, last, int(st.messages or 0), int(st.bytes or 0), 0, floors)
+    if not cfg.purge_acked or not st.messages:
+        return result
+    points = purge_points(first, last, floors, cfg.keep_acked_msgs)
+    if not points:
+        return result
+    try:
+        for subject, point in points.items():
+            await js.purge_stream(stream, subject=subject, seq=point)
+        info = await js.stream_info(stream)
+    except (nats.errors.Error, TimeoutError) as exc:
+        raise BusError(f"stream {stream}: purging acked messages failed: {exc}") from exc
+    result.purged = max(0, result.messages - int(info.state.messages or 0))
+    result.messages, result.bytes = int(info.state.messages or 0), int(info.state.bytes or 0)
+    result.first_seq = int(info.state.first_seq or first)
+    return result
+
+
+class ExperienceRoom:
+    """An explorer's gate to ``exp.raw``: purges acked experience and waits while the
+    experience stream is above :data:`HIGH_WATER` of its limits.
+
+    :meth:`wait` returns at once (no round trip) while a check younger than
+    :data:`CHECK_TTL_S` found the stream under half of :data:`HIGH_WATER`; else it reads the stream (and purges), and
+    while full waits :data:`RECHECK_S` between checks, warning once per wait
+    (naming the stream and the config key). Cancelling it leaves nothing behind.
+    """
+
+    def __init__(self, js: Any, stream: str, cfg: ExperienceStreamConfig, actor: str) -> None:
+        self.js = js
+        self.stream = stream
+        self.cfg = cfg
+        self.actor = actor
+        self.waited_s = 0.0  # total time spent waiting for room (a metric)
+        self.lost = 0  # sequences removed under a consumer before it acked them (reported)
+        self.purged = 0  # messages purged by this explorer's checks
+        self.limit_hits = 0  # checks that found a discard-old stream at its limit with work left
+        self._checked_at = -1e9
+        self._fill = 1.0  # share of the tightest limit in use at the last check
+        self._reported_head = 0
+
+    @property
+    def bounded(self) -> bool:
+        """Whether there is anything to do: a limit to respect or acked messages to purge."""
+        return self.js is not None and (
+            self.cfg.purge_acked or self.cfg.max_bytes > 0 or self.cfg.max_msgs > 0
+        )
+
+    async def check(self) -> bool:
+        """Read the stream (purging what every consumer acked); True if there is room."""
+        res = await purge_acked(self.js, self.stream, self.cfg)
+        self._checked_at = time.monotonic()
+        self._fill = fill_ratio(res.bytes, res.messages, self.cfg)
+        self.purged += res.purged
+        self._report_loss(res)
+        return not experience_full(res.bytes, res.messages, self.cfg)
+
+    def _report_loss(self, res: PurgeResult) -> None:
+        """Warn (naming the stream and key) when its limits may have removed unread experience."""
+        if self.cfg.discard != "old" and self.cfg.max_age <= 0:
+            return  # discard new: the server refuses, it never removes
+        busy = [c for c in res.floors if c.outstanding > 0]
+        if not self.cfg.purge_acked:
+            lost = lost_below_head(res.first_seq, busy)
+            if not lost or res.first_seq <= self._reported_head:
+                return
+            self._reported_head = res.first_seq
+            self.lost = max(self.lost, max(n for _, n in lost))
+            detail = ", ".join(f"{name} ({n})" for name, n in lost)
+            why = (
+                f"removed messages below sequence {res.first_seq} before every consumer acked them"
+            )
+        elif busy and at_limit(res.bytes, res.messages, self.cfg, slack=0):
+            self.limit_hits += 1
+            detail = ", ".join(c.name for c in busy)
+            why = "is at its limit: the server removes its oldest messages, read or not"
+        else:
+            return
+        log.warning(
+            "%s: stream %s %s (untrained experience may be lost; consumers with work: %s): "
+            "nats.streams.experience has discard %s, max_age %gs",
+            self.actor,
+            self.stream,
+            why,
+            detail,
+            self.cfg.discard,
+            self.cfg.max_age,
+        )
+
+    async def wait(self, ended: Callable[[], Awaitable[bool]] | None = None) -> bool:
+        """Block until the experience stream has room for more raw experience: True; or
+        until ``ended()`` (asked at each re-check) says the run is over: False.
+
+        Raises :class:`BusError` when the stream cannot be read.
+        """
+        if not self.bounded or (
+            self._fill < HIGH_WATER / 2 and time.monotonic() - self._checked_at < CHECK_TTL_S
+        ):
+            return True  # far from full when last seen: no round trip
+        if await self.check():
+            return True
+        started = time.monotonic()
+        log.warning(
+            "%s: stream %s is above %.0f%% of its limits (nats.streams.experience.max_bytes %d, "
+            "max_msgs %d): waiting for the pipeline and the trainer to consume experience",
+            self.actor,
+            self.stream,
+            HIGH_WATER * 100,
+            self.cfg.max_bytes,
+            self.cfg.max_msgs,
+        )
+        try:
+            while True:
+                await anyio.sleep(RECHECK_S)
+                if await self.check():
+                    return True
+                if ended is not None and await ended():
+                    return False
+        finally:
+            self.waited_s += time.monotonic() - started
+
+
+def is_stream_full(exc: nats.js.errors.APIError) -> bool:
+    """Whether a publish error is the server's "maximum bytes/messages exceeded" (discard new)."""
+    desc = str(getattr(exc, "description", "") or "")
+    return (
+        getattr(exc, "err_code", None) == STREAM_FULL_ERR_CODE
+        or "maximum " in desc
+        and ("exceeded" in desc)
+    )
