@@ -596,6 +596,21 @@ def decode_group(data: bytes | memoryview) -> list[Experience]:
         raise SchemaError(f"group {msg.group_id!r}: malformed array field: {exc}") from exc
 
 
+def experience_problem(exp: Experience) -> str | None:
+    """Why a decoded experience is unfit for any stage, or None. Cheap; pure.
+
+    Checks what a well-formed wire record can still get wrong: a reward that is
+    NaN or infinite (it would turn a whole group's advantages into NaN), a
+    ``prompt_length`` outside the tokens, negative token ids.
+    """
+    if exp.reward is not None and not math.isfinite(float(exp.reward)):
+        return f"experience {exp.eid.uid}: reward is not finite ({exp.reward})"
+    n = _token_count(exp)
+    if not 0 <= exp.prompt_length <= n:
+        return f"experience {exp.eid.uid}: prompt_length {exp.prompt_length} outside its {n} tokens"
+    return None
+
+
 def summary_headers(
     exps: Sequence[Experience],
     *,

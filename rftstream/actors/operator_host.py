@@ -7,7 +7,8 @@ once, regroups the survivors by task group and publishes each group to
 is never stored twice downstream); an input is acked as soon as the groups it
 feeds are published (one the operators dropped whole, at the end of the batch).
 
-Failures: a body that does not decode is dead-lettered at once. When the
+Failures: a body that does not decode, or holds an experience unfit for any stage
+(:func:`~rftstream.experience.experience_problem`: a NaN reward...), is dead-lettered at once. When the
 pipeline raises (or runs longer than ``process_timeout``), a batch of several
 messages is split and each message retried on its own: up to ``max_retries``
 more attempts, waiting ``retry_backoff`` s, doubling (at most 10 s, or
@@ -62,7 +63,7 @@ from rftstream.actors.common import InProgressTicker, drain_step, heartbeat_loop
 from rftstream.bus.client import Bus, PullConsumer
 from rftstream.bus.state import END_STATUSES, RunState
 from rftstream.errors import BusError, ConfigError, PayloadTooLargeError, SchemaError
-from rftstream.experience import H_MSG_ID, Experience, decode_group
+from rftstream.experience import H_MSG_ID, Experience, decode_group, experience_problem
 
 log = logging.getLogger(__name__)
 
@@ -351,9 +352,15 @@ class OperatorHost:
         decoded: list[tuple[Msg, list[Experience]]] = []
         for m in msgs:
             try:
-                decoded.append((m, decode_group(m.data)))
+                group = decode_group(m.data)
             except SchemaError as exc:
                 await self._dead_letter(m, f"{self.name}: {exc}", 0, stats)
+                continue
+            problem = next((p for p in map(experience_problem, group) if p), None)
+            if problem is not None:
+                await self._dead_letter(m, f"{self.name}: {problem}", len(group), stats)
+                continue
+            decoded.append((m, group))
         if not decoded:
             return
         exps = [e for _, group in decoded for e in group]

@@ -11,6 +11,7 @@ from __future__ import annotations
 import time
 from typing import Any, TypeVar
 
+import anyio
 import msgspec
 import nats.errors
 import nats.js.errors
@@ -21,6 +22,9 @@ from rftstream.messages import TasksetRecord, WeightsPointer, decode_json, encod
 from rftstream.subjects import KV_HEARTBEAT, KV_STATUS, KV_TASKSET, KV_TRAINER_STEP, KV_WEIGHTS
 
 T = TypeVar("T")
+
+#: how long a KV write keeps retrying while the server does not answer (a restart)
+PUT_RETRY_S = 30.0
 
 #: run statuses after which nothing more happens in the run
 END_STATUSES = ("finished", "failed", "stopped")
@@ -61,7 +65,23 @@ class RunState:
         return entry.value
 
     async def put_json(self, key: str, value: Any) -> None:
-        await self.kv.put(key, _encode(value))
+        """Write ``key`` (last value wins, so a retry is harmless). A write that times out or
+        finds no server (one restarting) is retried for up to ``PUT_RETRY_S`` s, then raises
+        :class:`BusError` naming the key."""
+        data = _encode(value)
+        deadline = time.monotonic() + PUT_RETRY_S
+        delay = 0.2
+        while True:
+            try:
+                await self.kv.put(key, data)
+                return
+            except (nats.errors.TimeoutError, nats.errors.NoRespondersError, TimeoutError) as exc:
+                if time.monotonic() >= deadline:
+                    raise BusError(
+                        f"cannot write {self._where(key)}: no answer for {PUT_RETRY_S:.0f}s ({exc!r})"
+                    ) from exc
+            await anyio.sleep(delay)
+            delay = min(delay * 2, 2.0)
 
     async def get_json(self, key: str, typ: type[T] | None = None) -> T | Any | None:
         raw = await self.get_raw(key)

@@ -1,0 +1,464 @@
+"""The run's account: where every explored experience ended up.
+
+:func:`account_run` reads the run's streams (every message on ``exp.>`` and
+``dlq.>``, both kept by limits retention), its consumers' ack floors and the
+trainer's last metrics record, and reconciles them per pipeline stage, by
+experience id:
+
+* ``explored``: the distinct experiences on ``exp.raw`` (plus the raw messages
+  whose body is not an experience group: ``malformed``);
+* at each stage read by a durable (``op_<from>_to_<to>`` or the trainer's):
+  ``in`` (distinct experiences on ``exp.<from>``), ``out`` (those of them on
+  ``exp.<to>``, or, for the trainer, its ``experience/trained_total``),
+  ``dead`` (in messages dead-lettered from that stage: a ``dlq.*`` copy whose
+  ``Rft-Dlq-Subject`` / ``Rft-Dlq-Stream-Seq`` name the original), ``pending``
+  (in messages past the durable's ack floor) and ``filtered`` (the rest: what
+  the operators dropped);
+* problems: an experience id twice on one subject (stored twice), one on a
+  stage's output that is not on its input (from nowhere), a trainer that
+  trained more than it was given (trained twice) or less (lost).
+
+The identity ``trained + filtered + dead-lettered + pending = explored`` holds
+when there is no problem (:attr:`RunAccount.balanced`). ``pending`` is exact
+when the durables ack in order; an actor that acks out of order while it runs
+(the trainer holds messages until a checkpoint) can make a running account
+show a problem that goes away once the run has finished.
+
+Pure reconciliation (:func:`reconcile`) is separate from reading NATS
+(:func:`account_run`), which only reads: an ordered ephemeral consumer per
+stream, nothing acked.
+"""
+
+from __future__ import annotations
+
+from collections import Counter, defaultdict
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+import nats.errors
+import nats.js.errors
+from nats.js import api
+
+from rftstream.bus.client import Bus
+from rftstream.errors import SchemaError
+from rftstream.experience import decode_group_msg
+from rftstream.messages import H_DLQ_REASON, H_DLQ_SEQ, H_DLQ_STAGE, H_DLQ_SUBJECT, MetricsMsg
+from rftstream.subjects import RAW_STAGE, TRAIN_STAGE
+
+TRAINED_TOTAL = "experience/trained_total"
+_READ_IDLE_S = 0.5  # an ordered consumer that delivers nothing for this long has caught up
+
+
+@dataclass(frozen=True)
+class StoredMessage:
+    """One message of the experience stream, as far as the account needs it.
+
+    ``uids`` is None for a body that is not an experience group (``error`` says why).
+    """
+
+    seq: int
+    stage: str
+    uids: tuple[str, ...] | None
+    error: str = ""
+
+
+@dataclass(frozen=True)
+class DeadLetter:
+    """One message of the dead-letter stream: where its original was, and why it died."""
+
+    stage: str
+    subject: str  # the original's subject
+    seq: int | None  # the original's stream sequence (None: not a JetStream message)
+    reason: str
+
+
+@dataclass(frozen=True)
+class Durable:
+    """A durable consumer of the experience stream: which stage it reads and how far it acked."""
+
+    name: str
+    from_stage: str
+    to_stage: str  # the stage it publishes to ("trained" for the trainer's durable)
+    ack_floor: int  # every stream sequence up to this one is acked
+    pending_messages: int  # not delivered yet plus delivered and not acked
+    trainer: bool = False
+
+
+@dataclass
+class StageAccount:
+    """What happened at one stage: the experiences in, and where each went."""
+
+    from_stage: str
+    to_stage: str
+    durable: str
+    trainer: bool
+    experiences_in: int = 0
+    out: int = 0  # on exp.<to>; for the trainer: trained
+    filtered: int = 0
+    dead: int = 0
+    pending: int = 0
+    messages_in: int = 0
+    malformed_in: int = 0  # messages whose body is not an experience group
+    malformed_dead: int = 0
+    malformed_pending: int = 0
+    dead_reasons: Counter[str] = field(default_factory=Counter)
+
+
+@dataclass
+class RunAccount:
+    """Every experience of one run, reconciled (see the module docstring)."""
+
+    run: str
+    explored: int
+    malformed: int  # raw messages whose body is not an experience group
+    trained: int | None  # the trainer's experience/trained_total (None: no trainer record)
+    stages: list[StageAccount]
+    problems: list[str]
+    dead_letters: int = 0  # messages on dlq.>
+    dead_by: Counter[tuple[str, str]] = field(default_factory=Counter)  # (stage, reason)
+
+    @property
+    def filtered(self) -> int:
+        return sum(s.filtered for s in self.stages)
+
+    @property
+    def dead_lettered(self) -> int:
+        """Experiences dead-lettered at any stage (malformed messages are counted apart)."""
+        return sum(s.dead for s in self.stages)
+
+    @property
+    def pending(self) -> int:
+        return sum(s.pending for s in self.stages)
+
+    @property
+    def malformed_dead(self) -> int:
+        return sum(s.malformed_dead for s in self.stages)
+
+    @property
+    def malformed_pending(self) -> int:
+        return sum(s.malformed_pending for s in self.stages)
+
+    @property
+    def settled(self) -> bool:
+        """Nothing is pending anywhere (a finished run's account)."""
+        return self.pending == 0 and self.malformed_pending == 0
+
+    @property
+    def balanced(self) -> bool:
+        """``trained + filtered + dead + pending == explored`` for experiences, every malformed
+        raw message dead-lettered or pending, and no problem (nothing twice, nothing lost)."""
+        return (
+            not self.problems
+            and self.trained is not None
+            and self.trained + self.filtered + self.dead_lettered + self.pending == self.explored
+            and self.malformed_dead + self.malformed_pending == self.malformed
+        )
+
+    def as_dict(self) -> dict[str, Any]:
+        """A JSON-ready summary (``rftstream account --json``)."""
+        return {
+            "run": self.run,
+            "explored": self.explored,
+            "trained": self.trained,
+            "filtered": self.filtered,
+            "dead_lettered": self.dead_lettered,
+            "pending": self.pending,
+            "malformed": self.malformed,
+            "malformed_dead_lettered": self.malformed_dead,
+            "dead_letters": self.dead_letters,
+            "balanced": self.balanced,
+            "settled": self.settled,
+            "problems": list(self.problems),
+            "stages": [
+                {
+                    "from": s.from_stage,
+                    "to": s.to_stage,
+                    "durable": s.durable,
+                    "in": s.experiences_in,
+                    "out": s.out,
+                    "filtered": s.filtered,
+                    "dead_lettered": s.dead,
+                    "pending": s.pending,
+                    "messages_in": s.messages_in,
+                    "malformed_in": s.malformed_in,
+                    "malformed_dead_lettered": s.malformed_dead,
+                    "dead_reasons": dict(s.dead_reasons),
+                }
+                for s in self.stages
+            ],
+            "dead_letters_by": [
+                {"stage": st, "reason": r, "count": n} for (st, r), n in self.dead_by.most_common()
+            ],
+        }
+
+    def __str__(self) -> str:
+        lines = [f"run {self.run}: account of every experience"]
+        head = f"  {'stage':<22}{'in':>7}{'out':>7}{'filtered':>9}{'dead':>6}{'pending':>8}"
+        lines.append(head + f"{'malformed':>10}")
+        for s in self.stages:
+            name = f"{s.from_stage} -> {'trained' if s.trainer else s.to_stage}"
+            lines.append(
+                f"  {name:<22}{s.experiences_in:>7}{s.out:>7}{s.filtered:>9}{s.dead:>6}"
+                f"{s.pending:>8}{s.malformed_in:>10}"
+            )
+        trained = "?" if self.trained is None else str(self.trained)
+        lines.append(
+            f"  explored {self.explored} = trained {trained} + filtered {self.filtered} + "
+            f"dead-lettered {self.dead_lettered} + pending {self.pending}"
+        )
+        if self.malformed:
+            lines.append(
+                f"  malformed raw messages {self.malformed}: dead-lettered {self.malformed_dead}, "
+                f"pending {self.malformed_pending}"
+            )
+        for (stage, reason), n in self.dead_by.most_common(8):
+            lines.append(f"  dead letters at {stage} ({n}x): {reason}")
+        lines.extend(f"  problem: {p}" for p in self.problems)
+        verdict = "balanced" if self.balanced else "NOT balanced"
+        lines.append(f"  {verdict}{'' if self.settled else ' (messages still pending)'}")
+        return "\n".join(lines)
+
+
+def reconcile(
+    run: str,
+    messages: list[StoredMessage],
+    dead_letters: list[DeadLetter],
+    durables: list[Durable],
+    trained: int | None,
+) -> RunAccount:
+    """Build the account from what the streams hold (pure: no I/O)."""
+    by_stage: dict[str, list[StoredMessage]] = defaultdict(list)
+    by_seq: dict[int, StoredMessage] = {}
+    for m in messages:
+        by_stage[m.stage].append(m)
+        by_seq[m.seq] = m
+    problems: list[str] = []
+    uids_on: dict[str, set[str]] = {}
+    for stage, msgs in by_stage.items():
+        counts = Counter(u for m in msgs if m.uids is not None for u in m.uids)
+        twice = [u for u, n in counts.items() if n > 1]
+        if twice:
+            problems.append(
+                f"{len(twice)} experience(s) stored twice on exp.{stage} (e.g. {twice[0]})"
+            )
+        uids_on[stage] = set(counts)
+    dead_seqs: dict[str, dict[int, str]] = defaultdict(dict)
+    dead_by: Counter[tuple[str, str]] = Counter()
+    for d in dead_letters:
+        dead_by[(d.stage, d.reason)] += 1
+        stage = d.subject.rsplit(".", 1)[-1] if ".exp." in d.subject else None
+        if stage is not None and d.seq is not None:
+            dead_seqs[stage][d.seq] = d.reason
+    stages: list[StageAccount] = []
+    for dur in sorted(durables, key=lambda d: _stage_order(d, durables)):
+        trainer = dur.trainer
+        acc = StageAccount(dur.from_stage, dur.to_stage, dur.name, trainer)
+        msgs = by_stage.get(dur.from_stage, [])
+        acc.messages_in = len(msgs)
+        in_uids = uids_on.get(dur.from_stage, set())
+        acc.experiences_in = len(in_uids)
+        dead_here = dead_seqs.get(dur.from_stage, {})
+        dead_uids: set[str] = set()
+        pending_uids: set[str] = set()
+        for m in msgs:
+            if m.seq in dead_here:
+                if m.uids is None:
+                    acc.malformed_dead += 1
+                else:
+                    dead_uids.update(m.uids)
+                acc.dead_reasons[dead_here[m.seq]] += 1
+            elif m.seq > dur.ack_floor:
+                if m.uids is None:
+                    acc.malformed_pending += 1
+                else:
+                    pending_uids.update(m.uids)
+            if m.uids is None:
+                acc.malformed_in += 1
+        if trainer:
+            out_uids: set[str] = set()
+            acc.out = trained or 0
+        else:
+            downstream = uids_on.get(dur.to_stage, set())
+            out_uids = downstream & in_uids
+            acc.out = len(out_uids)
+            nowhere = downstream - in_uids
+            if nowhere and not _fed_by_others(dur, durables):
+                problems.append(
+                    f"{len(nowhere)} experience(s) on exp.{dur.to_stage} were never on "
+                    f"exp.{dur.from_stage} (e.g. {sorted(nowhere)[0]})"
+                )
+        pending_uids -= out_uids | dead_uids
+        acc.dead = len(dead_uids)
+        acc.pending = len(pending_uids)
+        if trainer:
+            left = acc.experiences_in - acc.dead - acc.pending - acc.out
+            if trained is None:
+                problems.append("the trainer published no experience/trained_total record")
+            elif left < 0:
+                problems.append(
+                    f"the trainer trained {acc.out} experiences but only "
+                    f"{acc.experiences_in - acc.dead - acc.pending} reached it and were not "
+                    f"dead-lettered or pending: {-left} trained twice (or counted twice)"
+                )
+            elif left > 0:
+                problems.append(
+                    f"{left} experience(s) on exp.train were neither trained, dead-lettered "
+                    "nor pending: lost"
+                )
+        else:
+            acc.filtered = len(in_uids - out_uids - dead_uids - pending_uids)
+        stages.append(acc)
+    if not any(s.trainer for s in stages):
+        problems.append("no trainer durable on the experience stream")
+    if not any(s.from_stage == RAW_STAGE for s in stages):
+        problems.append("no durable reads exp.raw")
+    raw = by_stage.get(RAW_STAGE, [])
+    return RunAccount(
+        run=run,
+        explored=len(uids_on.get(RAW_STAGE, set())),
+        malformed=sum(1 for m in raw if m.uids is None),
+        trained=trained,
+        stages=stages,
+        problems=problems,
+        dead_letters=len(dead_letters),
+        dead_by=dead_by,
+    )
+
+
+def _stage_order(dur: Durable, durables: list[Durable]) -> tuple[int, int, str]:
+    """Order stages along the chain from ``raw``; the trainer's last."""
+    nxt = {d.from_stage: d.to_stage for d in durables if not d.trainer}
+    depth, stage = 0, RAW_STAGE
+    while stage != dur.from_stage and stage in nxt and depth <= len(durables):
+        stage = nxt[stage]
+        depth += 1
+    return int(dur.trainer), depth, dur.name
+
+
+def _fed_by_others(dur: Durable, durables: list[Durable]) -> bool:
+    return any(d is not dur and d.to_stage == dur.to_stage for d in durables)
+
+
+async def _read_all(bus: Bus, stream: str, subject: str) -> list[Any]:
+    """Every message stored on ``subject`` of ``stream`` (ordered, ephemeral; nothing acked)."""
+    try:
+        info = await bus.js.stream_info(stream)
+    except nats.js.errors.NotFoundError:
+        return []
+    last = int(info.state.last_seq or 0)
+    if not info.state.messages:
+        return []
+    sub = await bus.js.subscribe(
+        subject, stream=stream, ordered_consumer=True, deliver_policy=api.DeliverPolicy.ALL
+    )
+    out: list[Any] = []
+    try:
+        while True:
+            try:
+                msg = await sub.next_msg(timeout=_READ_IDLE_S)
+            except nats.errors.TimeoutError:
+                break
+            out.append(msg)
+            if msg.metadata.sequence.stream >= last or msg.metadata.num_pending == 0:
+                break
+    finally:
+        try:
+            await sub.unsubscribe()
+        except Exception:  # noqa: BLE001 - closing
+            pass
+    return out
+
+
+def _stored(msg: Any, prefix: str) -> StoredMessage:
+    stage = msg.subject[len(prefix) :]
+    try:
+        group = decode_group_msg(msg.data)
+        uids = tuple(
+            f"{r.eid.batch}/{r.eid.task}/{r.eid.run}/{r.eid.step}/{r.eid.suffix}"
+            for r in group.experiences
+        )
+        return StoredMessage(int(msg.metadata.sequence.stream), stage, uids)
+    except SchemaError as exc:
+        return StoredMessage(int(msg.metadata.sequence.stream), stage, None, str(exc))
+
+
+def _durable(info: api.ConsumerInfo, bus: Bus) -> Durable | None:
+    """The stages a durable of the experience stream connects (None: not one of the run's)."""
+    prefix = f"rft.{bus.names.run}.exp."
+    subject = info.config.filter_subject or ""
+    name = info.config.durable_name or ""
+    if not subject.startswith(prefix) or not name:
+        return None
+    from_stage = subject[len(prefix) :]
+    if name == bus.names.trainer_consumer or (
+        from_stage == TRAIN_STAGE and not name.startswith("op_")
+    ):
+        return Durable(name, from_stage, "trained", _floor(info), _pending(info), trainer=True)
+    _, sep, to_stage = name.partition("_to_")
+    if not sep or not to_stage:
+        return None
+    return Durable(name, from_stage, to_stage, _floor(info), _pending(info))
+
+
+def _floor(info: api.ConsumerInfo) -> int:
+    return int(getattr(info.ack_floor, "stream_seq", 0) or 0)
+
+
+def _pending(info: api.ConsumerInfo) -> int:
+    return int(info.num_pending or 0) + int(info.num_ack_pending or 0)
+
+
+async def _trained_total(bus: Bus) -> int | None:
+    """``experience/trained_total`` of the trainer's newest record (highest step, then latest)."""
+    best: tuple[int, float, int] | None = None
+    for msg in await _read_all(bus, bus.names.metrics_stream, bus.names.metrics_wildcard):
+        try:
+            rec = msgspec.json.decode(msg.data, type=MetricsMsg)
+        except msgspec.DecodeError:
+            continue
+        if rec.role != "trainer" or TRAINED_TOTAL not in rec.values:
+            continue
+        key = (rec.step, rec.ts, int(rec.values[TRAINED_TOTAL]))
+        if best is None or key[:2] > best[:2]:
+            best = key
+    return None if best is None else best[2]
+
+
+async def account_run(bus: Bus) -> RunAccount:
+    """Read the run's streams, durables and trainer metrics, and reconcile them.
+
+    Only reads (ordered ephemeral consumers; nothing acked). Blocks for as long as
+    reading every stored experience and dead letter takes (about half a second
+    more per stream, to see that the end was reached). Raises ``BusError`` when
+    NATS cannot be reached.
+    """
+    names = bus.names
+    prefix = f"rft.{names.run}.exp."
+    # the durables first: a message stored after its ack floor was read counts as pending
+    durables: list[Durable] = []
+    try:
+        infos = await bus.js.consumers_info(names.exp_stream)
+    except nats.js.errors.NotFoundError:
+        infos = []
+    for info in infos:
+        dur = _durable(info, bus)
+        if dur is not None:
+            durables.append(dur)
+    trained = await _trained_total(bus)
+    messages = [
+        _stored(m, prefix) for m in await _read_all(bus, names.exp_stream, names.exp_wildcard)
+    ]
+    dead: list[DeadLetter] = []
+    for m in await _read_all(bus, names.dlq_stream, names.dlq_wildcard):
+        h = m.headers or {}
+        seq = h.get(H_DLQ_SEQ, "")
+        dead.append(
+            DeadLetter(
+                stage=h.get(H_DLQ_STAGE, m.subject.rsplit(".", 1)[-1]),
+                subject=h.get(H_DLQ_SUBJECT, ""),
+                seq=int(seq) if seq.isdigit() else None,
+                reason=h.get(H_DLQ_REASON, "no reason given"),
+            )
+        )
+    return reconcile(names.run, messages, dead, durables, trained)
