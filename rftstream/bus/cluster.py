@@ -283,12 +283,18 @@ class LocalNatsCluster:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m rftstream.bus.cluster DIR [SIZE]``: run a local cluster until Ctrl-C."""
+    """``python -m rftstream.bus.cluster DIR [SIZE]``: run a local cluster until Ctrl-C
+    (or SIGTERM), then stop its nodes."""
     args = sys.argv[1:] if argv is None else argv
     if not args or len(args) > 2:
         print("usage: python -m rftstream.bus.cluster STORE_DIR [SIZE]", file=sys.stderr)
         return 2
     size = int(args[1]) if len(args) == 2 else 3
+
+    def _interrupt(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, _interrupt)  # stop the nodes on SIGTERM too
     with LocalNatsCluster(args[0], size=size) as cluster:
         print("nats cluster ready; nodes:", flush=True)
         for node in cluster.nodes:

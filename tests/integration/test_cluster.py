@@ -7,8 +7,9 @@ id) and the restarted node's replicas catch up."""
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import anyio
 import pytest
@@ -17,7 +18,15 @@ from rftstream.bus.client import Bus
 from rftstream.bus.cluster import LocalNatsCluster
 from rftstream.config import config_from_dict
 from rftstream.experience import decode_group
-from rftstream.runtime import PreparedRun, prepare_run, provision, run_actors
+from rftstream.runtime import (
+    PreparedRun,
+    prepare_run,
+    provision,
+    run_actors,
+    run_explorer,
+    run_operator,
+    run_trainer,
+)
 from tests.integration._util import read_stream, small_config
 
 pytestmark = pytest.mark.integration
@@ -132,14 +141,28 @@ def _run_config(tmp_path: Path, tiny_model_path: str, steps: int) -> PreparedRun
     return prepare_run(config_from_dict(data))
 
 
-@pytest.mark.parametrize("victim", ["other", "connected"])
+async def run_spread(
+    run: PreparedRun, urls: dict[str, str], on_step: Callable[[dict[str, Any]], None]
+) -> None:
+    """What :func:`run_actors` does, each actor connected to its own node (``urls`` by role)."""
+    await provision(run, urls["trainer"])
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(run_operator, run, urls["operator"])
+        tg.start_soon(run_explorer, run, urls["explorer"])
+        await run_trainer(run, urls["trainer"], on_step=on_step)
+        tg.cancel_scope.cancel()
+
+
+@pytest.mark.parametrize("victim", ["other", "connected", "spread"])
 def test_run_survives_a_killed_node(
     tmp_path: Path, tiny_model_path: str, nats_cluster: LocalNatsCluster, victim: str
 ) -> None:
     """``other``: the EXP stream's leader, which no actor is connected to, is SIGKILLed after
     the first trainer step (a stream leader election mid-run), restarted on its store after
     the second, and its replicas catch up. ``connected``: the node every actor is connected
-    to (and the EXP stream's leader) is SIGKILLed: the clients reconnect to the survivors."""
+    to (and the EXP stream's leader) is SIGKILLed: the clients reconnect to the survivors.
+    ``spread``: explorer, operator and trainer each on their own node; the operator's (the
+    EXP stream's leader) is SIGKILLed, then restarted."""
     steps = 4
     run = _run_config(tmp_path, tiny_model_path, steps)
     anyio.run(provision, run, nats_cluster.urls[0], backend="asyncio")
@@ -151,10 +174,9 @@ def test_run_survives_a_killed_node(
 
     target = anyio.run(leader_of_exp, backend="asyncio")
     node_of = {node.name: node for node in nats_cluster.nodes}
-    if victim == "other":
-        connect = next(node for node in nats_cluster.nodes if node.name != target).url
-    else:
-        connect = node_of[target].url
+    others = [node.url for node in nats_cluster.nodes if node.name != target]
+    connect = others[0] if victim == "other" else node_of[target].url
+    spread = {"explorer": others[0], "operator": node_of[target].url, "trainer": others[1]}
     done_steps: list[dict] = []
     step_seen = [anyio.Event() for _ in range(steps + 1)]
     killed_after: list[int] = []  # trainer steps done when the node died
@@ -168,21 +190,24 @@ def test_run_survives_a_killed_node(
             await step_seen[1].wait()
             nats_cluster.kill(target)
             killed_after.append(len(done_steps))
-            if victim == "other":
+            if victim != "connected":
                 await step_seen[2].wait()
                 await anyio.to_thread.run_sync(nats_cluster.restart, target)
 
         with anyio.fail_after(150):
             async with anyio.create_task_group() as tg:
                 tg.start_soon(chaos)
-                await run_actors(run, connect, on_step=on_step)
+                if victim == "spread":
+                    await run_spread(run, spread, on_step)
+                else:
+                    await run_actors(run, connect, on_step=on_step)
 
     anyio.run(main, backend="asyncio")
     assert [r["step"] for r in done_steps] == list(range(1, steps + 1))
     assert killed_after and killed_after[0] < steps, f"the node died after the run: {killed_after}"
     survivor = next(node.url for node in nats_cluster.nodes if node.running)
     anyio.run(check_every_experience_once, run, survivor, steps, backend="asyncio")
-    if victim == "other":
+    if victim != "connected":
 
         async def caught_up() -> None:
             n = run.names
