@@ -45,10 +45,11 @@ import nats.errors
 import nats.js.errors
 from nats.aio.client import Client as NatsClient
 from nats.aio.msg import Msg
-from nats.js import api
+from nats.js import JetStreamContext, api
 from nats.js.kv import KeyValue
 
 from rftstream.bus.limits import StreamFullError, is_stream_full, purge_acked, stream_limits
+from rftstream.bus.resilient import DEFAULT_RETRY_WINDOW, ResilientJetStream
 from rftstream.bus.state import RunState
 from rftstream.config.schema import NatsConfig
 from rftstream.errors import BusError, PayloadTooLargeError
@@ -73,6 +74,7 @@ SCHEMA_META = "rft.experience.v1"
 _STATUS = api.Header.STATUS
 _HEARTBEAT = "100"
 _END_STATUSES = ("404", "408", "409")  # no messages, request expired, request ended (conflict)
+_UNAVAILABLE_PAUSE = 0.25  # s a fetch answered 503 (no consumer leader) waits before returning
 
 
 class _PubAckMsg(msgspec.Struct, gc=False):
@@ -261,8 +263,10 @@ class PullConsumer:
         delivered for an earlier fetch that gave up are returned first.
         Nothing is acked. Cancelling it loses nothing: the messages it had
         already taken, and any delivered after the cancel, go to the next fetch
-        (or, never fetched, are redelivered after ``ack_wait``). Raises :class:`BusError` when the
-        connection is closed or the server rejects the pull request.
+        (or, never fetched, are redelivered after ``ack_wait``). A pull answered 503 (the
+        consumer has no leader: a cluster node died and its group is electing one) returns
+        ``[]`` after a short pause; messages already in hand go to the next fetch. Raises
+        :class:`BusError` when the connection is closed or the server rejects the pull request.
         """
         if batch < 1:
             raise ValueError(f"fetch: batch must be >= 1, got {batch}")
@@ -279,6 +283,12 @@ class PullConsumer:
                 return msgs
             return list(await self._sub.fetch(batch=batch, timeout=timeout))
         except (nats.errors.TimeoutError, TimeoutError):
+            return []
+        except nats.js.errors.ServiceUnavailableError:
+            # 503: the consumer has no leader right now (a cluster node died and its raft
+            # group is electing another): nothing for now, the caller fetches again
+            log.info("%s/%s: no consumer leader (503); fetching again", self.stream, self.durable)
+            await anyio.sleep(min(timeout, _UNAVAILABLE_PAUSE))
             return []
         except nats.errors.ConnectionClosedError as exc:
             raise BusError(f"consumer {self.stream}/{self.durable}: connection closed") from exc
@@ -377,7 +387,10 @@ class Bus:
 
     def __init__(self, nc: NatsClient, names: RunNames, cfg: NatsConfig, actor: str) -> None:
         self.nc = nc
-        self.js = nc.jetstream(timeout=10.0)
+        # API requests retry what a cluster's leader elections cause (bus/resilient.py)
+        self.js: JetStreamContext = ResilientJetStream(
+            nc, timeout=10.0, retry_window=DEFAULT_RETRY_WINDOW
+        )
         self.names = names
         self.cfg = cfg
         self.actor = actor

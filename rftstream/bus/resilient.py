@@ -1,0 +1,131 @@
+"""JetStream API calls that ride out a NATS cluster's leader elections.
+
+When a node of a cluster dies, the streams and consumers it led (and maybe
+the JetStream meta group) elect new leaders; until they have, API requests
+(``STREAM.INFO``, ``CONSUMER.INFO``, KV gets and puts, pull requests) go
+unanswered (a timeout) or are answered 503 ("no responders", "JetStream
+system temporarily unavailable"). A client connected to the dead node sees
+the same while it reconnects to a survivor. :class:`ResilientJetStream` is a
+``JetStreamContext`` whose API requests, direct gets and (KV) publishes retry
+such transient failures until ``retry_window`` seconds have passed since the
+call began, then raise what the last attempt raised. Other errors (not found,
+a rejected config, a wrong last sequence) are raised at once.
+
+A retried KV ``put`` may store the value twice (a second revision, same
+value); a retried conditional ``update`` whose first attempt was applied
+raises wrong-last-sequence, which callers already treat as a lost race.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
+
+import anyio
+import nats.errors
+import nats.js.errors
+from nats.js import JetStreamContext, JetStreamManager, api
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+#: how long a JetStream API call keeps retrying a transient failure (s)
+DEFAULT_RETRY_WINDOW = 60.0
+_PAUSE = 0.25  # s between attempts; doubled up to _MAX_PAUSE
+_MAX_PAUSE = 2.0
+
+
+def is_transient(exc: BaseException) -> bool:
+    """Whether ``exc`` is what a JetStream request gets while leaders are being elected
+    or the connection is being re-established: a timeout, no responders, a 503."""
+    if isinstance(
+        exc,
+        (
+            nats.errors.TimeoutError,
+            TimeoutError,
+            nats.errors.NoRespondersError,
+            nats.errors.ConnectionReconnectingError,
+            nats.js.errors.NoStreamResponseError,
+            nats.js.errors.ServiceUnavailableError,
+        ),
+    ):
+        return True
+    return isinstance(exc, nats.js.errors.APIError) and exc.code == 503
+
+
+async def retry_transient(
+    what: str, call: Callable[[], Awaitable[T]], *, window: float = DEFAULT_RETRY_WINDOW
+) -> T:
+    """Await ``call()``; on a transient failure (:func:`is_transient`) call it again after
+    a short pause, until ``window`` s have passed since the first attempt.
+
+    Blocks for as long as that takes; raises the last attempt's exception after
+    ``window`` s, and any other exception at once. Cancelling it cancels the attempt.
+    """
+    deadline = time.monotonic() + window
+    pause = _PAUSE
+    while True:
+        try:
+            return await call()
+        except Exception as exc:
+            if not is_transient(exc) or time.monotonic() + pause >= deadline:
+                raise
+            log.info("%s: %s; retrying (cluster leader election?)", what, type(exc).__name__)
+        await anyio.sleep(pause)
+        pause = min(pause * 2, _MAX_PAUSE)
+
+
+class _ResilientManager(JetStreamManager):
+    """The plain ``JetStreamManager`` (what ``js._jsm`` gives) with retried API requests."""
+
+    retry_window: float = DEFAULT_RETRY_WINDOW
+
+    async def _api_request(
+        self, req_subject: str, req: bytes = b"", timeout: float = 5
+    ) -> dict[str, Any]:
+        parent = super()._api_request
+        return await retry_transient(
+            req_subject, lambda: parent(req_subject, req, timeout=timeout), window=self.retry_window
+        )
+
+
+class ResilientJetStream(JetStreamContext):
+    """A ``JetStreamContext`` whose API requests, message gets and publishes retry
+    transient failures for up to ``retry_window`` s (see the module docstring)."""
+
+    def __init__(self, conn: Any, *, timeout: float, retry_window: float) -> None:
+        super().__init__(conn, timeout=timeout)
+        self.retry_window = retry_window
+
+    @property
+    def _jsm(self) -> JetStreamManager:
+        jsm = _ResilientManager(conn=self._nc, prefix=self._prefix, timeout=self._timeout)
+        jsm.retry_window = self.retry_window
+        return jsm
+
+    async def _api_request(
+        self, req_subject: str, req: bytes = b"", timeout: float = 5
+    ) -> dict[str, Any]:
+        parent = super()._api_request
+        return await retry_transient(
+            req_subject, lambda: parent(req_subject, req, timeout=timeout), window=self.retry_window
+        )
+
+    async def get_msg(self, *args: Any, **kwargs: Any) -> api.RawStreamMsg:
+        """``get_msg`` (direct gets included: they bypass ``_api_request``), retried."""
+        parent = super().get_msg
+        return await retry_transient(
+            "get_msg", lambda: parent(*args, **kwargs), window=self.retry_window
+        )
+
+    async def publish(self, subject: str, payload: bytes = b"", **kwargs: Any) -> api.PubAck:
+        """``publish`` (what KV puts, deletes and updates use), retried."""
+        parent = super().publish
+        return await retry_transient(
+            f"publish {subject}",
+            lambda: parent(subject, payload, **kwargs),
+            window=self.retry_window,
+        )

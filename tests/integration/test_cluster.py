@@ -1,0 +1,219 @@
+"""A run on a 3-node nats-server cluster (loopback, each node its own store) with every
+stream and the KV bucket replicated 3 times: a node SIGKILLed mid-run (one the actors
+are not connected to, then the one they are) and restarted on its store; the run
+finishes, every experience explored is trained exactly once (checked by experience
+id) and the restarted node's replicas catch up."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import anyio
+import pytest
+
+from rftstream.bus.client import Bus
+from rftstream.bus.cluster import LocalNatsCluster
+from rftstream.config import config_from_dict
+from rftstream.experience import decode_group
+from rftstream.runtime import (
+    PreparedRun,
+    prepare_run,
+    provision,
+    run_actors,
+    run_explorer,
+    run_operator,
+    run_trainer,
+)
+from tests.integration._util import read_stream, small_config
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture
+def nats_cluster(tmp_path: Path) -> Iterator[LocalNatsCluster]:
+    """Three clustered JetStream nodes on free loopback ports, stopped after the test."""
+    with LocalNatsCluster(tmp_path / "cluster") as cluster:
+        yield cluster
+
+
+async def replica_state(bus: Bus, stream: str) -> tuple[str, dict[str, bool]]:
+    """``(leader, {follower: current})`` of ``stream``'s raft group, from stream info."""
+    info = await bus.js.stream_info(stream)
+    assert info.cluster is not None, f"stream {stream} has no cluster info"
+    followers = {
+        str(p.name): bool(p.current) and not p.offline and not (p.lag or 0)
+        for p in info.cluster.replicas or []
+    }
+    return str(info.cluster.leader), followers
+
+
+async def wait_replicas_current(bus: Bus, streams: list[str], timeout: float = 30) -> None:
+    """Block until every stream in ``streams`` has a leader and 2 current followers."""
+    with anyio.fail_after(timeout):
+        while True:
+            states = [await replica_state(bus, s) for s in streams]
+            if all(lead and len(f) == 2 and all(f.values()) for lead, f in states):
+                return
+            await anyio.sleep(0.2)
+
+
+def test_streams_and_kv_get_three_current_replicas(
+    tmp_path: Path, tiny_model_path: str, nats_cluster: LocalNatsCluster
+) -> None:
+    cfg = config_from_dict(
+        {
+            "name": "repl",
+            "model": {"model_path": tiny_model_path},
+            "nats": {"num_replicas": 3},
+            "run_dir": str(tmp_path / "run"),
+        }
+    )
+    run = prepare_run(cfg)
+    anyio.run(provision, run, nats_cluster.urls[1], backend="asyncio")
+
+    async def check() -> None:
+        async with await Bus.connect(nats_cluster.urls[2], run.names, run.cfg.nats, "t") as bus:
+            n = run.names
+            kv_stream = f"KV_{n.kv_bucket}"
+            streams = [n.tasks_stream, n.exp_stream, n.dlq_stream, n.metrics_stream, kv_stream]
+            for stream in streams:
+                info = await bus.js.stream_info(stream)
+                assert info.config.num_replicas == 3, (stream, info.config.num_replicas)
+            await wait_replicas_current(bus, streams)
+            for stream in streams:
+                leader, followers = await replica_state(bus, stream)
+                assert {leader, *followers} == {"n1", "n2", "n3"}, (stream, leader, followers)
+            # the KV bucket is usable through any node
+            await (await bus.kv()).put("probe", b"1")
+        async with await Bus.connect(nats_cluster.urls[0], run.names, run.cfg.nats, "u") as bus:
+            assert (await (await bus.kv()).get("probe")).value == b"1"
+
+    anyio.run(check, backend="asyncio")
+
+
+def _uids_by_subject(msgs: list) -> list[str]:
+    return [e.eid.uid for m in msgs for e in decode_group(m.data)]
+
+
+async def check_every_experience_once(run: PreparedRun, url: str, steps: int) -> None:
+    """Every experience explored reached exp.train once, or still waits, unacked, for the
+    operator; every one trained was trained once; nothing was dead-lettered.
+
+    (By experience id and consumer ack floors: ``rftstream/bus/account.py``'s
+    ``account_run`` is not merged yet.)
+    """
+    n = run.names
+    raw = await read_stream(url, n.exp_subject("raw"))
+    train = await read_stream(url, n.exp_subject("train"))
+    dead = await read_stream(url, f"rft.{n.run}.dlq.>")
+    assert not dead, f"dead letters in a run without faulty messages: {[m.headers for m in dead]}"
+    raw_uids, train_uids = _uids_by_subject(raw), _uids_by_subject(train)
+    assert len(raw_uids) == len(set(raw_uids)), "an experience was explored (published) twice"
+    assert len(train_uids) == len(set(train_uids)), "an experience reached exp.train twice"
+    assert set(train_uids) <= set(raw_uids), "exp.train holds an experience never explored"
+    async with await Bus.connect(url, n, run.cfg.nats, "checker") as bus:
+        stage = await bus.js.consumer_info(n.exp_stream, n.stage_consumer("raw", "train"))
+        trainer = await bus.js.consumer_info(n.exp_stream, n.trainer_consumer)
+    # a raw message the operator acked has its whole group on exp.train; the others are
+    # still pending for it (redelivered to the next operator), so nothing is lost
+    floor = int(stage.ack_floor.stream_seq or 0)
+    acked = [m for m in raw if m.metadata.sequence.stream <= floor]
+    assert acked, "the operator acked nothing"
+    missing = set(_uids_by_subject(acked)) - set(train_uids)
+    assert not missing, f"the operator acked raw messages whose experience is lost: {missing}"
+    lines = (run.run_dir / "trained_uids.jsonl").read_text().splitlines()
+    trained = [u for line in lines for u in json.loads(line)["uids"]]
+    assert len(trained) == len(set(trained)), "an experience was trained twice"
+    assert len(trained) == steps * run.cfg.buffer.batch_size * run.cfg.algorithm.repeat_times
+    assert set(trained) <= set(train_uids)
+    # every exp.train message the trainer acked was trained
+    t_floor = int(trainer.ack_floor.stream_seq or 0)
+    acked_train = set(_uids_by_subject([m for m in train if m.metadata.sequence.stream <= t_floor]))
+    assert acked_train <= set(trained), f"acked, never trained: {acked_train - set(trained)}"
+
+
+def _run_config(tmp_path: Path, tiny_model_path: str, steps: int) -> PreparedRun:
+    data = small_config(tmp_path, tiny_model_path, buffer__total_steps=steps)
+    data["nats"] = {"num_replicas": 3, "ack_wait": 4.0}
+    return prepare_run(config_from_dict(data))
+
+
+async def run_spread(
+    run: PreparedRun, urls: dict[str, str], on_step: Callable[[dict[str, Any]], None]
+) -> None:
+    """What :func:`run_actors` does, each actor connected to its own node (``urls`` by role)."""
+    await provision(run, urls["trainer"])
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(run_operator, run, urls["operator"])
+        tg.start_soon(run_explorer, run, urls["explorer"])
+        await run_trainer(run, urls["trainer"], on_step=on_step)
+        tg.cancel_scope.cancel()
+
+
+@pytest.mark.parametrize("victim", ["other", "connected", "spread"])
+def test_run_survives_a_killed_node(
+    tmp_path: Path, tiny_model_path: str, nats_cluster: LocalNatsCluster, victim: str
+) -> None:
+    """``other``: the EXP stream's leader, which no actor is connected to, is SIGKILLed after
+    the first trainer step (a stream leader election mid-run), restarted on its store after
+    the second, and its replicas catch up. ``connected``: the node every actor is connected
+    to (and the EXP stream's leader) is SIGKILLed: the clients reconnect to the survivors.
+    ``spread``: explorer, operator and trainer each on their own node; the operator's (the
+    EXP stream's leader) is SIGKILLed, then restarted."""
+    steps = 4
+    run = _run_config(tmp_path, tiny_model_path, steps)
+    anyio.run(provision, run, nats_cluster.urls[0], backend="asyncio")
+
+    async def leader_of_exp() -> str:
+        async with await Bus.connect(nats_cluster.urls[0], run.names, run.cfg.nats, "t") as bus:
+            await wait_replicas_current(bus, [run.names.exp_stream])
+            return (await replica_state(bus, run.names.exp_stream))[0]
+
+    target = anyio.run(leader_of_exp, backend="asyncio")
+    node_of = {node.name: node for node in nats_cluster.nodes}
+    others = [node.url for node in nats_cluster.nodes if node.name != target]
+    connect = others[0] if victim == "other" else node_of[target].url
+    spread = {"explorer": others[0], "operator": node_of[target].url, "trainer": others[1]}
+    done_steps: list[dict] = []
+    step_seen = [anyio.Event() for _ in range(steps + 1)]
+    killed_after: list[int] = []  # trainer steps done when the node died
+
+    def on_step(record: dict) -> None:
+        done_steps.append(record)
+        step_seen[min(len(done_steps), steps)].set()
+
+    async def main() -> None:
+        async def chaos() -> None:
+            await step_seen[1].wait()
+            nats_cluster.kill(target)
+            killed_after.append(len(done_steps))
+            if victim != "connected":
+                await step_seen[2].wait()
+                await anyio.to_thread.run_sync(nats_cluster.restart, target)
+
+        with anyio.fail_after(150):
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(chaos)
+                if victim == "spread":
+                    await run_spread(run, spread, on_step)
+                else:
+                    await run_actors(run, connect, on_step=on_step)
+
+    anyio.run(main, backend="asyncio")
+    assert [r["step"] for r in done_steps] == list(range(1, steps + 1))
+    assert killed_after and killed_after[0] < steps, f"the node died after the run: {killed_after}"
+    survivor = next(node.url for node in nats_cluster.nodes if node.running)
+    anyio.run(check_every_experience_once, run, survivor, steps, backend="asyncio")
+    if victim != "connected":
+
+        async def caught_up() -> None:
+            n = run.names
+            async with await Bus.connect(survivor, n, run.cfg.nats, "t") as bus:
+                streams = [n.tasks_stream, n.exp_stream, n.dlq_stream, n.metrics_stream]
+                streams.append(f"KV_{n.kv_bucket}")
+                await wait_replicas_current(bus, streams)
+
+        anyio.run(caught_up, backend="asyncio")
