@@ -48,6 +48,7 @@ from nats.aio.msg import Msg
 from nats.js import api
 from nats.js.kv import KeyValue
 
+from rftstream.bus.connect import ConnectionWatch, open_connection
 from rftstream.bus.state import RunState
 from rftstream.config.schema import NatsConfig
 from rftstream.errors import BusError, PayloadTooLargeError
@@ -230,10 +231,13 @@ class PullConsumer:
     ``ack_wait`` expire) each message :meth:`fetch` returned.
     """
 
-    def __init__(self, sub: Any, stream: str, durable: str) -> None:
+    def __init__(
+        self, sub: Any, stream: str, durable: str, watch: ConnectionWatch | None = None
+    ) -> None:
         self._sub = sub
         self.stream = stream
         self.durable = durable
+        self._watch = watch  # names the reason when the connection was given up
         # nats-py's fetch waits for every message through `Subscription.next_msg`,
         # which makes a uuid, a task and a `wait_for` per message (about 25 us, as
         # much as decoding a group): `fetch` reads the subscription's queue itself
@@ -280,7 +284,10 @@ class PullConsumer:
         except (nats.errors.TimeoutError, TimeoutError):
             return []
         except nats.errors.ConnectionClosedError as exc:
-            raise BusError(f"consumer {self.stream}/{self.durable}: connection closed") from exc
+            what = f"consumer {self.stream}/{self.durable}"
+            if self._watch is not None:
+                raise self._watch.closed_error(what) from exc
+            raise BusError(f"{what}: connection closed") from exc
         except nats.js.errors.APIError as exc:
             raise BusError(f"consumer {self.stream}/{self.durable}: pull rejected: {exc}") from exc
 
@@ -379,27 +386,25 @@ class Bus:
         self._limiter = InflightLimiter(cfg.max_inflight_bytes)
         self._replies = _Replies(nc)
         self._kv: KeyValue | None = None
+        self.watch: ConnectionWatch | None = None  # set by connect()
 
     # ------------------------------------------------------------ lifecycle
     @classmethod
-    async def connect(cls, url: str, names: RunNames, cfg: NatsConfig, actor: str) -> Bus:
-        """Connect to ``url``; reconnects forever (long runs must survive server restarts)."""
+    async def connect(cls, url: str | None, names: RunNames, cfg: NatsConfig, actor: str) -> Bus:
+        """Connect to ``url`` (``None``/empty: the servers of ``cfg``) with the credentials,
+        TLS and reconnect window of ``cfg`` (:func:`rftstream.bus.connect.open_connection`).
 
-        async def _on_error(exc: Exception) -> None:
-            log.warning("%s: nats error: %s", actor, exc)
-
-        try:
-            nc = await nats.connect(
-                servers=[url],
-                name=f"rftstream:{names.run}:{actor}",
-                connect_timeout=cfg.connect_timeout,
-                max_reconnect_attempts=-1,
-                reconnect_time_wait=1.0,
-                error_cb=_on_error,
-            )
-        except Exception as exc:  # nats raises several unrelated types here
-            raise BusError(f"{actor}: cannot connect to NATS at {url}: {exc}") from exc
-        return cls(nc, names, cfg, actor)
+        Raises one :class:`BusError` naming the servers and the kind of auth when the
+        first connect fails (seconds, not a hang). A connection lost later is retried
+        for ``nats.reconnect_window`` seconds; after that, operations raise
+        :class:`BusError` naming the servers and the window.
+        """
+        nc, watch = await open_connection(
+            cfg, url, name=f"rftstream:{names.run}:{actor}", actor=actor
+        )
+        bus = cls(nc, names, cfg, actor)
+        bus.watch = watch
+        return bus
 
     async def close(self) -> None:
         """Flush and close. Safe to call twice."""
@@ -419,6 +424,11 @@ class Bus:
     async def __aexit__(self, *exc: object) -> None:
         with anyio.CancelScope(shield=True):
             await self.close()
+
+    def _closed_error(self, what: str) -> BusError:
+        if self.watch is not None:
+            return self.watch.closed_error(f"{self.actor}: {what}")
+        return BusError(f"{self.actor}: {what}: connection closed")
 
     @property
     def max_payload(self) -> int:
@@ -611,7 +621,7 @@ class Bus:
             raise BusError(
                 f"consumer {stream}/{durable} does not exist; provision the run first"
             ) from exc
-        return PullConsumer(sub, stream, durable)
+        return PullConsumer(sub, stream, durable, self.watch)
 
     # ------------------------------------------------------------ publishing
     async def publish(
@@ -660,6 +670,8 @@ class Bus:
                         raise BusError(
                             f"{self.actor}: publish to {subject} timed out {retries + 1} times"
                         ) from exc
+                except nats.errors.ConnectionClosedError as exc:
+                    raise self._closed_error(f"publish to {subject}") from exc
                 except nats.js.errors.APIError as exc:
                     if getattr(exc, "code", None) in (429, 503) and attempt < retries:
                         pass
