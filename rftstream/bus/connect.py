@@ -23,6 +23,7 @@ appear in messages: URLs are shown through :func:`redact_url`.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import ssl
 import urllib.parse
@@ -205,6 +206,24 @@ def _explain(exc: BaseException, cfg: NatsConfig, servers: list[str]) -> str:
     return f"{type(exc).__name__}: {text}"
 
 
+def _is_refusal(exc: BaseException) -> bool:
+    """A refused credential or a failed TLS handshake: retrying will not help."""
+    text = str(exc).lower()
+    return isinstance(exc, (nats.errors.AuthorizationError, ssl.SSLError)) or any(
+        word in text for word in ("authoriz", "authentication", "certificate")
+    )
+
+
+def _main_cause(errors: list[BaseException], last: BaseException) -> BaseException:
+    """The error that explains a failed connect best: a refused credential or a TLS
+    failure (the server may reset the next attempt), else the latest error."""
+    for exc in errors:
+        if _is_refusal(exc):
+            return exc
+    rest = [e for e in errors if not isinstance(e, nats.errors.NoServersError)]
+    return rest[-1] if rest else last
+
+
 class ConnectionWatch:
     """nats-py callbacks that report errors and bound how long a connection stays lost.
 
@@ -225,6 +244,7 @@ class ConnectionWatch:
         self.gave_up: str | None = None
         self._timer: asyncio.TimerHandle | None = None
         self._closing: asyncio.Future[None] | None = None
+        self.refused: asyncio.Future[None] | None = None  # set by open_connection
 
     @property
     def shown_servers(self) -> str:
@@ -233,6 +253,8 @@ class ConnectionWatch:
     async def on_error(self, exc: Exception) -> None:
         if self.connecting:
             self.errors.append(exc)
+            if self.refused is not None and not self.refused.done() and _is_refusal(exc):
+                self.refused.set_result(None)  # a credential or certificate: no point retrying
             return
         log.warning("%s: nats error: %s", self.actor, _explain(exc, self.cfg, self.servers))
 
@@ -302,13 +324,29 @@ async def open_connection(
         closed_cb=watch.on_closed,
     )
     nc = NatsClient()
+    loop = asyncio.get_running_loop()
+    watch.refused = loop.create_future()
+    # nats-py retries a refused credential, and can hang after a failed TLS handshake:
+    # the first refusal ends the connect; a deadline bounds the rest
+    deadline = len(servers) * FIRST_CONNECT_ATTEMPTS * (cfg.connect_timeout + RECONNECT_TIME_WAIT)
+    connecting = asyncio.ensure_future(nc.connect(**opts))
     try:
-        await nc.connect(**opts)
-    except Exception as exc:  # nats raises several unrelated types here
-        cause = next(
-            (e for e in reversed(watch.errors) if not isinstance(e, nats.errors.NoServersError)),
-            exc,
+        done, _ = await asyncio.wait(
+            {connecting, watch.refused}, timeout=deadline + 1, return_when=asyncio.FIRST_COMPLETED
         )
+        if connecting not in done:
+            connecting.cancel()
+            with contextlib.suppress(BaseException):
+                await connecting
+            with contextlib.suppress(Exception):
+                await nc.close()
+            raise asyncio.TimeoutError() if not watch.errors else watch.errors[-1]
+        connecting.result()
+    except asyncio.CancelledError:
+        connecting.cancel()
+        raise
+    except Exception as exc:  # nats raises several unrelated types here
+        cause = _main_cause(watch.errors, exc)
         raise BusError(
             f"{actor}: cannot connect to NATS at {watch.shown_servers} "
             f"(auth: {auth_kind(cfg, servers)}): {_explain(cause, cfg, servers)}"
