@@ -294,7 +294,14 @@ class ConnectionWatch:
             f"reconnect within nats.reconnect_window = {self.cfg.reconnect_window} s"
         )
         log.error("%s: %s", self.actor, self.gave_up)
-        self._closing = asyncio.ensure_future(self.nc.close())
+        self._closing = asyncio.ensure_future(self._close())
+
+    async def _close(self) -> None:
+        try:
+            if self.nc is not None:
+                await self.nc.close()
+        except Exception as exc:  # noqa: BLE001 - the transport is gone already
+            log.debug("%s: closing the lost connection: %s", self.actor, exc)
 
     def closed_error(self, what: str) -> BusError:
         """The error for an operation (``what``) on a closed connection."""
