@@ -143,12 +143,18 @@ class ActorProcess:
         """The prepared config, with the resolved model path, for the child to load."""
         import msgspec
 
+        from rftstream.bus.connect import secrets_to_env
         from rftstream.config.loader import dump_config_yaml
 
         cfg = self.run.cfg
         model = msgspec.structs.replace(cfg.model, model_path=self.run.model_path)
+        # the file never holds a NATS secret: the child gets it in its environment
+        nats_cfg, secret_env = secrets_to_env(cfg.nats)
+        self.env.update(secret_env)
         self.config_path.parent.mkdir(parents=True, exist_ok=True)
-        self.config_path.write_text(dump_config_yaml(msgspec.structs.replace(cfg, model=model)))
+        self.config_path.write_text(
+            dump_config_yaml(msgspec.structs.replace(cfg, model=model, nats=nats_cfg))
+        )
 
     async def __aenter__(self) -> ActorProcess:
         self._write_config()

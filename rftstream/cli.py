@@ -36,6 +36,7 @@ import anyio
 from rich.console import Console
 from rich.markup import escape
 
+from rftstream.config.secrets import redact_url
 from rftstream.errors import RftError
 
 if TYPE_CHECKING:
@@ -72,8 +73,8 @@ def _common(p: argparse.ArgumentParser, *, need_url: bool) -> None:
     _config_args(p, log_help="console log level (the run log always gets INFO)")
     p.add_argument(
         "--nats-url",
-        required=need_url,
-        help="use this NATS server instead of starting an embedded one",
+        help="use this NATS server (several: comma-separated) instead of "
+        + ("the config's nats.url / nats.servers" if need_url else "starting an embedded one"),
     )
     p.add_argument(
         "--run-dir",
@@ -464,6 +465,7 @@ def cmd_actor(args: argparse.Namespace) -> int:
     from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
     from rftstream import runtime
+    from rftstream.bus.connect import server_urls
     from rftstream.up import run_with_signals
 
     if args.command == "trainer":
@@ -471,10 +473,11 @@ def cmd_actor(args: argparse.Namespace) -> int:
         if ranks is not None:
             return ranks
     run = _prepare(args)
-    url = args.nats_url
+    url = args.nats_url or ",".join(server_urls(run.cfg.nats))  # else nats.url / nats.servers
     check_standalone_sync(run.cfg, args.command)
     console.print(
-        f"[bold]{args.command}[/] [cyan]{args.name}[/] of run [cyan]{escape(run.names.display)}[/] on {url}"
+        f"[bold]{args.command}[/] [cyan]{args.name}[/] of run [cyan]{escape(run.names.display)}[/] "
+        f"on {escape(redact_url(url))}"
     )
     progress = Progress(
         SpinnerColumn(),
@@ -815,7 +818,7 @@ def cmd_tail(args: argparse.Namespace) -> int:
 
     if not args.json:
         console.print(
-            f"tailing [cyan]{subject}[/] on {args.nats_url}"
+            f"tailing [cyan]{subject}[/] on {redact_url(args.nats_url or cfg.nats.url or ', '.join(cfg.nats.servers))}"
             + ("" if args.no_follow else " (Ctrl-C to stop)")
         )
     code = run_with_signals(main)

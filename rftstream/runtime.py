@@ -23,6 +23,7 @@ import msgspec
 
 from rftstream.bus.client import Bus
 from rftstream.config.schema import Config
+from rftstream.config.secrets import redact_url
 from rftstream.config.validate import run_id_from_name, validate_config
 from rftstream.errors import ConfigError
 from rftstream.monitors import check_monitor_packages
@@ -360,7 +361,11 @@ def prepare_run(
     if buffer.train_batch_size == 0:
         buffer = msgspec.structs.replace(buffer, train_batch_size=buffer.batch_size * repeat)
     rdir = Path(run_dir or cfg.run_dir or os.path.join("runs", cfg.name))
-    nats_cfg = cfg.nats if nats_url is None else msgspec.structs.replace(cfg.nats, url=nats_url)
+    nats_cfg = (  # --nats-url replaces the config's servers (several may be comma-separated)
+        cfg.nats
+        if nats_url is None
+        else msgspec.structs.replace(cfg.nats, url=nats_url, servers=[])
+    )
     cfg = msgspec.structs.replace(
         cfg, algorithm=algorithm.config, buffer=buffer, run_dir=str(rdir), nats=nats_cfg
     )
@@ -447,7 +452,7 @@ async def start_fresh(run: PreparedRun, url: str) -> str | None:
             age = time.time() - max(beats) if beats else None
             if status == "running" and age is not None and age < ACTIVE_HEARTBEAT_S:
                 raise RftError(
-                    f"run {names.run!r} is active on {url} (last heartbeat {age:.0f}s ago); "
+                    f"run {names.run!r} is active on {redact_url(url)} (last heartbeat {age:.0f}s ago); "
                     "stop it or choose another `name`"
                 )
             await bus.js.delete_key_value(names.kv_bucket)

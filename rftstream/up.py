@@ -23,6 +23,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from rftstream.actor_process import split_roles
 from rftstream.bus.server import EmbeddedNatsServer
+from rftstream.config.secrets import redact_url
 from rftstream.plot import idle_shares, plot_metrics, read_metrics, window_mean
 from rftstream.report import REPORT_FILE, save_run_config, write_report
 from rftstream.runtime import PreparedRun, run_actors, start_fresh
@@ -75,6 +76,7 @@ class StepLines:
 
 def nats_cli_hint(url: str, run: PreparedRun) -> list[str]:
     n = run.names
+    url = redact_url(url)
     return [
         f"nats --server {url} stream ls",
         f"nats --server {url} stream view {n.exp_stream}",
@@ -185,7 +187,7 @@ def run_up(run: PreparedRun, *, console: Console) -> int:
         (run.run_dir / old).unlink(missing_ok=True)
     save_run_config(cfg, run.run_dir)  # the report shows it; secrets masked
     server: EmbeddedNatsServer | None = None
-    url = cfg.nats.url
+    url = cfg.nats.url or ",".join(cfg.nats.servers)  # Bus.connect splits a comma list
     if not url:
         server = EmbeddedNatsServer(run.run_dir / "nats", max_payload=cfg.nats.max_payload)
         with console.status("starting the embedded nats-server…"):
@@ -194,7 +196,7 @@ def run_up(run: PreparedRun, *, console: Console) -> int:
             f"[bold green]NATS[/] listening on [cyan]{url}[/] (JetStream store {server.store_dir})"
         )
     else:
-        console.print(f"[bold green]NATS[/] using [cyan]{url}[/]")
+        console.print(f"[bold green]NATS[/] using [cyan]{redact_url(url)}[/]")
     console.print(
         f"run [cyan]{escape(run.names.display)}[/]  algorithm [cyan]{run.algorithm.name}[/]  model {run.model_path}"
     )

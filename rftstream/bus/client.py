@@ -48,8 +48,9 @@ from nats.aio.msg import Msg
 from nats.js import JetStreamContext, api
 from nats.js.kv import KeyValue
 
+from rftstream.bus.connect import ConnectionWatch, open_connection
 from rftstream.bus.limits import StreamFullError, is_stream_full, purge_acked, stream_limits
-from rftstream.bus.resilient import DEFAULT_RETRY_WINDOW, ResilientJetStream
+from rftstream.bus.resilient import ResilientJetStream
 from rftstream.bus.state import RunState
 from rftstream.config.schema import NatsConfig
 from rftstream.errors import BusError, PayloadTooLargeError
@@ -233,10 +234,13 @@ class PullConsumer:
     ``ack_wait`` expire) each message :meth:`fetch` returned.
     """
 
-    def __init__(self, sub: Any, stream: str, durable: str) -> None:
+    def __init__(
+        self, sub: Any, stream: str, durable: str, watch: ConnectionWatch | None = None
+    ) -> None:
         self._sub = sub
         self.stream = stream
         self.durable = durable
+        self._watch = watch  # names the reason when the connection was given up
         # nats-py's fetch waits for every message through `Subscription.next_msg`,
         # which makes a uuid, a task and a `wait_for` per message (about 25 us, as
         # much as decoding a group): `fetch` reads the subscription's queue itself
@@ -291,7 +295,10 @@ class PullConsumer:
             await anyio.sleep(min(timeout, _UNAVAILABLE_PAUSE))
             return []
         except nats.errors.ConnectionClosedError as exc:
-            raise BusError(f"consumer {self.stream}/{self.durable}: connection closed") from exc
+            what = f"consumer {self.stream}/{self.durable}"
+            if self._watch is not None:
+                raise self._watch.closed_error(what) from exc
+            raise BusError(f"{what}: connection closed") from exc
         except nats.js.errors.APIError as exc:
             raise BusError(f"consumer {self.stream}/{self.durable}: pull rejected: {exc}") from exc
 
@@ -389,7 +396,7 @@ class Bus:
         self.nc = nc
         # API requests retry what a cluster's leader elections cause (bus/resilient.py)
         self.js: JetStreamContext = ResilientJetStream(
-            nc, timeout=10.0, retry_window=DEFAULT_RETRY_WINDOW
+            nc, timeout=10.0, retry_window=cfg.retry_window
         )
         self.names = names
         self.cfg = cfg
@@ -397,27 +404,25 @@ class Bus:
         self._limiter = InflightLimiter(cfg.max_inflight_bytes)
         self._replies = _Replies(nc)
         self._kv: KeyValue | None = None
+        self.watch: ConnectionWatch | None = None  # set by connect()
 
     # ------------------------------------------------------------ lifecycle
     @classmethod
-    async def connect(cls, url: str, names: RunNames, cfg: NatsConfig, actor: str) -> Bus:
-        """Connect to ``url``; reconnects forever (long runs must survive server restarts)."""
+    async def connect(cls, url: str | None, names: RunNames, cfg: NatsConfig, actor: str) -> Bus:
+        """Connect to ``url`` (``None``/empty: the servers of ``cfg``) with the credentials,
+        TLS and reconnect window of ``cfg`` (:func:`rftstream.bus.connect.open_connection`).
 
-        async def _on_error(exc: Exception) -> None:
-            log.warning("%s: nats error: %s", actor, exc)
-
-        try:
-            nc = await nats.connect(
-                servers=[url],
-                name=f"rftstream:{names.run}:{actor}",
-                connect_timeout=cfg.connect_timeout,
-                max_reconnect_attempts=-1,
-                reconnect_time_wait=1.0,
-                error_cb=_on_error,
-            )
-        except Exception as exc:  # nats raises several unrelated types here
-            raise BusError(f"{actor}: cannot connect to NATS at {url}: {exc}") from exc
-        return cls(nc, names, cfg, actor)
+        Raises one :class:`BusError` naming the servers and the kind of auth when the
+        first connect fails (seconds, not a hang). A connection lost later is retried
+        for ``nats.reconnect_window`` seconds; after that, operations raise
+        :class:`BusError` naming the servers and the window.
+        """
+        nc, watch = await open_connection(
+            cfg, url, name=f"rftstream:{names.run}:{actor}", actor=actor
+        )
+        bus = cls(nc, names, cfg, actor)
+        bus.watch = watch
+        return bus
 
     async def close(self) -> None:
         """Flush and close. Safe to call twice."""
@@ -437,6 +442,11 @@ class Bus:
     async def __aexit__(self, *exc: object) -> None:
         with anyio.CancelScope(shield=True):
             await self.close()
+
+    def _closed_error(self, what: str) -> BusError:
+        if self.watch is not None:
+            return self.watch.closed_error(f"{self.actor}: {what}")
+        return BusError(f"{self.actor}: {what}: connection closed")
 
     @property
     def max_payload(self) -> int:
@@ -662,7 +672,7 @@ class Bus:
             raise BusError(
                 f"consumer {stream}/{durable} does not exist; provision the run first"
             ) from exc
-        return PullConsumer(sub, stream, durable)
+        return PullConsumer(sub, stream, durable, self.watch)
 
     # ------------------------------------------------------------ publishing
     async def publish(
@@ -699,7 +709,12 @@ class Bus:
         await self._limiter.acquire(size)
         try:
             delay = 0.2
-            for attempt in range(retries + 1):
+            # a timeout is retried `retries` times and, past them, until the retry window of
+            # the JetStream API calls is over (a cluster's leader election, a reconnect)
+            give_up = time.monotonic() + self.cfg.retry_window
+            attempt = -1
+            while True:
+                attempt += 1
                 try:
                     return await self._js_publish(subject, data, hdrs or None, timeout)
                 except (
@@ -707,10 +722,13 @@ class Bus:
                     TimeoutError,
                     nats.js.errors.NoStreamResponseError,
                 ) as exc:
-                    if attempt == retries:
+                    if attempt >= retries and time.monotonic() >= give_up:
                         raise BusError(
-                            f"{self.actor}: publish to {subject} timed out {retries + 1} times"
+                            f"{self.actor}: publish to {subject} timed out {attempt + 1} times "
+                            f"(nats.retry_window {self.cfg.retry_window:g} s)"
                         ) from exc
+                except nats.errors.ConnectionClosedError as exc:
+                    raise self._closed_error(f"publish to {subject}") from exc
                 except nats.js.errors.APIError as exc:
                     if is_stream_full(exc) and attempt < retries:
                         await self._free_experience(subject)
@@ -720,7 +738,9 @@ class Bus:
                             f"({exc.description}); it waits for consumers, or raise the "
                             f"stream's nats.streams.<stream>.max_bytes / max_msgs"
                         ) from exc
-                    if getattr(exc, "code", None) in (429, 503) and attempt < retries:
+                    if getattr(exc, "code", None) in (429, 503) and (
+                        attempt < retries or time.monotonic() < give_up
+                    ):
                         pass
                     else:
                         raise BusError(
@@ -728,7 +748,6 @@ class Bus:
                         ) from exc
                 await anyio.sleep(delay)
                 delay = min(delay * 2, 5.0)
-            raise AssertionError("unreachable")
         finally:
             self._limiter.release(size)  # synchronous: a cancelled publish gives its bytes back
 

@@ -17,6 +17,7 @@ import nats.js.errors
 from nats.js import api
 
 from rftstream.bus.client import Bus
+from rftstream.errors import BusError
 from rftstream.inspect import summarize_message
 
 
@@ -87,9 +88,16 @@ async def tail(
     ``lines`` are kept until it has caught up. Blocks; returns the number of
     messages emitted when not following (cancel it to stop following).
     """
-    sub = await bus.js.subscribe(
-        subject, ordered_consumer=True, deliver_policy=api.DeliverPolicy.ALL
-    )
+    try:
+        sub = await bus.js.subscribe(
+            subject, ordered_consumer=True, deliver_policy=api.DeliverPolicy.ALL
+        )
+    except nats.js.errors.NotFoundError as exc:
+        raise BusError(
+            f"{bus.actor}: no stream holds {subject} on this server: the run "
+            f"{bus.names.run!r} does not exist there, or the credentials belong to another "
+            "account"
+        ) from exc
     recent: deque[dict[str, Any]] = deque(maxlen=max(lines, 0) or None)
     emitted = 0
     caught_up = False

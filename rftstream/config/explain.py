@@ -18,6 +18,7 @@ from rftstream.config.loader import (
     translate_config,
 )
 from rftstream.config.paths import PathPart, config_info, fmt_path, type_at
+from rftstream.config.secrets import mask_value
 from rftstream.config.stages import (
     STAGES_KEY,
     RawStage,
@@ -54,7 +55,8 @@ def explain_lines(data: dict[str, Any], notes: list[KeyNote]) -> list[str]:
             return
         if parts:
             known = type_at(config_info(), parts) is not None
-            lines.append(f"{path} = {node!r}" + ("" if known else "   (unknown key)"))
+            shown = mask_value(path, node)
+            lines.append(f"{path} = {shown!r}" + ("" if known else "   (unknown key)"))
 
     walk(data, ())
     lines += [_note_line(n) for n in by_path.values()]  # notes below an ignored/mapped subtree

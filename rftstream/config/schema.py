@@ -464,8 +464,26 @@ class StreamsConfig(_Base):
     metrics: MetricsStreamConfig = msgspec.field(default_factory=MetricsStreamConfig)
 
 
+class NatsTlsConfig(_Base):
+    """``nats.tls``: TLS to the server. ``ca`` verifies the server's certificate (the
+    system's roots when empty); ``cert`` + ``key`` are a client certificate, for servers
+    that verify clients. Any of them set (or a ``tls://`` URL) turns TLS on."""
+
+    ca: str = ""
+    cert: str = ""
+    key: str = ""
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.ca or self.cert or self.key)
+
+
 class NatsConfig(_Base):
-    """``nats``: the bus. ``url`` empty means: start an embedded nats-server."""
+    """``nats``: the bus. ``url`` empty (and no ``servers``) means: start an embedded
+    nats-server. Credentials (``creds``, ``nkey_seed``, ``token``, ``user``/``password``,
+    ``tls``) and the reconnect window are for a server of your own; secrets are best
+    given as ``${oc.env:VAR}`` and are never written out (see :mod:`rftstream.bus.connect`).
+    """
 
     url: str = ""
     max_payload: int = 8 * 1024 * 1024
@@ -476,6 +494,20 @@ class NatsConfig(_Base):
     dedup_window: float = 600.0
     connect_timeout: float = 10.0
     streams: StreamsConfig = msgspec.field(default_factory=StreamsConfig)
+    # secured and shared servers (rftstream.bus.connect builds nats-py's options from these)
+    servers: list[str] = msgspec.field(default_factory=list)  # several URLs of one cluster
+    creds: str = ""  # a .creds file (user JWT + nkey seed), for operator-mode servers
+    nkey_seed: str = ""  # a file holding a user nkey seed (SU...)
+    token: str = ""
+    user: str = ""
+    password: str = ""
+    tls: NatsTlsConfig = msgspec.field(default_factory=NatsTlsConfig)
+    # seconds a lost connection may stay lost: the client reconnects meanwhile (a server
+    # restart), then gives up and the actor exits with an error naming the server
+    reconnect_window: float = 120.0
+    # seconds a JetStream request or publish that times out (or is answered 503) is
+    # retried: a cluster electing leaders after a node died, a reconnect in progress
+    retry_window: float = 60.0
 
 
 # ----------------------------------------------------------------- root

@@ -12,13 +12,14 @@ from __future__ import annotations
 
 import difflib
 import hashlib
+import os
 import re
 import warnings
 from typing import Any
 
 from msgspec.structs import replace
 
-from rftstream.config.schema import Config, ExplorerInput, LoRAConfig, TasksetConfig
+from rftstream.config.schema import Config, ExplorerInput, LoRAConfig, NatsConfig, TasksetConfig
 from rftstream.errors import ConfigError
 from rftstream.monitors import MONITOR_TYPES, check_monitor_config
 
@@ -232,6 +233,7 @@ def validate_config(cfg: Config, source: str | None = None) -> Config:
 
     c.between("nats.max_payload", cfg.nats.max_payload, KIB, 64 * MIB, " bytes (1 KiB to 64 MiB)")
     _check_stream_limits(c, cfg)
+    _check_nats_security(c, cfg.nats)
 
     if style != sync.sync_style:
         cfg = replace(cfg, synchronizer=replace(sync, sync_style=style))
@@ -344,3 +346,53 @@ def _check_lora(c: _Checker, configs: list[LoRAConfig] | None) -> None:
         c.fail(f"{key}.lora_dropout", "must be in [0, 1)", lora.lora_dropout)
     if not lora.target_modules:
         c.fail(f"{key}.target_modules", "names no module to adapt", lora.target_modules)
+
+
+_NATS_SCHEMES = ("nats", "tls", "ws", "wss")
+
+
+def _check_nats_security(c: _Checker, nats: NatsConfig) -> None:
+    """``nats.servers`` / ``nats.url`` (one or the other), the credential files (they must
+    exist), ``user`` with ``password``, ``tls.cert`` with ``tls.key``, ``reconnect_window``.
+    Secret values (``token``, ``password``) are never put in an error."""
+    if nats.url and nats.servers:
+        c.fail(
+            "nats.servers",
+            "give either nats.url (one server) or nats.servers (a list), not both; "
+            "put every URL in nats.servers",
+            nats.servers,
+        )
+    for i, url in enumerate(nats.servers):
+        if not isinstance(url, str) or not url.strip():
+            c.fail(f"nats.servers[{i}]", "must be a non-empty URL such as nats://host:4222", url)
+    for i, url in enumerate([nats.url] if nats.url else nats.servers):
+        key = "nats.url" if nats.url else f"nats.servers[{i}]"
+        scheme = url.split("://", 1)[0] if "://" in url else ""
+        if scheme and scheme not in _NATS_SCHEMES:
+            c.fail(key, f"unknown scheme {scheme!r}; use one of {', '.join(_NATS_SCHEMES)}", url)
+    for key, path in (
+        ("nats.creds", nats.creds),
+        ("nats.nkey_seed", nats.nkey_seed),
+        ("nats.tls.ca", nats.tls.ca),
+        ("nats.tls.cert", nats.tls.cert),
+        ("nats.tls.key", nats.tls.key),
+    ):
+        if path and not os.path.isfile(path):
+            c.fail(key, "file not found", path)
+    if nats.creds and nats.nkey_seed:
+        c.fail(
+            "nats.nkey_seed",
+            "a .creds file (nats.creds) already holds the user's nkey seed; give one of them",
+            nats.nkey_seed,
+        )
+    if nats.password and not nats.user:
+        raise ConfigError("nats.password", "is set without nats.user", source=c.source)
+    if bool(nats.tls.cert) != bool(nats.tls.key):
+        key = "nats.tls.key" if nats.tls.cert else "nats.tls.cert"
+        raise ConfigError(
+            key,
+            "a TLS client certificate needs both nats.tls.cert and nats.tls.key",
+            source=c.source,
+        )
+    c.positive("nats.reconnect_window", nats.reconnect_window)
+    c.at_least("nats.retry_window", nats.retry_window, 0)

@@ -60,7 +60,7 @@ def test_publish_acks_duplicates_and_headers(nats_url: str) -> None:
 
 def test_rejected_and_unrouted_publishes_raise_bus_error(nats_url: str) -> None:
     async def main() -> None:
-        async with await _bus(nats_url) as bus:
+        async with await _bus(nats_url, retry_window=0.0) as bus:
             wrong = {"Nats-Expected-Stream": "NOT_THIS_ONE"}  # the stream answers 400
             with pytest.raises(BusError, match="rejected"):
                 await bus.publish(NAMES.exp_subject("raw"), b"x", headers=wrong, retries=0)
@@ -73,13 +73,18 @@ def test_rejected_and_unrouted_publishes_raise_bus_error(nats_url: str) -> None:
 
 def test_unanswered_publish_times_out_and_cancel_leaks_nothing(nats_url: str) -> None:
     async def main() -> None:
-        async with await _bus(nats_url) as bus:
+        async with await _bus(nats_url, retry_window=0.0) as bus:
             nc = await nats.connect(nats_url)
             try:
                 await nc.subscribe("blackhole.x")  # receives it, never replies
                 await nc.flush()
                 with pytest.raises(BusError, match="timed out 2 times"):
                     await bus.publish("blackhole.x", b"x", msg_id="b", timeout=0.2, retries=1)
+                # past `retries`, a timeout is retried until nats.retry_window is over
+                bus.cfg = msgspec.structs.replace(bus.cfg, retry_window=1.0)
+                with pytest.raises(BusError, match=r"timed out [3-9] times") as err:
+                    await bus.publish("blackhole.x", b"x", msg_id="w", timeout=0.2, retries=0)
+                assert "nats.retry_window 1 s" in str(err.value)
                 assert bus._limiter.inflight == 0 and not bus._replies._pending
                 with anyio.move_on_after(0.3) as scope:
                     await bus.publish("blackhole.x", b"y", msg_id="c", timeout=30)
