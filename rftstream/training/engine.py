@@ -696,15 +696,7 @@ class PolicyTrainer:
                 loss_sum += float(loss.detach()) * rows.numel()
                 loss_rows += rows.numel()
                 if self.critic is not None and values is not None:
-                    mb = self._micro_batch(batch, rows)
-                    vloss, vmetrics = value_loss(
-                        self._values(mb),
-                        mb.returns,
-                        values[rows][:, : mb.response_width],
-                        mb.response_mask,
-                        self.cfg.trainer.critic.cliprange_value,
-                        self.cfg.trainer.critic.loss_agg_mode,
-                    )
+                    vloss, vmetrics = self._critic_micro_step(batch, rows, values)
                     self.critic.backward(vloss * (weight * rank_scale))
                     if not self.dynamic_bsz:
                         self.critic.step()
@@ -738,6 +730,22 @@ class PolicyTrainer:
         out["time/train_step_cpu"] = time.thread_time() - cpu0  # this thread's CPU time
         return out
 
+    def _critic_micro_step(
+        self, batch: TrainBatch, rows: torch.Tensor, values: torch.Tensor
+    ) -> tuple[torch.Tensor, dict[str, float]]:
+        """The critic's value loss on ``rows`` of ``batch`` (clipped around the no-grad
+        ``values``) and its metrics; the caller scales and back-propagates it."""
+        mb = self._micro_batch(batch, rows)
+        critic = self.cfg.trainer.critic
+        return value_loss(
+            self._values(mb),
+            mb.returns,
+            values[rows][:, : mb.response_width],
+            mb.response_mask,
+            critic.cliprange_value,
+            critic.loss_agg_mode,
+        )
+
     def _padding_micro_step(
         self,
         batch: TrainBatch,
@@ -766,15 +774,7 @@ class PolicyTrainer:
         if not self.dynamic_bsz:
             self.engine.step()
         if self.critic is not None and values is not None:  # as a training micro-step
-            mb = self._micro_batch(batch, rows)
-            vloss, _ = value_loss(
-                self._values(mb),
-                mb.returns,
-                values[rows][:, : mb.response_width],
-                mb.response_mask,
-                self.cfg.trainer.critic.cliprange_value,
-                self.cfg.trainer.critic.loss_agg_mode,
-            )
+            vloss, _ = self._critic_micro_step(batch, rows, values)
             self.critic.backward(vloss * 0.0)
             if not self.dynamic_bsz:
                 self.critic.step()
