@@ -222,3 +222,41 @@ def test_experience_problem(over: dict, expected: str | None) -> None:
     else:
         assert got == f"experience {exp.eid.uid}: {expected}"
     assert torch.is_tensor(exp.tokens)
+
+
+def _info(name: str, subject: str, meta: dict[str, str] | None = None) -> object:
+    from nats.js import api
+
+    return api.ConsumerInfo(
+        stream_name="S",
+        name=name,
+        created=0,
+        config=api.ConsumerConfig(durable_name=name, filter_subject=subject, metadata=meta),
+        ack_floor=api.SequenceInfo(consumer_seq=0, stream_seq=7),
+        num_pending=1,
+        num_ack_pending=2,
+    )
+
+
+def test_a_durables_stages_come_from_its_filter_and_metadata_not_its_name() -> None:
+    from types import SimpleNamespace
+
+    from rftstream.bus.account import _durable
+    from rftstream.subjects import RunNames
+
+    bus = SimpleNamespace(names=RunNames("r"))
+    # a stage named with "_to_" and one with "-": the name alone is ambiguous
+    meta = {"rft.role": "operator", "rft.to_stage": "keep-best"}
+    d = _durable(_info("op_a_to_b_to_keep_best", "rft.r.exp.a_to_b", meta), bus, set())
+    assert (d.from_stage, d.to_stage, d.ack_floor, d.pending_messages) == (
+        "a_to_b",
+        "keep-best",
+        7,
+        3,
+    )
+    # created before the metadata existed: the name after op_<from>_to_, matched to a stage
+    d = _durable(_info("op_a_to_b_to_keep_best", "rft.r.exp.a_to_b"), bus, {"keep-best", "raw"})
+    assert (d.from_stage, d.to_stage, d.trainer) == ("a_to_b", "keep-best", False)
+    t = _durable(_info("trainer_x", "rft.r.exp.x", {"rft.role": "trainer"}), bus, set())
+    assert t.trainer and t.from_stage == "x"
+    assert _durable(_info("op_x", "rft.other.exp.raw"), bus, set()) is None
