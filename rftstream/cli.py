@@ -9,6 +9,7 @@
     rftstream operator --unsplice STAGE --config C --nats-url U
     rftstream status [--json] [--all]|streams --config C --nats-url U
     rftstream tail STAGE [-n N] [--no-follow] [--dlq] [--json] --config C --nats-url U
+    rftstream account [--json] --config C --nats-url U   # exit 0 balanced, 1 not
     rftstream clean [RUN ...|--all] [--dry-run] [--force] [--older-than 7d] [--files] --nats-url U
     rftstream decode < body    # nats stream view ... --translate "rftstream decode"
     rftstream report RUN_DIR [--out FILE]   # report.html: curves, summary, resolved config
@@ -162,6 +163,13 @@ def build_parser() -> argparse.ArgumentParser:
     tl.add_argument("--dlq", action="store_true", help="tail rft.<run>.dlq.<stage> instead")
     tl.add_argument("--json", action="store_true", help="one JSON object per line")
     _clean_parser(sub)
+    acc = sub.add_parser(
+        "account",
+        help="where every explored experience and task went, per stage; BALANCED or NOT "
+        "BALANCED (exit 0 / 1)",
+    )
+    _common(acc, need_url=True)
+    acc.add_argument("--json", action="store_true", help="one JSON document instead of tables")
     cfg_cmd = sub.add_parser("config", help="inspect a config file")
     cfg_sub = cfg_cmd.add_subparsers(dest="config_command", required=True)
     explain = cfg_sub.add_parser(
@@ -606,7 +614,7 @@ def cmd_status(args: argparse.Namespace) -> int:
 
     async def main() -> dict[str, Any]:
         async with await Bus.connect(args.nats_url, names, cfg.nats, "status") as bus:
-            return await RunState(await bus.kv()).all()
+            return await RunState(await bus.kv(create=False)).all()
 
     values = anyio.run(main, backend="asyncio")
     p = cfg.data_processor.experience_pipeline
@@ -761,6 +769,7 @@ def cmd_streams(args: argparse.Namespace) -> int:
 
     async def main() -> list[Any]:
         async with await Bus.connect(args.nats_url, names, cfg.nats, "inspector") as bus:
+            await bus.kv(create=False)  # a run with no state here: a clear error, nothing created
             return await streams_report(bus)
 
     rows = anyio.run(main, backend="asyncio")
@@ -814,6 +823,7 @@ def cmd_tail(args: argparse.Namespace) -> int:
 
     async def main() -> None:
         async with await Bus.connect(args.nats_url, names, cfg.nats, "tail") as bus:
+            await bus.kv(create=False)  # a run with no state here: a clear error, nothing created
             await tail(bus, subject, lines=args.lines, follow=not args.no_follow, emit=emit)
 
     if not args.json:
@@ -970,6 +980,10 @@ def main(argv: list[str] | None = None) -> int:
             return cmd_streams(args)
         if args.command == "clean":
             return cmd_clean(args)
+        if args.command == "account":
+            from rftstream.account_cli import cmd_account
+
+            return cmd_account(args, console)
         if args.command == "tail":
             return cmd_tail(args)
         if args.command == "decode":

@@ -54,6 +54,10 @@ class BusError(RftError):
     """A NATS operation failed; the message names subject/stream/consumer."""
 
 
+class RunNotFoundError(BusError):
+    """A read-only command found no state of the named run on the server (no KV bucket)."""
+
+
 class PayloadTooLargeError(BusError):
     """A message (payload + headers) exceeds the server's ``max_payload``."""
 

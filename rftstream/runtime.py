@@ -461,11 +461,24 @@ async def start_fresh(run: PreparedRun, url: str) -> str | None:
     return f"replaced the earlier run {names.run!r} on this server (status {status or 'unknown'})"
 
 
+def task_ack_wait(cfg: Config) -> float:
+    """The tasks durable's ack wait: how long a task held by an explorer that died stays
+    invisible to the others.
+
+    An explorer keeps every task it holds alive with in-progress acks every
+    ``nats.ack_wait / 3`` s (:class:`~rftstream.actors.common.InProgressTicker`), from
+    its fetch until its ack, however long the rollout takes; so three ``nats.ack_wait``
+    (at least 10 s) leave room for a few late ticks, and a killed explorer's tasks go
+    to another explorer that soon. Never more than the whole retry budget of a task.
+    """
+    budget = cfg.explorer.max_timeout * (cfg.explorer.max_retry_times + 1) + 60
+    return min(max(3 * cfg.nats.ack_wait, 10.0), budget, 3600.0)
+
+
 async def provision(run: PreparedRun, url: str) -> None:
     """Create the run's streams, consumers and KV bucket (idempotent)."""
     async with await Bus.connect(url, run.names, run.cfg.nats, "provisioner") as bus:
-        timeout = run.cfg.explorer.max_timeout * (run.cfg.explorer.max_retry_times + 1) + 60
-        await bus.provision(stages=run.stages, task_ack_wait=min(timeout, 3600.0))
+        await bus.provision(stages=run.stages, task_ack_wait=task_ack_wait(run.cfg))
         from rftstream.bus.state import RunState
 
         state = RunState(await bus.kv())

@@ -129,6 +129,8 @@ def _token(name: str) -> str:
 
 
 # KV keys (dots are allowed in KV keys; `nats kv get rft_<run>_state status`)
+#: consumer metadata of an operator durable: the stage it writes (names lose ``-``)
+META_TO_STAGE = "rft.to_stage"
 KV_STATUS = "status"  # running | finished | failed
 KV_TASKSET = "taskset.published"  # JSON: {"count": N, "epochs": E}
 KV_TASKSET_CLAIM = "taskset.published.claim"  # JSON: {"by", "ts", "seq"} (publishing progress)

@@ -160,7 +160,11 @@ class Explorer(EvaluationMixin):
         self.name = name
         # purges acked experience and holds raw publishes while the stream is near its limits
         self.room = ExperienceRoom(
-            getattr(bus, "js", None), bus.names.exp_stream, cfg.nats.streams.experience, name
+            getattr(bus, "js", None),
+            bus.names.exp_stream,
+            cfg.nats.streams.experience,
+            name,
+            subject_prefix=bus.names.exp_wildcard[:-1],
         )
         self.model_path = model_path
         self.policy = SyncPolicy.from_config(cfg.synchronizer)
@@ -417,6 +421,7 @@ class Explorer(EvaluationMixin):
 
         state = RunState(await self.bus.kv())
         self.state = state
+        self.room.state = state  # purges are recorded in the run's KV (the account reads them)
         if self.cfg.mode == "bench":
             from rftstream.actors.bench import run_bench
 

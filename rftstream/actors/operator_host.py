@@ -215,6 +215,7 @@ class OperatorHost:
             description=f"run {self.names.run}: operator pipeline {self.from_stage} -> {self.to_stage}",
             role="operator",
             start_seq=self.start_seq,
+            to_stage=self.to_stage,
         )
         consumer = await self.bus.pull(self.names.exp_stream, self.durable)
         state = RunState(await self.bus.kv())

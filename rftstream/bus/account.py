@@ -41,10 +41,12 @@ import nats.js.errors
 from nats.js import api
 
 from rftstream.bus.client import Bus
+from rftstream.bus.purged import PurgedPrefix, read_purged
+from rftstream.bus.state import RunState
 from rftstream.errors import SchemaError
-from rftstream.experience import decode_group_msg
+from rftstream.experience import H_COUNT, decode_group_msg
 from rftstream.messages import H_DLQ_REASON, H_DLQ_SEQ, H_DLQ_STAGE, H_DLQ_SUBJECT, MetricsMsg
-from rftstream.subjects import RAW_STAGE, TRAIN_STAGE
+from rftstream.subjects import META_TO_STAGE, RAW_STAGE, TRAIN_STAGE
 
 TRAINED_TOTAL = "experience/trained_total"
 _READ_IDLE_S = 0.5  # an ordered consumer that delivers nothing for this long has caught up
@@ -71,6 +73,7 @@ class DeadLetter:
     subject: str  # the original's subject
     seq: int | None  # the original's stream sequence (None: not a JetStream message)
     reason: str
+    experiences: int | None = None  # its Rft-Count header (None: none, a malformed body)
 
 
 @dataclass(frozen=True)
@@ -103,6 +106,38 @@ class StageAccount:
     malformed_dead: int = 0
     malformed_pending: int = 0
     dead_reasons: Counter[str] = field(default_factory=Counter)
+    # the purged prefix of exp.<from> (counted from its record, not by id)
+    purged_messages: int = 0
+    purged_experiences: int = 0
+    checked_from_seq: int = 0  # stream sequences from here on were checked by experience id
+
+
+@dataclass(frozen=True)
+class TaskAccount:
+    """The tasks of a run: published on ``tasks``, and where they went.
+
+    The tasks stream is a work queue: a task leaves it when an explorer acks it
+    (explored: its group published to ``exp.raw``) or gives it up (dead-lettered
+    to ``dlq.tasks``, then terminated).
+    """
+
+    published: int  # the tasks stream's last sequence: every task stored
+    queued: int  # still stored: not handed out yet, or held by an explorer
+    failed: int  # on dlq.tasks
+
+    @property
+    def explored(self) -> int:
+        """Tasks that left the queue and were not dead-lettered: their groups were published."""
+        return self.published - self.queued - self.failed
+
+    def problems(self) -> list[str]:
+        """What cannot be (more tasks failed than ever left the queue)."""
+        if self.explored < 0:
+            return [
+                f"{self.failed} task(s) on dlq.tasks but only {self.published - self.queued} "
+                "left the tasks queue"
+            ]
+        return []
 
 
 @dataclass
@@ -117,6 +152,8 @@ class RunAccount:
     problems: list[str]
     dead_letters: int = 0  # messages on dlq.>
     dead_by: Counter[tuple[str, str]] = field(default_factory=Counter)  # (stage, reason)
+    purged: dict[str, PurgedPrefix] = field(default_factory=dict)  # stage -> purge record
+    tasks: TaskAccount | None = None
 
     @property
     def filtered(self) -> int:
@@ -170,6 +207,23 @@ class RunAccount:
             "balanced": self.balanced,
             "settled": self.settled,
             "problems": list(self.problems),
+            "tasks": None
+            if self.tasks is None
+            else {
+                "published": self.tasks.published,
+                "explored": self.tasks.explored,
+                "failed": self.tasks.failed,
+                "queued": self.tasks.queued,
+            },
+            "purged": {
+                stage: {
+                    "below_seq": r.below_seq,
+                    "messages": r.messages,
+                    "experiences": r.experiences,
+                    "malformed": r.malformed,
+                }
+                for stage, r in self.purged.items()
+            },
             "stages": [
                 {
                     "from": s.from_stage,
@@ -183,6 +237,10 @@ class RunAccount:
                     "messages_in": s.messages_in,
                     "malformed_in": s.malformed_in,
                     "malformed_dead_lettered": s.malformed_dead,
+                    "malformed_pending": s.malformed_pending,
+                    "purged_messages": s.purged_messages,
+                    "purged_experiences": s.purged_experiences,
+                    "checked_by_id_from_seq": s.checked_from_seq,
                     "dead_reasons": dict(s.dead_reasons),
                 }
                 for s in self.stages
@@ -212,6 +270,11 @@ class RunAccount:
                 f"  malformed raw messages {self.malformed}: dead-lettered {self.malformed_dead}, "
                 f"pending {self.malformed_pending}"
             )
+        for stage, rec in sorted(self.purged.items()):
+            lines.append(
+                f"  exp.{stage} purged below sequence {rec.below_seq}: {rec.messages} messages, "
+                f"{rec.experiences} experiences counted from the purge record"
+            )
         for (stage, reason), n in self.dead_by.most_common(8):
             lines.append(f"  dead letters at {stage} ({n}x): {reason}")
         lines.extend(f"  problem: {p}" for p in self.problems)
@@ -226,13 +289,21 @@ def reconcile(
     dead_letters: list[DeadLetter],
     durables: list[Durable],
     trained: int | None,
+    purged: dict[str, PurgedPrefix] | None = None,
+    tasks: TaskAccount | None = None,
 ) -> RunAccount:
-    """Build the account from what the streams hold (pure: no I/O)."""
+    """Build the account from what the streams hold (pure: no I/O).
+
+    ``purged`` (stage -> its purge record) marks each subject's prefix below
+    ``below_seq`` as purged: its messages are counted from the record (every
+    consumer of the subject had acked them, the purge's precondition), stored
+    messages below it are ignored, and the rest is checked by experience id.
+    """
+    purged = purged or {}
     by_stage: dict[str, list[StoredMessage]] = defaultdict(list)
-    by_seq: dict[int, StoredMessage] = {}
     for m in messages:
-        by_stage[m.stage].append(m)
-        by_seq[m.seq] = m
+        if m.seq >= _below(purged, m.stage):
+            by_stage[m.stage].append(m)
     problems: list[str] = []
     uids_on: dict[str, set[str]] = {}
     for stage, msgs in by_stage.items():
@@ -244,23 +315,44 @@ def reconcile(
             )
         uids_on[stage] = set(counts)
     dead_seqs: dict[str, dict[int, str]] = defaultdict(dict)
+    dead_purged: Counter[str] = Counter()  # stage -> experiences dead-lettered from its prefix
+    dead_purged_malformed: Counter[str] = Counter()
     dead_by: Counter[tuple[str, str]] = Counter()
     for d in dead_letters:
         dead_by[(d.stage, d.reason)] += 1
         stage = d.subject.rsplit(".", 1)[-1] if ".exp." in d.subject else None
-        if stage is not None and d.seq is not None:
+        if stage is None or d.seq is None:
+            continue
+        if d.seq < _below(purged, stage):
+            if d.experiences is None:
+                dead_purged_malformed[stage] += 1
+            else:
+                dead_purged[stage] += d.experiences
+        else:
             dead_seqs[stage][d.seq] = d.reason
+    for stage, rec in purged.items():
+        for dur in durables:
+            if dur.from_stage == stage and dur.ack_floor + 1 < rec.below_seq:
+                problems.append(
+                    f"exp.{stage} was purged below sequence {rec.below_seq} but durable "
+                    f"{dur.name} had acked only up to {dur.ack_floor}: unacked experience purged"
+                )
     stages: list[StageAccount] = []
     for dur in sorted(durables, key=lambda d: _stage_order(d, durables)):
         trainer = dur.trainer
         acc = StageAccount(dur.from_stage, dur.to_stage, dur.name, trainer)
+        rec = purged.get(dur.from_stage, PurgedPrefix())
+        acc.purged_messages, acc.purged_experiences = rec.messages, rec.experiences
+        acc.checked_from_seq = rec.below_seq
         msgs = by_stage.get(dur.from_stage, [])
-        acc.messages_in = len(msgs)
+        acc.messages_in = len(msgs) + rec.messages
         in_uids = uids_on.get(dur.from_stage, set())
-        acc.experiences_in = len(in_uids)
+        acc.experiences_in = len(in_uids) + rec.experiences
         dead_here = dead_seqs.get(dur.from_stage, {})
         dead_uids: set[str] = set()
         pending_uids: set[str] = set()
+        acc.malformed_in = rec.malformed
+        acc.malformed_dead = dead_purged_malformed[dur.from_stage]
         for m in msgs:
             if m.seq in dead_here:
                 if m.uids is None:
@@ -275,21 +367,27 @@ def reconcile(
                     pending_uids.update(m.uids)
             if m.uids is None:
                 acc.malformed_in += 1
+        out_uids: set[str] = set()
+        from_prefix = 0  # experiences out of this stage that came from its purged prefix
         if trainer:
-            out_uids: set[str] = set()
             acc.out = trained or 0
         else:
             downstream = uids_on.get(dur.to_stage, set())
             out_uids = downstream & in_uids
-            acc.out = len(out_uids)
             nowhere = downstream - in_uids
-            if nowhere and not _fed_by_others(dur, durables):
-                problems.append(
-                    f"{len(nowhere)} experience(s) on exp.{dur.to_stage} were never on "
-                    f"exp.{dur.from_stage} (e.g. {sorted(nowhere)[0]})"
-                )
+            if not _fed_by_others(dur, durables):
+                down_rec = purged.get(dur.to_stage, PurgedPrefix())
+                if rec.messages:  # by id, these may come from the purged prefix
+                    from_prefix = len(nowhere)
+                elif nowhere:
+                    problems.append(
+                        f"{len(nowhere)} experience(s) on exp.{dur.to_stage} were never on "
+                        f"exp.{dur.from_stage} (e.g. {sorted(nowhere)[0]})"
+                    )
+                from_prefix += down_rec.experiences
+            acc.out = len(out_uids) + from_prefix
         pending_uids -= out_uids | dead_uids
-        acc.dead = len(dead_uids)
+        acc.dead = len(dead_uids) + dead_purged[dur.from_stage]
         acc.pending = len(pending_uids)
         if trainer:
             left = acc.experiences_in - acc.dead - acc.pending - acc.out
@@ -303,27 +401,46 @@ def reconcile(
                 )
             elif left > 0:
                 problems.append(
-                    f"{left} experience(s) on exp.train were neither trained, dead-lettered "
-                    "nor pending: lost"
+                    f"{left} experience(s) on exp.{dur.from_stage} were neither trained, "
+                    "dead-lettered nor pending: lost"
                 )
         else:
-            acc.filtered = len(in_uids - out_uids - dead_uids - pending_uids)
+            by_id = len(in_uids - out_uids - dead_uids - pending_uids)
+            acc.filtered = by_id + rec.experiences - dead_purged[dur.from_stage] - from_prefix
+            if acc.filtered < 0:
+                problems.append(
+                    f"{-acc.filtered} more experience(s) left exp.{dur.from_stage} for "
+                    f"exp.{dur.to_stage} than arrived (counted from the purged prefix): "
+                    "from nowhere or stored twice"
+                )
+                acc.filtered = 0
         stages.append(acc)
     if not any(s.trainer for s in stages):
         problems.append("no trainer durable on the experience stream")
     if not any(s.from_stage == RAW_STAGE for s in stages):
         problems.append("no durable reads exp.raw")
     raw = by_stage.get(RAW_STAGE, [])
+    raw_rec = purged.get(RAW_STAGE, PurgedPrefix())
+    if tasks is not None:
+        problems.extend(tasks.problems())
     return RunAccount(
         run=run,
-        explored=len(uids_on.get(RAW_STAGE, set())),
-        malformed=sum(1 for m in raw if m.uids is None),
+        explored=len(uids_on.get(RAW_STAGE, set())) + raw_rec.experiences,
+        malformed=sum(1 for m in raw if m.uids is None) + raw_rec.malformed,
         trained=trained,
         stages=stages,
         problems=problems,
         dead_letters=len(dead_letters),
         dead_by=dead_by,
+        purged=dict(purged),
+        tasks=tasks,
     )
+
+
+def _below(purged: dict[str, PurgedPrefix], stage: str) -> int:
+    """The first stream sequence of ``exp.<stage>`` the account checks by id."""
+    rec = purged.get(stage)
+    return rec.below_seq if rec is not None else 0
 
 
 def _stage_order(dur: Durable, durables: list[Durable]) -> tuple[int, int, str]:
@@ -383,22 +500,44 @@ def _stored(msg: Any, prefix: str) -> StoredMessage:
         return StoredMessage(int(msg.metadata.sequence.stream), stage, None, str(exc))
 
 
-def _durable(info: api.ConsumerInfo, bus: Bus) -> Durable | None:
-    """The stages a durable of the experience stream connects (None: not one of the run's)."""
+def _durable(info: api.ConsumerInfo, bus: Bus, stages: set[str]) -> Durable | None:
+    """The stages a durable of the experience stream connects (None: not one of the run's).
+
+    The stage it reads is its filter subject; the stage it writes is its ``rft.to_stage``
+    metadata, or for a durable created without it, the rest of its name after
+    ``op_<from>_to_`` (names replace ``-`` by ``_``: matched against ``stages``, the
+    stages the stream holds).
+    """
     prefix = f"rft.{bus.names.run}.exp."
     subject = info.config.filter_subject or ""
     name = info.config.durable_name or ""
     if not subject.startswith(prefix) or not name:
         return None
     from_stage = subject[len(prefix) :]
-    if name == bus.names.trainer_consumer or (
-        from_stage == TRAIN_STAGE and not name.startswith("op_")
+    meta = getattr(info.config, "metadata", None) or {}
+    role = meta.get("rft.role", "")
+    if (
+        role == "trainer"
+        or name == bus.names.trainer_consumer
+        or (not role and from_stage == TRAIN_STAGE and not name.startswith("op_"))
     ):
         return Durable(name, from_stage, "trained", _floor(info), _pending(info), trainer=True)
-    _, sep, to_stage = name.partition("_to_")
-    if not sep or not to_stage:
+    to_stage = meta.get(META_TO_STAGE, "") or _to_stage_from_name(name, from_stage, stages)
+    if not to_stage:
         return None
     return Durable(name, from_stage, to_stage, _floor(info), _pending(info))
+
+
+def _to_stage_from_name(name: str, from_stage: str, stages: set[str]) -> str:
+    """``<to>`` of a durable named ``op_<from>_to_<to>`` (``-`` written ``_``); "" if not one."""
+    head = f"op_{from_stage}_to_".replace("-", "_")
+    if not name.startswith(head) or len(name) == len(head):
+        return ""
+    rest = name[len(head) :]
+    for stage in sorted(stages):
+        if stage.replace("-", "_") == rest:
+            return stage
+    return rest
 
 
 def _floor(info: api.ConsumerInfo) -> int:
@@ -425,24 +564,48 @@ async def _trained_total(bus: Bus) -> int | None:
     return None if best is None else best[2]
 
 
+async def _tasks(bus: Bus) -> TaskAccount | None:
+    """The tasks stream's published and still-queued tasks, and the dead-lettered ones."""
+    try:
+        info = await bus.js.stream_info(bus.names.tasks_stream)
+    except nats.js.errors.NotFoundError:
+        return None
+    try:
+        dlq = await bus.js.stream_info(
+            bus.names.dlq_stream, subjects_filter=bus.names.dlq_subject("tasks")
+        )
+        failed = sum((dlq.state.subjects or {}).values())
+    except nats.js.errors.NotFoundError:
+        failed = 0
+    return TaskAccount(
+        published=int(info.state.last_seq or 0), queued=int(info.state.messages or 0), failed=failed
+    )
+
+
 async def account_run(bus: Bus) -> RunAccount:
-    """Read the run's streams, durables and trainer metrics, and reconcile them.
+    """Read the run's streams, durables, purge records and trainer metrics, and reconcile them.
 
     Only reads (ordered ephemeral consumers; nothing acked). Blocks for as long as
     reading every stored experience and dead letter takes (about half a second
     more per stream, to see that the end was reached). Raises ``BusError`` when
-    NATS cannot be reached.
+    NATS cannot be reached, :class:`~rftstream.errors.RunNotFoundError` when the
+    run has no state on the server.
     """
     names = bus.names
     prefix = f"rft.{names.run}.exp."
-    # the durables first: a message stored after its ack floor was read counts as pending
-    durables: list[Durable] = []
+    state = RunState(await bus.kv(create=False))
+    # the purge records first: a purge after this read leaves stored what it recorded
+    purged = await read_purged(state)
+    # the durables next: a message stored after its ack floor was read counts as pending
     try:
         infos = await bus.js.consumers_info(names.exp_stream)
+        exp_info = await bus.js.stream_info(names.exp_stream, subjects_filter=names.exp_wildcard)
+        stages = {s[len(prefix) :] for s in (exp_info.state.subjects or {})}
     except nats.js.errors.NotFoundError:
-        infos = []
+        infos, stages = [], set()
+    durables: list[Durable] = []
     for info in infos:
-        dur = _durable(info, bus)
+        dur = _durable(info, bus, stages)
         if dur is not None:
             durables.append(dur)
     trained = await _trained_total(bus)
@@ -453,12 +616,14 @@ async def account_run(bus: Bus) -> RunAccount:
     for m in await _read_all(bus, names.dlq_stream, names.dlq_wildcard):
         h = m.headers or {}
         seq = h.get(H_DLQ_SEQ, "")
+        count = h.get(H_COUNT, "")
         dead.append(
             DeadLetter(
                 stage=h.get(H_DLQ_STAGE, m.subject.rsplit(".", 1)[-1]),
                 subject=h.get(H_DLQ_SUBJECT, ""),
                 seq=int(seq) if seq.isdigit() else None,
                 reason=h.get(H_DLQ_REASON, "no reason given"),
+                experiences=int(count) if count.isdigit() else None,
             )
         )
-    return reconcile(names.run, messages, dead, durables, trained)
+    return reconcile(names.run, messages, dead, durables, trained, purged, await _tasks(bus))

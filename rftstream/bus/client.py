@@ -53,7 +53,8 @@ from rftstream.bus.limits import StreamFullError, is_stream_full, purge_acked, s
 from rftstream.bus.resilient import ResilientJetStream
 from rftstream.bus.state import RunState
 from rftstream.config.schema import NatsConfig
-from rftstream.errors import BusError, PayloadTooLargeError
+from rftstream.config.secrets import redact_url
+from rftstream.errors import BusError, PayloadTooLargeError, RunNotFoundError
 from rftstream.experience import H_MSG_ID, EncodedMessage, Experience, headers_size, pack_group
 from rftstream.messages import (
     H_DLQ_ACTOR,
@@ -65,7 +66,13 @@ from rftstream.messages import (
     MetricsMsg,
     encode_json,
 )
-from rftstream.subjects import KV_TRAINER_INPUT, RAW_STAGE, TRAIN_STAGE, RunNames
+from rftstream.subjects import (
+    KV_TRAINER_INPUT,
+    META_TO_STAGE,
+    RAW_STAGE,
+    TRAIN_STAGE,
+    RunNames,
+)
 
 log = logging.getLogger(__name__)
 
@@ -424,6 +431,12 @@ class Bus:
         bus.watch = watch
         return bus
 
+    @property
+    def server_url(self) -> str:
+        """The URL of the server this connection uses now, without its password."""
+        url = self.nc.connected_url
+        return redact_url(url.geturl()) if url is not None else "?"
+
     async def close(self) -> None:
         """Flush and close. Safe to call twice."""
         if self.nc.is_closed:
@@ -512,12 +525,18 @@ class Bus:
         role: str,
         ack_wait: float | None = None,
         start_seq: int | None = None,
+        to_stage: str | None = None,
     ) -> None:
         """Create the durable pull consumer if missing (idempotent).
 
         ``start_seq``: deliver from that stream sequence on (a spliced stage
         takes over exactly where the trainer stopped reading); else everything.
+        ``to_stage``: the stage an operator durable writes, kept in its metadata
+        (``rft.to_stage``) for the run's account.
         """
+        metadata = self._meta(role, SCHEMA_META)
+        if to_stage is not None:
+            metadata[META_TO_STAGE] = to_stage
         cfg = api.ConsumerConfig(
             durable_name=durable,
             description=description,
@@ -530,7 +549,7 @@ class Bus:
             max_deliver=-1,
             filter_subject=filter_subject,
             max_ack_pending=10_000,
-            metadata=self._meta(role, SCHEMA_META),
+            metadata=metadata,
         )
         try:
             await self.js.consumer_info(stream, durable)
@@ -631,6 +650,7 @@ class Bus:
                 n.exp_subject(from_stage),
                 description=f"run {n.run}: operator pipeline {from_stage} -> {to_stage}",
                 role="operator",
+                to_stage=to_stage,
             )
         moved = await RunState(await self.kv()).get_raw(KV_TRAINER_INPUT) is not None
         if not moved:  # a splice moved the trainer elsewhere: never recreate `trainer` then
@@ -642,14 +662,25 @@ class Bus:
                 role="trainer",
             )
 
-    async def kv(self) -> KeyValue:
-        """The run's state bucket (created on first use)."""
+    async def kv(self, *, create: bool = True) -> KeyValue:
+        """The run's state bucket (created on first use).
+
+        ``create=False`` (read-only commands) never creates it: raises
+        :class:`RunNotFoundError` naming the run and the server when it does not exist.
+        """
         if self._kv is not None:
             return self._kv
         bucket = self.names.kv_bucket
         try:
             self._kv = await self.js.key_value(bucket)
-        except (nats.js.errors.BucketNotFoundError, nats.js.errors.NotFoundError):
+        except (nats.js.errors.BucketNotFoundError, nats.js.errors.NotFoundError) as exc:
+            if not create:
+                raise RunNotFoundError(
+                    f"run {self.names.display} has no state on this server "
+                    f"({self.server_url}): no KV bucket {bucket} "
+                    "(wrong run name or server, or "
+                    "credentials of another account?)"
+                ) from exc
             try:
                 self._kv = await self.js.create_key_value(
                     api.KeyValueConfig(
@@ -761,7 +792,9 @@ class Bus:
         if not exp.purge_acked:
             return
         try:
-            await purge_acked(self.js, self.names.exp_stream, exp)
+            state = RunState(await self.kv())
+            prefix = self.names.exp_wildcard[:-1]
+            await purge_acked(self.js, self.names.exp_stream, exp, state, prefix)
         except BusError as exc:
             log.warning("%s: %s", self.actor, exc)
 

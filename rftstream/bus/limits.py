@@ -39,6 +39,8 @@ import nats.errors
 import nats.js.errors
 from nats.js import api
 
+from rftstream.bus.purged import record_purge
+from rftstream.bus.state import RunState
 from rftstream.config.schema import ExperienceStreamConfig, StreamLimitsConfig, StreamsConfig
 from rftstream.errors import BusError
 
@@ -227,7 +229,13 @@ class PurgeResult:
     floors: list[ConsumerFloor]
 
 
-async def purge_acked(js: Any, stream: str, cfg: ExperienceStreamConfig) -> PurgeResult:
+async def purge_acked(
+    js: Any,
+    stream: str,
+    cfg: ExperienceStreamConfig,
+    state: RunState | None = None,
+    subject_prefix: str = "",
+) -> PurgeResult:
     """Purge, subject by subject, the messages of ``stream`` every durable consumer of that
     subject acked (but the newest ``cfg.keep_acked_msgs``); with ``cfg.purge_acked`` false
     only read the stream's state.
@@ -235,11 +243,17 @@ async def purge_acked(js: Any, stream: str, cfg: ExperienceStreamConfig) -> Purg
     The stream is read before its consumers: a consumer that has nothing
     outstanding then has acked every message up to the last sequence read (a
     message stored after that read is above it, so never purged), and floors
-    only grow. Blocks for two JetStream API round trips, and two more per
-    purged subject. Raises :class:`BusError` naming the stream on failure.
+    only grow. With ``state`` (the run's KV), each subject's purge is first
+    recorded under ``purged.<stage>`` (``<stage>``: the subject less
+    ``subject_prefix``; :mod:`rftstream.bus.purged`) so the run's account can
+    count what it no longer finds. Blocks for two JetStream API round trips,
+    and two more per purged subject (with ``state``: a headers-only read and
+    a KV write more). Raises :class:`BusError` naming the stream on failure.
     """
     try:
-        info = await js.stream_info(stream)
+        info = await js.stream_info(
+            stream, subjects_filter=f"{subject_prefix}>" if state is not None else None
+        )
         floors = await consumer_floors(js, stream)
     except (nats.errors.Error, TimeoutError) as exc:
         raise BusError(f"stream {stream}: reading its state failed: {exc}") from exc
@@ -253,6 +267,10 @@ async def purge_acked(js: Any, stream: str, cfg: ExperienceStreamConfig) -> Purg
         return result
     try:
         for subject, point in points.items():
+            if state is not None:
+                stored = int((st.subjects or {}).get(subject, 0))
+                stage = subject[len(subject_prefix) :]
+                await record_purge(state, js, stream, subject, stage, first, point, stored)
             await js.purge_stream(stream, subject=subject, seq=point)
         info = await js.stream_info(stream)
     except (nats.errors.Error, TimeoutError) as exc:
@@ -273,11 +291,24 @@ class ExperienceRoom:
     (naming the stream and the config key). Cancelling it leaves nothing behind.
     """
 
-    def __init__(self, js: Any, stream: str, cfg: ExperienceStreamConfig, actor: str) -> None:
+    def __init__(
+        self,
+        js: Any,
+        stream: str,
+        cfg: ExperienceStreamConfig,
+        actor: str,
+        *,
+        state: RunState | None = None,
+        subject_prefix: str = "",
+    ) -> None:
         self.js = js
         self.stream = stream
         self.cfg = cfg
         self.actor = actor
+        # the run's KV, where each purge is recorded first (the run's account reads it);
+        # an explorer sets it once it has the bucket
+        self.state = state
+        self.subject_prefix = subject_prefix
         self.waited_s = 0.0  # total time spent waiting for room (a metric)
         self.lost = 0  # sequences removed under a consumer before it acked them (reported)
         self.purged = 0  # messages purged by this explorer's checks
@@ -295,7 +326,7 @@ class ExperienceRoom:
 
     async def check(self) -> bool:
         """Read the stream (purging what every consumer acked); True if there is room."""
-        res = await purge_acked(self.js, self.stream, self.cfg)
+        res = await purge_acked(self.js, self.stream, self.cfg, self.state, self.subject_prefix)
         self._checked_at = time.monotonic()
         self._fill = fill_ratio(res.bytes, res.messages, self.cfg)
         self.purged += res.purged

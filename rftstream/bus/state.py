@@ -11,7 +11,6 @@ from __future__ import annotations
 import time
 from typing import Any, TypeVar
 
-import anyio
 import msgspec
 import nats.errors
 import nats.js.errors
@@ -23,8 +22,6 @@ from rftstream.subjects import KV_HEARTBEAT, KV_STATUS, KV_TASKSET, KV_TRAINER_S
 
 T = TypeVar("T")
 
-#: how long a KV write keeps retrying while the server does not answer (a restart)
-PUT_RETRY_S = 30.0
 
 #: run statuses after which nothing more happens in the run
 END_STATUSES = ("finished", "failed", "stopped")
@@ -65,23 +62,14 @@ class RunState:
         return entry.value
 
     async def put_json(self, key: str, value: Any) -> None:
-        """Write ``key`` (last value wins, so a retry is harmless). A write that times out or
-        finds no server (one restarting) is retried for up to ``PUT_RETRY_S`` s, then raises
-        :class:`BusError` naming the key."""
-        data = _encode(value)
-        deadline = time.monotonic() + PUT_RETRY_S
-        delay = 0.2
-        while True:
-            try:
-                await self.kv.put(key, data)
-                return
-            except (nats.errors.TimeoutError, nats.errors.NoRespondersError, TimeoutError) as exc:
-                if time.monotonic() >= deadline:
-                    raise BusError(
-                        f"cannot write {self._where(key)}: no answer for {PUT_RETRY_S:.0f}s ({exc!r})"
-                    ) from exc
-            await anyio.sleep(delay)
-            delay = min(delay * 2, 2.0)
+        """Write ``key`` (last value wins, so a retry is harmless). A bucket opened through a
+        :class:`~rftstream.bus.client.Bus` retries timeouts and unavailable servers for
+        ``nats.retry_window`` s (:class:`~rftstream.bus.resilient.ResilientJetStream`);
+        what still fails raises :class:`BusError` naming the key."""
+        try:
+            await self.kv.put(key, _encode(value))
+        except (nats.errors.Error, TimeoutError) as exc:
+            raise BusError(f"cannot write {self._where(key)}: {exc!r}") from exc
 
     async def get_json(self, key: str, typ: type[T] | None = None) -> T | Any | None:
         raw = await self.get_raw(key)

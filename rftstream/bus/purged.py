@@ -1,0 +1,150 @@
+"""The ledger of purged experience: what :func:`rftstream.bus.limits.purge_acked` removed.
+
+The run's account (:mod:`rftstream.bus.account`) counts experiences by id from
+what the experience stream holds. Purging acked experience
+(``nats.streams.experience.purge_acked``) removes the oldest part of each
+subject, so before purging a subject below a sequence the purger records, in
+the run's KV bucket under ``purged.<stage>``, a cumulative
+:class:`PurgedPrefix`: every message of ``exp.<stage>`` below ``below_seq`` is
+(or is about to be) purged, how many messages that was, how many experiences
+they carried (their ``Rft-Count`` header, read headers-only) and how many
+carried no count (not an experience group: malformed).
+
+The record is written *before* the purge: a purger that dies in between leaves
+a record whose prefix is still partly stored, and the account ignores stored
+messages below ``below_seq`` (they were counted). Several purgers of one
+subject serialize on the key's revision (compare-and-put); each adds only the
+messages at or above the sequence the record it replaces ends at.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import msgspec
+import nats.errors
+from nats.js import api
+
+from rftstream.bus.state import RunState
+from rftstream.errors import BusError
+from rftstream.experience import H_COUNT
+
+#: KV key prefix of the purge records: ``purged.<stage>``
+PURGED_PREFIX = "purged."
+_READ_IDLE_S = 2.0  # an ordered headers-only read that delivers nothing this long is done
+_CAS_TRIES = 20
+
+
+class PurgedPrefix(msgspec.Struct, frozen=True):
+    """Every message of one stage's subject below ``below_seq``: gone (or going) from the stream.
+
+    ``experiences`` sums their ``Rft-Count`` headers; ``malformed`` counts those without one.
+    """
+
+    below_seq: int = 1
+    messages: int = 0
+    experiences: int = 0
+    malformed: int = 0
+
+
+def purged_key(stage: str) -> str:
+    """The KV key of one stage's purge record."""
+    return f"{PURGED_PREFIX}{stage}"
+
+
+def extend(prev: PurgedPrefix, rows: Sequence[tuple[int, int | None]], point: int) -> PurgedPrefix:
+    """``prev`` extended to every message below ``point``: ``rows`` are ``(seq, count)`` of
+    the subject's stored messages (``count`` None: no ``Rft-Count``); only those at or above
+    ``prev.below_seq`` and below ``point`` are added. Pure."""
+    if point <= prev.below_seq:
+        return prev
+    new = [(seq, n) for seq, n in rows if prev.below_seq <= seq < point]
+    return PurgedPrefix(
+        below_seq=point,
+        messages=prev.messages + len(new),
+        experiences=prev.experiences + sum(n for _, n in new if n is not None),
+        malformed=prev.malformed + sum(1 for _, n in new if n is None),
+    )
+
+
+def _count(headers: dict[str, str] | None) -> int | None:
+    raw = (headers or {}).get(H_COUNT, "")
+    return int(raw) if raw.isdigit() else None
+
+
+async def read_counts(
+    js: object, stream: str, subject: str, start: int, point: int
+) -> list[tuple[int, int | None]]:
+    """``(seq, Rft-Count)`` of the messages of ``subject`` from ``start`` to below ``point``,
+    read headers-only by an ordered ephemeral consumer (bodies are never sent). Blocks for
+    one consumer's life, plus ``_READ_IDLE_S`` when no message of the subject is at or
+    after ``start`` (the read ends when none comes for that long)."""
+    sub = await js.subscribe(  # type: ignore[attr-defined]
+        subject,
+        stream=stream,
+        ordered_consumer=True,
+        deliver_policy=api.DeliverPolicy.BY_START_SEQUENCE,
+        headers_only=True,
+        config=api.ConsumerConfig(opt_start_seq=max(1, start)),
+    )
+    rows: list[tuple[int, int | None]] = []
+    try:
+        while True:
+            try:
+                msg = await sub.next_msg(timeout=_READ_IDLE_S)
+            except nats.errors.TimeoutError:
+                break  # nothing at or after `start` on the subject (or nothing more)
+            seq = int(msg.metadata.sequence.stream)
+            if seq >= point:
+                break
+            rows.append((seq, _count(msg.headers)))
+            if msg.metadata.num_pending == 0:
+                break
+    finally:
+        try:
+            await sub.unsubscribe()
+        except Exception:  # noqa: BLE001 - closing
+            pass
+    return rows
+
+
+async def record_purge(
+    state: RunState,
+    js: object,
+    stream: str,
+    subject: str,
+    stage: str,
+    first_seq: int,
+    point: int,
+    stored: int,
+) -> PurgedPrefix:
+    """Record that ``exp.<stage>`` (``subject``) is purged below ``point``, before the purge.
+
+    ``first_seq`` is the stream's first sequence and ``stored`` the subject's message count
+    (0: nothing to read). Retries a lost compare-and-put race with the winner's record.
+    Returns the record written (or the newer one found). Raises :class:`BusError`.
+    """
+    key = purged_key(stage)
+    rows: list[tuple[int, int | None]] | None = None
+    for _ in range(_CAS_TRIES):
+        raw, revision = await state.get_entry(key)
+        prev = PurgedPrefix() if raw is None else msgspec.convert(raw, PurgedPrefix)
+        if point <= prev.below_seq:
+            return prev
+        start = max(prev.below_seq, first_seq)
+        if rows is None or (rows and rows[0][0] > start):
+            rows = await read_counts(js, stream, subject, start, point) if stored else []
+        new = extend(prev, rows, point)
+        if await state.compare_and_put(key, msgspec.to_builtins(new), revision) is not None:
+            return new
+    raise BusError(f"KV key {key}: {_CAS_TRIES} purgers raced to record {subject}; gave up")
+
+
+async def read_purged(state: RunState) -> dict[str, PurgedPrefix]:
+    """Every stage's purge record (empty when nothing was ever purged)."""
+    out: dict[str, PurgedPrefix] = {}
+    for key in await state.keys(PURGED_PREFIX):
+        raw = await state.get_json(key)
+        if raw is not None:
+            out[key[len(PURGED_PREFIX) :]] = msgspec.convert(raw, PurgedPrefix)
+    return out
