@@ -223,7 +223,7 @@ def test_accounts_isolate_runs_sharing_a_server(server: Any, tmp_path: Path) -> 
     )
     both = out.stdout + out.stderr
     assert out.returncode == 2 and "Traceback" not in both, both
-    assert "no stream holds rft.runb.exp.raw" in both and "another account" in both
+    assert "run runb has no state on this server" in both and "another account" in both
 
 
 def test_embedded_server_listens_on_loopback_only(tmp_path: Path) -> None:
