@@ -375,7 +375,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
             code = run_with_signals(actors)
     except Exception as exc:  # noqa: BLE001 - the parent reads the reason off the log
-        log.exception("failed: %s", exc)
+        log.exception("failed: %s", exc, extra={"console": False})  # the parent reports it
         print(f"error: {type(exc).__name__}: {exc}", flush=True)
         return 1
     log.info("done after %.1fs (exit %d)", time.time() - t0, code)

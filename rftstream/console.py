@@ -200,12 +200,16 @@ class _JsonRecord(logging.Formatter):
 
 def child_console_handler(fd: int, level: int) -> logging.StreamHandler[IO[str]]:
     """In a child process: a handler writing its own records at ``level`` or above to
-    ``fd`` (the write end of the parent's pipe) as JSON lines, for :class:`RecordForwarder`."""
+    ``fd`` (the write end of the parent's pipe) as JSON lines, for :class:`RecordForwarder`;
+    not those logged with ``extra={"console": False}``."""
     stream = os.fdopen(fd, "w", buffering=1, encoding="utf-8")
     handler = logging.StreamHandler(stream)
     handler.setLevel(level)
     handler.setFormatter(_JsonRecord())
     handler.addFilter(OwnRecords())
+    # a record logged with extra={"console": False} stays in the child's log (the parent
+    # reports that failure itself, with the log's tail)
+    handler.addFilter(lambda record: bool(getattr(record, "console", True)))
     return handler
 
 

@@ -96,17 +96,24 @@ def live_progress(console: Console, label: str, total: int | None, **kwargs: Any
 
 def print_summary(console: Console, rows: list[tuple[str, str]]) -> None:
     """Print the end-of-run summary: each row's label, then its value wrapped at word
-    boundaries in a column of its own (a path too long for it is split), so that no line
-    reaches the console's last column and none ends in padding. Labels and values are
-    plain text; a label ``done…`` is shown in green."""
+    boundaries in a column of its own, so that no line reaches the console's last column
+    and none ends in padding. A value that is one word too long for that column (a path)
+    goes whole on a line of its own under its label, where it can be copied. Labels and
+    values are plain text; a label ``done…`` is shown in green."""
     label_width = max((len(label) for label, _ in rows), default=0) + 1
     room = max(20, console.width - 1 - label_width)
     for label, value in rows:
-        chunks = textwrap.wrap(value, room, break_on_hyphens=False) or [""]
         style = "bold green" if label.startswith("done") else "bold"
-        for i, chunk in enumerate(chunks):
+        if " " not in value and len(value) > room:
+            console.print(Text(label, style=style))
+            console.print(Text(value), soft_wrap=True)
+            continue
+        chunks = textwrap.wrap(value, room, break_long_words=False, break_on_hyphens=False)
+        for i, chunk in enumerate(chunks or [""]):
             head = (label if i == 0 else "").ljust(label_width)
-            console.print(Text.assemble((head, style), chunk), soft_wrap=True)
+            line = Text.assemble((head, style), chunk)
+            line.rstrip()  # in place: a label alone has no padding after it
+            console.print(line, soft_wrap=True)
 
 
 def nats_cli_hint(url: str, run: PreparedRun) -> list[str]:

@@ -48,8 +48,9 @@ UP_LINES = [
     STEP,
     RICH_LOG,
     r" {29}\S.*",  # a wrapped log message
-    r"(done in \d+s:|reward/mean:|idle after step 1:|curves:|report:|logs:) +\S.*",
+    r"(done in \d+s:|reward/mean:|idle after step 1:|curves:|report:|logs:)( +\S.*)?",
     r" {19}\S.*",  # a wrapped summary value
+    r"/\S+",  # a path too long for the value column, on a line of its own
 ]
 
 
@@ -71,9 +72,9 @@ def noisy_plugins(tmp_path: Path) -> Path:
     return plugins
 
 
-def test_up_terminal_shows_only_rftstream_lines(
-    tmp_path: Path, tiny_model_path: str, noisy_plugins: Path
-) -> None:
+def test_up_console(tmp_path: Path, tiny_model_path: str, noisy_plugins: Path) -> None:
+    """The terminal of ``rftstream up`` shows only rftstream's lines (short test name: the
+    summary's paths, under tmp_path, fit 80 columns)."""
     run_dir = tmp_path / "run"
     env = user_env(tiny_model_path) | {"COLUMNS": "80"}
     proc = subprocess.run(
@@ -102,18 +103,20 @@ def test_up_terminal_shows_only_rftstream_lines(
     # the summary: every line fits an 80-column terminal, without trailing padding
     start = next(i for i, line in enumerate(lines) if line.startswith("done in"))
     summary = lines[start:]
-    labels = [line.split(":")[0] for line in summary if not line.startswith(" ")]
+    labels = [line.split(":")[0] for line in summary if not line.startswith((" ", "/"))]
     assert [label + ":" for label in labels[1:]] == list(SUMMARY_LABELS[1:])
+    for label in ("curves", "report", "logs"):  # each path whole, copyable
+        assert f"{label}: {run_dir}" in " ".join(proc.stdout.split())
     assert all(len(line) < 80 and line == line.rstrip() for line in summary), summary
     assert "idle after step 1: trainer" in " ".join(proc.stdout.split())
     records = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == [1, 2, 3, 4, 5]
 
 
-def test_trainer_command_terminal_shows_only_rftstream_lines(
+def test_trainer_console(
     tmp_path: Path, tiny_model_path: str, nats_url: str, noisy_plugins: Path
 ) -> None:
-    """``rftstream trainer`` alone (SFT on a file, ``mode: train``) against a running server."""
+    """The terminal of ``rftstream trainer`` alone (SFT on a file, ``mode: train``) against a running server."""
     data = tmp_path / "sft.jsonl"
     rows = [
         {

@@ -82,6 +82,7 @@ def test_child_records_cross_a_pipe_to_the_parent_console() -> None:
         loggers[0].info("explorer: loaded weights v%d", 3)
         loggers[0].debug("below the console level")
         loggers[1].warning("a library's warning")
+        loggers[0].error("reported by the parent", extra={"console": False})
         try:
             raise ValueError("boom")
         except ValueError:
@@ -165,22 +166,23 @@ def test_summary_fits_80_columns_without_breaking_words() -> None:
             "idle after step 1:",
             "trainer 19% (waiting for experience), explorers 6% (no task running)",
         ),
-        ("report:", "/tmp/" + "very-long-directory-name/" * 4 + "report.html"),
+        ("report:", "/tmp/" + "very-long-directory-name/" * 2 + "report.html"),
     ]
     out = io.StringIO()
     print_summary(Console(file=out, width=80, color_system=None), rows)
     lines = out.getvalue().splitlines()
     assert all(len(line) < 80 and line == line.rstrip() for line in lines), lines
     width = len("idle after step 1:") + 1
-    # each row's value, read back off its column: words whole, the long path split
+    # each row's value, read back off its column: words whole
     chunks: list[list[str]] = []
-    for line in lines:
+    for line in lines[:-2]:
         label, value = line[:width].strip(), line[width:]
         if label:
             chunks.append([])
         chunks[-1].append(value)
-    assert [" ".join(c) for c in chunks[:2]] == [rows[0][1], rows[1][1]]
-    assert "".join(chunks[2]) == rows[2][1] and len(chunks[2]) == 2
+    assert [" ".join(c) for c in chunks] == [rows[0][1], rows[1][1]]
+    # the path, longer than the value column, whole on a line of its own under its label
+    assert lines[-2:] == ["report:", rows[2][1]]
     assert lines[1].startswith("idle after step 1: trainer 19%")
     assert lines[2] == " " * width + "running)"
     expected = textwrap.wrap(rows[1][1], 80 - 1 - width)
