@@ -12,7 +12,10 @@ the bus, and a child is the same code as ``rftstream explorer`` / ``operator``.
 The parent side is :class:`ActorProcess`: it writes the prepared run's config
 to ``<run_dir>/config.yaml``, starts ``python -m rftstream.actor_process`` with
 its output in ``<run_dir>/logs/<name>.log`` (so nothing a library prints in the
-child reaches the terminal), watches it, and stops it on exit. The child side
+child reaches the terminal), watches it, and stops it on exit. Given a
+:class:`~rftstream.console.ChildConsole`, the child also sends its own log records
+at the console's level (rftstream's loggers only) to the parent on a pipe, which
+shows them on its console: ``--log-level INFO`` shows the explorer's INFO lines. The child side
 is :func:`main`: it dies with its parent (``PR_SET_PDEATHSIG`` on Linux), runs
 the roles until the run ends, and exits 0, 130 (signal) or 1 (error, the
 reason on its last log line).
@@ -31,6 +34,7 @@ import signal
 import subprocess
 import sys
 import time
+import warnings
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -38,6 +42,13 @@ from typing import Any
 import anyio
 import anyio.abc
 
+from rftstream.console import (
+    LOG_FORMAT,
+    ChildConsole,
+    RecordForwarder,
+    child_console_handler,
+    show_warning_via,
+)
 from rftstream.errors import RftError
 
 log = logging.getLogger(__name__)
@@ -100,8 +111,11 @@ class ActorProcess:
         exit_grace: float = 60.0,
         explorers: Sequence[str] | None = None,
         env: Mapping[str, str] | None = None,
+        child_console: ChildConsole | None = None,
     ) -> None:
         self.run = run
+        self.child_console = child_console
+        self._forwarder: RecordForwarder | None = None
         self.env = dict(env or {})
         self.url = url
         self.roles = tuple(roles)
@@ -137,6 +151,9 @@ class ActorProcess:
             argv += ["--plugin-dir", str(d)]
         for explorer in self.explorers or ():
             argv += ["--explorer", explorer]
+        if self._forwarder is not None and self.child_console is not None:
+            argv += ["--console-fd", str(self._forwarder.write_fd)]
+            argv += ["--console-level", str(self.child_console.level)]
         return argv
 
     def _write_config(self) -> None:
@@ -161,15 +178,22 @@ class ActorProcess:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         self._log_file = self.log_path.open("ab")  # closed in __aexit__; a local file
         env = dict(os.environ, PYTHONUNBUFFERED="1", **self.env)
+        if self.child_console is not None:
+            self._forwarder = RecordForwarder(self.child_console.emit)
         # spawned from the event loop's (main) thread: PR_SET_PDEATHSIG follows that thread
-        self.process = await anyio.open_process(
-            self.argv(),
-            stdin=subprocess.DEVNULL,
-            stdout=self._log_file,
-            stderr=subprocess.STDOUT,
-            env=env,
-            start_new_session=True,  # the terminal's Ctrl-C reaches the parent, which stops it
-        )
+        try:
+            self.process = await anyio.open_process(
+                self.argv(),
+                stdin=subprocess.DEVNULL,
+                stdout=self._log_file,
+                stderr=subprocess.STDOUT,
+                env=env,
+                start_new_session=True,  # the terminal's Ctrl-C reaches the parent, which stops it
+                pass_fds=(self._forwarder.write_fd,) if self._forwarder else (),
+            )
+        finally:
+            if self._forwarder is not None:
+                self._forwarder.child_started()  # the pipe ends when the child's copy closes
         log.info(
             "%s: started pid %d for %s (log %s)",
             self.name,
@@ -214,6 +238,8 @@ class ActorProcess:
         try:
             await self.stop(self.exit_grace if exc_type is None else 0.0)
         finally:
+            if self._forwarder is not None:
+                self._forwarder.join()  # the child's last records, then its pipe's end
             if self._log_file is not None:
                 self._log_file.close()
 
@@ -225,6 +251,7 @@ def trainer_rank_processes(
     threads: int,
     plugin_dirs: Sequence[str] = (),
     exit_grace: float = 60.0,
+    child_console: ChildConsole | None = None,
 ) -> list[ActorProcess]:
     """The child processes of trainer ranks 1 .. ``trainer.n_gpus_per_node - 1`` (none for
     one rank), not started yet; sets this process's torch.distributed env as rank 0 of
@@ -249,6 +276,7 @@ def trainer_rank_processes(
             threads=threads,
             exit_grace=exit_grace,
             env={**dist_env, "RANK": str(rank), "LOCAL_RANK": str(rank)},
+            child_console=child_console,
         )
         for rank in range(1, n)
     ]
@@ -298,13 +326,21 @@ def main(argv: Sequence[str] | None = None) -> int:
         default=None,
         help="name of an explorer to run (repeatable; default: one per rollout engine)",
     )
+    p.add_argument(
+        "--console-fd",
+        type=int,
+        default=-1,
+        help="write own log records (JSON lines) here for the parent's console",
+    )
+    p.add_argument("--console-level", type=int, default=logging.WARNING)
     args = p.parse_args(argv)
     _die_with_parent(args.parent_pid)
-    logging.basicConfig(
-        level=logging.INFO,
-        stream=sys.stdout,
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
+    logging.basicConfig(level=logging.INFO, stream=sys.stdout, format=LOG_FORMAT)
+    if args.console_fd >= 0:
+        logging.getLogger().addHandler(child_console_handler(args.console_fd, args.console_level))
+    # rftstream's own warnings as log records (so the parent's console shows them); the
+    # libraries' ones to this child's log only
+    warnings.showwarning = show_warning_via(logging.getLogger("rftstream.warnings").warning)
     for noisy in ("DeepSpeed", "deepspeed", "torch.distributed", "nats"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
     t0 = time.time()
@@ -339,7 +375,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
             code = run_with_signals(actors)
     except Exception as exc:  # noqa: BLE001 - the parent reads the reason off the log
-        log.exception("failed: %s", exc)
+        log.exception("failed: %s", exc, extra={"console": False})  # the parent reports it
         print(f"error: {type(exc).__name__}: {exc}", flush=True)
         return 1
     log.info("done after %.1fs (exit %d)", time.time() - t0, code)

@@ -38,6 +38,14 @@ from rich.console import Console
 from rich.markup import escape
 
 from rftstream.config.secrets import redact_url
+from rftstream.console import (
+    LOG_FORMAT,
+    ChildConsole,
+    OwnRecords,
+    TerminalGuard,
+    print_warning_on,
+    show_warning_via,
+)
 from rftstream.errors import RftError
 
 if TYPE_CHECKING:
@@ -47,6 +55,8 @@ if sys.version_info < (3, 11):  # pragma: no cover - anyio depends on the backpo
     from exceptiongroup import BaseExceptionGroup
 
 console = Console(stderr=False)
+# `up` and the actor commands: third-party output to the run's log, the terminal to `console`
+terminal = TerminalGuard(console)
 
 
 def _config_args(p: argparse.ArgumentParser, *, log_help: str) -> None:
@@ -263,20 +273,27 @@ def _quiet_noisy_loggers() -> None:
 
 
 def _setup_logging(run_dir: Path, level: str) -> Callable[[], None]:
-    """Log to ``<run_dir>/logs/rftstream.log`` (INFO) and the console (``level``); returns
-    what removes (and closes) those two handlers again."""
-    run_dir.joinpath("logs").mkdir(parents=True, exist_ok=True)
+    """Log to ``<run_dir>/logs/rftstream.log`` (INFO, every logger) and the console
+    (``level``, rftstream's loggers only); with :data:`terminal` active, fds 1/2 (what
+    libraries and C extensions print) go to that log file too. Returns what removes (and
+    closes) the two handlers again."""
+    log_path = run_dir / "logs" / "rftstream.log"
+    log_path.parent.mkdir(parents=True, exist_ok=True)
     root = logging.getLogger()
     root.setLevel(logging.INFO)
-    fh = logging.FileHandler(run_dir / "logs" / "rftstream.log")
-    fh.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    fh = logging.FileHandler(log_path)
+    fh.setFormatter(logging.Formatter(LOG_FORMAT))
     root.addHandler(fh)
+    terminal.attach(log_path)
     from rich.logging import RichHandler
 
     ch = RichHandler(
         console=console, show_path=False, level=getattr(logging, level.upper(), logging.WARNING)
     )
+    ch.addFilter(OwnRecords())
     root.addHandler(ch)
+    global child_console
+    child_console = ChildConsole(ch)
     _quiet_noisy_loggers()
 
     def stop() -> None:
@@ -285,6 +302,11 @@ def _setup_logging(run_dir: Path, level: str) -> Callable[[], None]:
             handler.close()
 
     return stop
+
+
+# where `up`'s child processes (explorers, operator host, trainer ranks) send their own
+# log records for the console; set by _setup_logging
+child_console: ChildConsole | None = None
 
 
 def _prepare(args: argparse.Namespace) -> Any:
@@ -310,6 +332,7 @@ def _prepare(args: argparse.Namespace) -> Any:
 def cmd_up(args: argparse.Namespace) -> int:
     from rftstream.up import run_up
 
+    terminal.start()
     if args.config:
         from rftstream.config.stages import load_stages
         from rftstream.plugins import load_plugins
@@ -319,7 +342,7 @@ def cmd_up(args: argparse.Namespace) -> int:
         if stages:
             return _up_stages(args, stages)
     run = _prepare(args)
-    return run_up(run, console=console)
+    return run_up(run, console=console, child_console=child_console)
 
 
 def _up_stages(args: argparse.Namespace, stages: list[Any]) -> int:
@@ -347,7 +370,7 @@ def _up_stages(args: argparse.Namespace, stages: list[Any]) -> int:
     return run_stages(
         stages,
         prepare=prepare,
-        run_up=lambda run: run_up(run, console=console),
+        run_up=lambda run: run_up(run, console=console, child_console=child_console),
         console=console,
         start_logging=lambda run: _setup_logging(run.run_dir, args.log_level),
     )
@@ -476,6 +499,7 @@ def cmd_actor(args: argparse.Namespace) -> int:
     from rftstream.bus.connect import server_urls
     from rftstream.up import run_with_signals
 
+    terminal.start()
     if args.command == "trainer":
         ranks = _launched_ranks(args)
         if ranks is not None:
@@ -485,7 +509,8 @@ def cmd_actor(args: argparse.Namespace) -> int:
     check_standalone_sync(run.cfg, args.command)
     console.print(
         f"[bold]{args.command}[/] [cyan]{args.name}[/] of run [cyan]{escape(run.names.display)}[/] "
-        f"on {escape(redact_url(url))}"
+        f"on {escape(redact_url(url))}; library output in {escape(str(run.run_dir / 'logs'))}",
+        soft_wrap=True,
     )
     progress = Progress(
         SpinnerColumn(),
@@ -493,6 +518,7 @@ def cmd_actor(args: argparse.Namespace) -> int:
         TextColumn("{task.fields[info]}"),
         TimeElapsedColumn(),
         console=console,
+        disable=not console.is_terminal,  # CI logs, pipes: the step lines alone
     )
     task = progress.add_task(args.name, total=None, info="starting…")
 
@@ -512,7 +538,7 @@ def cmd_actor(args: argparse.Namespace) -> int:
         )
 
     def trainer_step(r: dict[str, Any]) -> None:
-        progress.console.print(_step_line(r))
+        progress.console.print(_step_line(r), soft_wrap=True)
         progress.update(task, info=f"step {r['step']}/{run.cfg.buffer.total_steps or '?'}")
 
     pipelines: list[Any] = []
@@ -849,19 +875,6 @@ def cmd_config_explain(args: argparse.Namespace) -> int:
     return 1 if errors else 0
 
 
-def _show_config_warning(message: Any, category: type[Warning], *args: Any, **kwargs: Any) -> None:
-    """Trinity-RFT config warnings as one console line; other warnings as Python shows them."""
-    from rftstream.config.trinity import TrinityConfigWarning
-
-    if issubclass(category, TrinityConfigWarning):
-        console.print(f"[yellow]warning:[/] {escape(str(message))}", soft_wrap=True)
-        return
-    _python_showwarning(message, category, *args, **kwargs)
-
-
-_python_showwarning = warnings.showwarning
-
-
 def cmd_report(args: argparse.Namespace) -> int:
     """``rftstream report RUN_DIR``: write the run's report.html (blocks: rendering)."""
     from rftstream.report import write_report
@@ -964,7 +977,7 @@ def _first_leaf(group: BaseException) -> BaseException:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    warnings.showwarning = _show_config_warning
+    warnings.showwarning = show_warning_via(print_warning_on(console))
     try:
         if args.command == "config":
             return cmd_config_explain(args)
@@ -999,6 +1012,7 @@ def main(argv: list[str] | None = None) -> int:
     except BaseExceptionGroup as group:  # an actor's RftError, raised inside a task group
         errors, rest = group.split(RftError)
         if errors is None or rest is not None:
+            terminal.restore()
             raise
         exc = _first_leaf(errors)
         console.print(f"[bold red]error:[/] {escape(str(exc))}", soft_wrap=True)
@@ -1006,6 +1020,9 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:  # Ctrl-C before the actors started (model build, config)
         console.print("[yellow]interrupted[/]")
         return 130
+    except BaseException:  # a bug: its traceback is for the terminal, not the log
+        terminal.restore()
+        raise
     return 1
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import signal
+import textwrap
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -20,10 +21,12 @@ import anyio
 from rich.console import Console
 from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.text import Text
 
 from rftstream.actor_process import split_roles
 from rftstream.bus.server import EmbeddedNatsServer
 from rftstream.config.secrets import redact_url
+from rftstream.console import ChildConsole
 from rftstream.plot import idle_shares, plot_metrics, read_metrics, window_mean
 from rftstream.report import REPORT_FILE, save_run_config, write_report
 from rftstream.runtime import PreparedRun, run_actors, start_fresh
@@ -74,6 +77,45 @@ class StepLines:
         return False
 
 
+def live_progress(console: Console, label: str, total: int | None, **kwargs: Any) -> Progress:
+    """The one live display of a run: ``label``, a bar of ``total`` (None: open-ended), a
+    free ``info`` field and the time elapsed. Lines printed through ``progress.console``
+    scroll above it. When the console is not a terminal (CI logs, a pipe) it is disabled:
+    those lines are then the only output, plain, one per line."""
+    return Progress(
+        TextColumn(f"[bold]{escape(label)}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("{task.fields[info]}"),
+        TimeElapsedColumn(),
+        console=console,
+        disable=not console.is_terminal,
+        **kwargs,
+    )
+
+
+def print_summary(console: Console, rows: list[tuple[str, str]]) -> None:
+    """Print the end-of-run summary: each row's label, then its value wrapped at word
+    boundaries in a column of its own, so that no line reaches the console's last column
+    and none ends in padding. A value that is one word too long for that column (a path)
+    goes whole on a line of its own under its label, where it can be copied. Labels and
+    values are plain text; a label ``done…`` is shown in green."""
+    label_width = max((len(label) for label, _ in rows), default=0) + 1
+    room = max(20, console.width - 1 - label_width)
+    for label, value in rows:
+        style = "bold green" if label.startswith("done") else "bold"
+        if " " not in value and len(value) > room:
+            console.print(Text(label, style=style))
+            console.print(Text(value), soft_wrap=True)
+            continue
+        chunks = textwrap.wrap(value, room, break_long_words=False, break_on_hyphens=False)
+        for i, chunk in enumerate(chunks or [""]):
+            head = (label if i == 0 else "").ljust(label_width)
+            line = Text.assemble((head, style), chunk)
+            line.rstrip()  # in place: a label alone has no padding after it
+            console.print(line, soft_wrap=True)
+
+
 def nats_cli_hint(url: str, run: PreparedRun) -> list[str]:
     n = run.names
     url = redact_url(url)
@@ -92,13 +134,14 @@ def _drive(
     server: EmbeddedNatsServer | None,
     progress: Progress,
     console: Console,
+    child_console: ChildConsole | None = None,
     **callbacks: Any,
 ) -> tuple[int, float]:
     """Start the run afresh and its actors under ``progress`` until they end or a signal stops
     them; then stop the embedded server. Returns ``(exit code, seconds)``; blocks throughout.
 
     ``callbacks`` go to :func:`rftstream.runtime.run_actors` (``on_step``, ``on_progress``,
-    ``on_eval``).
+    ``on_eval``); ``child_console`` gets the child processes' own log records (if any).
     """
     t_start = time.time()
     try:
@@ -109,7 +152,7 @@ def _drive(
                 if note:
                     progress.console.print(f"[yellow]{note}[/]")
                 if split_roles(run.cfg):
-                    await _run_split(run, url, progress.console, **callbacks)
+                    await _run_split(run, url, progress.console, child_console, **callbacks)
                 else:
                     await run_actors(run, url, **callbacks)
 
@@ -123,7 +166,13 @@ def _drive(
     return code, elapsed
 
 
-async def _run_split(run: PreparedRun, url: str, console: Console, **callbacks: Any) -> None:
+async def _run_split(
+    run: PreparedRun,
+    url: str,
+    console: Console,
+    child_console: ChildConsole | None,
+    **callbacks: Any,
+) -> None:
     """The trainer here; each explorer (one per rollout engine: ``explorer``, ``explorer-2``,
     ...) and the operator host each in a child process (see :mod:`rftstream.actor_process`).
     Returns when the trainer is done and the children have ended (the explorers after the
@@ -143,7 +192,11 @@ async def _run_split(run: PreparedRun, url: str, console: Console, **callbacks: 
     # the trainer's and each explorer's forward passes share the cores
     ranks = max(1, run.cfg.trainer.n_gpus_per_node)
     threads = torch_threads_per_process(ranks + len(explorers))
-    common: dict[str, Any] = {"plugin_dirs": run.plugin_dirs, "exit_grace": grace}
+    common: dict[str, Any] = {
+        "plugin_dirs": run.plugin_dirs,
+        "exit_grace": grace,
+        "child_console": child_console,
+    }
     children = [
         ActorProcess(
             run,
@@ -170,7 +223,8 @@ async def _run_split(run: PreparedRun, url: str, console: Console, **callbacks: 
             + ", ".join(
                 f"{c.process.pid if c.process else '?'} ({c.log_path.name})" for c in children
             )
-            + f" (logs in {children[0].log_path.parent}); the trainer runs here"
+            + f" (logs in {children[0].log_path.parent}); the trainer runs here",
+            soft_wrap=True,
         )
         torch.set_num_threads(threads)
         async with anyio.create_task_group() as tg:
@@ -180,8 +234,12 @@ async def _run_split(run: PreparedRun, url: str, console: Console, **callbacks: 
             tg.cancel_scope.cancel()
 
 
-def run_up(run: PreparedRun, *, console: Console) -> int:
-    """Start the embedded server (unless ``nats.url`` is set) and all actors; show progress."""
+def run_up(run: PreparedRun, *, console: Console, child_console: ChildConsole | None = None) -> int:
+    """Start the embedded server (unless ``nats.url`` is set) and all actors; show progress.
+
+    Blocks until the run ends; returns the exit code (130 after a signal). ``child_console``
+    shows the own log records of the actors running in child processes.
+    """
     cfg = run.cfg
     for old in ("metrics.jsonl", "metrics.png", REPORT_FILE):  # a new run: its own curves only
         (run.run_dir / old).unlink(missing_ok=True)
@@ -193,43 +251,44 @@ def run_up(run: PreparedRun, *, console: Console) -> int:
         with console.status("starting the embedded nats-server…"):
             url = server.start()
         console.print(
-            f"[bold green]NATS[/] listening on [cyan]{url}[/] (JetStream store {server.store_dir})"
+            f"[bold green]NATS[/] listening on [cyan]{url}[/] (JetStream store {server.store_dir})",
+            soft_wrap=True,
         )
     else:
-        console.print(f"[bold green]NATS[/] using [cyan]{redact_url(url)}[/]")
+        console.print(f"[bold green]NATS[/] using [cyan]{redact_url(url)}[/]", soft_wrap=True)
     console.print(
-        f"run [cyan]{escape(run.names.display)}[/]  algorithm [cyan]{run.algorithm.name}[/]  model {run.model_path}"
+        f"run [cyan]{escape(run.names.display)}[/]  algorithm [cyan]{run.algorithm.name}[/]  "
+        f"model {escape(str(run.model_path))}",
+        soft_wrap=True,
     )
-    console.print(f"run dir {run.run_dir}  (metrics.jsonl, checkpoints/, logs/)")
+    console.print(
+        f"run dir {escape(str(run.run_dir))}  (metrics.jsonl, checkpoints/, "
+        "logs/: library warnings and child processes' output)",
+        soft_wrap=True,
+    )
     console.print("inspect the run with the NATS CLI:")
     for line in nats_cli_hint(url, run):
-        console.print(f"  [dim]$[/] {line}")
+        console.print(f"  [dim]$[/] {escape(line)}", soft_wrap=True)
     if cfg.mode in ("explore", "bench"):
         return _run_without_trainer(run, url, server, console)
     total = cfg.buffer.total_steps
     from rftstream.cli import _step_line
 
-    progress = Progress(
-        TextColumn("[bold]trainer"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TextColumn("{task.fields[info]}"),
-        TimeElapsedColumn(),
-        console=console,
-        refresh_per_second=4,
-    )
+    progress = live_progress(console, "trainer", total, refresh_per_second=4)
     task = progress.add_task("train", total=total, info="waiting for experience…")
     last_reward = [0.0]
     lines = StepLines(total)
 
     def on_step(record: dict[str, Any]) -> None:
         if lines.due(record["step"]):
-            progress.console.print(_step_line(record))
+            progress.console.print(_step_line(record), soft_wrap=True)
         if record.get("reward/mean") is not None:
             last_reward[0] = record["reward/mean"]
         progress.update(task, completed=record["step"], info=f"raw reward {last_reward[0]:.3f}")
 
-    code, elapsed = _drive(run, url, server, progress, console, on_step=on_step)
+    code, elapsed = _drive(
+        run, url, server, progress, console, child_console=child_console, on_step=on_step
+    )
     if code:
         return code
     metrics_path = run.run_dir / "metrics.jsonl"
@@ -239,29 +298,23 @@ def run_up(run: PreparedRun, *, console: Console) -> int:
             window_mean(records, "reward/mean", True),
             window_mean(records, "reward/mean", False),
         )
-        rewards = (
-            f"; reward/mean first 20 steps {round(first, 3)} -> last 20 {round(last, 3)}"
-            if first is not None and last is not None
-            else ""  # sft, dpo: no rollouts, no rewards
-        )
-        console.print(
-            f"[bold green]done[/] in {elapsed:.0f}s: {len(records)} trainer steps{rewards}"
-        )
+        rows = [(f"done in {elapsed:.0f}s:", f"{len(records)} trainer steps")]
+        if first is not None and last is not None:  # sft, dpo: no rollouts, no rewards
+            rows.append(
+                ("reward/mean:", f"first 20 steps {round(first, 3)} -> last 20 {round(last, 3)}")
+            )
         trainer_idle, explorer_idle = idle_shares(records)
         if trainer_idle is not None:
-            console.print(
-                f"idle after step 1: trainer {trainer_idle:.0%} (waiting for experience)"
-                + (
-                    f", explorers {explorer_idle:.0%} (no task running)"
-                    if explorer_idle is not None
-                    else ""
-                )
-            )
+            idle = f"trainer {trainer_idle:.0%} (waiting for experience)"
+            if explorer_idle is not None:
+                idle += f", explorers {explorer_idle:.0%} (no task running)"
+            rows.append(("idle after step 1:", idle))
         if cfg.monitor.plot and records:
-            png = plot_metrics(metrics_path)
-            console.print(f"curves: {png}")
+            rows.append(("curves:", str(plot_metrics(metrics_path))))
         if records:
-            console.print(f"report: {write_report(run.run_dir)}")
+            rows.append(("report:", str(write_report(run.run_dir))))
+        rows.append(("logs:", str(run.run_dir / "logs")))
+        print_summary(console, rows)
     return 0
 
 
@@ -281,16 +334,9 @@ def _run_without_trainer(
     """``mode: explore`` (explorer + operators) or ``bench`` (one evaluating explorer)."""
     cfg = run.cfg
     explore = cfg.mode == "explore"
-    progress = Progress(
-        TextColumn(f"[bold]{'explorer' if explore else 'bench'}"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TextColumn("{task.fields[info]}"),
-        TimeElapsedColumn(),
-        console=console,
-    )
     counts = {"steps": 0, "groups": 0, "evals": 0}
     total = cfg.buffer.total_steps if explore else None
+    progress = live_progress(console, "explorer" if explore else "bench", total)
     task = progress.add_task(cfg.mode, total=total, info="starting…")
 
     def on_progress(info: dict[str, Any]) -> None:
@@ -306,7 +352,7 @@ def _run_without_trainer(
 
     def on_eval(record: dict[str, Any]) -> None:
         counts["evals"] += 1
-        progress.console.print(_eval_line(record))
+        progress.console.print(_eval_line(record), markup=False, soft_wrap=True)
         if not explore:
             progress.update(task, completed=counts["evals"], info="evaluating…")
 
@@ -316,19 +362,28 @@ def _run_without_trainer(
     if code:
         return code
     evals = run.run_dir / "eval.jsonl"
+    done = f"done in {elapsed:.0f}s:"
     if explore:
-        console.print(
-            f"[bold green]done[/] in {elapsed:.0f}s: {counts['steps']} explorer steps, "
-            f"{counts['groups']} experience groups on {run.names.exp_subject('train')} "
-            f"(stream {run.names.exp_stream}) for a trainer to read"
-        )
+        rows = [
+            (
+                done,
+                f"{counts['steps']} explorer steps, {counts['groups']} experience groups on "
+                f"{run.names.exp_subject('train')} (stream {run.names.exp_stream}) for a trainer "
+                "to read",
+            )
+        ]
         if server is not None:
-            console.print(
-                f"they stay in the JetStream store {server.store_dir}; set nats.url to share "
-                "them with a trainer on another server"
+            rows.append(
+                (
+                    "kept in:",
+                    f"the JetStream store {server.store_dir}; set nats.url to share "
+                    "them with a trainer on another server",
+                )
             )
     else:
-        console.print(f"[bold green]done[/] in {elapsed:.0f}s: {counts['evals']} evaluations")
+        rows = [(done, f"{counts['evals']} evaluations")]
     if counts["evals"] and evals.exists():
-        console.print(f"eval results: {evals}")
+        rows.append(("eval results:", str(evals)))
+    rows.append(("logs:", str(run.run_dir / "logs")))
+    print_summary(console, rows)
     return 0

@@ -319,8 +319,9 @@ class PolicyTrainer:
             engine, optimizer, _, _ = deepspeed.initialize(
                 model=model, optimizer=optimizer, config=ds_config
             )
+        library_log = logging.getLogger("library.deepspeed")  # not rftstream's: the log file only
         for line in printed.getvalue().splitlines():
-            log.info("deepspeed: %s", line)
+            library_log.info("%s", line)
         return engine, optimizer, scheduler
 
     # ------------------------------------------------------------ forward

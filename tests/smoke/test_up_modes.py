@@ -51,7 +51,7 @@ algorithm: {algorithm_type: grpo, repeat_times: 2}
 explorer: {runner_num: 2}
 """,
     )
-    out = proc.stdout
+    out = " ".join(proc.stdout.split())  # the summary wraps its values at word boundaries
     assert "2 explorer steps, 4 experience groups on rft.up_explore.exp.train" in out
     assert "JetStream store" in out
     assert not (tmp_path / "run" / "metrics.jsonl").exists()  # no trainer
