@@ -358,29 +358,34 @@ def check_form(values: dict[str, Any]) -> FormCheck:
     file, loaded with :func:`rftstream.config.load_config` (environment
     interpolation, Trinity-RFT translation, unknown keys, types, validation) and
     removed. A :class:`ConfigError` is reported at the field holding its key
-    path. Blocks briefly (a small file written and read); raises nothing for bad
+    path. Values that do not parse are reported at their fields, and the loader
+    still checks the others (without them), so one check shows both kinds of
+    error; ``yaml`` and ``config`` stay empty then. Blocks briefly (a small file written and read); raises nothing for bad
     values.
     """
     result = FormCheck()
     data, result.errors = form_values_to_dict(values)
-    if result.errors:
-        return result
-    result.yaml = yaml.safe_dump(data, sort_keys=False, allow_unicode=True) if data else "{}\n"
+    text = yaml.safe_dump(data, sort_keys=False, allow_unicode=True) if data else "{}\n"
+    if not result.errors:
+        result.yaml = text
     fd, path = tempfile.mkstemp(prefix="rftstream-studio-", suffix=".yaml")
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as fh:
-            fh.write(result.yaml)
+            fh.write(text)
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             try:
-                result.config = load_config(path)
+                config = load_config(path)
             except ConfigError as exc:
                 message = str(exc).removeprefix(f"{path}: ")
                 holder = field_for_key(exc.key_path, list(_fields_by_path()))
                 if holder is None:
                     result.general.append(message)
                 else:
-                    result.errors[holder] = message
+                    result.errors.setdefault(holder, message)
+            else:
+                if not result.errors:
+                    result.config = config
         result.warnings = [str(w.message).replace(f"{path}: ", "") for w in caught]
     finally:
         os.unlink(path)

@@ -74,8 +74,10 @@ class MetricsReader:
             sub = await js.subscribe(
                 names.metrics_wildcard,
                 ordered_consumer=True,
-                deliver_policy=api.DeliverPolicy.BY_START_SEQUENCE,
-                opt_start_seq=series.last_seq + 1,
+                config=api.ConsumerConfig(
+                    deliver_policy=api.DeliverPolicy.BY_START_SEQUENCE,
+                    opt_start_seq=series.last_seq + 1,
+                ),
             )
             try:
                 while series.last_seq < last:

@@ -195,3 +195,10 @@ def test_field_for_key_picks_the_longest_holder() -> None:
     assert field_for_key("buffer.batch_size", paths) == "buffer.batch_size"
     assert field_for_key("buffer.batch_sizes", paths) == "buffer"
     assert field_for_key("(root)", paths) is None
+
+
+def test_parse_errors_and_loader_errors_show_together() -> None:
+    check = check_form({"trainer.zero_stage": "x", "buffer.batch_size": "0"})
+    assert check.errors["trainer.zero_stage"] == "must be an integer"
+    assert "must be >= 1" in check.errors["buffer.batch_size"]
+    assert not check.ok and check.yaml == "" and check.config is None

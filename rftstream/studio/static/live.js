@@ -159,6 +159,12 @@ async function loadRuns() {
       sel.appendChild(o);
     }
     if (!current && d.runs.length === 1) current = d.runs[0].run;
+    if (current && !d.runs.some((r) => r.run === current)) {
+      const o = document.createElement("option");
+      o.value = current;
+      o.textContent = `${current} (not on the server yet)`;
+      sel.appendChild(o);
+    }
     sel.value = current;
   } catch (e) {
     document.getElementById("live-error").textContent = String(e.message || e);
@@ -174,3 +180,4 @@ document.getElementById("run-select").addEventListener("change", (ev) => {
 });
 
 loadRuns().then(poll);
+setInterval(loadRuns, 10000);  // runs started or finished meanwhile
