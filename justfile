@@ -13,6 +13,10 @@ setup:
     test -x {{py}} || python3 -m venv {{venv}}
     {{py}} -m pip install -q --disable-pip-version-check '{{torch_spec}}'
     {{py}} -m pip install -q --disable-pip-version-check -e '.[test]'
+    # headless Chromium for tests/smoke/test_studio.py (Debian packages; root with apt only)
+    if ! command -v chromium >/dev/null && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+        apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver >/dev/null; \
+    fi
 
 # the embedded default run: private NATS, tiny model, GRPO on CPU
 up *ARGS: setup

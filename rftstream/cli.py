@@ -13,6 +13,7 @@
     rftstream clean [RUN ...|--all] [--dry-run] [--force] [--older-than 7d] [--files] --nats-url U
     rftstream decode < body    # nats stream view ... --translate "rftstream decode"
     rftstream report RUN_DIR [--out FILE]   # report.html: curves, summary, resolved config
+    rftstream studio [--port P] [--nats-url U]   # web page: config generator, live view of a run
     rftstream debug workflow [--config C] [--task N] [--taskset NAME] [--plugin-dir D] [--json]
 
 Errors derived from :class:`rftstream.errors.RftError` are printed as one
@@ -180,6 +181,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _common(acc, need_url=True)
     acc.add_argument("--json", action="store_true", help="one JSON document instead of tables")
+    from rftstream.studio.command import add_studio_parser
+
+    add_studio_parser(sub)
     cfg_cmd = sub.add_parser("config", help="inspect a config file")
     cfg_sub = cfg_cmd.add_subparsers(dest="config_command", required=True)
     explain = cfg_sub.add_parser(
@@ -1005,6 +1009,10 @@ def main(argv: list[str] | None = None) -> int:
             return cmd_report(args)
         if args.command == "debug":
             return cmd_debug(args)
+        if args.command == "studio":
+            from rftstream.studio.command import cmd_studio
+
+            return cmd_studio(args)
     except RftError as exc:  # one line, never re-wrapped, brackets in it kept (not markup)
         console.quiet = False  # a trainer rank > 0 is quiet but for its errors
         console.print(f"[bold red]error:[/] {escape(str(exc))}", soft_wrap=True)

@@ -1,0 +1,6 @@
+"""``rftstream studio``: a config generator page and a live view of a run (aiohttp + plain HTML).
+
+:mod:`rftstream.studio.forms` turns the config schema into form fields and form values
+into a validated YAML config; :mod:`rftstream.studio.live` reads a run from NATS;
+:mod:`rftstream.studio.server` serves both pages and their JSON API.
+"""

@@ -1,0 +1,182 @@
+"""The live view of ``rftstream studio``: one run as NATS holds it.
+
+Reads only (no durable consumer is created, nothing is acked): the runs on the
+server (:func:`rftstream.clean.find_runs`), a run's streams with per-subject
+depths and each consumer's lag (:func:`rftstream.bus.inspect.streams_report`),
+its KV bucket (steps, staleness, heartbeats, the stage chain:
+:func:`rftstream.inspect.status_report`), the trainer's reward and staleness per
+step from the metrics stream, and the newest dead letters with their reasons.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import msgspec
+import nats.errors
+import nats.js.errors
+from nats.aio.client import Client as NatsClient
+from nats.js import api
+
+from rftstream.bus.client import Bus
+from rftstream.bus.inspect import streams_report
+from rftstream.bus.state import RunState
+from rftstream.clean import find_runs
+from rftstream.config.schema import NatsConfig
+from rftstream.errors import BusError
+from rftstream.inspect import status_report, summarize_message
+from rftstream.messages import MetricsMsg
+from rftstream.subjects import RunNames
+
+__all__ = ["CURVE_KEYS", "MetricsReader", "list_runs", "run_snapshot"]
+
+# trainer step metrics drawn as curves: key in the metrics record -> label
+CURVE_KEYS: dict[str, str] = {
+    "reward/mean": "reward (mean of the trained experiences' raw rewards)",
+    "staleness/mean": "staleness (trainer version - generating version)",
+}
+MAX_POINTS = 5000  # per curve (the newest)
+DEAD_LETTERS_SHOWN = 20
+
+
+@dataclass
+class _Series:
+    """The trainer's curves of one run, read so far up to stream sequence ``last_seq``."""
+
+    last_seq: int = 0
+    steps: dict[str, list[tuple[int, float]]] = field(default_factory=dict)
+
+
+class MetricsReader:
+    """Reads a run's metrics stream incrementally: each call reads only what was
+    published since the previous one (per run)."""
+
+    def __init__(self) -> None:
+        self._runs: dict[str, _Series] = {}
+
+    async def curves(self, nc: NatsClient, names: RunNames) -> dict[str, list[list[float]]]:
+        """The trainer's ``CURVE_KEYS`` per step, ``{key: [[step, value], ...]}``, step order.
+
+        Reads the metrics stream from the sequence after the last one read, with an
+        ordered (ephemeral) consumer, until caught up. Blocks for at most about a
+        second when nothing new is there. A run without a metrics stream gives no points.
+        """
+        series = self._runs.setdefault(names.run, _Series())
+        js = nc.jetstream()
+        try:
+            info = await js.stream_info(names.metrics_stream)
+        except nats.js.errors.NotFoundError:
+            return {key: [] for key in CURVE_KEYS}
+        last = int(info.state.last_seq or 0)
+        if last > series.last_seq:
+            sub = await js.subscribe(
+                names.metrics_wildcard,
+                ordered_consumer=True,
+                config=api.ConsumerConfig(
+                    deliver_policy=api.DeliverPolicy.BY_START_SEQUENCE,
+                    opt_start_seq=series.last_seq + 1,
+                ),
+            )
+            try:
+                while series.last_seq < last:
+                    try:
+                        msg = await sub.next_msg(timeout=1.0)
+                    except nats.errors.TimeoutError:
+                        break
+                    series.last_seq = int(msg.metadata.sequence.stream)
+                    self._add(series, msg.data)
+            finally:
+                await sub.unsubscribe()
+        return {
+            key: [[s, v] for s, v in sorted(series.steps.get(key, []))[-MAX_POINTS:]]
+            for key in CURVE_KEYS
+        }
+
+    @staticmethod
+    def _add(series: _Series, body: bytes) -> None:
+        try:
+            record = msgspec.json.decode(body, type=MetricsMsg)
+        except msgspec.DecodeError:
+            return  # not a metrics record: nothing to draw
+        if record.role != "trainer":
+            return
+        for key in CURVE_KEYS:
+            value = record.values.get(key)
+            if isinstance(value, (int, float)):
+                series.steps.setdefault(key, []).append((int(record.step), float(value)))
+
+
+async def list_runs(nc: NatsClient) -> list[dict[str, Any]]:
+    """Every run on the server: id, status, seconds since its newest heartbeat, bytes.
+    Raises :class:`BusError` when the server cannot be listed."""
+    now = time.time()
+    runs = await find_runs(nc.jetstream())
+    return [
+        {
+            "run": res.run,
+            "status": res.status or "unknown",
+            "heartbeat_age": None if res.last_heartbeat is None else now - res.last_heartbeat,
+            "bytes": res.bytes,
+        }
+        for res in sorted(runs.values(), key=lambda r: -(r.last_activity or 0.0))
+    ]
+
+
+async def _dead_letters(nc: NatsClient, names: RunNames) -> dict[str, Any]:
+    """The run's dead-letter count and its newest :data:`DEAD_LETTERS_SHOWN` messages,
+    each summarised with its reason headers (direct gets of the last sequences)."""
+    js = nc.jetstream()
+    try:
+        info = await js.stream_info(names.dlq_stream)
+    except nats.js.errors.NotFoundError:
+        return {"count": 0, "messages": []}
+    first, last = int(info.state.first_seq or 0), int(info.state.last_seq or 0)
+    shown = []
+    seq = last
+    while seq >= max(first, 1) and len(shown) < DEAD_LETTERS_SHOWN:
+        try:
+            raw = await js.get_msg(names.dlq_stream, seq)
+        except nats.js.errors.NotFoundError:
+            seq -= 1
+            continue
+        item = summarize_message(raw.subject or "", seq, raw.headers, raw.data or b"")
+        shown.append(item)
+        seq -= 1
+    return {"count": int(info.state.messages or 0), "messages": shown}
+
+
+async def run_snapshot(nc: NatsClient, run: str, metrics: MetricsReader) -> dict[str, Any]:
+    """Everything the live page shows of ``run`` now: ``status`` (steps, staleness,
+    heartbeats, stage chain), ``streams`` (depths, consumers' lag), ``curves`` and
+    ``dead_letters``. Raises :class:`BusError` naming the run when it has no KV bucket
+    on the server, or when the server does not answer."""
+    try:
+        names = RunNames(run)
+    except ValueError as exc:
+        raise BusError(str(exc)) from exc
+    bus = Bus(nc, names, NatsConfig(), "studio")  # shares the studio's connection
+    try:
+        try:
+            kv = await nc.jetstream().key_value(names.kv_bucket)
+        except (nats.js.errors.BucketNotFoundError, nats.js.errors.NotFoundError) as exc:
+            raise BusError(
+                f"run {run!r}: no KV bucket {names.kv_bucket} on this server (no such run)"
+            ) from exc
+        values = await RunState(kv).all()
+        report = status_report(values, time.time())
+        streams = [asdict(row) for row in await streams_report(bus)]
+        curves = await metrics.curves(nc, names)
+        dead = await _dead_letters(nc, names)
+    except (nats.errors.Error, TimeoutError) as exc:
+        raise BusError(f"run {run!r}: reading it from NATS failed: {exc}") from exc
+    return {
+        "run": run,
+        "status_value": values.get("status"),
+        "status": report,
+        "streams": streams,
+        "curves": curves,
+        "curve_labels": CURVE_KEYS,
+        "dead_letters": dead,
+    }

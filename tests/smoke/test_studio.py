@@ -1,0 +1,301 @@
+"""Smoke: ``rftstream studio`` in headless Chromium (Debian's ``chromium`` + ``chromium-driver``).
+
+The studio runs as a user starts it (``rftstream studio --port 0``, a subprocess);
+selenium drives Debian's chromium. Screenshots go under the test's tmp dir and are
+checked for content: the page's text through the DOM, and pixels that are not blank.
+A config made through the form is saved by the page, loaded with ``load_config`` and
+run for 2 steps with ``rftstream up`` against a real nats-server, whose run the live
+view then shows (stages, heartbeats, curves, a dead letter).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import anyio
+import nats
+import pytest
+
+from rftstream.config import load_config
+from tests.integration._util import user_env
+
+pytestmark = pytest.mark.smoke
+
+RFTSTREAM = [sys.executable, "-m", "rftstream.cli"]
+CHROMIUM = shutil.which("chromium")
+CHROMEDRIVER = shutil.which("chromedriver")
+NO_BROWSER = (
+    "needs Debian's chromium and chromium-driver (`apt-get install -y chromium chromium-driver`; "
+    "`just setup` installs them when run as root) and the selenium package (test extra)"
+)
+
+try:
+    import selenium  # noqa: F401
+
+    HAVE_SELENIUM = True
+except ImportError:
+    HAVE_SELENIUM = False
+
+needs_browser = pytest.mark.skipif(
+    not (CHROMIUM and CHROMEDRIVER and HAVE_SELENIUM), reason=NO_BROWSER
+)
+
+
+@pytest.fixture(scope="module")
+def browser() -> Iterator[Any]:
+    """One headless Chromium for the module's tests."""
+    from selenium import webdriver
+    from selenium.webdriver.chrome.service import Service
+
+    opts = webdriver.ChromeOptions()
+    opts.binary_location = str(CHROMIUM)
+    for arg in (
+        "--headless=new",
+        "--no-sandbox",  # CI runs as root
+        "--disable-dev-shm-usage",
+        "--disable-gpu",
+        "--window-size=1280,1800",
+    ):
+        opts.add_argument(arg)
+    driver = webdriver.Chrome(service=Service(str(CHROMEDRIVER)), options=opts)
+    driver.set_page_load_timeout(30)
+    try:
+        yield driver
+    finally:
+        driver.quit()
+
+
+def _start_studio(nats_url: str, log: Path, env: dict[str, str] | None = None) -> tuple[Any, str]:
+    """``rftstream studio --port 0`` in a subprocess; (process, base URL) once it listens."""
+    out = open(log, "w")
+    proc = subprocess.Popen(
+        [*RFTSTREAM, "studio", "--port", "0", "--nats-url", nats_url],
+        stdout=out,
+        stderr=subprocess.STDOUT,
+        env=env,
+    )
+    deadline = time.time() + 60
+    while time.time() < deadline:
+        m = re.search(r"rftstream studio on (http://\S+/)", log.read_text())
+        if m:
+            return proc, m.group(1)
+        if proc.poll() is not None:
+            raise AssertionError(log.read_text())
+        time.sleep(0.1)
+    proc.kill()
+    raise AssertionError(f"studio did not start within 60 s: {log.read_text()}")
+
+
+@pytest.fixture
+def studio(nats_url: str, tmp_path: Path) -> Iterator[str]:
+    proc, url = _start_studio(nats_url, tmp_path / "studio.log")
+    try:
+        yield url
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
+
+
+def _wait(driver: Any, condition: Any, timeout: float = 20, what: str = "") -> Any:
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    return WebDriverWait(driver, timeout, poll_frequency=0.2).until(condition, message=what)
+
+
+def _screenshot(driver: Any, path: Path) -> None:
+    """Save a screenshot and check it is not blank: several colours, and a real share of
+    pixels differing from the most common (background) colour."""
+    from PIL import Image
+
+    assert driver.save_screenshot(str(path)), path
+    img = Image.open(path).convert("RGB")
+    counts = img.getcolors(maxcolors=img.width * img.height)
+    assert counts is not None
+    counts.sort(reverse=True)
+    background = counts[0][0]
+    share = 1 - background / (img.width * img.height)
+    assert len(counts) > 20, f"{path}: {len(counts)} colours: blank page"
+    assert share > 0.02, f"{path}: only {share:.1%} of the pixels are not background"
+
+
+def _field(driver: Any, path: str) -> Any:
+    from selenium.webdriver.common.by import By
+
+    return driver.find_element(By.CSS_SELECTOR, f'.field[data-path="{path}"]')
+
+
+def _set(driver: Any, path: str, value: str) -> None:
+    from selenium.webdriver.common.by import By
+
+    el = _field(driver, path).find_element(By.CSS_SELECTOR, "input, select, textarea")
+    if el.tag_name == "select":
+        from selenium.webdriver.support.ui import Select
+
+        Select(el).select_by_value(value)
+        return
+    driver.execute_script(
+        "arguments[0].closest('details') && (arguments[0].closest('details').open = true)", el
+    )
+    el.clear()
+    el.send_keys(value)
+
+
+def _open_config_page(driver: Any, url: str) -> None:
+    driver.get(url)
+    _wait(driver, lambda d: d.execute_script("return document.body.dataset.ready"), what="schema")
+
+
+@needs_browser
+def test_config_page_shows_the_schema_and_field_errors(
+    browser: Any, studio: str, tmp_path: Path
+) -> None:
+    from selenium.webdriver.common.by import By
+
+    _open_config_page(browser, studio)
+    text = browser.find_element(By.TAG_NAME, "body").text
+    for title in ("Algorithm", "Buffer and taskset", "Explorer", "Synchronizer", "Trainer"):
+        assert title in text
+    assert "Operators (experience pipeline)" in text and "advanced (" in text
+    assert "buffer.explorer_input.taskset.path" in text  # a common key, shown
+    _screenshot(browser, tmp_path / "config.png")
+
+    _set(browser, "buffer.batch_size", "0")
+    _set(browser, "trainer.zero_stage", "x")
+    browser.find_element(By.ID, "check").click()
+    _wait(browser, lambda d: "error" in d.find_element(By.ID, "status").text, what="checked")
+    batch = _field(browser, "buffer.batch_size")
+    assert "has-error" in batch.get_attribute("class")
+    # the loader's message, next to the field
+    assert "must be >= 1 (got 0)" in batch.find_element(By.CLASS_NAME, "error").text
+    zero = _field(browser, "trainer.zero_stage").find_element(By.CLASS_NAME, "error").text
+    assert zero == "must be an integer"
+    assert not browser.find_element(By.ID, "download").is_displayed()
+    _screenshot(browser, tmp_path / "config-errors.png")
+
+
+async def _dead_letter(url: str, run: str) -> None:
+    """One dead letter on the run's DLQ subject, as an actor writes it (reason in headers)."""
+    nc = await nats.connect(url)
+    try:
+        await nc.jetstream().publish(
+            f"rft.{run}.dlq.train",
+            b"not an experience",
+            headers={
+                "Rft-Dlq-Reason": "token id 100003 is outside the vocabulary (64)",
+                "Rft-Dlq-Stage": "train",
+                "Rft-Dlq-Actor": "trainer",
+            },
+        )
+    finally:
+        await nc.close()
+
+
+async def _live_json(base: str, run: str) -> dict[str, Any]:
+    import aiohttp
+
+    async with aiohttp.ClientSession() as session:
+        async with session.get(f"{base}api/runs/{run}") as resp:
+            return await resp.json()
+
+
+@needs_browser
+def test_a_form_config_runs_two_steps_and_the_live_view_shows_it(
+    browser: Any, studio: str, nats_url: str, tmp_path: Path, tiny_model_path: str
+) -> None:
+    from selenium.webdriver.common.by import By
+
+    run_dir = tmp_path / "run"
+    _open_config_page(browser, studio)
+    for path, value in {
+        "name": "studio-run",
+        "run_dir": str(run_dir),
+        "model.model_path": tiny_model_path,
+        "model.max_response_tokens": "6",
+        "algorithm.repeat_times": "4",
+        "algorithm.optimizer.lr": "0.001",
+        "buffer.batch_size": "2",
+        "buffer.total_epochs": "5",
+        "buffer.explorer_input.taskset.rollout_args.max_tokens": "6",
+        "explorer.runner_num": "2",
+        "trainer.ppo_micro_batch_size_per_gpu": "4",
+    }.items():
+        _set(browser, path, value)
+    _set(browser, "synchronizer.sync_style", "dynamic_by_explorer")
+    saved = tmp_path / "studio.yaml"
+    browser.find_element(By.ID, "save-path").send_keys(str(saved))
+    browser.find_element(By.ID, "save").click()
+    _wait(browser, lambda d: d.find_element(By.ID, "saved").text, what="saved")
+    assert browser.find_element(By.ID, "saved").text == f"saved {saved}"
+    assert browser.find_element(By.ID, "status").text == "valid"
+    assert browser.find_element(By.ID, "download").is_displayed()
+    assert "name: studio-run" in browser.find_element(By.ID, "yaml").text
+
+    cfg = load_config(saved)
+    assert cfg.name == "studio-run" and cfg.buffer.batch_size == 2
+    assert cfg.algorithm.repeat_times == 4 and cfg.algorithm.optimizer.lr == 0.001
+    assert cfg.model.model_path == tiny_model_path and cfg.run_dir == str(run_dir)
+
+    log = tmp_path / "up.log"
+    with open(log, "w") as out:
+        up = subprocess.Popen(
+            [*RFTSTREAM, "up", "--config", str(saved), "--steps", "2", "--nats-url", nats_url],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env=user_env(tiny_model_path),
+        )
+    try:
+        run = "studio_run"  # run id of the name
+        browser.get(f"{studio}live?run={run}")
+
+        def actors_beating(d: Any) -> bool:
+            if up.poll() not in (None, 0):
+                raise AssertionError(log.read_text()[-3000:])
+            rows = d.find_elements(By.CSS_SELECTOR, "#heartbeats tbody tr")
+            roles = {r.find_elements(By.TAG_NAME, "td")[1].text for r in rows}
+            return {"explorer", "trainer"} <= roles
+
+        # heartbeats stay in the KV bucket after the run: seen while it runs or after it
+        _wait(browser, actors_beating, timeout=120, what="explorer and trainer heartbeats")
+        stages = browser.find_element(By.ID, "stages").text
+        assert f"rft.{run}.exp.raw" in stages and f"RFT_{run.upper()}_EXP" in stages
+        consumers = browser.find_element(By.ID, "consumers").text
+        assert "trainer" in consumers
+        _screenshot(browser, tmp_path / "live-running.png")
+        assert up.wait(timeout=180) == 0, log.read_text()[-3000:]
+    finally:
+        if up.poll() is None:
+            up.kill()
+            up.wait()
+
+    anyio.run(_dead_letter, nats_url, run)
+    records = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    snapshot = anyio.run(_live_json, studio, run)
+    assert snapshot["ok"] and snapshot["status_value"] == "finished"
+    # the curves read from the metrics stream are the trainer's step records
+    assert [r["step"] for r in records] == [1, 2]
+    for key in ("reward/mean", "staleness/mean"):
+        curve = snapshot["curves"][key]
+        assert [step for step, _ in curve] == [1, 2], key
+        assert [value for _, value in curve] == pytest.approx([r[key] for r in records]), key
+
+    def finished(d: Any) -> bool:
+        return (
+            "finished" in d.find_element(By.ID, "cards").text
+            and "(1)" in d.find_element(By.ID, "dlq-count").text
+        )
+
+    _wait(browser, finished, timeout=10, what="the finished run with its dead letter")
+    charts = browser.find_element(By.ID, "charts").text
+    assert "reward" in charts and "(2 steps)" in charts
+    assert len(browser.find_elements(By.CSS_SELECTOR, "#charts polyline")) == 2
+    dead = browser.find_element(By.ID, "dead-letters").text
+    assert "outside the vocabulary" in dead and "trainer" in dead
+    _screenshot(browser, tmp_path / "live-finished.png")
