@@ -13,7 +13,10 @@ setup:
     test -x {{py}} || python3 -m venv {{venv}}
     {{py}} -m pip install -q --disable-pip-version-check '{{torch_spec}}'
     {{py}} -m pip install -q --disable-pip-version-check -e '.[test]'
-    # headless Chromium for tests/smoke/test_studio.py (Debian packages; root with apt only)
+
+# headless Chromium for tests/smoke/test_studio.py (Debian packages; as root with apt only,
+# elsewhere those tests skip and say why)
+browser:
     if ! command -v chromium >/dev/null && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
         apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver >/dev/null; \
     fi
@@ -23,7 +26,7 @@ up *ARGS: setup
     {{venv}}/bin/rftstream up {{ARGS}}
 
 # the whole test suite (units, integration against a real nats-server, smoke)
-test *ARGS: setup
+test *ARGS: setup browser
     {{venv}}/bin/pytest -q {{ARGS}}
 
 # ruff lint and format check
