@@ -18,6 +18,7 @@ raises wrong-last-sequence, which callers already treat as a lost race.
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 from collections.abc import Awaitable, Callable
@@ -27,6 +28,8 @@ import anyio
 import nats.errors
 import nats.js.errors
 from nats.js import JetStreamContext, JetStreamManager, api
+
+from rftstream.errors import BusError
 
 log = logging.getLogger(__name__)
 
@@ -78,6 +81,10 @@ async def retry_transient(
         pause = min(pause * 2, _MAX_PAUSE)
 
 
+class ConsumersMissingError(BusError):
+    """A stream's consumer listing stayed incomplete (a cluster still recovering)."""
+
+
 class _ResilientManager(JetStreamManager):
     """The plain ``JetStreamManager`` (what ``js._jsm`` gives) with retried API requests."""
 
@@ -113,6 +120,50 @@ class ResilientJetStream(JetStreamContext):
         return await retry_transient(
             req_subject, lambda: parent(req_subject, req, timeout=timeout), window=self.retry_window
         )
+
+    async def consumers_info(
+        self, stream: str, offset: int | None = None
+    ) -> list[api.ConsumerInfo]:
+        """Every consumer of ``stream``, all pages (from ``offset``), and complete: in a
+        cluster the listing names consumers whose leader did not answer in time under
+        ``missing`` (nats-py drops them), so the list is asked again until nothing is
+        missing. Callers rely on it being whole (the account; the purge of acked
+        experience, where a consumer left out would let another's floor purge what it
+        has not read).
+
+        Raises:
+            ConsumersMissingError: still incomplete after ``retry_window`` s.
+        """
+        deadline = time.monotonic() + self.retry_window
+        pause = _PAUSE
+        while True:
+            found: list[api.ConsumerInfo] = []
+            missing: list[str] = []
+            at = offset or 0
+            while True:
+                resp = await self._api_request(
+                    f"{self._prefix}.CONSUMER.LIST.{stream}",
+                    json.dumps({"offset": at}).encode(),
+                    timeout=self._timeout,
+                )
+                page = resp.get("consumers") or []
+                found += [api.ConsumerInfo.from_response(c) for c in page]
+                missing += list(resp.get("missing") or [])
+                at += len(page)
+                if not page or at >= int(resp.get("total", 0) or 0):
+                    break
+            if not missing:
+                return found
+            if time.monotonic() + pause >= deadline:
+                raise ConsumersMissingError(
+                    f"stream {stream}: consumers {sorted(missing)} did not answer the listing "
+                    f"for {self.retry_window:g} s (nats.retry_window)"
+                )
+            log.info(
+                "stream %s: consumers %s missing from the listing; asking again", stream, missing
+            )
+            await anyio.sleep(pause)
+            pause = min(pause * 2, _MAX_PAUSE)
 
     async def get_msg(self, *args: Any, **kwargs: Any) -> api.RawStreamMsg:
         """``get_msg`` (direct gets included: they bypass ``_api_request``), retried."""

@@ -72,6 +72,9 @@ class WandbMonitor(Monitor):
         if margs.get("api_key"):
             settings["api_key"] = str(margs["api_key"])
         run.run_dir.mkdir(parents=True, exist_ok=True)
+        # wandb suggests its Weave tracer ("wandb: Detected [openai] in use ...") on the
+        # terminal whenever an LLM client library is imported, silent setting or not
+        os.environ.setdefault("WANDB_DISABLE_WEAVE", "true")
         self._run: Any = wandb.init(
             project=run.project,
             entity=margs.get("entity") or None,

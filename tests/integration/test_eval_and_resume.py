@@ -279,6 +279,9 @@ def test_stopped_explorer_is_resumed_by_a_new_one(
     progress: list[dict] = []
 
     async def main() -> int:
+        async with await Bus.connect(nats_url, run.names, run.cfg.nats, "setup") as bus:
+            # a tasks ack wait far beyond fail_after(120) below (the run's own is 10 s)
+            await bus.provision(stages=run.stages, task_ack_wait=960.0)
         await provision(run, nats_url)
         async with anyio.create_task_group() as tg:
             tg.start_soon(_run_explorer, run, nats_url)

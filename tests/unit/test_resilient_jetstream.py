@@ -3,6 +3,7 @@ retried until the window ends; every other error is raised at once."""
 
 from __future__ import annotations
 
+import copy
 import time
 
 import nats.errors
@@ -84,3 +85,53 @@ async def test_the_last_transient_failure_is_raised_after_the_window() -> None:
     elapsed = time.monotonic() - start
     assert 0.15 <= elapsed < 1.0, elapsed
     assert calls >= 3
+
+
+def _listing(names: list[str], total: int, missing: list[str] = ()) -> dict:
+    return {
+        "total": total,
+        "consumers": [
+            {
+                "stream_name": "S",
+                "name": n,
+                "created": "2026-11-25T12:00:00Z",
+                "config": {"durable_name": n},
+            }
+            for n in names
+        ],
+        "missing": list(missing),
+    }
+
+
+class _ListingJetStream(resilient.ResilientJetStream):
+    """The listing API answered by a script of responses (one per request)."""
+
+    def __init__(self, answers: list[dict], window: float = 5.0) -> None:
+        self.answers = answers
+        self.requests: list[bytes] = []
+        self._prefix, self._timeout, self.retry_window = "$JS.API", 1.0, window
+
+    async def _api_request(self, subject: str, req: bytes = b"", timeout: float = 5) -> dict:
+        assert subject == "$JS.API.CONSUMER.LIST.S"
+        self.requests.append(req)
+        return copy.deepcopy(self.answers.pop(0))  # from_response changes what it reads
+
+
+async def test_a_listing_with_missing_consumers_is_asked_again_and_paged() -> None:
+    js = _ListingJetStream(
+        [
+            _listing(["a"], total=2, missing=["b"]),  # b's leader did not answer
+            _listing([], total=2, missing=["b"]),
+            _listing(["a"], total=2),  # again: page 1 of 2
+            _listing(["b"], total=2),  # page 2
+        ]
+    )
+    assert [c.name for c in await js.consumers_info("S")] == ["a", "b"]
+    offsets = [b'{"offset": 0}', b'{"offset": 1}']
+    assert js.requests == offsets * 2
+
+
+async def test_a_listing_still_incomplete_after_the_window_is_an_error() -> None:
+    js = _ListingJetStream([_listing(["a"], total=1, missing=["b"])] * 500, window=0.05)
+    with pytest.raises(resilient.ConsumersMissingError, match=r"\['b'\] did not answer"):
+        await js.consumers_info("S")
