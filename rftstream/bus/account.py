@@ -31,6 +31,8 @@ stream, nothing acked.
 
 from __future__ import annotations
 
+import logging
+import time
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from typing import Any
@@ -43,12 +45,14 @@ from nats.js import api
 from rftstream.bus.client import Bus
 from rftstream.bus.purged import PurgedPrefix, read_purged
 from rftstream.bus.state import RunState
-from rftstream.errors import SchemaError
+from rftstream.errors import BusError, SchemaError
 from rftstream.experience import H_COUNT, decode_group_msg
 from rftstream.messages import H_DLQ_REASON, H_DLQ_SEQ, H_DLQ_STAGE, H_DLQ_SUBJECT, MetricsMsg
 from rftstream.subjects import META_TO_STAGE, RAW_STAGE, TRAIN_STAGE
 
 TRAINED_TOTAL = "experience/trained_total"
+log = logging.getLogger(__name__)
+
 _READ_IDLE_S = 0.5  # an ordered consumer that delivers nothing for this long has caught up
 
 
@@ -458,33 +462,56 @@ def _fed_by_others(dur: Durable, durables: list[Durable]) -> bool:
 
 
 async def _read_all(bus: Bus, stream: str, subject: str) -> list[Any]:
-    """Every message stored on ``subject`` of ``stream`` (ordered, ephemeral; nothing acked)."""
-    try:
-        info = await bus.js.stream_info(stream)
-    except nats.js.errors.NotFoundError:
-        return []
-    last = int(info.state.last_seq or 0)
-    if not info.state.messages:
-        return []
-    sub = await bus.js.subscribe(
-        subject, stream=stream, ordered_consumer=True, deliver_policy=api.DeliverPolicy.ALL
-    )
+    """Every message stored on ``subject`` of ``stream`` (ordered, ephemeral; nothing acked).
+
+    Whole, or an error: an ordered consumer that goes quiet for ``_READ_IDLE_S`` while the
+    server still counted messages after its last one (``num_pending``; a cluster whose
+    stream leader changed, a loaded server) is subscribed again after what it delivered,
+    until it has caught up or ``nats.retry_window`` s have passed.
+
+    Raises:
+        BusError: the messages did not all arrive within ``nats.retry_window`` s.
+    """
     out: list[Any] = []
-    try:
-        while True:
-            try:
-                msg = await sub.next_msg(timeout=_READ_IDLE_S)
-            except nats.errors.TimeoutError:
-                break
-            out.append(msg)
-            if msg.metadata.sequence.stream >= last or msg.metadata.num_pending == 0:
-                break
-    finally:
+    deadline = time.monotonic() + max(bus.cfg.retry_window, 5 * _READ_IDLE_S)
+    after = 0  # the stream sequence of the last message read
+    while True:
         try:
-            await sub.unsubscribe()
-        except Exception:  # noqa: BLE001 - closing
-            pass
-    return out
+            info = await bus.js.stream_info(stream, subjects_filter=subject)
+        except nats.js.errors.NotFoundError:
+            return out
+        if not out and not sum((info.state.subjects or {}).values()):
+            return out  # nothing stored on the subject
+        since = api.ConsumerConfig(
+            deliver_policy=api.DeliverPolicy.BY_START_SEQUENCE, opt_start_seq=after + 1
+        )
+        sub = await bus.js.subscribe(subject, stream=stream, ordered_consumer=True, config=since)
+        caught_up = False
+        try:
+            while True:
+                try:
+                    msg = await sub.next_msg(timeout=_READ_IDLE_S)
+                except nats.errors.TimeoutError:
+                    break
+                out.append(msg)
+                after = int(msg.metadata.sequence.stream)
+                if msg.metadata.num_pending == 0:
+                    caught_up = True
+                    break
+        finally:
+            try:
+                await sub.unsubscribe()
+            except Exception:  # noqa: BLE001 - closing
+                pass
+        if caught_up:
+            return out
+        if time.monotonic() >= deadline:
+            raise BusError(
+                f"reading {subject} of stream {stream}: {len(out)} message(s) arrived, the "
+                f"server counts more after sequence {after}; gave up after "
+                f"{bus.cfg.retry_window:g} s (nats.retry_window)"
+            )
+        log.info("reading %s: quiet after sequence %d with more stored; reading on", subject, after)
 
 
 def _stored(msg: Any, prefix: str) -> StoredMessage:
