@@ -262,6 +262,10 @@ async def purge_acked(
     result = PurgeResult(first, last, int(st.messages or 0), int(st.bytes or 0), 0, floors)
     if not cfg.purge_acked or not st.messages:
         return result
+    unreachable = getattr(js, "missing_consumers", {}).get(stream)
+    if unreachable:  # one of them may be a durable whose floor is lower: purge nothing
+        log.warning("stream %s: not purging while consumers %s do not answer", stream, unreachable)
+        return result
     points = purge_points(first, last, floors, cfg.keep_acked_msgs)
     if not points:
         return result

@@ -29,8 +29,6 @@ import nats.errors
 import nats.js.errors
 from nats.js import JetStreamContext, JetStreamManager, api
 
-from rftstream.errors import BusError
-
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
@@ -39,6 +37,8 @@ T = TypeVar("T")
 DEFAULT_RETRY_WINDOW = 60.0
 _PAUSE = 0.25  # s between attempts; doubled up to _MAX_PAUSE
 _MAX_PAUSE = 2.0
+#: how long a consumer listing with unreachable consumers is asked again (s)
+LISTING_SETTLE_S = 5.0
 
 
 def is_transient(exc: BaseException) -> bool:
@@ -81,10 +81,6 @@ async def retry_transient(
         pause = min(pause * 2, _MAX_PAUSE)
 
 
-class ConsumersMissingError(BusError):
-    """A stream's consumer listing stayed incomplete (a cluster still recovering)."""
-
-
 class _ResilientManager(JetStreamManager):
     """The plain ``JetStreamManager`` (what ``js._jsm`` gives) with retried API requests."""
 
@@ -106,6 +102,8 @@ class ResilientJetStream(JetStreamContext):
     def __init__(self, conn: Any, *, timeout: float, retry_window: float) -> None:
         super().__init__(conn, timeout=timeout)
         self.retry_window = retry_window
+        # per stream: consumers the last listing could not reach (see consumers_info)
+        self.missing_consumers: dict[str, list[str]] = {}
 
     @property
     def _jsm(self) -> JetStreamManager:
@@ -124,17 +122,14 @@ class ResilientJetStream(JetStreamContext):
     async def consumers_info(
         self, stream: str, offset: int | None = None
     ) -> list[api.ConsumerInfo]:
-        """Every consumer of ``stream``, all pages (from ``offset``), and complete: in a
-        cluster the listing names consumers whose leader did not answer in time under
-        ``missing`` (nats-py drops them), so the list is asked again until nothing is
-        missing. Callers rely on it being whole (the account; the purge of acked
-        experience, where a consumer left out would let another's floor purge what it
-        has not read).
-
-        Raises:
-            ConsumersMissingError: still incomplete after ``retry_window`` s.
-        """
-        deadline = time.monotonic() + self.retry_window
+        """Every consumer of ``stream``, all pages (from ``offset``). In a cluster the
+        listing names consumers whose leader did not answer in time under ``missing``
+        (nats-py drops them): the list is asked again for up to :data:`LISTING_SETTLE_S`
+        (a replicated durable has a new leader by then); consumers still missing after
+        that (an R1 ephemeral watch on a dead node) are left out, logged, and kept in
+        :attr:`missing_consumers` for callers that must not act on a partial list (the
+        purge of acked experience)."""
+        deadline = time.monotonic() + min(self.retry_window, LISTING_SETTLE_S)
         pause = _PAUSE
         while True:
             found: list[api.ConsumerInfo] = []
@@ -152,16 +147,16 @@ class ResilientJetStream(JetStreamContext):
                 at += len(page)
                 if not page or at >= int(resp.get("total", 0) or 0):
                     break
+            self.missing_consumers[stream] = sorted(missing)
             if not missing:
                 return found
             if time.monotonic() + pause >= deadline:
-                raise ConsumersMissingError(
-                    f"stream {stream}: consumers {sorted(missing)} did not answer the listing "
-                    f"for {self.retry_window:g} s (nats.retry_window)"
+                log.warning(
+                    "stream %s: consumers %s did not answer the listing (their node down?)",
+                    stream,
+                    sorted(missing),
                 )
-            log.info(
-                "stream %s: consumers %s missing from the listing; asking again", stream, missing
-            )
+                return found
             await anyio.sleep(pause)
             pause = min(pause * 2, _MAX_PAUSE)
 
