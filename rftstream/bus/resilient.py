@@ -147,7 +147,10 @@ class ResilientJetStream(JetStreamContext):
                 at += len(page)
                 if not page or at >= int(resp.get("total", 0) or 0):
                     break
-            self.missing_consumers[stream] = sorted(missing)
+            # `total` counts the missing ones too, so a second page may repeat one
+            found = list({c.name: c for c in found}.values())
+            missing = sorted(set(missing) - {c.name for c in found})
+            self.missing_consumers[stream] = missing
             if not missing:
                 return found
             if time.monotonic() + pause >= deadline:

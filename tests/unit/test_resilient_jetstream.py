@@ -132,6 +132,14 @@ async def test_a_listing_with_missing_consumers_is_asked_again_and_paged() -> No
     assert js.requests == offsets * 2
 
 
+async def test_a_consumer_a_second_page_repeats_is_listed_once() -> None:
+    # total counts the missing consumer: the second page repeats one already listed
+    js = _ListingJetStream([_listing(["a", "b"], total=3, missing=["c"]), _listing(["b"], total=3)])
+    js.retry_window = 0.0
+    assert [c.name for c in await js.consumers_info("S")] == ["a", "b"]
+    assert js.missing_consumers == {"S": ["c"]}
+
+
 async def test_consumers_still_missing_after_the_settle_time_are_left_out_and_named() -> None:
     js = _ListingJetStream([_listing(["a"], total=1, missing=["b"])] * 500, window=0.05)
     assert [c.name for c in await js.consumers_info("S")] == ["a"]
