@@ -87,7 +87,8 @@ def test_a_killed_trainer_resumes_and_trains_every_experience_once(
     metrics = run_dir / "metrics.jsonl"
     try:
         deadline = time.time() + 300
-        while time.time() < deadline and not any(r["step"] > EVERY for r in _lines(metrics)):
+        uids = run_dir / "trained_uids.jsonl"  # written after metrics.jsonl, per step
+        while time.time() < deadline and not any(r["step"] > EVERY for r in _lines(uids)):
             assert procs["trainer"].poll() is None, logs["trainer"].read_text()[-4000:]
             time.sleep(0.02)
         # past the checkpoint of step EVERY, before the one of step 2 * EVERY
