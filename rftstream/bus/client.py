@@ -761,16 +761,19 @@ class Bus:
                 except nats.errors.ConnectionClosedError as exc:
                     raise self._closed_error(f"publish to {subject}") from exc
                 except nats.js.errors.APIError as exc:
-                    if is_stream_full(exc) and attempt < retries:
-                        await self._free_experience(subject)
-                    if is_stream_full(exc) and attempt == retries:
+                    full = is_stream_full(exc)
+                    if full and (attempt < retries or time.monotonic() < give_up):
+                        await self._free_experience(subject)  # then wait for consumers
+                    elif full:
                         raise StreamFullError(
                             f"{self.actor}: publish to {subject} refused: its stream is full "
                             f"({exc.description}); it waits for consumers, or raise the "
                             f"stream's nats.streams.<stream>.max_bytes / max_msgs"
                         ) from exc
-                    if getattr(exc, "code", None) in (429, 503) and (
-                        attempt < retries or time.monotonic() < give_up
+                    if (
+                        full
+                        or getattr(exc, "code", None) in (429, 503)
+                        and (attempt < retries or time.monotonic() < give_up)
                     ):
                         pass
                     else:

@@ -129,7 +129,11 @@ def _exact(subject: str) -> bool:
 
 
 def purge_points(
-    first_seq: int, last_seq: int, consumers: Sequence[ConsumerFloor], keep: int
+    first_seq: int,
+    last_seq: int,
+    consumers: Sequence[ConsumerFloor],
+    keep: int,
+    min_batch: int = 1,
 ) -> dict[str, int]:
     """Per subject, the stream sequence below which its messages may be purged.
 
@@ -139,7 +143,9 @@ def purge_points(
     has acked everything it matches, so it bounds nothing. Only subjects some
     durable consumer reads (by exact filter) are purged: a stage nobody reads
     yet keeps everything. The newest ``keep`` sequences of the stream stay.
-    Subjects with nothing to purge (point <= ``first_seq``) are left out.
+    Subjects with nothing to purge (point <= ``first_seq``) are left out, and
+    so are those whose point is less than ``min_batch`` sequences above
+    ``first_seq`` (purges are batched).
     """
     if last_seq < first_seq:
         return {}
@@ -155,7 +161,7 @@ def purge_points(
             default=last_seq,
         )
         point = min(min(floor, shared) + 1, cap)
-        if point > first_seq:
+        if point > first_seq and point - first_seq >= min_batch:
             points[subject] = point
     return points
 
@@ -266,7 +272,12 @@ async def purge_acked(
     if unreachable:  # one of them may be a durable whose floor is lower: purge nothing
         log.warning("stream %s: not purging while consumers %s do not answer", stream, unreachable)
         return result
-    points = purge_points(first, last, floors, cfg.keep_acked_msgs)
+    # Batched while far from the limits, at once when room is getting short: each purge
+    # costs a headers-only read, a KV write and the purge, and purging a few messages
+    # twice a second made a default run's explorer half as fast.
+    far = fill_ratio(result.bytes, result.messages, cfg) < HIGH_WATER / 2
+    batch = max(1, cfg.keep_acked_msgs) if far else 1
+    points = purge_points(first, last, floors, cfg.keep_acked_msgs, batch)
     if not points:
         return result
     try:

@@ -26,8 +26,10 @@ def anyio_backend() -> str:
     return "asyncio"
 
 
-def _nats(**streams: dict) -> NatsConfig:
-    return msgspec.convert({"max_payload": 16 * 1024, "streams": streams}, NatsConfig)
+def _nats(retry_window: float = 60.0, **streams: dict) -> NatsConfig:
+    return msgspec.convert(
+        {"max_payload": 16 * 1024, "streams": streams, "retry_window": retry_window}, NatsConfig
+    )
 
 
 def _dir_bytes(path: Path) -> int:
@@ -97,7 +99,8 @@ async def test_a_stream_with_another_retention_is_refused_by_name(nats_url: str)
 async def test_full_stream_refuses_with_a_clear_error_then_takes_more_once_purged(
     nats_url: str,
 ) -> None:
-    cfg = _nats(experience={"max_bytes": 40_000, "purge_acked": False})
+    # a full stream is retried for nats.retry_window (consumers make room), then refused
+    cfg = _nats(retry_window=0.0, experience={"max_bytes": 40_000, "purge_acked": False})
     names = RunNames("full")
     async with await Bus.connect(nats_url, names, cfg, "producer") as bus:
         await bus.provision()

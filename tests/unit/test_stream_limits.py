@@ -70,6 +70,14 @@ def test_a_wildcard_reader_bounds_every_subject() -> None:
     assert purge_points(5, 4, consumers, 0) == {}  # an empty stream
 
 
+def test_purges_are_batched() -> None:
+    consumers = [ConsumerFloor("trainer", TRAIN, 15, 1), ConsumerFloor("op", RAW, 7, 2)]
+    # train may go below 16 (15 above the head), raw below 8 (7 above it)
+    assert purge_points(1, 20, consumers, 0, min_batch=8) == {TRAIN: 16}
+    assert purge_points(1, 20, consumers, 0, min_batch=7) == {TRAIN: 16, RAW: 8}
+    assert purge_points(1, 20, consumers, 0, min_batch=16) == {}
+
+
 def test_loss_and_removed_counts() -> None:
     floors = [
         ConsumerFloor("op", RAW, 3, 5),
