@@ -37,6 +37,7 @@ from rftstream.taskset_claim import (
     Look,
     Observed,
     Progressed,
+    Seeking,
     StartPublishing,
     Tick,
     Wait,
@@ -80,9 +81,9 @@ class TasksetPublisher:
         self.names = bus.names
         self.name = name
         self.training_sets = training_sets
+        # both set again by each _seek, with the timing attributes as they are then
         self._protocol = ClaimProtocol(name)
-        self._claim: ClaimState
-        self._claim, _ = self._protocol.start()  # (re)started by each _seek
+        self._claim: ClaimState = Seeking()
         self._claim_lock = anyio.Lock()  # one claim write at a time (chunks vs keep-alive)
 
     async def run(self, state: RunState) -> None:
@@ -180,8 +181,9 @@ class TasksetPublisher:
         """Record progress (or keep the claim alive when due). Raises :class:`_ClaimTakenOver`
         when another explorer took the claim over, :class:`BusError` on KV trouble."""
         async with self._claim_lock:
-            for action in self._step(event):
-                assert isinstance(action, WriteClaim)
+            for action in self._step(event):  # nothing, or one WriteClaim
+                if not isinstance(action, WriteClaim):
+                    raise TypeError(f"taskset claim: unexpected {action!r} while publishing")
                 actions = self._step(Wrote(revision=await self._write_claim(state, action)))
                 if any(isinstance(a, ClaimLost) for a in actions):
                     raise _ClaimTakenOver

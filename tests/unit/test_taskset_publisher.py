@@ -10,6 +10,7 @@ and ``tests/integration/test_explorer_pipeline.py``.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -92,6 +93,12 @@ class FakeTasks:
         return SimpleNamespace(num_pending=len(self.stored) - taken)
 
 
+async def _until(condition: Callable[[], object], timeout: float = 10.0) -> None:
+    with anyio.fail_after(timeout):
+        while not condition():
+            await anyio.sleep(0.01)
+
+
 def _publisher(tmp_path: Path, tasks: FakeTasks, name: str, **timing: float) -> TasksetPublisher:
     path = tmp_path / "t.jsonl"
     if not path.exists():
@@ -126,8 +133,11 @@ async def test_a_publisher_that_dies_mid_taskset_is_taken_over_where_it_stopped(
 ) -> None:
     kv, tasks = FakeKV(), FakeTasks()
     ghost = _publisher(tmp_path, tasks, "ghost", publish_lead=10, claim_keepalive_s=0.05)
-    with anyio.move_on_after(0.5):  # one chunk, then it waits for the explorers: it dies there
-        await ghost.run(kv)
+    async with anyio.create_task_group() as tg:  # one chunk, then it waits: it dies there
+        tg.start_soon(ghost.run, kv)
+        await _until(lambda: kv.entries and kv.claim().seq == PUBLISH_CHUNK)
+        await anyio.sleep(0.1)  # it keeps the claim alive meanwhile, publishing nothing
+        tg.cancel_scope.cancel()
     assert len(tasks.stored) == PUBLISH_CHUNK
     assert kv.claim() == TasksetClaim(by="ghost", ts=kv.claim().ts, seq=PUBLISH_CHUNK)
     tasks.taken = PUBLISH_CHUNK  # the explorers took them: nothing holds the heir back
@@ -147,18 +157,16 @@ async def test_a_publisher_that_dies_mid_taskset_is_taken_over_where_it_stopped(
 async def test_a_publisher_whose_claim_was_taken_over_stops_and_watches(tmp_path: Path) -> None:
     kv, tasks = FakeKV(), FakeTasks()
     slow = _publisher(tmp_path, tasks, "slow", publish_lead=10, claim_keepalive_s=0.05)
-    slow.claim_stale_s = 0.4
+    slow.claim_stale_s = 0.8  # well past the checks below, even on a loaded machine
     async with anyio.create_task_group() as tg:
         tg.start_soon(slow.run, kv)
-        with anyio.fail_after(5):
-            while len(tasks.stored) < PUBLISH_CHUNK:
-                await anyio.sleep(0.01)
+        await _until(lambda: kv.entries and kv.claim().seq == PUBLISH_CHUNK)
         # another explorer takes the claim over (it thought "slow" had died)
         _, rev = await kv.get_entry(TASKSET_CLAIM.name)
         other = TasksetClaim(by="other", ts=0.0, seq=PUBLISH_CHUNK, taken_over_from="slow")
         assert await kv.compare_and_put(TASKSET_CLAIM.name, other, rev) is not None
-        await anyio.sleep(0.35)  # "slow" loses its next keep-alive and stops publishing
-        assert isinstance(slow._claim, Seeking)
+        # "slow" loses its next keep-alive and stops publishing
+        await _until(lambda: isinstance(slow._claim, Seeking))
         tasks.keeping_up = True
         await anyio.sleep(0.2)
         assert tasks.published_by["slow"] == PUBLISH_CHUNK
