@@ -716,8 +716,10 @@ class Explorer:
         started late, or is slower than the others) loads the newest weights
         instead of waiting. A paused explorer re-checks when the trainer writes its
         step, weights, starving flag or the run status (a KV subscription), at the
-        latest every 0.25 s. Other explorers' tasks in flight are not seen: with
-        several explorers the bound can be passed by what they have in flight.
+        latest every 0.25 s. A trainer that says it starves is never stalled
+        (:meth:`SyncPolicy.starving_trainer_overrides`). Other explorers' tasks in
+        flight are not seen: with several explorers the bound can be passed by what
+        they have in flight.
         Messages the trainer trained and holds unacked until its next checkpoint
         (``trainer.save_interval``) are not backlog: the ``trainer.trained_unacked``
         totals read before and after the queues bound them from below
@@ -764,11 +766,15 @@ class Explorer:
                     await self._load(state, 0)
                     if self._version() > mine:
                         continue
-            starving = await state.get_json(TRAINER_STARVING.name, TRAINER_STARVING.type)
+            ahead = queued.in_transit + in_flight
+            # the record matters only with nothing ahead of the trainer: not read otherwise
+            starving = (
+                await state.get_json(TRAINER_STARVING.name, TRAINER_STARVING.type)
+                if ahead == 0
+                else None
+            )
             if self.policy.starving_trainer_overrides(
-                starving,
-                held_by_trainer=queued.held_by_trainer,
-                ahead_of_trainer=queued.in_transit + in_flight,
+                starving, held_by_trainer=queued.held_by_trainer, ahead_of_trainer=ahead
             ):
                 return batch_size  # never stall a starving trainer
             if await state.status() in END_STATUSES:
