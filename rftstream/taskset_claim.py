@@ -18,7 +18,8 @@ one explorer: the one holding KV key ``taskset.published.claim``
   (:class:`Progressed`: compare-and-set of the new ``seq`` on its revision),
   and the record is rewritten every ``keepalive_s`` meanwhile (:class:`Tick`),
   so the others see it alive. A write lost to another explorer means the
-  claim was taken over: :class:`ClaimLost`, and it seeks again.
+  claim was taken over: :class:`ClaimLost`, and it seeks again. A write
+  abandoned without an answer (cancelled: :class:`WriteFailed`) is forgotten.
 * **finished**: the taskset is published; nothing more to do.
 
 :meth:`ClaimProtocol.step` takes the state, an event (what the KV answered, or
@@ -273,4 +274,9 @@ class ClaimProtocol:
             if event.revision is None:  # another explorer took it over
                 return Seeking(), [ClaimLost(), Look()]
             return Publishing(revision=event.revision, seq=state.writing, written_at=now), []
+        if isinstance(event, WriteFailed) and state.writing is not None:
+            # the write was abandoned (cancelled) without an answer: the next one tries on
+            # the revision we know; if this one landed after all, that one finds the claim
+            # moved and reads as lost (our own claim: taken over again at once)
+            return msgspec.structs.replace(state, writing=None), []
         raise ValueError(f"taskset claim: {type(event).__name__} while publishing")

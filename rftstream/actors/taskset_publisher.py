@@ -179,13 +179,19 @@ class TasksetPublisher:
 
     async def _record(self, state: RunState, event: Progressed | Tick) -> None:
         """Record progress (or keep the claim alive when due). Raises :class:`_ClaimTakenOver`
-        when another explorer took the claim over, :class:`BusError` on KV trouble."""
+        when another explorer took the claim over, :class:`BusError` on KV trouble.
+        Cancelled during its write, the write's outcome is left open (see
+        :mod:`rftstream.taskset_claim`)."""
         async with self._claim_lock:
             for action in self._step(event):  # nothing, or one WriteClaim
                 if not isinstance(action, WriteClaim):
                     raise TypeError(f"taskset claim: unexpected {action!r} while publishing")
-                actions = self._step(Wrote(revision=await self._write_claim(state, action)))
-                if any(isinstance(a, ClaimLost) for a in actions):
+                try:
+                    revision = await self._write_claim(state, action)
+                except BaseException as exc:
+                    self._step(WriteFailed(reason=repr(exc)))
+                    raise
+                if any(isinstance(a, ClaimLost) for a in self._step(Wrote(revision=revision))):
                     raise _ClaimTakenOver
 
     # ------------------------------------------------------------ the plan

@@ -161,6 +161,15 @@ def test_the_publisher_keeps_its_claim_alive_only_when_due() -> None:
     assert actions == []
 
 
+def test_a_progress_write_abandoned_without_an_answer_is_forgotten() -> None:
+    a = _publishing(A)
+    a, _ = A.step(a, Progressed(seq=64), 1.0)
+    a, actions = A.step(a, WriteFailed(reason="cancelled"), 1.1)
+    assert (a, actions) == (Publishing(revision=1, seq=0, written_at=0.0), [])
+    a, actions = A.step(a, Progressed(seq=64), 2.0)  # tried again on the revision it knows
+    assert actions == [WriteClaim(seq=64, revision=1)]
+
+
 def test_events_a_state_cannot_receive_are_driver_bugs() -> None:
     a, _ = A.start()
     with pytest.raises(ValueError, match="Progressed while Seeking"):
