@@ -15,6 +15,7 @@ import msgspec
 from rftstream.errors import SchemaError
 from rftstream.experience import SCHEMA_NAME, decode_group_msg, from_record
 from rftstream.messages import DLQ_HEADERS, METRICS_SCHEMA, TASK_SCHEMA
+from rftstream.wire import Heartbeat
 
 
 def _mean(values: list[float]) -> float | None:
@@ -111,13 +112,13 @@ def status_report(
     heartbeats: list[dict[str, Any]] = []
     for key, value in values.items():
         if key.startswith("heartbeat.") and isinstance(value, dict):
-            info = {k: v for k, v in value.items() if k not in ("actor", "role", "ts")}
+            beat = Heartbeat.from_value(value, actor=key[len("heartbeat.") :])
             heartbeats.append(
                 {
-                    "actor": str(value.get("actor") or key[len("heartbeat.") :]),
-                    "role": str(value.get("role") or ""),
-                    "age": max(0.0, now - float(value.get("ts") or 0.0)),
-                    "info": info,
+                    "actor": beat.actor,
+                    "role": beat.role,
+                    "age": max(0.0, now - beat.ts),
+                    "info": beat.info,
                 }
             )
     heartbeats.sort(key=lambda h: (h["role"], h["actor"]))

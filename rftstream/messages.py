@@ -101,32 +101,6 @@ class TrainedUnacked(msgspec.Struct, kw_only=True):
     ts: float = 0.0
 
 
-class TasksetRecord(msgspec.Struct, kw_only=True):
-    """KV record ``taskset.published``: the taskset is in the task stream."""
-
-    count: int
-    epochs: int  # the most epochs of any training taskset
-    rows: int  # rows of all training tasksets together
-    by: str
-    ts: float
-    tasksets: dict[str, int] = msgspec.field(default_factory=dict)  # tasks per taskset name
-
-
-class TasksetClaim(msgspec.Struct, kw_only=True):
-    """KV record ``taskset.published.claim``: who publishes the taskset, and how far it got.
-
-    ``seq``: every task before this position of the plan is stored in the task
-    stream. The publisher rewrites the record (compare-and-set on its revision)
-    after each chunk and every few seconds while it reads the files; another
-    explorer takes over a claim whose record stopped changing.
-    """
-
-    by: str
-    ts: float
-    seq: int = 0
-    taken_over_from: str = ""
-
-
 _JSON = msgspec.json.Encoder()
 
 

@@ -7,6 +7,8 @@
 * :meth:`explorer_may_run` — may the explorer start another step, given how much
   experience is waiting for the trainer and how old its weights are (``max_staleness``)?
   :meth:`explorer_room` — how much may it generate now (a step may be cut to fit)?
+  :meth:`starving_trainer_overrides` — does the trainer's ``trainer.starving``
+  record let it start a batch that ``max_staleness`` would hold back?
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from rftstream.config.schema import SynchronizerConfig
+from rftstream.wire import TrainerStarving
 
 STYLES = ("fixed", "dynamic_by_explorer", "dynamic_by_trainer", "fully_async")
 ALIASES = {"explorer_driven": "dynamic_by_explorer", "trainer_driven": "dynamic_by_trainer"}
@@ -98,3 +101,22 @@ class SyncPolicy:
         """
         room = self.explorer_room(backlog_experiences, train_batch_size, version_lag)
         return room is None or room >= train_batch_size
+
+    def starving_trainer_overrides(
+        self, starving: TrainerStarving | None, *, held_by_trainer: int, ahead_of_trainer: int
+    ) -> bool:
+        """``max_staleness`` found no room: may the explorer start its batch anyway, because
+        the trainer says it starves?
+
+        Only when all the backlog is what the trainer holds (``ahead_of_trainer``:
+        the messages anywhere upstream of it, with the explorer's tasks in flight,
+        is 0) and the trainer says it is starving (its messages carry fewer
+        experiences than full groups: a filter, failed tasks): never stall it. A
+        flag written before more was delivered to it (``held_by_trainer`` above the
+        ``held`` it said it with) is stale: it said so while waiting for its first
+        batch, and holds two batches now; the trainer says it again with its new
+        count at its next empty fetch if it still starves.
+        """
+        if ahead_of_trainer > 0 or starving is None or not starving.since:
+            return False
+        return held_by_trainer <= starving.held

@@ -15,7 +15,8 @@ existing NATS). :func:`run_bench`:
    evaluated (the given model when there is none). The ``openai`` engine
    cannot load weights: checkpoints are skipped with a warning.
 
-Each evaluation is the explorer's own (:meth:`Explorer._evaluate`): the
+Each evaluation is the explorer's own (:meth:`Evaluator.evaluate
+<rftstream.actors.evaluation.Evaluator.evaluate>`): the
 ``eval/<taskset>/...`` metrics on ``metrics.<explorer>`` and one record in
 ``<run_dir>/eval.jsonl``, here with ``"bench": true`` and ``"checkpoint"``
 (the directory, or null for the given model). KV claims ``bench.step.<N>``
@@ -31,19 +32,18 @@ from __future__ import annotations
 import logging
 import re
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import anyio
 import anyio.to_thread
 import torch
 
 from rftstream.actors.common import heartbeat_loop
+from rftstream.actors.evaluation import Evaluator
 from rftstream.bus.state import RunState
+from rftstream.config.schema import Config
 from rftstream.errors import RftError
 from rftstream.weights import checkpoint_dir
-
-if TYPE_CHECKING:
-    from rftstream.actors.explorer import Explorer
 
 log = logging.getLogger(__name__)
 
@@ -78,28 +78,43 @@ def load_hf_state_dict(path: Path) -> dict[str, torch.Tensor]:
     return state
 
 
-async def run_bench(explorer: Explorer, state: RunState, *, engine: Any = None) -> None:
-    """Evaluate the given model, then the saved checkpoints; see the module docstring."""
+async def run_bench(
+    cfg: Config,
+    evaluator: Evaluator,
+    state: RunState,
+    *,
+    model_path: str,
+    engine: Any = None,
+) -> None:
+    """Evaluate the given model (``model_path``, or ``engine`` when given), then the saved
+    checkpoints, with ``evaluator``; see the module docstring. Heartbeats as
+    ``evaluator.name`` meanwhile."""
     from rftstream.engines.rollout import rollout_model
     from workflows.runner import WorkflowRunner
 
-    cfg = explorer.cfg
-    await explorer._load_eval_tasksets()
+    await evaluator.load_tasksets()
     directory = checkpoint_dir(cfg)
     found = await anyio.to_thread.run_sync(find_checkpoints, directory)
-    async with rollout_model(cfg, explorer.model_path, engine=engine) as (model, aux, _):
-        explorer.engine = model.engine
+    step = 0
+    async with rollout_model(cfg, model_path, engine=engine) as (model, aux, _):
         runner = WorkflowRunner(
             model,
             max_timeout=cfg.explorer.max_timeout,
             max_retry_times=cfg.explorer.max_retry_times,
             auxiliary_models=aux,
         )
-        can_load = bool(getattr(explorer.engine, "can_load_weights", True))
+
+        def version() -> int:
+            return int(getattr(model.engine, "model_version", 0) or 0)
+
+        def info() -> dict[str, Any]:  # an explorer's heartbeat: it explores nothing here
+            return {"step": step, "model_version": version(), "groups": 0, "failed_tasks": 0}
+
+        can_load = bool(getattr(model.engine, "can_load_weights", True))
         if found and not can_load:
             log.warning(
                 "%s: engine %s cannot load weights; the %d checkpoints in %s are not evaluated",
-                explorer.name,
+                evaluator.name,
                 cfg.explorer.rollout_model.engine_type,
                 len(found),
                 directory,
@@ -110,22 +125,21 @@ async def run_bench(explorer: Explorer, state: RunState, *, engine: Any = None) 
             plan = plan[-1:]
         log.info(
             "%s: benchmarking %s on %d eval tasksets",
-            explorer.name,
+            evaluator.name,
             ", ".join("the given model" if p is None else p.name for _, p in plan),
-            len(explorer._eval_rows),
+            evaluator.taskset_count,
         )
         async with anyio.create_task_group() as tg:
-            tg.start_soon(
-                heartbeat_loop, state, explorer.name, explorer.role, lambda: explorer._info()
-            )
+            tg.start_soon(heartbeat_loop, state, evaluator.name, evaluator.role, info)
             for step, path in plan:
                 if path is not None:
                     sd = await anyio.to_thread.run_sync(load_hf_state_dict, path)
-                    await explorer.engine.load_weights(sd, step)
-                explorer.step = step
-                await explorer._evaluate(
+                    await model.engine.load_weights(sd, step)
+                await evaluator.evaluate(
                     state,
                     runner,
+                    step=step,
+                    version=version(),
                     final=False,
                     claim_key=KV_BENCH_STEP.format(step=step),
                     extra={"bench": True, "checkpoint": str(path) if path else None},

@@ -1,12 +1,13 @@
 """The explorer's evaluation of its ``eval_tasksets`` (see :mod:`rftstream.actors.explorer`).
 
-:class:`EvaluationMixin` is a part of :class:`~rftstream.actors.explorer.Explorer`:
-it loads the eval tasksets, runs every row once (``repeat_times`` of the eval
-taskset, default 1) with the current weights through the explorer's workflow
-runner (nothing reaches ``exp.raw``), publishes ``eval/<name>/...`` metrics on
-``metrics.<explorer>`` and appends the record to ``<run_dir>/eval.jsonl``. One
-explorer evaluates each step (KV claims). Every method blocks the explorer's
-loop while it runs; cancelling stops after the current await.
+:class:`Evaluator` loads the eval tasksets, runs every row once
+(``repeat_times`` of the eval taskset, default 1) with the engine's current
+weights through a workflow runner (nothing reaches ``exp.raw``), publishes
+``eval/<name>/...`` metrics on ``metrics.<actor>`` and appends the record to
+``<run_dir>/eval.jsonl``. One actor evaluates each step number (KV claims).
+The explorer evaluates during its run, ``mode: bench`` its checkpoints
+(:mod:`rftstream.actors.bench`). Every method blocks its caller while it runs;
+cancelling stops after the current await.
 """
 
 from __future__ import annotations
@@ -30,71 +31,83 @@ from rftstream.subjects import KV_EVAL_FINAL, KV_EVAL_STEP
 
 log = logging.getLogger(__name__)
 
-__all__ = ["EvaluationMixin"]
+__all__ = ["Evaluator"]
 
 
-class EvaluationMixin:
-    """Evaluation methods of the explorer (they use its config, bus, step and weights)."""
+class Evaluator:
+    """Evaluates the eval tasksets of one actor (``name``, ``role``) and records the results.
 
-    cfg: Config
-    bus: Bus
-    name: str
-    role: str
-    step: int
-    evaluations: int
-    eval_sets: list[tuple[str, TasksetConfig]]
-    on_eval: Callable[[dict[str, Any]], None] | None
-    _eval_rows: list[tuple[TasksetConfig, list[dict[str, Any]]]]
-    _last_eval: tuple[int, int] | None
+    ``evaluations`` counts the evaluations this one ran; ``on_eval`` is called
+    with each ``eval.jsonl`` record.
+    """
 
-    def _version(self) -> int:
-        raise NotImplementedError
+    def __init__(
+        self,
+        cfg: Config,
+        bus: Bus,
+        name: str,
+        role: str,
+        eval_sets: list[tuple[str, TasksetConfig]],
+        *,
+        on_eval: Callable[[dict[str, Any]], None] | None = None,
+    ) -> None:
+        self.cfg = cfg
+        self.bus = bus
+        self.name = name
+        self.role = role
+        self.eval_sets = eval_sets
+        self.on_eval = on_eval
+        self.evaluations = 0
+        self._rows: list[tuple[TasksetConfig, list[dict[str, Any]]]] = []
+        self._last: tuple[int, int] | None = None  # (step, weights version) last evaluated
 
-    async def _load(self, state: RunState, min_version: int) -> None:
-        raise NotImplementedError
+    @property
+    def has_tasksets(self) -> bool:
+        """Whether there is anything to evaluate (after :meth:`load_tasksets`)."""
+        return bool(self._rows)
 
-    async def _load_eval_tasksets(self) -> None:
+    @property
+    def taskset_count(self) -> int:
+        return len(self._rows)
+
+    async def load_tasksets(self) -> None:
+        """Read every eval taskset (in a worker thread). Blocks."""
         from workflows.tasksets import load_taskset
 
-        self._eval_rows = []
+        self._rows = []
         for key, ts in self.eval_sets:
             rows = await anyio.to_thread.run_sync(load_taskset, ts, key)
-            self._eval_rows.append((ts, rows))
+            self._rows.append((ts, rows))
 
-    async def _final_eval(self, state: RunState, runner: Any, why: str) -> None:
-        """The end-of-run evaluation (newest weights), unless the run failed or was stopped."""
-        if not self._eval_rows or why in ("failed", "stopped"):
-            return
-        await self._load(state, 0)
-        await self._evaluate(state, runner, final=True)
-
-    async def _evaluate(
+    async def evaluate(
         self,
         state: RunState,
         runner: Any,
         *,
+        step: int,
+        version: int,
         final: bool,
         claim_key: str | None = None,
         extra: dict[str, Any] | None = None,
     ) -> None:
-        """Run every eval taskset once with the current weights; publish and record the metrics.
+        """Run every eval taskset once with weights ``version`` after step ``step``;
+        publish and record the metrics.
 
-        Blocks exploration meanwhile. One explorer per step number (KV claim
+        Blocks the caller meanwhile. One actor per step number (KV claim
         ``claim_key``, default ``eval.step.<n>`` / ``eval.final``); a final
         evaluation of what was just evaluated is skipped. ``extra`` goes into the
         ``eval.jsonl`` record (bench: the checkpoint). Cancelled or failed
         before its metrics and record are out, it releases the claim (deletes
         the key), so a later explorer evaluates that step instead of skipping it.
         """
-        version = self._version()
-        if final and self._last_eval == (self.step, version):
+        if final and self._last == (step, version):
             return
-        key = claim_key or (KV_EVAL_FINAL if final else KV_EVAL_STEP.format(step=self.step))
-        claim = {"by": self.name, "step": self.step, "model_version": version, "ts": time.time()}
+        key = claim_key or (KV_EVAL_FINAL if final else KV_EVAL_STEP.format(step=step))
+        claim = {"by": self.name, "step": step, "model_version": version, "ts": time.time()}
         if not await state.claim(key, claim):
             return
         try:
-            values, record = await self._evaluate_claimed(final, version, extra, runner)
+            values, record = await self._evaluate_claimed(step, final, version, extra, runner)
         except BaseException:
             with anyio.CancelScope(shield=True), anyio.move_on_after(5.0):
                 try:
@@ -102,11 +115,11 @@ class EvaluationMixin:
                 except Exception as exc:  # noqa: BLE001 - the connection may be gone
                     log.warning("%s: could not release the claim %s: %s", self.name, key, exc)
             raise
-        self._last_eval = (self.step, version)
+        self._last = (step, version)
         log.info(
             "%s: evaluation after step %d (weights v%d): %s",
             self.name,
-            self.step,
+            step,
             version,
             ", ".join(f"{k}={v:.4g}" for k, v in values.items() if k.endswith("/mean")),
         )
@@ -114,20 +127,20 @@ class EvaluationMixin:
             self.on_eval(record)
 
     async def _evaluate_claimed(
-        self, final: bool, version: int, extra: dict[str, Any] | None, runner: Any
+        self, step: int, final: bool, version: int, extra: dict[str, Any] | None, runner: Any
     ) -> tuple[dict[str, float], dict[str, Any]]:
-        """The evaluation :meth:`_evaluate` claimed: run it, publish the metrics, write the
+        """The evaluation :meth:`evaluate` claimed: run it, publish the metrics, write the
         ``eval.jsonl`` record. Returns ``(values, record)``."""
         t0 = time.perf_counter()
         values: dict[str, float] = {}
-        for ts_cfg, rows in self._eval_rows:
+        for ts_cfg, rows in self._rows:
             values.update(await self._eval_taskset(ts_cfg, rows, runner))
         values["eval/model_version"] = float(version)
         values["eval/final"] = 1.0 if final else 0.0
         values["time/eval"] = time.perf_counter() - t0
-        await self.bus.publish_metrics(self.role, self.step, values)
+        await self.bus.publish_metrics(self.role, step, values)
         record: dict[str, Any] = {
-            "step": self.step,
+            "step": step,
             "ts": time.time(),
             "explorer": self.name,
             **(extra or {}),

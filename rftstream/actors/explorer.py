@@ -1,19 +1,13 @@
 """The Explorer actor: tasks in, experience groups out.
 
 Taskset: the training tasksets (``buffer.explorer_input.taskset`` and
-``tasksets``, see :func:`workflows.tasksets.plan_tasks`) are published into
-``RFT_<RUN>_TASKS`` once per run, in the background while the explorer loads
-its engine and explores, at most ``publish_lead`` tasks ahead of what explorers
-have taken: the first explorer claims KV key ``taskset.published.claim`` and
-records its progress there after every chunk of tasks (and every
-``claim_keepalive_s`` while it waits); ``taskset.published`` marks the end.
-Another explorer explores what is there; if the claim stops moving (its
-publisher died) for ``claim_stale_s`` seconds it takes over (compare-and-set)
-and publishes the rest; a restarted explorer of the same name takes its own
-claim over at once. ``Nats-Msg-Id`` ``task:<taskset>:<epoch>:<index>`` makes a
-re-published task a duplicate the stream drops (within ``nats.dedup_window``).
-An explorer is out of tasks only when the queue is drained *and* the plan is
-published.
+``tasksets``) are published into ``RFT_<RUN>_TASKS`` once per run, in the
+background while the explorer loads its engine and explores, by the explorer
+holding KV claim ``taskset.published.claim`` (its :class:`TasksetPublisher`, see
+:mod:`rftstream.actors.taskset_publisher` and the claim protocol in
+:mod:`rftstream.taskset_claim`); another explorer explores what is there and
+takes over a claim that stopped moving. An explorer is out of tasks only when
+the queue is drained *and* the plan is published (``taskset.published``).
 
 Steps: the explorer pulls ``buffer.batch_size`` tasks from the shared durable,
 runs their workflows concurrently (at most ``explorer.runner_num`` tasks at a
@@ -54,7 +48,7 @@ explorer step; a metric without a value, e.g. the mean reward when every
 task failed, is left out there) and appends the same record to
 ``<run_dir>/eval.jsonl`` (``null`` for such values; not when
 ``monitor.monitor_type`` is ``none``). Exploration waits meanwhile
-(:mod:`rftstream.actors.evaluation`).
+(its :class:`~rftstream.actors.evaluation.Evaluator`).
 
 Sync: before a step the explorer loads newer weights per the sync policy;
 with ``max_staleness`` it pauses while too much experience waits for the
@@ -75,12 +69,11 @@ from __future__ import annotations
 import logging
 import time
 from collections import Counter
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from typing import Any
 
 import anyio
 import anyio.abc
-import nats.js.errors
 from nats.aio.msg import Msg
 
 from rftstream.actors.common import (
@@ -91,7 +84,8 @@ from rftstream.actors.common import (
     frozen_heap,
     heartbeat_loop,
 )
-from rftstream.actors.evaluation import EvaluationMixin
+from rftstream.actors.evaluation import Evaluator
+from rftstream.actors.taskset_publisher import TasksetPublisher
 from rftstream.bus.client import Bus
 from rftstream.bus.limits import ExperienceRoom
 from rftstream.bus.state import END_STATUSES, RunState
@@ -99,20 +93,9 @@ from rftstream.config.schema import Config, TasksetConfig
 from rftstream.config.validate import TRAINER_MODES, eval_tasksets, training_tasksets
 from rftstream.errors import BusError, PayloadTooLargeError, RftError, SchemaError
 from rftstream.experience import Experience
-from rftstream.messages import (
-    TaskMsg,
-    TasksetClaim,
-    TasksetRecord,
-    TrainedUnacked,
-    decode_json,
-    encode_json,
-)
+from rftstream.messages import TaskMsg, TrainedUnacked, decode_json
 from rftstream.subjects import (
-    KV_EXPLORER_DONE,
-    KV_EXPLORER_STEP,
     KV_STATUS,
-    KV_TASKSET,
-    KV_TASKSET_CLAIM,
     KV_TRAINER_STARVING,
     KV_TRAINER_STEP,
     KV_TRAINER_UNACKED,
@@ -121,26 +104,21 @@ from rftstream.subjects import (
 )
 from rftstream.sync import SyncPolicy
 from rftstream.weights import load_weights
+from rftstream.wire import EXPLORER_DONE, EXPLORER_STEP, TRAINER_STARVING, ExplorerDone
 
 log = logging.getLogger(__name__)
 
 TASKS_DLQ_STAGE = "tasks"
-PUBLISH_CHUNK = 64  # tasks published concurrently between two progress records
 RETRY_MAX_S = 30.0  # the longest wait between two attempts to publish a group
 RECOUNT_S = 0.01  # a max_staleness pause taken while counts moved is re-checked this soon
 
 
-class _ClaimLost(Exception):
-    """Another explorer took the taskset claim over."""
-
-
-class Explorer(EvaluationMixin):
-    """One explorer: a rollout engine, a workflow runner and a task loop."""
+class Explorer:
+    """One explorer: a rollout engine, a workflow runner and a task loop, with a
+    :class:`TasksetPublisher` (the run's tasks, once) and an :class:`Evaluator`
+    (its eval tasksets)."""
 
     role = "explorer"
-    claim_stale_s = 30.0  # a taskset claim unchanged this long belongs to a dead publisher
-    claim_keepalive_s = 5.0
-    publish_lead = 1024  # tasks published ahead of the explorers (the rest as they are taken)
 
     def __init__(
         self,
@@ -153,7 +131,6 @@ class Explorer(EvaluationMixin):
         on_eval: Callable[[dict[str, Any]], None] | None = None,
     ) -> None:
         self.on_progress = on_progress
-        self.on_eval = on_eval
         self.cfg = cfg
         self.bus = bus
         self.names = bus.names
@@ -170,18 +147,16 @@ class Explorer(EvaluationMixin):
         self.policy = SyncPolicy.from_config(cfg.synchronizer)
         self.repeat_times = int(cfg.algorithm.repeat_times or 1)
         inp = cfg.buffer.explorer_input
-        self.training_sets: list[tuple[str, TasksetConfig]] = training_tasksets(inp)
-        self.eval_sets: list[tuple[str, TasksetConfig]] = eval_tasksets(inp)
-        self._taskset_cfg = {ts.name: ts for _, ts in self.training_sets}
+        training_sets: list[tuple[str, TasksetConfig]] = training_tasksets(inp)
+        self._taskset_cfg = {ts.name: ts for _, ts in training_sets}
+        self.publisher = TasksetPublisher(cfg, bus, name, training_sets)
+        self.evaluator = Evaluator(cfg, bus, name, self.role, eval_tasksets(inp), on_eval=on_eval)
         self.step = 0
         self.published_groups = 0
         self.published_experiences = 0
         self.failed_tasks = 0
-        self.evaluations = 0
         self.engine: Any = None
         self.state: RunState | None = None
-        self._eval_rows: list[tuple[TasksetConfig, list[dict[str, Any]]]] = []
-        self._last_eval: tuple[int, int] | None = None
         self._unacked: dict[int, Msg] = {}
         self._in_flight = 0  # tasks started and not finished
         self._flight_versions: Counter[int] = Counter()  # tasks in flight by weights version
@@ -193,208 +168,6 @@ class Explorer(EvaluationMixin):
         self._trainer_changes: KeyChanges | None = None
         # the trainer start (WeightsPointer.incarnation) whose weights the engine holds
         self._weights_incarnation = 0
-
-    # ------------------------------------------------------------ taskset
-    async def publish_taskset(self, state: RunState) -> None:
-        """Publish every task of every epoch of the training tasksets, once per run.
-
-        Blocks until the taskset is in the task stream (published here or by
-        another explorer); see the module docstring for the claim protocol.
-        """
-        while True:
-            with anyio.fail_after(self.cfg.synchronizer.sync_timeout):
-                got = await self._become_publisher(state)
-            if got is None:
-                return
-            revision, start = got
-            try:
-                await self._publish_plan(state, revision, start)
-                return
-            except _ClaimLost:
-                log.warning("%s: another explorer took the taskset over", self.name)
-
-    async def _become_publisher(self, state: RunState) -> tuple[int, int] | None:
-        """Claim the publishing: ``(claim revision, first seq to publish)``; None once published."""
-        kv = state.kv
-        seen_rev, since = -1, time.monotonic()
-        while True:
-            if await state.taskset() is not None:
-                return None
-            try:
-                rev = await state.compare_and_put(
-                    KV_TASKSET_CLAIM, TasksetClaim(by=self.name, ts=time.time()), None
-                )
-            except BusError as exc:  # not a lost race: a KV hiccup; try again shortly
-                log.warning("%s: taskset claim: %s; retrying", self.name, exc)
-                await anyio.sleep(0.5)
-                continue
-            if rev is not None:
-                return int(rev), 0
-            # claimed already
-            try:
-                entry = await kv.get(KV_TASKSET_CLAIM)
-                claim = decode_json(entry.value or b"", TasksetClaim, "KV taskset claim")
-            except (nats.js.errors.KeyNotFoundError, nats.js.errors.KeyDeletedError, SchemaError):
-                entry, claim = None, None
-            if entry is None or claim is None:
-                await anyio.sleep(0.2)
-                continue
-            if entry.revision != seen_rev:
-                seen_rev, since = int(entry.revision or 0), time.monotonic()
-            stale = time.monotonic() - since > self.claim_stale_s
-            if claim.by == self.name or stale:
-                mine = TasksetClaim(
-                    by=self.name, ts=time.time(), seq=claim.seq, taken_over_from=claim.by
-                )
-                try:
-                    rev = await state.compare_and_put(KV_TASKSET_CLAIM, mine, seen_rev)
-                except BusError as exc:
-                    log.warning("%s: taskset claim take-over: %s; retrying", self.name, exc)
-                    rev = None
-                if rev is None:
-                    await anyio.sleep(0.2)
-                    continue  # someone else was quicker, or the KV hiccupped
-                log.warning(
-                    "%s: taking the taskset over from %s at task %d (%s)",
-                    self.name,
-                    claim.by,
-                    claim.seq,
-                    "its own earlier claim" if claim.by == self.name else "claim went stale",
-                )
-                return int(rev), claim.seq
-            await anyio.sleep(0.2)
-
-    async def _publish_plan(self, state: RunState, revision: int, start: int) -> None:
-        """Load the training tasksets and publish the plan from ``start`` on; then the record."""
-        from workflows.tasksets import TasksetPlan, load_taskset, plan_tasks
-
-        rev = revision
-        lock = anyio.Lock()
-
-        async def progress(seq: int) -> None:
-            nonlocal rev
-            async with lock:
-                body = encode_json(TasksetClaim(by=self.name, ts=time.time(), seq=seq))
-                try:
-                    rev = int(await state.kv.update(KV_TASKSET_CLAIM, body, last=rev))
-                except nats.js.errors.APIError as exc:
-                    raise _ClaimLost from exc
-
-        lost = False
-
-        async def keepalive(scope: anyio.CancelScope) -> None:
-            nonlocal lost
-            while True:
-                await anyio.sleep(self.claim_keepalive_s)
-                try:
-                    await progress(start)
-                except _ClaimLost:
-                    lost = True
-                    scope.cancel()
-                    return
-
-        sets: list[tuple[TasksetConfig, list[dict[str, Any]]]] = []
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(keepalive, tg.cancel_scope)
-            for key, ts in self.training_sets:
-                rows = await anyio.to_thread.run_sync(load_taskset, ts, key)
-                sets.append((ts, rows))
-            tg.cancel_scope.cancel()
-        if lost:
-            raise _ClaimLost
-        default_epochs = self.cfg.buffer.total_epochs
-        plans = [
-            TasksetPlan(
-                name=ts.name,
-                rows=len(rows),
-                epochs=int(ts.total_epochs or default_epochs),
-                shuffle=ts.shuffle,
-                seed=ts.seed,
-            )
-            for ts, rows in sets
-        ]
-        plan = plan_tasks(plans)
-        rows_of = {ts.name: rows for ts, rows in sets}
-        mixed = len(sets) > 1
-        errors: list[Exception] = []
-
-        async def publish(msg: TaskMsg) -> None:
-            try:
-                await self._publish_task(msg)
-            except Exception as exc:  # noqa: BLE001 - re-raised below, outside the task group
-                errors.append(exc)
-
-        for lo in range(start, len(plan), PUBLISH_CHUNK):
-            async with anyio.create_task_group() as tg:
-                for p in plan[lo : lo + PUBLISH_CHUNK]:
-                    msg = TaskMsg(
-                        taskset=p.taskset,
-                        index=p.index,
-                        epoch=p.epoch,
-                        seq=p.seq,
-                        raw_task=rows_of[p.taskset][p.index],
-                        task_id=f"{p.taskset}:{p.index}" if mixed else p.index,
-                    )
-                    tg.start_soon(publish, msg)
-            if errors:
-                raise errors[0]
-            done = min(lo + PUBLISH_CHUNK, len(plan))
-            await progress(done)
-            if done < len(plan):
-                await self._stay_ahead(progress, done)
-        per_set = {p.name: p.rows * p.epochs for p in plans}
-        await state.put_json(
-            KV_TASKSET,
-            TasksetRecord(
-                count=len(plan),
-                epochs=max(p.epochs for p in plans),
-                rows=sum(p.rows for p in plans),
-                by=self.name,
-                ts=time.time(),
-                tasksets=per_set,
-            ),
-        )
-        log.info(
-            "%s: published %d tasks (%s)",
-            self.name,
-            len(plan) - start,
-            ", ".join(f"{p.name}: {p.rows} rows x {p.epochs} epochs" for p in plans),
-        )
-
-    async def _stay_ahead(self, progress: Callable[[int], Awaitable[None]], seq: int) -> None:
-        """Wait while ``publish_lead`` tasks or more wait in the queue, keeping the claim alive.
-
-        The plan is published as it is consumed, not all at once: a long run's
-        tens of thousands of tasks would otherwise take the explorer's first
-        seconds (and their CPU) before any rollout.
-        """
-        n = self.names
-        last = time.monotonic()
-        while True:
-            try:
-                info = await self.bus.js.consumer_info(n.tasks_stream, n.explorer_consumer)
-                waiting = int(info.num_pending or 0)
-            except nats.js.errors.Error as exc:
-                log.warning("%s: task queue info: %s; publishing on", self.name, exc)
-                return
-            if waiting < self.publish_lead:
-                return
-            if time.monotonic() - last >= self.claim_keepalive_s:
-                await progress(seq)  # raises _ClaimLost when another explorer took over
-                last = time.monotonic()
-            await anyio.sleep(0.25)
-
-    async def _publish_task(self, msg: TaskMsg) -> None:
-        await self.bus.publish(
-            self.names.tasks_subject,
-            encode_json(msg),
-            headers={
-                "Rft-Schema": msg.schema,
-                "Rft-Task": f"{msg.taskset}/{msg.epoch}/{msg.index}",
-                "Rft-Actor": self.name,
-            },
-            msg_id=f"task:{msg.taskset}:{msg.epoch}:{msg.index}",
-        )
 
     # ------------------------------------------------------------ run
     @property
@@ -425,11 +198,13 @@ class Explorer(EvaluationMixin):
         if self.cfg.mode == "bench":
             from rftstream.actors.bench import run_bench
 
-            await run_bench(self, state, engine=engine)
+            await run_bench(
+                self.cfg, self.evaluator, state, model_path=self.model_path, engine=engine
+            )
             return
         async with anyio.create_task_group() as publishing:
             # the plan is published while the engine loads and the first tasks run
-            publishing.start_soon(self.publish_taskset, state)
+            publishing.start_soon(self.publisher.run, state)
             await self._explore_all(state, engine)
             publishing.cancel_scope.cancel()
 
@@ -438,8 +213,9 @@ class Explorer(EvaluationMixin):
         from rftstream.engines.rollout import rollout_model
         from workflows.runner import WorkflowRunner
 
-        await self._load_eval_tasksets()
-        self.step = int(await state.get_json(KV_EXPLORER_STEP.format(name=self.name)) or 0)
+        await self.evaluator.load_tasksets()
+        step_key = EXPLORER_STEP.of(name=self.name)
+        self.step = int(await state.get_json(step_key.name, step_key.type) or 0)
         if self.step:
             log.info("%s: resuming after step %d", self.name, self.step)
         consumer = await self.bus.pull(self.names.tasks_stream, self.names.explorer_consumer)
@@ -583,12 +359,14 @@ class Explorer(EvaluationMixin):
             steps.start_soon(
                 self._run_step, next_step, msgs, runner, limiter, ticker, wait_sync, version
             )
-            if self._eval_rows and (
+            if self.evaluator.has_tasksets and (
                 next_step % self.cfg.explorer.eval_interval == 0
                 or next_step == self.cfg.buffer.total_steps
             ):
                 await self._room_for(0)  # exploration waits for the evaluation
-                await self._evaluate(state, runner, final=False)
+                await self.evaluator.evaluate(
+                    state, runner, step=self.step, version=self._version(), final=False
+                )
 
     # ------------------------------------------------------------ tasks in flight
     def _started(self, n: int, version: int = 0) -> None:
@@ -698,7 +476,7 @@ class Explorer(EvaluationMixin):
         if step > self._step_recorded:
             self._step_recorded = step
             assert self.state is not None
-            await self.state.put_json(KV_EXPLORER_STEP.format(name=self.name), step)
+            await self.state.put_json(EXPLORER_STEP.of(name=self.name).name, step)
         if self.on_progress is not None:
             self.on_progress({**self._info(), "step": step, **values})
 
@@ -707,11 +485,21 @@ class Explorer(EvaluationMixin):
         explore``, the run's end (status ``finished``: operators drain and stop)."""
         await self._final_eval(state, runner, why)
         await state.put_json(
-            KV_EXPLORER_DONE.format(name=self.name),
-            {"step": self.step, "ts": time.time(), "why": why},
+            EXPLORER_DONE.of(name=self.name).name,
+            ExplorerDone(step=self.step, ts=time.time(), why=why),
         )
         if self.explore_only and await state.status() not in ("failed", "stopped"):
             await state.set_status("finished")
+
+    async def _final_eval(self, state: RunState, runner: Any, why: str) -> None:
+        """The end-of-run evaluation with the newest weights, unless the run failed or was
+        stopped (or there is nothing to evaluate). Blocks."""
+        if not self.evaluator.has_tasksets or why in ("failed", "stopped"):
+            return
+        await self._load(state, 0)
+        await self.evaluator.evaluate(
+            state, runner, step=self.step, version=self._version(), final=True
+        )
 
     async def _fail_task(self, msg: Msg, reason: str, stats: dict[str, float]) -> None:
         """Dead-letter a task message (``dlq.tasks``, reason in headers) and count it as failed.
@@ -928,8 +716,10 @@ class Explorer(EvaluationMixin):
         started late, or is slower than the others) loads the newest weights
         instead of waiting. A paused explorer re-checks when the trainer writes its
         step, weights, starving flag or the run status (a KV subscription), at the
-        latest every 0.25 s. Other explorers' tasks in flight are not seen: with
-        several explorers the bound can be passed by what they have in flight.
+        latest every 0.25 s. A trainer that says it starves is never stalled
+        (:meth:`SyncPolicy.starving_trainer_overrides`). Other explorers' tasks in
+        flight are not seen: with several explorers the bound can be passed by what
+        they have in flight.
         Messages the trainer trained and holds unacked until its next checkpoint
         (``trainer.save_interval``) are not backlog: the ``trainer.trained_unacked``
         totals read before and after the queues bound them from below
@@ -976,19 +766,17 @@ class Explorer(EvaluationMixin):
                     await self._load(state, 0)
                     if self._version() > mine:
                         continue
-            if queued.in_transit == 0 and in_flight == 0:
-                # all the backlog is what the trainer holds, and it says it is starving (its
-                # messages carry fewer experiences than full groups): never stall it. A flag
-                # written before more was delivered to it is stale (it said so while waiting
-                # for its first batch, and has two batches now): the trainer says it again
-                # with its new count at its next empty fetch if it still starves
-                starving = await state.get_json(KV_TRAINER_STARVING)
-                if (
-                    isinstance(starving, dict)
-                    and starving.get("since")
-                    and queued.held_by_trainer <= int(starving.get("held") or 0)
-                ):
-                    return batch_size
+            ahead = queued.in_transit + in_flight
+            # the record matters only with nothing ahead of the trainer: not read otherwise
+            starving = (
+                await state.get_json(TRAINER_STARVING.name, TRAINER_STARVING.type)
+                if ahead == 0
+                else None
+            )
+            if self.policy.starving_trainer_overrides(
+                starving, held_by_trainer=queued.held_by_trainer, ahead_of_trainer=ahead
+            ):
+                return batch_size  # never stall a starving trainer
             if await state.status() in END_STATUSES:
                 return batch_size
             # a group our task published, or an operator handed on, while the counts were

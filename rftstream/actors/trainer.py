@@ -79,6 +79,7 @@ from rftstream.training import checkpoint as ckpt
 from rftstream.training.datasets import DatasetSource, load_dataset_experiences
 from rftstream.training.ranks import RankLeader
 from rftstream.weights import checkpoint_dir, save_weights
+from rftstream.wire import TrainerStarving
 
 log = logging.getLogger(__name__)
 
@@ -311,7 +312,7 @@ class Trainer:
 
         async def starving(flag: bool, held: int) -> None:
             await state.put_json(
-                KV_TRAINER_STARVING, {"since": time.time() if flag else None, "held": held}
+                KV_TRAINER_STARVING, TrainerStarving(since=time.time() if flag else None, held=held)
             )
 
         watcher = DeadLetterWatcher(

@@ -8,7 +8,6 @@ Every method is one KV round trip (blocks for it).
 
 from __future__ import annotations
 
-import time
 from typing import Any, TypeVar
 
 import msgspec
@@ -17,8 +16,9 @@ import nats.js.errors
 from nats.js.kv import KeyValue
 
 from rftstream.errors import BusError
-from rftstream.messages import TasksetRecord, WeightsPointer, decode_json, encode_json
+from rftstream.messages import WeightsPointer, decode_json, encode_json
 from rftstream.subjects import KV_HEARTBEAT, KV_STATUS, KV_TASKSET, KV_TRAINER_STEP, KV_WEIGHTS
+from rftstream.wire import Heartbeat, TasksetRecord
 
 T = TypeVar("T")
 
@@ -171,8 +171,7 @@ class RunState:
 
     async def heartbeat(self, actor: str, role: str, **info: Any) -> None:
         await self.put_json(
-            KV_HEARTBEAT.format(actor=actor),
-            {"actor": actor, "role": role, "ts": time.time(), **info},
+            KV_HEARTBEAT.format(actor=actor), Heartbeat.now(actor, role, **info).to_value()
         )
 
     async def all(self, prefix: str = "") -> dict[str, Any]:

@@ -26,10 +26,11 @@ from rftstream.bus.state import RunState
 from rftstream.config import config_from_dict
 from rftstream.engines.tiny import arithmetic_problems
 from rftstream.experience import decode_group
-from rftstream.messages import TaskMsg, TasksetClaim, encode_json
+from rftstream.messages import TaskMsg, encode_json
 from rftstream.plugins import load_plugins
 from rftstream.runtime import PreparedRun, prepare_run, provision
 from rftstream.subjects import KV_TASKSET_CLAIM
+from rftstream.wire import TasksetClaim
 from tests.integration._util import (
     read_metrics,
     read_stream,
@@ -381,7 +382,7 @@ def test_taskset_publisher_that_died_is_taken_over(
             await state.kv.create(KV_TASKSET_CLAIM, encode_json(claim))
             ghost = Explorer(run.cfg, bus, model_path=run.model_path, name="ghost")
             for p in plan[:10]:  # what the ghost published before it died
-                await ghost._publish_task(
+                await ghost.publisher.publish_task(
                     TaskMsg(
                         taskset="t",
                         index=p.index,
@@ -391,10 +392,10 @@ def test_taskset_publisher_that_died_is_taken_over(
                     )
                 )
             heir = Explorer(run.cfg, bus, model_path=run.model_path, name="heir")
-            heir.claim_stale_s = 1.0
+            heir.publisher.claim_stale_s = 1.0
             t0 = time.monotonic()
             with anyio.fail_after(30):
-                await heir.publish_taskset(state)
+                await heir.publisher.run(state)
             assert 1.0 <= time.monotonic() - t0  # waited claim_stale_s before taking over
             record = await state.taskset()
             assert record is not None and record.by == "heir" and record.count == 60
@@ -405,7 +406,7 @@ def test_taskset_publisher_that_died_is_taken_over(
             assert info.state.messages == 60
             # a later explorer finds the record and publishes nothing
             late = Explorer(run.cfg, bus, model_path=run.model_path, name="late")
-            await late.publish_taskset(state)
+            await late.publisher.run(state)
             info = await bus.js.stream_info(run.names.tasks_stream)
             assert info.state.messages == 60
             stored = [

@@ -132,7 +132,8 @@ def test_the_plan_is_published_as_it_is_taken(
 ) -> None:
     """With ``publish_lead`` tasks waiting the publisher stops (the claim kept alive); taking
     tasks lets it go on; the record comes after the last task."""
-    from rftstream.actors.explorer import PUBLISH_CHUNK, Explorer
+    from rftstream.actors.explorer import Explorer
+    from rftstream.actors.taskset_publisher import PUBLISH_CHUNK
     from rftstream.runtime import provision
     from rftstream.subjects import KV_TASKSET_CLAIM
 
@@ -146,10 +147,10 @@ def test_the_plan_is_published_as_it_is_taken(
         async with await Bus.connect(nats_url, names, run.cfg.nats, "explorer") as bus:
             state = RunState(await bus.kv())
             explorer = Explorer(run.cfg, bus, model_path=run.model_path, name="explorer")
-            explorer.publish_lead = 10
-            explorer.claim_keepalive_s = 0.3
+            explorer.publisher.publish_lead = 10
+            explorer.publisher.claim_keepalive_s = 0.3
             async with anyio.create_task_group() as tg:
-                tg.start_soon(explorer.publish_taskset, state)
+                tg.start_soon(explorer.publisher.run, state)
                 await anyio.sleep(1.5)
                 info = await bus.js.stream_info(names.tasks_stream)
                 assert info.state.messages == PUBLISH_CHUNK  # one chunk, then it waits

@@ -28,9 +28,9 @@ from rftstream.bus.client import Bus
 from rftstream.bus.state import RunState
 from rftstream.config import config_from_dict
 from rftstream.experience import decode_group
-from rftstream.messages import TasksetRecord
 from rftstream.runtime import prepare_run, provision, run_actors
 from rftstream.subjects import KV_TASKSET, KV_TOPOLOGY, KV_TRAINER_WAITING
+from rftstream.wire import TasksetRecord
 from tests.integration._util import _group, read_stream, small_config, user_env
 
 pytestmark = pytest.mark.integration

@@ -23,6 +23,7 @@ from rftstream.config.schema import (
 )
 from rftstream.messages import TrainedUnacked, WeightsPointer
 from rftstream.subjects import KV_TRAINER_STARVING, KV_TRAINER_UNACKED, RunNames
+from rftstream.wire import TrainerStarving
 
 pytestmark = pytest.mark.anyio
 
@@ -47,7 +48,7 @@ class World:
         self.op_pending = op
         self.trainer_held = trainer
         self.version = 0
-        self.starving: dict[str, Any] | None = None
+        self.starving: TrainerStarving | None = None
         self.trained_unacked: Any = None  # the trainer's TrainedUnacked record
         self.on_list: list[Any] = []  # one callable per consumers_info call, then nothing
         self.after_trainer_read: list[Any] = []  # one per read of the trainer's consumer
@@ -182,11 +183,11 @@ async def test_a_stale_starving_flag_does_not_let_the_explorer_run_ahead() -> No
     explorer = _explorer(1)
     world = World(explorer, trainer=16)
     _attach(explorer, world)
-    world.starving = {"since": time.time(), "held": 0}
+    world.starving = TrainerStarving(since=time.time(), held=0)
     with anyio.move_on_after(0.6) as scope:
         await explorer._respect_staleness(world, 3)  # type: ignore[arg-type]
     assert scope.cancelled_caught  # still waiting for room
-    world.starving = {"since": time.time(), "held": 16}  # said again with what it holds
+    world.starving = TrainerStarving(since=time.time(), held=16)  # said again with what it holds
     with anyio.fail_after(5):
         assert await explorer._respect_staleness(world, 3) == 8  # type: ignore[arg-type]
 
