@@ -27,7 +27,7 @@ from rftstream.config.resolve import (
     resolve_run,
     with_train_batch_size,
 )
-from rftstream.config.schema import Config
+from rftstream.config.schema import TRAINER_MODES, Config
 from rftstream.config.secrets import redact_url
 from rftstream.config.validate import run_id_from_name, validate_config
 from rftstream.errors import ConfigError
@@ -291,7 +291,7 @@ def prepare_run(
     run = run_id_from_name(cfg.name)
     if cfg.mode != "train":
         _check_components(cfg)
-    if cfg.mode in ("both", "train"):  # the trainer opens them: fail before the model loads
+    if cfg.mode in TRAINER_MODES:  # the trainer opens them: fail before the model loads
         check_monitor_packages(cfg.monitor.monitor_type)
     cfg = _preset_check_config(cfg)
     corrected = prefer_decoupled_ppo(cfg, _preset_policy_loss_fn(cfg))
@@ -304,7 +304,7 @@ def prepare_run(
     algorithm = resolve_algorithm(cfg.algorithm, cfg.buffer)
     cfg, algorithm = _fill_batch_args(cfg, algorithm)
     _check_algorithm(cfg, algorithm)
-    if cfg.mode in ("both", "train"):  # the trainer's lr schedules, before any model loads
+    if cfg.mode in TRAINER_MODES:  # the trainer's lr schedules, before any model loads
         lr_schedule(cfg.algorithm.optimizer, cfg.buffer.total_steps, key="algorithm.optimizer")
         if algorithm.use_critic:
             lr_schedule(

@@ -31,6 +31,7 @@ import inspect
 import math
 import os
 from dataclasses import dataclass
+from pathlib import PurePath
 from typing import Any
 
 from msgspec.structs import replace
@@ -138,7 +139,8 @@ def resolve_run(
     """:func:`resolve_config`, then the command line's choices for one run.
 
     ``steps`` replaces ``buffer.total_steps``; ``run_dir`` replaces ``run_dir``,
-    which is otherwise :func:`default_run_dir`; ``nats_url`` (``--nats-url``,
+    which is otherwise :func:`default_run_dir` (either written as a path: ``runs/x/``
+    and ``./runs/x`` are ``runs/x``); ``nats_url`` (``--nats-url``,
     several URLs may be comma-separated) replaces ``nats.url`` and empties
     ``nats.servers``.
     """
@@ -147,7 +149,7 @@ def resolve_run(
         cfg = replace(cfg, buffer=replace(cfg.buffer, total_steps=steps))
     if nats_url is not None:
         cfg = replace(cfg, nats=replace(cfg.nats, url=nats_url, servers=[]))
-    return replace(cfg, run_dir=run_dir or default_run_dir(cfg))
+    return replace(cfg, run_dir=str(PurePath(run_dir or default_run_dir(cfg))))
 
 
 # ----------------------------------------------------------------- stage 3: the algorithm

@@ -115,6 +115,7 @@ def test_resolve_run_without_the_command_line() -> None:
     mine = config_from_dict({"name": "exp1", "run_dir": "/data/exp1"})
     assert resolve_run(mine).run_dir == "/data/exp1"
     assert resolve_run(mine, run_dir="/elsewhere").run_dir == "/elsewhere"
+    assert resolve_run(mine, run_dir="./runs/x/").run_dir == "runs/x"
 
 
 def test_default_run_dir() -> None:
