@@ -54,7 +54,7 @@ ZERO_STAGES: tuple[ZeroStage, ...] = get_args(ZeroStage)
 WarmupStyle = Literal["constant", "cosine"]
 WARMUP_STYLES: tuple[WarmupStyle, ...] = get_args(WarmupStyle)
 
-# jsonl: <run_dir>/metrics.jsonl only; none: not even that (see rftstream.monitors)
+# jsonl: the run's own files only; none: no eval.jsonl and no backend (see rftstream.monitors)
 MonitorType = Literal["jsonl", "tensorboard", "wandb", "mlflow", "none"]
 MONITOR_TYPES: tuple[MonitorType, ...] = get_args(MonitorType)
 
