@@ -429,7 +429,7 @@ class ResolvedAlgorithm:
     compute_advantage_in_trainer: bool
     sample_strategy_cls: type[SampleStrategy] = field(default=SampleStrategy)
     # verl's batch arithmetic for a loss that weights its micro-batches itself (MIX): a
-    # rftstream.training.batch.VerlBatchShape, set when the run is prepared; None otherwise
+    # rftstream.config.resolve.VerlBatchShape, set when the run is prepared; None otherwise
     batch_shape: Any = None
 
     @property

@@ -35,6 +35,7 @@ from typing import Any, ClassVar, Protocol, runtime_checkable
 
 import torch
 
+from rftstream.config.resolve import train_batch_size
 from rftstream.config.schema import BufferConfig
 from rftstream.errors import ConfigError
 from rftstream.experience import Experience
@@ -113,22 +114,6 @@ def _custom_fields_in_source(klass: type) -> frozenset[str]:
         if isinstance(value, ast.Constant) and isinstance(value.value, str):
             names.add(value.value)
     return frozenset(names)
-
-
-def resolve_train_batch_size(buffer_config: BufferConfig, repeat_times: int | None = None) -> int:
-    """``buffer.train_batch_size``, or ``batch_size * repeat_times`` when it is 0.
-
-    Raises :class:`ConfigError` when it is 0 and ``repeat_times`` is unknown.
-    """
-    if buffer_config.train_batch_size > 0:
-        return buffer_config.train_batch_size
-    if repeat_times:
-        return buffer_config.batch_size * int(repeat_times)
-    raise ConfigError(
-        "buffer.train_batch_size",
-        "is 0 (meaning batch_size * repeat_times) but the sample strategy was not given "
-        "repeat_times; set it or pass sample_strategy_args.repeat_times",
-    )
 
 
 def representative_sample(exps: Sequence[Experience]) -> list[dict[str, Any]]:
@@ -230,7 +215,7 @@ class DefaultSampleStrategy(SampleStrategy):
         **kwargs: Any,
     ) -> None:
         super().__init__(buffer_config, source, **kwargs)
-        self.train_batch_size = resolve_train_batch_size(buffer_config, kwargs.get("repeat_times"))
+        self.train_batch_size = train_batch_size(buffer_config, kwargs.get("repeat_times"))
 
     async def sample(self, step: int) -> tuple[list[Experience], dict, list]:
         source = self._require_source()
@@ -400,7 +385,7 @@ class MixSampleStrategy(SampleStrategy):
                 f"buffer.trainer_input.auxiliary_buffers.{self.sft_dataset_name}",
                 "is required by the MIX sample strategy (expert data)",
             )
-        total = resolve_train_batch_size(buffer_config, kwargs.get("repeat_times"))
+        total = train_batch_size(buffer_config, kwargs.get("repeat_times"))
         self.expert_batch_size = math.ceil(self.expert_data_ratio * total)
         self.usual_batch_size = total - self.expert_batch_size
         self.expert_source = expert_source

@@ -27,6 +27,8 @@ from contextvars import ContextVar
 
 import torch
 
+from rftstream.config.schema import LOSS_AGG_MODES
+
 # inside :func:`whole_batch`: adds a tensor of this shard's sums over every trainer rank
 _SUM_OVER_SHARDS: ContextVar[Callable[[torch.Tensor], torch.Tensor] | None] = ContextVar(
     "rftstream_sum_over_shards", default=None
@@ -61,14 +63,6 @@ def _over_shards(*sums: torch.Tensor) -> list[torch.Tensor]:
         return list(sums)
     total = reduce(torch.stack([x.detach().to(torch.float64).reshape(()) for x in sums]))
     return [t.to(dtype=x.dtype, device=x.device) for t, x in zip(total, sums, strict=True)]
-
-
-LOSS_AGG_MODES: tuple[str, ...] = (
-    "token-mean",
-    "seq-mean-token-sum",
-    "seq-mean-token-mean",
-    "seq-mean-token-sum-norm",
-)
 
 
 def check_loss_agg_mode(loss_agg_mode: str) -> str:

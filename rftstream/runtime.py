@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,7 +21,13 @@ import anyio
 import msgspec
 
 from rftstream.bus.client import Bus
-from rftstream.config.schema import Config
+from rftstream.config.resolve import (
+    fill_loss_batch_args,
+    prefer_decoupled_ppo,
+    resolve_run,
+    with_train_batch_size,
+)
+from rftstream.config.schema import TRAINER_MODES, Config
 from rftstream.config.secrets import redact_url
 from rftstream.config.validate import run_id_from_name, validate_config
 from rftstream.errors import ConfigError
@@ -97,97 +102,39 @@ def _check_components(cfg: Config) -> None:
         )
 
 
-def can_be_stale(cfg: Config) -> bool:
-    """Whether a run's trained experience can come from older weights than the trainer's:
-    any asynchronous run (``mode: both``, or a trainer on the stream of a separate
-    explorer), but ``sync_style: fixed`` at interval 1 and
-    offset 0 (strictly on-policy) and ``max_staleness: 0``."""
-    sync = cfg.synchronizer
-    from_rollouts = cfg.mode == "both" or (cfg.mode == "train" and not cfg.trainer_reads_dataset)
-    if not from_rollouts or sync.max_staleness == 0:
-        return False
-    on_policy = sync.sync_style == "fixed" and sync.sync_interval <= 1 and sync.sync_offset == 0
-    return not on_policy
-
-
-def _off_policy_correction(cfg: Config) -> Config:
-    """``decoupled_ppo`` instead of a preset's ``ppo`` loss where experience can be stale.
-
-    The decoupled objective (AReaL; :mod:`algorithms.policy_loss_fn.decoupled_ppo_policy_loss`)
-    weights each token by how much likelier the trainer's policy makes it than the
-    weights that sampled it (the rollout log-probs every explorer records), so stale
-    experience still gives an unbiased step; where experience is never stale it equals
-    ``ppo``. Only when the user named no ``algorithm.policy_loss_fn``: naming ``ppo``
-    keeps it. The preset's ``policy_loss_fn_args`` carry over (the loss takes all of
-    ``ppo``'s).
-    """
+def _preset_policy_loss_fn(cfg: Config) -> str | None:
+    """The ``policy_loss_fn`` of the preset's ``default_config()`` (None: unknown preset,
+    which :func:`resolve_algorithm` reports)."""
     from algorithms import ALGORITHM_TYPE
     from rftstream.errors import RegistryError
 
-    if cfg.algorithm.policy_loss_fn is not None or not can_be_stale(cfg):
-        return cfg
     try:
         preset = ALGORITHM_TYPE.get(cfg.algorithm.algorithm_type).default_config()
     except RegistryError:
-        return cfg  # resolve_algorithm reports it
-    if preset.get("policy_loss_fn") != "ppo":
-        return cfg
-    log.info(
-        "algorithm.policy_loss_fn: decoupled_ppo (experience can be stale in this run; "
-        "set policy_loss_fn: ppo to train without the correction)"
-    )
-    algo = msgspec.structs.replace(cfg.algorithm, policy_loss_fn="decoupled_ppo")
-    return msgspec.structs.replace(cfg, algorithm=algo)
+        return None
+    return preset.get("policy_loss_fn")
 
 
 def _fill_batch_args(cfg: Config, algorithm: Any) -> tuple[Config, Any]:
-    """Fill the batch-shape arguments a policy loss takes from the run (MIX's weighting).
-
-    MIX (seed guide 000) weights each micro-batch by ``gradient_accumulation /
-    train_batch_size_<kind>``; in Trinity-RFT the user copies those sizes into
-    ``policy_loss_fn_args``. Here every one the loss accepts and nobody set is
-    derived (:func:`rftstream.training.batch.loss_batch_args`):
-    ``ppo_mini_batch_size`` (the train batch), ``ppo_micro_batch_size_per_gpu``,
-    ``ngpus_trainer`` (1) and ``train_batch_size_usual`` /
-    ``train_batch_size_expert`` (from ``sample_strategy_args.expert_data_ratio``), and
-    ``use_dynamic_bsz`` with ``trainer.use_dynamic_bsz``.
-    Returns ``(cfg, algorithm)``: the algorithm is resolved again when
-    something was filled, and carries the loss's verl batch arithmetic in
-    ``batch_shape`` (computed here, once; the trainer applies it).
-    """
+    """:func:`~rftstream.config.resolve.fill_loss_batch_args` for the resolved algorithm's
+    policy loss (MIX's weighting): returns ``(cfg, algorithm)``, the algorithm resolved
+    again when something was filled, carrying the loss's verl batch arithmetic in
+    ``batch_shape`` (computed here, once; the trainer applies it)."""
     import dataclasses
 
     from algorithms import resolve_algorithm
-    from algorithms.sample_strategy import resolve_train_batch_size
-    from rftstream.training.batch import loss_batch_args
 
-    total = resolve_train_batch_size(cfg.buffer, algorithm.repeat_times)
-    micro = max(1, cfg.trainer.ppo_micro_batch_size_per_gpu)
     ratio = algorithm.sample_strategy_args.get("expert_data_ratio")
     if ratio is None:  # the strategy's own default (the guide's MIX reads 0.5 when unset)
         ratio = (algorithm.sample_strategy_cls.default_args() or {}).get("expert_data_ratio", 0.5)
-    fill, shape = loss_batch_args(
+    filled, shape = fill_loss_batch_args(
+        cfg,
         type(algorithm.policy_loss_fn),
-        dict(algorithm.config.policy_loss_fn_args or {}),
-        train_batch_size=total,
-        micro_batch=micro,
+        repeat_times=algorithm.repeat_times,
         expert_ratio=float(ratio),
-        use_dynamic_bsz=cfg.trainer.use_dynamic_bsz,
     )
-    if fill:
-        mb = fill.get("ppo_micro_batch_size_per_gpu", micro)
-        fixed = not cfg.trainer.use_dynamic_bsz  # else micro-batches weigh by their rows
-        if fixed and "ppo_mini_batch_size" in fill and total % mb:
-            raise ConfigError(
-                "trainer.ppo_micro_batch_size_per_gpu",
-                f"{type(algorithm.policy_loss_fn).__name__} weights each micro-batch by "
-                f"ppo_mini_batch_size // micro batch; the train batch {total} is not a multiple "
-                f"of the micro batch {mb} (set buffer.train_batch_size or this key so it divides)",
-                value=mb,
-            )
-        user = dict(cfg.algorithm.policy_loss_fn_args or {})
-        algo_cfg = msgspec.structs.replace(cfg.algorithm, policy_loss_fn_args={**user, **fill})
-        cfg = msgspec.structs.replace(cfg, algorithm=algo_cfg)
+    if filled is not cfg:
+        cfg = filled
         algorithm = resolve_algorithm(cfg.algorithm, cfg.buffer)
     return cfg, dataclasses.replace(algorithm, batch_shape=shape)
 
@@ -333,42 +280,40 @@ def prepare_run(
     progress: Callable[[str], None] | None = None,
     source: str | None = None,
 ) -> PreparedRun:
-    """Validate and complete ``cfg``; build (or find) the model. Blocks (model build)."""
+    """Validate ``cfg``, resolve it (:mod:`rftstream.config.resolve`: the command line's
+    ``steps``, ``run_dir``, ``nats_url``, the algorithm preset's defaults, the train
+    batch size), run the checks that need the plugins, and build (or find) the model.
+    Blocks (model build)."""
     from algorithms import resolve_algorithm
 
-    cfg = validate_config(cfg, source=source)
+    validate_config(cfg, source=source)
+    cfg = resolve_run(cfg, steps=steps, run_dir=run_dir, nats_url=nats_url)
     run = run_id_from_name(cfg.name)
     if cfg.mode != "train":
         _check_components(cfg)
-    if cfg.mode in ("both", "train"):  # the trainer opens them: fail before the model loads
+    if cfg.mode in TRAINER_MODES:  # the trainer opens them: fail before the model loads
         check_monitor_packages(cfg.monitor.monitor_type)
-    buffer = cfg.buffer
-    if steps is not None:
-        buffer = msgspec.structs.replace(buffer, total_steps=steps)
-    cfg = _preset_check_config(msgspec.structs.replace(cfg, buffer=buffer))
-    cfg = _off_policy_correction(cfg)
+    cfg = _preset_check_config(cfg)
+    corrected = prefer_decoupled_ppo(cfg, _preset_policy_loss_fn(cfg))
+    if corrected is not cfg:
+        log.info(
+            "algorithm.policy_loss_fn: decoupled_ppo (experience can be stale in this run; "
+            "set policy_loss_fn: ppo to train without the correction)"
+        )
+    cfg = corrected
     algorithm = resolve_algorithm(cfg.algorithm, cfg.buffer)
     cfg, algorithm = _fill_batch_args(cfg, algorithm)
     _check_algorithm(cfg, algorithm)
-    if cfg.mode in ("both", "train"):  # the trainer's lr schedules, before any model loads
+    if cfg.mode in TRAINER_MODES:  # the trainer's lr schedules, before any model loads
         lr_schedule(cfg.algorithm.optimizer, cfg.buffer.total_steps, key="algorithm.optimizer")
         if algorithm.use_critic:
             lr_schedule(
                 cfg.trainer.critic.optim, cfg.buffer.total_steps, key="trainer.critic.optim"
             )
-    repeat = int(algorithm.repeat_times or 1)
-    buffer = cfg.buffer
-    if buffer.train_batch_size == 0:
-        buffer = msgspec.structs.replace(buffer, train_batch_size=buffer.batch_size * repeat)
-    rdir = Path(run_dir or cfg.run_dir or os.path.join("runs", cfg.name))
-    nats_cfg = (  # --nats-url replaces the config's servers (several may be comma-separated)
-        cfg.nats
-        if nats_url is None
-        else msgspec.structs.replace(cfg.nats, url=nats_url, servers=[])
+    cfg = with_train_batch_size(
+        msgspec.structs.replace(cfg, algorithm=algorithm.config), algorithm.repeat_times
     )
-    cfg = msgspec.structs.replace(
-        cfg, algorithm=algorithm.config, buffer=buffer, run_dir=str(rdir), nats=nats_cfg
-    )
+    rdir = Path(cfg.run_dir)
     model_path = resolve_model_path(cfg, progress)
     return PreparedRun(
         cfg=cfg,

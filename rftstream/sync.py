@@ -15,11 +15,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from rftstream.config.resolve import canonical_sync_style
 from rftstream.config.schema import SynchronizerConfig
 from rftstream.wire import TrainerStarving
-
-STYLES = ("fixed", "dynamic_by_explorer", "dynamic_by_trainer", "fully_async")
-ALIASES = {"explorer_driven": "dynamic_by_explorer", "trainer_driven": "dynamic_by_trainer"}
 
 
 @dataclass(frozen=True)
@@ -31,9 +29,7 @@ class SyncPolicy:
 
     @classmethod
     def from_config(cls, cfg: SynchronizerConfig) -> SyncPolicy:
-        style = ALIASES.get(cfg.sync_style, cfg.sync_style)
-        if style not in STYLES:
-            raise ValueError(f"unknown sync_style {cfg.sync_style!r}")
+        style = canonical_sync_style(cfg.sync_style)
         return cls(style, max(1, cfg.sync_interval), max(0, cfg.sync_offset), cfg.max_staleness)
 
     def trainer_publishes_after(self, step: int) -> bool:

@@ -23,9 +23,8 @@ import msgspec
 from rich.console import Console
 from rich.markup import escape
 
-from rftstream.config.schema import Config
+from rftstream.config.schema import TRAINER_MODES, Config
 from rftstream.config.stages import StageConfig
-from rftstream.config.validate import TRAINER_MODES
 from rftstream.errors import RftError
 from rftstream.runtime import PreparedRun
 from rftstream.weights import checkpoint_dir

@@ -53,7 +53,6 @@ RECHECK_S = 0.25
 #: how long one check of the stream's fill is reused by the next publishes
 CHECK_TTL_S = 0.5
 
-DISCARD_POLICIES = ("new", "old")
 #: the stream keys of ``nats.streams``, with the role each stream has
 STREAM_KEYS = ("tasks", "experience", "dead_letter", "metrics")
 

@@ -1,7 +1,9 @@
 """Typed config (msgspec Structs, Trinity-RFT key names) and its loader.
 
 ``load_config(path, overrides)`` reads YAML with ``${oc.env:VAR,default}``
-interpolation, reports unknown keys and type errors by key path, and validates.
+interpolation, reports unknown keys and type errors by key path, validates
+(:func:`validate_config`: checks only) and resolves (:func:`resolve_config`: the
+values derived from other keys; the run-level ones are in :mod:`rftstream.config.resolve`).
 """
 
 from rftstream.config.loader import (
@@ -12,6 +14,7 @@ from rftstream.config.loader import (
     interpolate_env,
     load_config,
 )
+from rftstream.config.resolve import resolve_config
 from rftstream.config.schema import (
     AlgorithmConfig,
     BufferConfig,
@@ -66,6 +69,7 @@ __all__ = [
     "interpolate_env",
     "load_config",
     "load_stages",
+    "resolve_config",
     "run_id_from_name",
     "stages_from_dict",
     "validate_config",

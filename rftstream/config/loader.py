@@ -4,8 +4,10 @@ Steps of :func:`load_config`: read the YAML file (``yaml.safe_load``, with Omega
 ``key.path=value`` overrides, resolve ``${oc.env:VAR,default}`` interpolation,
 report every unknown key by its full dotted path, convert with
 ``msgspec.convert`` (type errors become :class:`~rftstream.errors.ConfigError`
-naming the key path, the value and the file) and validate with
-:func:`rftstream.config.validate.validate_config`.
+naming the key path, the value and the file; a value outside a key's ``Literal``
+lists the allowed ones), check with :func:`rftstream.config.validate.validate_config`
+and derive the values left to other keys with
+:func:`rftstream.config.resolve.resolve_config`.
 
 Key paths are dotted, with ``[i]`` for list items:
 ``data_processor.experience_pipeline.operators[1].args``.
@@ -26,7 +28,16 @@ from typing import Any
 import msgspec
 import yaml
 
-from rftstream.config.paths import ROOT, PathPart, config_info, fmt_path, lookup, type_at
+from rftstream.config.paths import (
+    ROOT,
+    PathPart,
+    choice_message,
+    config_info,
+    fmt_path,
+    literal_choices,
+    lookup,
+    type_at,
+)
 from rftstream.config.schema import Config
 from rftstream.config.trinity import Translation, TrinityConfigWarning, translate_trinity
 from rftstream.errors import ConfigError
@@ -48,6 +59,7 @@ _MSGSPEC_PATH_RE = re.compile(r"^(?P<msg>.*) - at `\$(?P<path>[^`]*)`$", re.DOTA
 _PATH_TOKEN_RE = re.compile(r"\.([^.\[\]]+)|\[(\d+|\.\.\.)\]")
 _OVERRIDE_TOKEN_RE = re.compile(r"([^.\[\]]+)|\[(\d+)\]")
 _WILDCARD = "..."
+_ENUM_ERROR = "Invalid enum value"  # msgspec's message for a value no Literal allows
 
 
 class ConfigYamlLoader(yaml.SafeLoader):
@@ -332,8 +344,12 @@ def config_from_dict(
             raise ConfigError(ROOT, text, source=source) from exc
         parts = _resolve_wildcards(data, _parse_msgspec_path(m.group("path")))
         found, value = lookup(data, parts)
+        message = m.group("msg")
+        choices = literal_choices(parts)
+        if choices and message.startswith(_ENUM_ERROR):
+            message = choice_message(value, choices)
         raise ConfigError(
-            fmt_path(parts), m.group("msg"), value=value, has_value=found, source=source
+            fmt_path(parts), message, value=value, has_value=found, source=source
         ) from exc
 
 
@@ -409,9 +425,10 @@ def load_config(
     *,
     validate: bool = True,
 ) -> Config:
-    """Load, interpolate, convert and validate a config.
+    """Load, interpolate, convert, validate and resolve a config.
 
-    ``path`` ``None`` means all defaults. ``overrides`` are ``key.path=value``
+    ``path`` ``None`` means all defaults. ``validate`` false: the converted config as
+    written, neither checked nor resolved. ``overrides`` are ``key.path=value``
     strings (value parsed as YAML) applied to the raw mapping before
     interpolation and conversion. Reads the file (blocking). Raises
     :class:`ConfigError` naming the file and key path for a missing file, a YAML
@@ -434,8 +451,10 @@ def load_config(
         data = apply_overrides(data, list(overrides))
     data = interpolate_env(data, source)
     cfg = config_from_dict(data, source)
-    if validate:
-        from rftstream.config.validate import validate_config
+    if not validate:
+        return cfg
+    from rftstream.config.resolve import resolve_config
+    from rftstream.config.validate import validate_config
 
-        cfg = validate_config(cfg, source)
-    return cfg
+    validate_config(cfg, source)
+    return resolve_config(cfg)

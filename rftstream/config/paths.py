@@ -7,13 +7,26 @@ list item. :func:`fmt_path` writes it dotted with ``[i]`` for list items
 
 from __future__ import annotations
 
+import difflib
+import functools
+import types
+import typing
 from typing import Any
 
 import msgspec
 
 from rftstream.config.schema import Config
 
-__all__ = ["ROOT", "PathPart", "config_info", "fmt_path", "lookup", "type_at"]
+__all__ = [
+    "ROOT",
+    "PathPart",
+    "choice_message",
+    "config_info",
+    "fmt_path",
+    "literal_choices",
+    "lookup",
+    "type_at",
+]
 
 ROOT = "(root)"
 
@@ -87,3 +100,47 @@ def config_info() -> Any:
     if _CONFIG_INFO is None:
         _CONFIG_INFO = msgspec.inspect.type_info(Config)
     return _CONFIG_INFO
+
+
+def literal_choices(parts: tuple[PathPart, ...] | list[PathPart]) -> tuple[Any, ...]:
+    """The values the ``Literal`` type of the config key at ``parts`` allows, in the order the
+    schema declares them (``("both", "explore", "train", "bench")`` for ``mode``; list items
+    of ``monitor.monitor_type[1]`` included); empty when that key takes no ``Literal``."""
+    keys = list(parts)
+    while keys and isinstance(keys[-1], int):  # a list item: the list's field
+        keys.pop()
+    if not keys or not isinstance(keys[-1], str):
+        return ()
+    parent = type_at(config_info(), tuple(keys[:-1])) if len(keys) > 1 else config_info()
+    cls = getattr(parent, "cls", None)
+    if cls is None or not isinstance(cls, type):
+        return ()
+    return _field_literals(cls).get(keys[-1], ())
+
+
+@functools.cache
+def _field_literals(cls: type) -> dict[str, tuple[Any, ...]]:
+    """``{field: its Literal values}`` for every field of the Struct ``cls`` that has some."""
+    out: dict[str, tuple[Any, ...]] = {}
+    for name, hint in typing.get_type_hints(cls).items():
+        values = tuple(dict.fromkeys(_literal_values(hint)))
+        if values:
+            out[name] = values
+    return out
+
+
+def _literal_values(hint: Any) -> list[Any]:
+    """The ``Literal`` values inside ``hint`` (through unions and containers), in order."""
+    origin = typing.get_origin(hint)
+    if origin is typing.Literal:
+        return list(typing.get_args(hint))
+    if origin in (typing.Union, types.UnionType, list, tuple):
+        return [v for arg in typing.get_args(hint) for v in _literal_values(arg)]
+    return []
+
+
+def choice_message(value: Any, choices: tuple[Any, ...]) -> str:
+    """``must be one of a, b, c`` and, for a near miss, `` (did you mean 'b'?)``."""
+    close = difflib.get_close_matches(str(value), [str(c) for c in choices], n=1, cutoff=0.6)
+    hint = f" (did you mean {close[0]!r}?)" if close else ""
+    return f"must be one of {', '.join(str(c) for c in choices)}{hint}"

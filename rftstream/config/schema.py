@@ -1,16 +1,65 @@
 """Typed config, Trinity-RFT key names where they exist.
 
-Pure data: msgspec Structs with defaults. Loading (YAML, ``${oc.env:VAR,default}``
-interpolation, key-path errors, unknown-key reports) lives in
-:mod:`rftstream.config.loader`; cross-field checks in
-:mod:`rftstream.config.validate`.
+Pure data: msgspec Structs with defaults, and the ``Literal`` types of the keys that
+take one of a fixed set of values (``mode``, ``synchronizer.sync_style``, ...): msgspec
+rejects any other value when a config is decoded, naming the key path, and editors
+complete them. Each ``Literal`` has its tuple of values beside it (``MODES``,
+``SYNC_STYLES``, ...), the one definition every check and form reads.
+
+Loading (YAML, ``${oc.env:VAR,default}`` interpolation, key-path errors,
+unknown-key reports) lives in :mod:`rftstream.config.loader`; cross-field checks in
+:mod:`rftstream.config.validate`; values derived from other keys in
+:mod:`rftstream.config.resolve`.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal, get_args
 
 import msgspec
+
+# ----------------------------------------------------------------- choices
+
+Mode = Literal["both", "explore", "train", "bench"]
+MODES: tuple[Mode, ...] = get_args(Mode)
+TrainerMode = Literal["both", "train"]
+TRAINER_MODES: tuple[TrainerMode, ...] = get_args(TrainerMode)  # modes that run a trainer
+
+SyncStyle = Literal["fixed", "dynamic_by_explorer", "dynamic_by_trainer", "fully_async"]
+SYNC_STYLES: tuple[SyncStyle, ...] = get_args(SyncStyle)
+SyncStyleAlias = Literal["explorer_driven", "trainer_driven"]
+SYNC_STYLE_ALIASES: dict[SyncStyleAlias, SyncStyle] = {
+    "explorer_driven": "dynamic_by_explorer",
+    "trainer_driven": "dynamic_by_trainer",
+}
+SyncStyleName = Literal[SyncStyle, SyncStyleAlias]  # what a config may say; resolved: SyncStyle
+
+SyncMethod = Literal["checkpoint", "memory", "nccl"]
+SYNC_METHODS: tuple[SyncMethod, ...] = get_args(SyncMethod)
+
+EngineType = Literal["transformers", "vllm", "openai"]
+ENGINE_TYPES: tuple[EngineType, ...] = get_args(EngineType)
+
+LossAggMode = Literal[
+    "token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"
+]
+LOSS_AGG_MODES: tuple[LossAggMode, ...] = get_args(LossAggMode)
+
+MixedPrecision = Literal["fp32", "bf16"]
+MIXED_PRECISIONS: tuple[MixedPrecision, ...] = get_args(MixedPrecision)
+
+ZeroStage = Literal[0, 1, 2, 3]
+ZERO_STAGES: tuple[ZeroStage, ...] = get_args(ZeroStage)
+
+WarmupStyle = Literal["constant", "cosine"]
+WARMUP_STYLES: tuple[WarmupStyle, ...] = get_args(WarmupStyle)
+
+# jsonl: the run's own files only; none: no eval.jsonl and no backend (see rftstream.monitors)
+MonitorType = Literal["jsonl", "tensorboard", "wandb", "mlflow", "none"]
+MONITOR_TYPES: tuple[MonitorType, ...] = get_args(MonitorType)
+
+DiscardPolicy = Literal["new", "old"]
+DISCARD_POLICIES: tuple[DiscardPolicy, ...] = get_args(DiscardPolicy)
 
 
 class _Base(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, omit_defaults=False):
@@ -194,7 +243,7 @@ class RolloutModelConfig(_Base):
     load trained weights: it serves ``mode: explore`` and ``bench`` only.
     """
 
-    engine_type: str = "transformers"  # transformers | vllm | openai
+    engine_type: EngineType = "transformers"
     engine_num: int = 1  # rollout engines: up starts one explorer process per engine
     tensor_parallel_size: int = 1
     enable_openai_api: bool = False
@@ -247,10 +296,9 @@ class ExplorerConfig(_Base):
 class SynchronizerConfig(_Base):
     """``synchronizer``: when and how weights travel from trainer to explorers."""
 
-    sync_method: str = "checkpoint"  # checkpoint | memory | nccl
-    sync_style: str = (
-        "dynamic_by_explorer"  # fixed | dynamic_by_explorer | dynamic_by_trainer | fully_async
-    )
+    sync_method: SyncMethod = "checkpoint"
+    # explorer_driven / trainer_driven are read as dynamic_by_explorer / dynamic_by_trainer
+    sync_style: SyncStyleName = "dynamic_by_explorer"
     sync_interval: int = 1
     sync_offset: int = 0
     sync_timeout: float = 3600.0
@@ -270,7 +318,7 @@ class OptimizerConfig(_Base):
     lr_warmup_steps: int = 0
     lr_warmup_steps_ratio: float = 0.0
     min_lr_ratio: float | None = None
-    warmup_style: str = "constant"
+    warmup_style: WarmupStyle = "constant"
 
 
 class AlgorithmConfig(_Base):
@@ -290,7 +338,7 @@ class AlgorithmConfig(_Base):
     kl_loss_fn_args: dict[str, Any] | None = None
     entropy_loss_fn: str | None = None
     entropy_loss_fn_args: dict[str, Any] | None = None
-    loss_agg_mode: str | None = None  # None: the preset's, else token-mean
+    loss_agg_mode: LossAggMode | None = None  # None: the preset's, else token-mean
     optimizer: OptimizerConfig = msgspec.field(default_factory=OptimizerConfig)
 
 
@@ -337,7 +385,7 @@ class CriticConfig(_Base):
 
     optim: OptimizerConfig = msgspec.field(default_factory=lambda: OptimizerConfig(lr=1e-5))
     cliprange_value: float = 0.5
-    loss_agg_mode: str = "token-mean"
+    loss_agg_mode: LossAggMode = "token-mean"
 
 
 class TrainerConfig(_Base):
@@ -345,7 +393,7 @@ class TrainerConfig(_Base):
 
     trainer_type: str = "deepspeed"
     save_interval: int = 0  # 0: only at the end
-    zero_stage: int = 0
+    zero_stage: ZeroStage = 0
     # verl's key: data-parallel trainer ranks on this node (GPUs on a GPU machine, processes
     # on CPU); rftstream up starts n - 1 rank processes beside the trainer (rank 0), which
     # alone reads the bus and feeds them (rftstream.training.ranks)
@@ -369,7 +417,7 @@ class TrainerConfig(_Base):
     gradient_checkpointing: bool = False
     # fp32 | bf16 (DeepSpeed bf16: bf16 weights and activations, fp32 master weights in the
     # optimizer); bf16 raises ConfigError where the accelerator has no bf16
-    mixed_precision: str = "fp32"
+    mixed_precision: MixedPrecision = "fp32"
     critic: CriticConfig = msgspec.field(default_factory=CriticConfig)
     deepspeed_config: dict[str, Any] = msgspec.field(
         default_factory=dict
@@ -390,9 +438,9 @@ class TrainerConfig(_Base):
 class MonitorConfig(_Base):
     """``monitor``: where metrics go besides the metrics stream."""
 
-    # jsonl | tensorboard | wandb | mlflow | none, or a list of them ([jsonl, tensorboard]);
-    # <run_dir>/metrics.jsonl is written whatever it says (see rftstream.monitors)
-    monitor_type: str | list[str] = "jsonl"
+    # a MonitorType or a list of them ([jsonl, tensorboard]); <run_dir>/metrics.jsonl is
+    # written whatever it says (see rftstream.monitors)
+    monitor_type: MonitorType | list[MonitorType] = "jsonl"
     plot: bool = True  # write metrics.png at the end of a run
     # the run fails when at least max_dead_letter_share of the last dead_letter_window groups
     # (tasks, or groups of experiences) were dead-lettered, at any stage; 0 turns it off
@@ -415,7 +463,7 @@ class StreamLimitsConfig(_Base):
     max_bytes: int = -1
     max_msgs: int = -1
     max_age: float = 0.0
-    discard: str = "new"
+    discard: DiscardPolicy = "new"
 
 
 class ExperienceStreamConfig(StreamLimitsConfig):
@@ -443,14 +491,14 @@ class DeadLetterStreamConfig(StreamLimitsConfig):
     """``nats.streams.dead_letter``: limits of ``RFT_<RUN>_DLQ`` (the oldest roll over)."""
 
     max_bytes: int = 256 * 1024**2
-    discard: str = "old"
+    discard: DiscardPolicy = "old"
 
 
 class MetricsStreamConfig(StreamLimitsConfig):
     """``nats.streams.metrics``: limits of ``RFT_<RUN>_METRICS`` (the oldest roll over)."""
 
     max_bytes: int = 256 * 1024**2
-    discard: str = "old"
+    discard: DiscardPolicy = "old"
 
 
 class StreamsConfig(_Base):
@@ -516,7 +564,7 @@ class NatsConfig(_Base):
 class Config(_Base):
     """The root config of one run."""
 
-    mode: str = "both"  # both | explore | train | bench
+    mode: Mode = "both"
     project: str = "rftstream"
     group: str = ""  # monitors group runs by it (wandb group, mlflow tag); "" -> name
     name: str = "default"

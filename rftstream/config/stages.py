@@ -36,6 +36,7 @@ from rftstream.config.loader import (
     interpolate_env,
 )
 from rftstream.config.paths import ROOT
+from rftstream.config.resolve import resolve_config
 from rftstream.config.schema import Config
 from rftstream.config.validate import validate_config
 from rftstream.errors import ConfigError, RftError
@@ -314,7 +315,10 @@ def split_with_overrides(
 
 def _convert(stage: RawStage, overrides: list[str], source: str | None, validate: bool) -> Config:
     cfg = config_from_dict(stage_data(stage, overrides, source), source)
-    return validate_config(cfg, source) if validate else cfg
+    if not validate:
+        return cfg
+    validate_config(cfg, source)
+    return resolve_config(cfg)
 
 
 def stages_from_dict(

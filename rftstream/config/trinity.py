@@ -31,6 +31,7 @@ from typing import Any, Literal
 import msgspec
 
 from rftstream.config.paths import PathPart, config_info, fmt_path, lookup, type_at
+from rftstream.config.schema import MONITOR_TYPES
 
 __all__ = [
     "TRINITY_KEYS",
@@ -407,7 +408,10 @@ _SERVE = "serve mode (`mode: serve`) does not exist here"
 _LORA_VLLM = "vLLM's LoRA serving setting; explorers here get the merged weights (base + adapter), never the adapter alone"
 _LORA_VERL = "Trinity-RFT fills it from model.lora_configs; set the adapter there"
 _VERL_OTHER = "verl setting (trainer.trainer_config is verl's own config); the DeepSpeed trainer here has no counterpart"
-_MONITOR = "swanlab is not a monitor here (jsonl, tensorboard, wandb, mlflow are); metrics go to <run_dir>/metrics.jsonl and the metrics stream"
+_MONITOR = (
+    f"swanlab is not a monitor here ({', '.join(t for t in MONITOR_TYPES if t != 'none')} are); "
+    "metrics go to <run_dir>/metrics.jsonl and the metrics stream"
+)
 
 
 def _inference_model_rules(prefix: str, *, rollout: bool) -> dict[str, Rule]:

@@ -1,60 +1,50 @@
-"""Value checks on a converted :class:`~rftstream.config.schema.Config`.
+"""Value checks on a converted :class:`~rftstream.config.schema.Config`. Checks only.
 
-:func:`validate_config` checks choices and numeric ranges that the types alone
-cannot express, normalises aliases (``synchronizer.sync_style:
-explorer_driven`` -> ``dynamic_by_explorer``) and raises
-:class:`~rftstream.errors.ConfigError` naming the key path and the offending
-value. :func:`run_id_from_name` turns ``name`` (any length) into the run id
-that scopes every stream, subject and bucket. No I/O.
+:func:`validate_config` checks the numeric ranges and cross-field rules that the
+types alone cannot express (a decoded config already holds only the values its
+``Literal`` keys allow; a config built in Python is checked against them here too)
+and raises :class:`~rftstream.errors.ConfigError` naming the key path and the
+offending value. Values derived from other keys (aliases, defaults) are filled in
+by :mod:`rftstream.config.resolve`. :func:`run_id_from_name` turns ``name`` (any
+length) into the run id that scopes every stream, subject and bucket. No I/O.
 """
 
 from __future__ import annotations
 
-import difflib
 import hashlib
 import os
 import re
 import warnings
 from typing import Any
 
-from msgspec.structs import replace
-
-from rftstream.config.schema import Config, ExplorerInput, LoRAConfig, NatsConfig, TasksetConfig
+from rftstream import monitors  # a module, not its names: rftstream.monitors imports the schema
+from rftstream.config.paths import choice_message
+from rftstream.config.schema import (
+    DISCARD_POLICIES,
+    ENGINE_TYPES,
+    LOSS_AGG_MODES,
+    MIXED_PRECISIONS,
+    MODES,
+    SYNC_METHODS,
+    SYNC_STYLE_ALIASES,
+    SYNC_STYLES,
+    TRAINER_MODES,
+    ZERO_STAGES,
+    Config,
+    ExplorerInput,
+    LoRAConfig,
+    NatsConfig,
+    TasksetConfig,
+)
 from rftstream.errors import ConfigError
-from rftstream.monitors import MONITOR_TYPES, check_monitor_config
 
 __all__ = [
-    "ALGORITHM_LOSS_AGG_MODES",
-    "ENGINE_TYPES",
-    "MODES",
-    "MONITOR_TYPES",
-    "SYNC_METHODS",
-    "SYNC_STYLES",
-    "SYNC_STYLE_ALIASES",
     "TASKSET_NAME_RE",
-    "TRAINER_MODES",
     "eval_tasksets",
     "run_id_from_name",
     "training_tasksets",
     "validate_config",
 ]
-
-MODES = ("both", "explore", "train", "bench")
-TRAINER_MODES = ("both", "train")  # modes that run a trainer
-SYNC_STYLES = ("fixed", "dynamic_by_explorer", "dynamic_by_trainer", "fully_async")
-SYNC_STYLE_ALIASES = {
-    "explorer_driven": "dynamic_by_explorer",
-    "trainer_driven": "dynamic_by_trainer",
-}
-SYNC_METHODS = ("checkpoint", "memory", "nccl")
-ENGINE_TYPES = ("transformers", "vllm", "openai")
-ALGORITHM_LOSS_AGG_MODES = (
-    "token-mean",
-    "seq-mean-token-sum",
-    "seq-mean-token-mean",
-    "seq-mean-token-sum-norm",
-)
-MIXED_PRECISIONS = ("fp32", "bf16")
 
 KIB = 1024
 MIB = 1024 * KIB
@@ -120,12 +110,9 @@ class _Checker:
     def fail(self, key: str, message: str, value: Any) -> None:
         raise ConfigError(key, message, value=value, has_value=True, source=self.source)
 
-    def choice(self, key: str, value: Any, choices: tuple[str, ...]) -> None:
-        if value in choices:
-            return
-        close = difflib.get_close_matches(str(value), choices, n=1, cutoff=0.6)
-        hint = f" (did you mean {close[0]!r}?)" if close else ""
-        self.fail(key, f"must be one of {', '.join(choices)}{hint}", value)
+    def choice(self, key: str, value: Any, choices: tuple[Any, ...]) -> None:
+        if value not in choices:
+            self.fail(key, choice_message(value, choices), value)
 
     def at_least(self, key: str, value: Any, low: int | float, *, optional: bool = False) -> None:
         if value is None and optional:
@@ -143,19 +130,21 @@ class _Checker:
             self.fail(key, f"must be between {low} and {high}{unit}", value)
 
 
-def validate_config(cfg: Config, source: str | None = None) -> Config:
-    """Check ``cfg`` and return it with aliases normalised (a new Struct if changed).
+def validate_config(cfg: Config, source: str | None = None) -> None:
+    """Check ``cfg``; returns nothing and changes nothing (see
+    :func:`rftstream.config.resolve.resolve_config` for the derived values).
 
     Raises :class:`ConfigError` naming the first invalid key path and its value;
-    ``source`` (the config file) is included in the message.
+    ``source`` (the config file) is included in the message. Warns
+    (:class:`~rftstream.bus.limits.StreamLimitWarning`) for stream limits that can
+    lose unprocessed messages.
     """
     c = _Checker(source)
     c.choice("mode", cfg.mode, MODES)
     run_id_from_name(cfg.name, source=source)
 
     sync = cfg.synchronizer
-    style = SYNC_STYLE_ALIASES.get(sync.sync_style, sync.sync_style)
-    c.choice("synchronizer.sync_style", style, SYNC_STYLES)
+    c.choice("synchronizer.sync_style", sync.sync_style, SYNC_STYLES + tuple(SYNC_STYLE_ALIASES))
     c.choice("synchronizer.sync_method", sync.sync_method, SYNC_METHODS)
     c.at_least("synchronizer.sync_interval", sync.sync_interval, 1)
     c.at_least("synchronizer.sync_offset", sync.sync_offset, 0)
@@ -178,12 +167,10 @@ def validate_config(cfg: Config, source: str | None = None) -> Config:
     c.positive("explorer.max_timeout", cfg.explorer.max_timeout)
 
     if cfg.algorithm.loss_agg_mode is not None:
-        c.choice("algorithm.loss_agg_mode", cfg.algorithm.loss_agg_mode, ALGORITHM_LOSS_AGG_MODES)
+        c.choice("algorithm.loss_agg_mode", cfg.algorithm.loss_agg_mode, LOSS_AGG_MODES)
     c.at_least("algorithm.repeat_times", cfg.algorithm.repeat_times, 1, optional=True)
 
-    monitor = check_monitor_config(cfg.monitor, source=source)
-    if monitor is not cfg.monitor:
-        cfg = replace(cfg, monitor=monitor)
+    monitors.check_monitor_config(cfg.monitor, source=source)
     c.at_least("monitor.dead_letter_window", cfg.monitor.dead_letter_window, 0)
     share = cfg.monitor.max_dead_letter_share
     if not 0 < share <= 1:
@@ -199,18 +186,16 @@ def validate_config(cfg: Config, source: str | None = None) -> Config:
     c.at_least("buffer.total_epochs", buf.total_epochs, 1)
     c.at_least("buffer.total_steps", buf.total_steps, 1, optional=True)
     c.at_least("explorer.eval_interval", cfg.explorer.eval_interval, 1)
-    inp = _check_tasksets(c, buf.explorer_input)
-    if cfg.mode == "bench" and not inp.eval_tasksets:
+    _check_tasksets(c, buf.explorer_input)
+    if cfg.mode == "bench" and not buf.explorer_input.eval_tasksets:
         c.fail(
             "buffer.explorer_input.eval_tasksets",
             "mode: bench evaluates the eval tasksets; list at least one",
             [],
         )
-    if inp is not buf.explorer_input:
-        cfg = replace(cfg, buffer=replace(buf, explorer_input=inp))
 
     c.at_least("trainer.save_interval", cfg.trainer.save_interval, 0)
-    c.between("trainer.zero_stage", cfg.trainer.zero_stage, 0, 3)
+    c.choice("trainer.zero_stage", cfg.trainer.zero_stage, ZERO_STAGES)
     c.at_least("trainer.n_gpus_per_node", cfg.trainer.n_gpus_per_node, 1)
     if cfg.trainer.n_gpus_per_node > 1 and cfg.mode != "both":
         c.fail(
@@ -235,20 +220,11 @@ def validate_config(cfg: Config, source: str | None = None) -> Config:
     _check_stream_limits(c, cfg)
     _check_nats_security(c, cfg.nats)
 
-    if style != sync.sync_style:
-        cfg = replace(cfg, synchronizer=replace(sync, sync_style=style))
-    return cfg
-
 
 def _check_stream_limits(c: _Checker, cfg: Config) -> None:
     """``nats.streams.<stream>``: limits NATS accepts, and a warning for each that can lose
     messages nobody processed yet (see :mod:`rftstream.bus.limits`)."""
-    from rftstream.bus.limits import (
-        DISCARD_POLICIES,
-        STREAM_KEYS,
-        StreamLimitWarning,
-        limit_warnings,
-    )
+    from rftstream.bus.limits import STREAM_KEYS, StreamLimitWarning, limit_warnings
 
     for name in STREAM_KEYS:
         limits = getattr(cfg.nats.streams, name)
@@ -290,8 +266,8 @@ def _check_token_budget(c: _Checker, cfg: Config) -> None:
         )
 
 
-def _check_tasksets(c: _Checker, inp: ExplorerInput) -> ExplorerInput:
-    """Check every taskset's values and name uniqueness; mark ``eval_tasksets`` ``is_eval``."""
+def _check_tasksets(c: _Checker, inp: ExplorerInput) -> None:
+    """Check every taskset's values and name uniqueness."""
     for group, entries in (
         ("training", training_tasksets(inp)),
         ("eval", eval_tasksets(inp)),
@@ -322,10 +298,6 @@ def _check_tasksets(c: _Checker, inp: ExplorerInput) -> ExplorerInput:
                     "buffer.explorer_input.eval_tasksets",
                     ts.is_eval,
                 )
-    if all(ts.is_eval for ts in inp.eval_tasksets):
-        return inp
-    marked = [ts if ts.is_eval else replace(ts, is_eval=True) for ts in inp.eval_tasksets]
-    return replace(inp, eval_tasksets=marked)
 
 
 def _check_lora(c: _Checker, configs: list[LoRAConfig] | None) -> None:

@@ -28,12 +28,12 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
+from rftstream.config.schema import MONITOR_TYPES
 from rftstream.errors import ConfigError
 from rftstream.monitors.base import Monitor, RunInfo, scalar_metrics
 
 __all__ = [
     "BACKENDS",
-    "MONITOR_TYPES",
     "Monitor",
     "MonitorSet",
     "RunInfo",
@@ -72,7 +72,8 @@ BACKENDS: dict[str, Callable[[], type[Monitor]]] = {
     "wandb": _wandb,
     "mlflow": _mlflow,
 }
-MONITOR_TYPES = ("jsonl", *BACKENDS, "none")
+# monitor.monitor_type names one of rftstream.config.schema.MONITOR_TYPES: jsonl, a backend
+# above, or none
 
 
 def monitor_types(value: Any, *, source: str | None = None) -> tuple[str, ...]:
@@ -105,12 +106,9 @@ def monitor_types(value: Any, *, source: str | None = None) -> tuple[str, ...]:
     return tuple(names)
 
 
-def check_monitor_config(monitor: Any, *, source: str | None = None) -> Any:
+def check_monitor_config(monitor: Any, *, source: str | None = None) -> None:
     """Check ``monitor.monitor_type`` and ``monitor.monitor_args`` (keys the chosen backends
-    read, nothing else); returns ``monitor`` with a one-name list turned into that name.
-    Raises :class:`ConfigError` naming the key. Pure."""
-    import msgspec
-
+    read, nothing else). Raises :class:`ConfigError` naming the key. Pure."""
     names = monitor_types(monitor.monitor_type, source=source)
     known = sorted({a for n in names if n in BACKENDS for a in BACKENDS[n]().args})
     for key in monitor.monitor_args:
@@ -122,9 +120,6 @@ def check_monitor_config(monitor: Any, *, source: str | None = None) -> Any:
                 value=monitor.monitor_args[key],
                 source=source,
             )
-    if isinstance(monitor.monitor_type, list) and len(names) == 1:
-        return msgspec.structs.replace(monitor, monitor_type=names[0])
-    return monitor
 
 
 def check_monitor_packages(monitor_type: Any) -> None:

@@ -23,7 +23,8 @@ import msgspec
 import yaml
 
 from rftstream.config.loader import ConfigYamlLoader, load_config
-from rftstream.config.schema import Config
+from rftstream.config.paths import literal_choices
+from rftstream.config.schema import MONITOR_TYPES, SYNC_STYLE_ALIASES, Config
 from rftstream.errors import ConfigError
 
 __all__ = [
@@ -109,7 +110,7 @@ class FormField:
     optional: bool
     default: Any
     common: bool
-    choices: tuple[str, ...] = ()
+    choices: tuple[str | int, ...] = ()
     suggestions: tuple[str, ...] = ()
 
 
@@ -152,24 +153,19 @@ class FormCheck:
 # ------------------------------------------------------------------ the schema as fields
 
 
-def _choices() -> dict[str, tuple[str, ...]]:
-    from rftstream.config import validate
-
-    loss_modes = ("",) + validate.ALGORITHM_LOSS_AGG_MODES
-    return {
-        "mode": validate.MODES,
-        "synchronizer.sync_style": validate.SYNC_STYLES,
-        "synchronizer.sync_method": validate.SYNC_METHODS,
-        "explorer.rollout_model.engine_type": validate.ENGINE_TYPES,
-        "trainer.mixed_precision": validate.MIXED_PRECISIONS,
-        "algorithm.loss_agg_mode": loss_modes,
-    }
+def _choices(path: str, kind: str | None, optional: bool) -> tuple[str | int, ...]:
+    """The values of a scalar key whose schema type is a ``Literal`` (``""`` first, for
+    "the default", when it may be null); aliases (``sync_style: explorer_driven``) are
+    accepted but not offered. Empty for any other key."""
+    if kind is None:
+        return ()
+    values = tuple(v for v in literal_choices(path.split(".")) if v not in SYNC_STYLE_ALIASES)
+    return (("",) if optional and values else ()) + values
 
 
 def _suggestions() -> dict[str, tuple[str, ...]]:
     """Registered names for keys that take one (plugins add more, so these are hints)."""
     from algorithms import ADVANTAGE_FN, ALGORITHM_TYPE, POLICY_LOSS_FN
-    from rftstream.monitors import MONITOR_TYPES
     from workflows import REWARD_FUNCTIONS, WORKFLOWS
 
     taskset = "buffer.explorer_input.taskset."
@@ -186,7 +182,8 @@ def _suggestions() -> dict[str, tuple[str, ...]]:
 
 
 def _scalar_kind(info: Any) -> tuple[str | None, bool]:
-    """``(kind, optional)`` of a scalar type (``int | None`` included); kind None: not a scalar."""
+    """``(kind, optional)`` of a scalar type (``int | None`` and ``Literal`` values of one
+    type included); kind None: not a scalar."""
     ins = msgspec.inspect
     optional = False
     if isinstance(info, ins.UnionType):
@@ -194,6 +191,13 @@ def _scalar_kind(info: Any) -> tuple[str | None, bool]:
         if len(members) != 1:
             return None, False
         optional, info = True, members[0]
+    if isinstance(info, ins.LiteralType):
+        kinds = {type(v) for v in info.values}
+        if kinds == {str}:
+            return "str", optional
+        if kinds == {int}:
+            return "int", optional
+        return None, False
     for kind, typ in (
         ("bool", ins.BoolType),
         ("int", ins.IntType),
@@ -206,9 +210,13 @@ def _scalar_kind(info: Any) -> tuple[str | None, bool]:
 
 
 def _walk(
-    info: Any, prefix: str, defaults: dict[str, Any], out: list[tuple[str, str, bool, Any]]
+    info: Any,
+    prefix: str,
+    defaults: dict[str, Any],
+    out: list[tuple[str, str, bool, Any, tuple[str | int, ...]]],
 ) -> None:
-    """Append ``(path, kind, optional, default)`` for every key below the struct ``info``."""
+    """Append ``(path, kind, optional, default, choices)`` for every key below the struct
+    ``info``."""
     for f in info.fields:
         path = f"{prefix}{f.encode_name}"
         default = defaults.get(f.encode_name)
@@ -216,7 +224,8 @@ def _walk(
             _walk(f.type, path + ".", default or {}, out)
             continue
         kind, optional = _scalar_kind(f.type)
-        out.append((path, kind or "yaml", optional if kind else True, default))
+        choices = _choices(path, kind, optional)
+        out.append((path, kind or "yaml", optional if kind else True, default, choices))
 
 
 def form_sections() -> list[FormSection]:
@@ -226,9 +235,9 @@ def form_sections() -> list[FormSection]:
     section of its own at the end, so every key of the schema has a field."""
     info = msgspec.inspect.type_info(Config)
     defaults = msgspec.to_builtins(Config())
-    rows: list[tuple[str, str, bool, Any]] = []
+    rows: list[tuple[str, str, bool, Any, tuple[str | int, ...]]] = []
     _walk(info, "", defaults, rows)
-    choices, suggestions = _choices(), _suggestions()
+    suggestions = _suggestions()
     docs = {
         f.encode_name: (f.type.cls.__doc__ or "")
         for f in info.fields
@@ -256,10 +265,10 @@ def form_sections() -> list[FormSection]:
                 optional=optional,
                 default=default,
                 common=path in order,
-                choices=choices.get(path, ()),
+                choices=choices,
                 suggestions=suggestions.get(path, ()),
             )
-            for path, kind, optional, default in mine
+            for path, kind, optional, default, choices in mine
         ]
         fields.sort(key=lambda f: (0, order[f.path]) if f.common else (1, 0))
         help_text = " ".join(docs.get(top, "").split())

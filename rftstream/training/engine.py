@@ -92,7 +92,7 @@ class PolicyTrainer:
        critic's value loss). Each micro-batch counts by its rows (a
        rows-weighted mean), except for a loss that weights its micro-batches
        itself as verl expects (MIX): it gets verl's scaling
-       (:class:`~rftstream.training.batch.VerlBatchShape`, computed when the
+       (:class:`~rftstream.config.resolve.VerlBatchShape`, computed when the
        run is prepared and carried by ``algorithm.batch_shape``).
     """
 
@@ -784,7 +784,7 @@ class PolicyTrainer:
         """The factor on one micro-batch's actor loss before DeepSpeed divides it by ``gas``.
 
         A loss that weights its micro-batches itself, verl-style (see
-        :class:`~rftstream.training.batch.VerlBatchShape`), gets verl's scaling: ``1 /
+        :class:`~rftstream.config.resolve.VerlBatchShape`), gets verl's scaling: ``1 /
         gradient_accumulation`` of its own batch arithmetic, or ``rows /
         ppo_mini_batch_size_per_gpu`` with ``use_dynamic_bsz``. Every other
         loss returns a per-micro-batch mean and gets ``rows_weight``

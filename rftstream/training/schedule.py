@@ -27,9 +27,9 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from rftstream.config.schema import WARMUP_STYLES
 from rftstream.errors import ConfigError
 
-WARMUP_STYLES = ("constant", "cosine")
 DEFAULT_MIN_LR_RATIO = 0.01  # Trinity-RFT's OptimizerConfig default
 COSINE_CYCLES = 0.5  # verl's default: a half cosine over the run
 

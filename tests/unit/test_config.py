@@ -20,6 +20,7 @@ from rftstream.config import (
     run_id_from_name,
     validate_config,
 )
+from rftstream.config.resolve import resolve_config
 from rftstream.config.trinity import TrinityConfigWarning
 from rftstream.errors import ConfigError
 
@@ -478,25 +479,125 @@ def cfg_with(**sections: dict) -> Config:
 
 
 def test_valid_defaults_pass() -> None:
-    cfg = Config()
-    assert validate_config(cfg) == cfg
+    validate_config(Config())  # raises nothing
 
 
-INVALID = [
-    ({"mode": "serve"}, "mode", "serve"),
-    ({"synchronizer": {"sync_style": "sometimes"}}, "synchronizer.sync_style", "sometimes"),
+# keys whose type is a Literal: decoding rejects any other value, naming the key path and
+# the allowed values (config_from_dict, so load_config with validate=False too)
+NOT_A_CHOICE = [
+    ({"mode": "serve"}, "mode", "serve", "both, explore, train, bench"),
+    (
+        {"synchronizer": {"sync_style": "sometimes"}},
+        "synchronizer.sync_style",
+        "sometimes",
+        "fixed, dynamic_by_explorer, dynamic_by_trainer, fully_async, explorer_driven",
+    ),
     (
         {"synchronizer": {"sync_method": "carrier_pigeon"}},
         "synchronizer.sync_method",
         "carrier_pigeon",
+        "checkpoint, memory, nccl",
     ),
     (
         {"explorer": {"rollout_model": {"engine_type": "sglang"}}},
         "explorer.rollout_model.engine_type",
         "sglang",
+        "transformers, vllm, openai",
     ),
-    ({"algorithm": {"loss_agg_mode": "sum"}}, "algorithm.loss_agg_mode", "sum"),
-    ({"monitor": {"monitor_type": "graphite"}}, "monitor.monitor_type", "graphite"),
+    (
+        {"algorithm": {"loss_agg_mode": "sum"}},
+        "algorithm.loss_agg_mode",
+        "sum",
+        "token-mean, seq-mean-token-sum, seq-mean-token-mean, seq-mean-token-sum-norm",
+    ),
+    (
+        {"monitor": {"monitor_type": "graphite"}},
+        "monitor.monitor_type",
+        "graphite",
+        "jsonl, tensorboard, wandb, mlflow, none",
+    ),
+    (
+        {"monitor": {"monitor_type": ["jsonl", "graphite"]}},
+        "monitor.monitor_type[1]",
+        "graphite",
+        "jsonl, tensorboard, wandb, mlflow, none",
+    ),
+    ({"trainer": {"zero_stage": 4}}, "trainer.zero_stage", 4, "0, 1, 2, 3"),
+    ({"trainer": {"zero_stage": -1}}, "trainer.zero_stage", -1, "0, 1, 2, 3"),
+    ({"trainer": {"mixed_precision": "fp16"}}, "trainer.mixed_precision", "fp16", "fp32, bf16"),
+    (
+        {"trainer": {"critic": {"loss_agg_mode": "mean"}}},
+        "trainer.critic.loss_agg_mode",
+        "mean",
+        "token-mean, seq-mean-token-sum",
+    ),
+    (
+        {"algorithm": {"optimizer": {"warmup_style": "linear"}}},
+        "algorithm.optimizer.warmup_style",
+        "linear",
+        "constant, cosine",
+    ),
+    (
+        {"nats": {"streams": {"metrics": {"discard": "oldest"}}}},
+        "nats.streams.metrics.discard",
+        "oldest",
+        "new, old",
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    ("data", "key", "value", "choices"),
+    NOT_A_CHOICE,
+    ids=[i[1] + "=" + repr(i[2]) for i in NOT_A_CHOICE],
+)
+def test_decoding_rejects_a_value_outside_the_choices(
+    data: dict, key: str, value: object, choices: str
+) -> None:
+    err = raises_config_error(config_from_dict, data, "run.yaml")
+    assert err.key_path == key
+    assert err.value == value
+    msg = str(err)
+    assert msg.startswith("run.yaml: ")
+    assert f"config key `{key}`: must be one of {choices}" in msg
+    assert repr(value) in msg
+
+
+# the Literal keys validate_config checks itself (monitor.monitor_type: rftstream.monitors;
+# trainer.critic.loss_agg_mode and the warmup styles: when the run is prepared)
+CHECKED_BY_VALIDATE = (
+    "mode",
+    "synchronizer.sync_style",
+    "synchronizer.sync_method",
+    "explorer.rollout_model.engine_type",
+    "algorithm.loss_agg_mode",
+    "trainer.zero_stage",
+    "trainer.mixed_precision",
+    "nats.streams.metrics.discard",
+)
+PYTHON_BUILT = [c for c in NOT_A_CHOICE if c[1] in CHECKED_BY_VALIDATE]
+
+
+@pytest.mark.parametrize(
+    ("data", "key", "value", "choices"), PYTHON_BUILT, ids=[i[1] for i in PYTHON_BUILT]
+)
+def test_validate_checks_the_choices_of_a_config_built_in_python(
+    data: dict, key: str, value: object, choices: str
+) -> None:
+    """A Struct built in Python is not type-checked: validate_config checks the same choices
+    with the same words."""
+    cfg = Config()
+    *parents, leaf = key.split(".")
+    node = cfg
+    for part in parents:
+        node = getattr(node, part)
+    setattr(node, leaf, value)
+    err = raises_config_error(validate_config, cfg, "run.yaml")
+    assert err.key_path == key
+    assert f"config key `{key}`: must be one of {choices}" in str(err)
+
+
+INVALID = [
     ({"buffer": {"batch_size": 0}}, "buffer.batch_size", 0),
     ({"buffer": {"total_epochs": 0}}, "buffer.total_epochs", 0),
     ({"buffer": {"total_steps": 0}}, "buffer.total_steps", 0),
@@ -509,8 +610,6 @@ INVALID = [
     ({"synchronizer": {"sync_offset": -1}}, "synchronizer.sync_offset", -1),
     ({"synchronizer": {"max_staleness": -1}}, "synchronizer.max_staleness", -1),
     ({"trainer": {"save_interval": -1}}, "trainer.save_interval", -1),
-    ({"trainer": {"zero_stage": 4}}, "trainer.zero_stage", 4),
-    ({"trainer": {"zero_stage": -1}}, "trainer.zero_stage", -1),
     ({"nats": {"max_payload": 1023}}, "nats.max_payload", 1023),
     ({"nats": {"max_payload": 64 * 1024 * 1024 + 1}}, "nats.max_payload", 64 * 1024 * 1024 + 1),
     ({"algorithm": {"repeat_times": 0}}, "algorithm.repeat_times", 0),
@@ -549,12 +648,12 @@ def test_validate_rejects(data: dict, key: str, value: object) -> None:
 
 
 def test_validate_runs_in_load_config(tmp_path: Path) -> None:
-    path = write(tmp_path, "trainer:\n  zero_stage: 7\n")
+    path = write(tmp_path, "trainer:\n  save_interval: -3\n")
     err = raises_config_error(load_config, path)
-    assert err.key_path == "trainer.zero_stage"
+    assert err.key_path == "trainer.save_interval"
     assert str(path) in str(err)
     # and can be turned off
-    assert load_config(path, validate=False).trainer.zero_stage == 7
+    assert load_config(path, validate=False).trainer.save_interval == -3
 
 
 VALID_EDGES = [
@@ -585,7 +684,9 @@ VALID_EDGES = [
 @pytest.mark.parametrize("data", VALID_EDGES)
 def test_validate_accepts_edges(data: dict) -> None:
     cfg = config_from_dict(data)
-    assert validate_config(cfg) == cfg
+    before = msgspec.to_builtins(cfg)
+    validate_config(cfg)  # raises nothing
+    assert msgspec.to_builtins(cfg) == before  # and changes nothing
 
 
 @pytest.mark.parametrize(
@@ -594,7 +695,8 @@ def test_validate_accepts_edges(data: dict) -> None:
 )
 def test_sync_style_alias_normalised(alias: str, canonical: str) -> None:
     cfg = config_from_dict({"synchronizer": {"sync_style": alias, "sync_interval": 3}})
-    out = validate_config(cfg)
+    validate_config(cfg)
+    out = resolve_config(cfg)
     assert out.synchronizer.sync_style == canonical
     assert out.synchronizer.sync_interval == 3
     assert cfg.synchronizer.sync_style == alias  # input untouched (new Struct)
@@ -607,8 +709,10 @@ def test_alias_normalised_by_load_config(tmp_path: Path) -> None:
 
 
 def test_choice_error_suggests_close_value() -> None:
-    err = raises_config_error(validate_config, config_from_dict({"mode": "explorer"}))
+    err = raises_config_error(config_from_dict, {"mode": "explorer"})
     assert "did you mean 'explore'?" in str(err)
+    err = raises_config_error(config_from_dict, {"synchronizer": {"sync_style": "fixd"}})
+    assert "did you mean 'fixed'?" in str(err)
 
 
 # ------------------------------------------------------------------ run id

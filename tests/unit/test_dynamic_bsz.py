@@ -289,10 +289,12 @@ def test_a_budget_below_the_longest_row_is_a_config_error(
         validate_config(config_from_dict(data))
     assert ei.value.key_path == "trainer.max_token_len_per_gpu"
     data["trainer"]["max_token_len_per_gpu"] = 16
-    cfg = validate_config(config_from_dict(data))
+    cfg = config_from_dict(data)
+    validate_config(cfg)
     assert cfg.trainer.token_budget(cfg.model) == 16
     data["trainer"]["max_token_len_per_gpu"] = None
-    cfg = validate_config(config_from_dict(data))
+    cfg = config_from_dict(data)
+    validate_config(cfg)
     assert cfg.trainer.token_budget(cfg.model) == 2 * (4 + 12)
     data["trainer"].update(use_dynamic_bsz=False, max_token_len_per_gpu=15)
     validate_config(config_from_dict(data))  # the budget is not used without use_dynamic_bsz

@@ -20,7 +20,8 @@ def load(data: dict[str, Any]) -> tuple[Any, dict[str, str]]:
     """The validated config and ``{warned key: message}``."""
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        cfg = validate_config(config_from_dict(data, cuda_available=lambda: False))
+        cfg = config_from_dict(data, cuda_available=lambda: False)
+        validate_config(cfg)
     messages = [str(w.message) for w in caught if issubclass(w.category, TrinityConfigWarning)]
     return cfg, {m.split("`")[1]: m for m in messages}
 

@@ -10,6 +10,7 @@ import pytest
 
 from rftstream.config import config_from_dict
 from rftstream.config.masking import MASK, masked_config, masked_data
+from rftstream.config.resolve import resolve_config
 from rftstream.config.validate import validate_config
 from rftstream.errors import ConfigError
 from rftstream.monitors import MonitorSet, check_monitor_packages, monitor_types, scalar_metrics
@@ -19,7 +20,9 @@ from tests.monitor_readback import mlflow_run, tensorboard_scalars, wandb_offlin
 
 
 def validated(monitor: dict, **root: object):
-    return validate_config(config_from_dict({"monitor": monitor, **root}))
+    cfg = config_from_dict({"monitor": monitor, **root})
+    validate_config(cfg)
+    return resolve_config(cfg)
 
 
 # ------------------------------------------------------------------ config

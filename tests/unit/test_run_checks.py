@@ -328,7 +328,7 @@ def test_non_mix_losses_get_no_batch_shape(cfg: dict[str, Any]) -> None:
 
 
 def test_loss_batch_args_fall_back_to_the_constructor_defaults() -> None:
-    from rftstream.training.batch import loss_batch_args
+    from rftstream.config.resolve import loss_batch_args
 
     class TakesSome:
         def __init__(self, ppo_mini_batch_size: int = 1, ngpus_trainer: int = 4) -> None:

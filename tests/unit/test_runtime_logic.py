@@ -10,6 +10,7 @@ import torch
 
 from rftstream.actors.trainer import RawMonitor
 from rftstream.config.schema import SynchronizerConfig
+from rftstream.errors import ConfigError
 from rftstream.experience import Experience, pack_group
 from rftstream.messages import MetricsMsg, encode_json
 from rftstream.subjects import RunNames
@@ -37,7 +38,7 @@ def test_aliases_and_fixed_style_meeting_points() -> None:
     p2 = policy(sync_style="fixed", sync_interval=3, sync_offset=1)
     assert [s for s in range(1, 12) if p2.explorer_waits_for_version(s) is not None] == [5, 8, 11]
     assert p2.explorer_waits_for_version(8) == 6
-    with pytest.raises(ValueError):
+    with pytest.raises(ConfigError, match=r"synchronizer\.sync_style.*got 'sometimes'"):
         policy(sync_style="sometimes")
 
 

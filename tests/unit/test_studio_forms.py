@@ -176,7 +176,7 @@ def test_loader_errors_land_on_the_field_holding_the_key() -> None:
     assert "rftstream-studio-" not in check.errors["buffer.batch_size"]  # no temp file name
 
     check = check_form({"trainer.zero_stage": "7"})
-    assert "between 0 and 3" in check.errors["trainer.zero_stage"]
+    assert "must be one of 0, 1, 2, 3" in check.errors["trainer.zero_stage"]
 
     check = check_form({"data_processor.experience_pipeline.operators": "- nam: reward_filter"})
     msg = check.errors["data_processor.experience_pipeline.operators"]

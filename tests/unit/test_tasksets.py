@@ -12,6 +12,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from rftstream.config import config_from_dict
+from rftstream.config.resolve import resolve_config
 from rftstream.config.schema import ExplorerInput, FormatConfig, TasksetConfig
 from rftstream.config.validate import eval_tasksets, training_tasksets, validate_config
 from rftstream.errors import ConfigError
@@ -302,7 +303,9 @@ def test_which_tasksets_train_and_eval() -> None:
 
 
 def _cfg(explorer_input: dict, **over: object) -> object:
-    return validate_config(config_from_dict({"buffer": {"explorer_input": explorer_input}, **over}))
+    cfg = config_from_dict({"buffer": {"explorer_input": explorer_input}, **over})
+    validate_config(cfg)
+    return resolve_config(cfg)
 
 
 def test_validation_of_tasksets() -> None:

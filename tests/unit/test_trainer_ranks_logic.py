@@ -99,7 +99,8 @@ def test_trainer_ranks_config_key_and_errors() -> None:
     from rftstream.config.validate import validate_config
 
     assert config_from_dict({}).trainer.n_gpus_per_node == 1
-    two = validate_config(config_from_dict({"trainer": {"n_gpus_per_node": 2}}))
+    two = config_from_dict({"trainer": {"n_gpus_per_node": 2}})
+    validate_config(two)
     assert two.trainer.n_gpus_per_node == 2
     # Trinity-RFT's cluster key maps onto it
     cfg = config_from_dict({"cluster": {"trainer_gpu_num": 4}})
