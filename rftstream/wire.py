@@ -59,7 +59,7 @@ class Key(Generic[T]):
 SpliceKind = Literal["splice", "unsplice"]
 
 
-class Owner(msgspec.Struct, kw_only=True, omit_defaults=True):
+class Owner(msgspec.Struct, kw_only=True):
     """The process serving a spliced stage (or asking for a splice). ``token`` tells two
     claims of one process apart; ``ts`` is refreshed while it serves."""
 
@@ -78,7 +78,7 @@ class Owner(msgspec.Struct, kw_only=True, omit_defaults=True):
         )
 
 
-class _SpliceRecord(msgspec.Struct, tag_field="state", kw_only=True, omit_defaults=True):
+class _SpliceRecord(msgspec.Struct, tag_field="state", kw_only=True):
     """Fields every state of the ``splice`` record has (``state`` is the tag).
 
     ``from_stage``: the stage the operator reads (a splice learns it at its cut);
@@ -168,7 +168,7 @@ class RetiredConsumer(msgspec.Struct, kw_only=True):
     splice_id: str | None = None
 
 
-class TrainerInput(msgspec.Struct, kw_only=True, omit_defaults=True):
+class TrainerInput(msgspec.Struct, kw_only=True):
     """``trainer.input``: the stage the trainer reads, through which durable, and the
     consumers it still drains. Absent: ``exp.train`` through ``trainer``. Written by the
     trainer only; ``splice_id``/``from_stage``/``start_seq``: its last switch."""
@@ -182,7 +182,7 @@ class TrainerInput(msgspec.Struct, kw_only=True, omit_defaults=True):
     ts: float = 0.0
 
 
-class StageRecord(msgspec.Struct, kw_only=True, omit_defaults=True):
+class StageRecord(msgspec.Struct, kw_only=True):
     """``stage.<Y>``: a spliced stage. Its operator reads ``from_stage`` through
     ``durable`` (from ``start_seq``) and writes ``to_stage``; ``owner`` refreshes its
     ``ts`` while it serves."""
