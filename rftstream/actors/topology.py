@@ -35,6 +35,7 @@ from rftstream.bus.state import RunState
 from rftstream.errors import BusError, RftError
 from rftstream.splice import protocol
 from rftstream.splice.operator_side import apply, owner_alive
+from rftstream.splice.ownership import dead_stage_message
 from rftstream.splice.protocol import (
     AnswerAgain,
     Claim,
@@ -336,7 +337,7 @@ class TrainerTopology:
             starving = time.monotonic() - self.feed.last_received > STARVED_S
             if stage == self.stage and not starving:
                 continue
-            message = protocol.dead_stage_message(record, time.time())
+            message = dead_stage_message(record, time.time())
             dead = stage
             break
         if dead is not None and dead != self._warned:

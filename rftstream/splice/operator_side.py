@@ -27,26 +27,21 @@ import anyio
 
 from rftstream.bus.state import END_STATUSES, RunState
 from rftstream.errors import RftError
-from rftstream.splice import protocol
+from rftstream.splice import ownership, protocol, watch
 from rftstream.splice.protocol import (
     DEFAULT_TIMING,
     Abandon,
     Action,
-    Answered,
-    AnswerWatch,
     AskUnsplice,
     DeleteStage,
     Event,
-    Failed,
-    Health,
-    NoTrainer,
     OwnerDrained,
-    OwnerGone,
     OwnerParked,
     RequestSplice,
     Timing,
     WriteSplice,
 )
+from rftstream.splice.watch import Answered, AnswerWatch, Failed, Health, NoTrainer, OwnerGone
 from rftstream.subjects import RAW_STAGE, TRAIN_STAGE, check_stage
 from rftstream.wire import (
     SPLICE,
@@ -86,9 +81,9 @@ def local_pid_alive(owner: Owner | None) -> bool | None:
 
 
 def owner_alive(record: StageRecord | None, timing: Timing = DEFAULT_TIMING) -> bool:
-    """Whether the process serving a spliced stage still runs (see :func:`protocol.owner_alive`)."""
+    """Whether the process serving a spliced stage still runs (see :func:`ownership.owner_alive`)."""
     owner = None if record is None else record.owner
-    return protocol.owner_alive(owner, time.time(), local_pid_alive(owner), timing)
+    return ownership.owner_alive(owner, time.time(), local_pid_alive(owner), timing)
 
 
 def owner_info(actor: str, token: str | None = None) -> Owner:
@@ -103,8 +98,8 @@ def owner_info(actor: str, token: str | None = None) -> Owner:
 
 
 async def trainer_alive(state: RunState, timing: Timing = DEFAULT_TIMING) -> bool:
-    """A live trainer's heartbeat exists (see :func:`protocol.trainer_alive`)."""
-    return protocol.trainer_alive(await state.heartbeats(), time.time(), timing)
+    """A live trainer's heartbeat exists (see :func:`watch.trainer_alive`)."""
+    return watch.trainer_alive(await state.heartbeats(), time.time(), timing)
 
 
 async def read_health(state: RunState, timing: Timing = DEFAULT_TIMING) -> Health:
@@ -141,13 +136,13 @@ async def apply(
     return new if await perform(state, actions, revision) else None
 
 
-async def _watch(state: RunState, watch: AnswerWatch) -> SpliceRecord:
-    """Poll ``splice`` until ``watch`` has its answer; raise when it gives up."""
+async def _watch(state: RunState, watcher: AnswerWatch) -> SpliceRecord:
+    """Poll ``splice`` until ``watcher`` has its answer; raise when it gives up."""
     while True:
         record = await state.get(SPLICE)
         now = time.time()
-        health = await read_health(state, watch.timing) if watch.health_due(now) else None
-        watch, verdict = watch.step(record, now, health)
+        health = await read_health(state, watcher.timing) if watcher.health_due(now) else None
+        watcher, verdict = watcher.step(record, now, health)
         match verdict:
             case Answered(answer):
                 return answer
@@ -176,9 +171,9 @@ async def _wait_answer(
     waiting for it (logging a warning each ``patience`` s), until the run ends.
     """
     while True:
-        watch = AnswerWatch.start(what, splice_id, answers, time.time(), timing, patience)
+        watcher = AnswerWatch.start(what, splice_id, answers, time.time(), timing, patience)
         try:
-            return await _watch(state, watch)
+            return await _watch(state, watcher)
         except TrainerGone:
             st = await abandon(state, splice_id, "no trainer answered")
             if st in (None, "abandoned"):
@@ -309,7 +304,7 @@ async def ask_unsplice(state: RunState, stage: str, timing: Timing = DEFAULT_TIM
         raise RftError(
             f"--unsplice {stage}: its operator {record.operator!r} is not running "
             f"(owner {record.owner.actor!r} last seen {time.time() - record.owner.ts:.0f}s "
-            f"ago). Start it again with `{protocol.restart_hint(record)}` (it resumes where it "
+            f"ago). Start it again with `{ownership.restart_hint(record)}` (it resumes where it "
             "stopped), then remove it with Ctrl-C or --unsplice"
         )
     if resuming:
@@ -344,14 +339,14 @@ async def wait_unsplice(
     has been running for ``patience`` s while the request waits for one (the
     operator keeps it: a restarted trainer completes it).
     """
-    watch = protocol.UnspliceWatch.start(stage, splice_id, time.time(), timing, patience)
+    watcher = watch.UnspliceWatch.start(stage, splice_id, time.time(), timing, patience)
     while True:
         record = await state.get(SPLICE)
         stage_record = await state.get(STAGE.of(stage=stage))
         now = time.time()
-        health = await read_health(state, timing) if watch.health_due(now) else None
+        health = await read_health(state, timing) if watcher.health_due(now) else None
         pid_alive = local_pid_alive(stage_record.owner) if stage_record else None
-        watch, verdict = watch.step(record, stage_record, now, pid_alive, health)
+        watcher, verdict = watcher.step(record, stage_record, now, pid_alive, health)
         match verdict:
             case Answered(answer):
                 assert isinstance(answer, SpliceDrained | SpliceDone)
@@ -381,7 +376,7 @@ async def claim_stage(
     if record is None:
         raise RftError(f"exp.{stage} is not a spliced stage")
     now = time.time()
-    new = protocol.claim_owner(
+    new = ownership.claim_owner(
         record, owner_info(actor), now, local_pid_alive(record.owner), timing
     )
     if await state.cas(key, new, rev) is None:
@@ -396,7 +391,7 @@ async def refresh_owner(
 
     ``owner``: the claim :func:`claim_stage` wrote. Returns when the record is gone
     (unspliced); runs until cancelled otherwise. Raises :class:`RftError`
-    (:class:`~rftstream.splice.protocol.TakenOver`) when another process owns the
+    (:class:`~rftstream.splice.ownership.TakenOver`) when another process owns the
     stage now (it claimed it while this one looked gone): this process must stop
     serving it, so two never process one stage. A KV error is logged and retried at
     the next refresh.
@@ -406,11 +401,11 @@ async def refresh_owner(
         await anyio.sleep(timing.owner_refresh_s)
         try:
             record, rev = await state.entry(key)
-            new = protocol.refresh_owner(record, owner, time.time(), timing)
+            new = ownership.refresh_owner(record, owner, time.time(), timing)
             if new is None:
                 return  # unspliced
             await state.cas(key, new, rev)  # lost to a writer: checked next time
-        except protocol.TakenOver:
+        except ownership.TakenOver:
             raise
         except Exception as exc:  # noqa: BLE001 - KV trouble: the next refresh retries
             log.warning("%s: could not refresh its claim on exp.%s: %s", owner.actor, stage, exc)

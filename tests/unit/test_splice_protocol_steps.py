@@ -12,7 +12,9 @@ import msgspec
 import pytest
 
 from rftstream.errors import SchemaError
+from rftstream.splice import ownership as o
 from rftstream.splice import protocol as p
+from rftstream.splice import watch as w
 from rftstream.wire import (
     SPLICE,
     STAGE,
@@ -346,108 +348,108 @@ def _stage(owner: Owner = OWNER) -> StageRecord:
 
 
 def test_owner_alive_by_pid_here_and_by_age_elsewhere() -> None:
-    assert p.owner_alive(OWNER, T0 + 1, None, TIMING)
-    assert not p.owner_alive(OWNER, T0 + TIMING.owner_stale_s, None, TIMING)
-    assert not p.owner_alive(OWNER, T0 + 1, False, TIMING)  # its pid is gone on this host
-    assert p.owner_alive(OWNER, T0 + 1, True, TIMING)
-    assert not p.owner_alive(None, T0)
+    assert o.owner_alive(OWNER, T0 + 1, None, TIMING)
+    assert not o.owner_alive(OWNER, T0 + TIMING.owner_stale_s, None, TIMING)
+    assert not o.owner_alive(OWNER, T0 + 1, False, TIMING)  # its pid is gone on this host
+    assert o.owner_alive(OWNER, T0 + 1, True, TIMING)
+    assert not o.owner_alive(None, T0)
 
 
 def test_claim_owner_takes_a_stale_or_dead_stage_over() -> None:
     me = Owner(actor="filter-b", pid=8, host="h2", ts=T0 + 100, token="b")
-    with pytest.raises(p.StageTaken, match="already served by 'filter'"):
-        p.claim_owner(_stage(), me, T0 + 1, None, TIMING)
-    stale = p.claim_owner(_stage(), me, T0 + TIMING.owner_stale_s + 1, None, TIMING)
+    with pytest.raises(o.StageTaken, match="already served by 'filter'"):
+        o.claim_owner(_stage(), me, T0 + 1, None, TIMING)
+    stale = o.claim_owner(_stage(), me, T0 + TIMING.owner_stale_s + 1, None, TIMING)
     assert stale.owner == me and stale.durable == "op_train_to_filtered"
-    dead = p.claim_owner(_stage(), me, T0 + 1, False, TIMING)  # its pid is gone
+    dead = o.claim_owner(_stage(), me, T0 + 1, False, TIMING)  # its pid is gone
     assert dead.owner == me
     same_process = msgspec.structs.replace(me, pid=OWNER.pid, host=OWNER.host, token="new")
-    assert p.claim_owner(_stage(), same_process, T0 + 1, True, TIMING).owner == same_process
+    assert o.claim_owner(_stage(), same_process, T0 + 1, True, TIMING).owner == same_process
 
 
 def test_refresh_owner_stops_when_taken_over_or_unspliced() -> None:
-    refreshed = p.refresh_owner(_stage(), OWNER, T0 + 2, TIMING)
+    refreshed = o.refresh_owner(_stage(), OWNER, T0 + 2, TIMING)
     assert refreshed is not None and refreshed.owner.ts == T0 + 2
     assert refreshed.owner.token == OWNER.token
     other = Owner(actor="filter-b", pid=8, host="elsewhere", ts=T0, token="b")
-    with pytest.raises(p.TakenOver, match="'filter-b' \\(pid 8 on elsewhere\\) took the stage"):
-        p.refresh_owner(_stage(other), OWNER, T0 + 2, TIMING)
+    with pytest.raises(o.TakenOver, match="'filter-b' \\(pid 8 on elsewhere\\) took the stage"):
+        o.refresh_owner(_stage(other), OWNER, T0 + 2, TIMING)
     new_token = msgspec.structs.replace(OWNER, token="other claim")
-    with pytest.raises(p.TakenOver):  # the same process's later claim is another claim
-        p.refresh_owner(_stage(new_token), OWNER, T0 + 2, TIMING)
-    assert p.refresh_owner(None, OWNER, T0 + 2, TIMING) is None
+    with pytest.raises(o.TakenOver):  # the same process's later claim is another claim
+        o.refresh_owner(_stage(new_token), OWNER, T0 + 2, TIMING)
+    assert o.refresh_owner(None, OWNER, T0 + 2, TIMING) is None
 
 
 def test_restart_hint_and_dead_stage_message() -> None:
-    hint = p.restart_hint(_stage())
+    hint = o.restart_hint(_stage())
     assert hint == (
         "rftstream operator reward_filter --args '{\"threshold\": 0.5}' --splice --to filtered"
         " --config C --nats-url U"
     )
-    message = p.dead_stage_message(_stage(), T0 + 42)
+    message = o.dead_stage_message(_stage(), T0 + 42)
     assert "last seen 42s ago" in message and hint in message
     assert "--unsplice filtered" in message
     never = _stage(Owner(actor="filter"))
-    assert "never started" in p.dead_stage_message(never, T0)
+    assert "never started" in o.dead_stage_message(never, T0)
 
 
 # ------------------------------------------------------------------ the waiting sides
 
-ALIVE = p.Health("running", ended=False, trainer_alive=True)
-NO_TRAINER = p.Health("running", ended=False, trainer_alive=False)
+ALIVE = w.Health("running", ended=False, trainer_alive=True)
+NO_TRAINER = w.Health("running", ended=False, trainer_alive=False)
 
 
 def test_answer_watch_waits_for_the_answer() -> None:
     requested = _requested_splice()
-    watch = p.AnswerWatch.start("splice x", "s1", (SpliceCut,), T0, TIMING)
+    watch = w.AnswerWatch.start("splice x", "s1", (SpliceCut,), T0, TIMING)
     assert watch.health_due(T0)
     watch, verdict = watch.step(requested, T0, ALIVE)
-    assert verdict == p.KeepWaiting() and not watch.health_due(T0 + TIMING.check_every_s)
+    assert verdict == w.KeepWaiting() and not watch.health_due(T0 + TIMING.check_every_s)
     assert watch.health_due(T0 + TIMING.check_every_s + 0.1)
     cut = _splice_in(SpliceCut)
-    assert watch.step(cut, T0 + 1)[1] == p.Answered(cut)
+    assert watch.step(cut, T0 + 1)[1] == w.Answered(cut)
 
 
 def test_answer_watch_gives_up_after_its_patience_on_the_fake_clock() -> None:
     requested = _requested_splice()
-    watch = p.AnswerWatch.start("splice x", "s1", (SpliceCut,), T0, TIMING, patience=10.0)
+    watch = w.AnswerWatch.start("splice x", "s1", (SpliceCut,), T0, TIMING, patience=10.0)
     now = T0
     while now <= T0 + 10.0:
         watch, verdict = watch.step(requested, now, NO_TRAINER)
-        assert verdict == p.KeepWaiting(), now
+        assert verdict == w.KeepWaiting(), now
         now += 4.0
     watch, verdict = watch.step(requested, now, NO_TRAINER)
-    assert isinstance(verdict, p.NoTrainer) and "for 10s" in verdict.message
+    assert isinstance(verdict, w.NoTrainer) and "for 10s" in verdict.message
     # a live trainer in between restarts the patience
-    watch = p.AnswerWatch.start("splice x", "s1", (SpliceCut,), T0, TIMING, patience=10.0)
+    watch = w.AnswerWatch.start("splice x", "s1", (SpliceCut,), T0, TIMING, patience=10.0)
     watch, _ = watch.step(requested, T0 + 8, ALIVE)
-    assert watch.step(requested, T0 + 17, NO_TRAINER)[1] == p.KeepWaiting()
-    assert isinstance(watch.step(requested, T0 + 18.5, NO_TRAINER)[1], p.NoTrainer)
+    assert watch.step(requested, T0 + 17, NO_TRAINER)[1] == w.KeepWaiting()
+    assert isinstance(watch.step(requested, T0 + 18.5, NO_TRAINER)[1], w.NoTrainer)
     # without a health reading, time alone decides nothing
-    assert watch.step(requested, T0 + 1000)[1] == p.KeepWaiting()
+    assert watch.step(requested, T0 + 1000)[1] == w.KeepWaiting()
 
 
 def test_answer_watch_fails_when_replaced_refused_or_the_run_ended() -> None:
-    watch = p.AnswerWatch.start("splice x", "s1", (SpliceCut,), T0, TIMING)
+    watch = w.AnswerWatch.start("splice x", "s1", (SpliceCut,), T0, TIMING)
     for record in (None, _asked()):
         verdict = watch.step(record, T0)[1]
-        assert isinstance(verdict, p.Failed) and "replaced by another" in verdict.message
+        assert isinstance(verdict, w.Failed) and "replaced by another" in verdict.message
     refused, _ = p.step(_splice_in(SpliceClaimed), p.Refuse("it reads it"), T0)
-    assert watch.step(refused, T0)[1] == p.Failed("splice x: it reads it")
-    ended = p.Health("finished", ended=True, trainer_alive=True)
-    assert watch.step(_requested_splice(), T0, ended)[1] == p.Failed(
+    assert watch.step(refused, T0)[1] == w.Failed("splice x: it reads it")
+    ended = w.Health("finished", ended=True, trainer_alive=True)
+    assert watch.step(_requested_splice(), T0, ended)[1] == w.Failed(
         "splice x: the run is finished"
     )
 
 
-def _unsplice_watch(patience: float = 10.0) -> p.UnspliceWatch:
-    return p.UnspliceWatch.start("filtered", "u1", T0, TIMING, patience)
+def _unsplice_watch(patience: float = 10.0) -> w.UnspliceWatch:
+    return w.UnspliceWatch.start("filtered", "u1", T0, TIMING, patience)
 
 
 def test_unsplice_watch_answers_when_drained() -> None:
     for state in (SpliceDrained, SpliceDone):
         record = _unsplice_in(state)
-        assert _unsplice_watch().step(record, None, T0)[1] == p.Answered(record)
+        assert _unsplice_watch().step(record, None, T0)[1] == w.Answered(record)
 
 
 @pytest.mark.parametrize("state", [SpliceRequested, SpliceClaimed, SpliceCut])
@@ -456,18 +458,18 @@ def test_unsplice_watch_gives_up_when_the_owner_died_after_taking_the_request(
 ) -> None:
     record = _unsplice_in(state)
     verdict = _unsplice_watch().step(record, _stage(), T0 + 1, owner_pid_alive=False)[1]
-    assert isinstance(verdict, p.OwnerGone) and not verdict.abandon_first
+    assert isinstance(verdict, w.OwnerGone) and not verdict.abandon_first
     message = verdict.message()
     assert "stopped in the middle of removing itself" in message
     assert repr(p.state_of(record)) in message and "--splice --to filtered" in message
     # the same owner, silent for too long on another host
     stale = T0 + TIMING.owner_stale_s + 1
-    assert isinstance(_unsplice_watch().step(record, _stage(), stale)[1], p.OwnerGone)
+    assert isinstance(_unsplice_watch().step(record, _stage(), stale)[1], w.OwnerGone)
 
 
 def test_unsplice_watch_abandons_an_ask_whose_owner_died() -> None:
     verdict = _unsplice_watch().step(_asked(), _stage(), T0 + 1, owner_pid_alive=False)[1]
-    assert isinstance(verdict, p.OwnerGone) and verdict.abandon_first
+    assert isinstance(verdict, w.OwnerGone) and verdict.abandon_first
     assert verdict.message().endswith("then retry")
     assert verdict.message("abandoned").endswith("then retry")
     taken = verdict.message("requested")  # the owner took it up before it could be abandoned
@@ -479,29 +481,29 @@ def test_unsplice_watch_reports_a_missing_trainer_only_while_the_request_waits_f
         record = _unsplice_in(state)
         watch = _unsplice_watch(patience=10.0)
         watch, verdict = watch.step(record, _stage(), T0 + 1, True, NO_TRAINER)
-        assert verdict == p.KeepWaiting()
+        assert verdict == w.KeepWaiting()
         verdict = watch.step(record, _stage(), T0 + 11, True, NO_TRAINER)[1]
         if gives_up:
-            assert isinstance(verdict, p.NoTrainer) and "restarted trainer" in verdict.message
+            assert isinstance(verdict, w.NoTrainer) and "restarted trainer" in verdict.message
         else:  # the owner drains: no trainer needed for that
-            assert verdict == p.KeepWaiting()
+            assert verdict == w.KeepWaiting()
 
 
 def test_unsplice_watch_gives_up_when_the_run_ended() -> None:
-    ended = p.Health("stopped", ended=True, trainer_alive=False)
+    ended = w.Health("stopped", ended=True, trainer_alive=False)
     verdict = _unsplice_watch().step(_unsplice_in(SpliceCut), _stage(), T0 + 1, True, ended)[1]
-    assert verdict == p.Failed("--unsplice filtered: the run is stopped; the stage was not removed")
+    assert verdict == w.Failed("--unsplice filtered: the run is stopped; the stage was not removed")
     replaced = _unsplice_watch().step(_requested_splice(), _stage(), T0 + 1)[1]
-    assert isinstance(replaced, p.Failed) and "replaced" in replaced.message
+    assert isinstance(replaced, w.Failed) and "replaced" in replaced.message
 
 
 def test_a_final_trainer_heartbeat_is_not_a_live_trainer() -> None:
     hb = {"role": "trainer", "ts": T0}
-    assert p.trainer_alive({"t": hb}, T0 + 29, TIMING)
-    assert not p.trainer_alive({"t": hb}, T0 + 30, TIMING)
-    assert not p.trainer_alive({"t": {**hb, "status": "finished"}}, T0 + 1, TIMING)
-    assert not p.trainer_alive({"e": {"role": "explorer", "ts": T0}}, T0 + 1, TIMING)
-    assert not p.trainer_alive({}, T0, TIMING)
+    assert w.trainer_alive({"t": hb}, T0 + 29, TIMING)
+    assert not w.trainer_alive({"t": hb}, T0 + 30, TIMING)
+    assert not w.trainer_alive({"t": {**hb, "status": "finished"}}, T0 + 1, TIMING)
+    assert not w.trainer_alive({"e": {"role": "explorer", "ts": T0}}, T0 + 1, TIMING)
+    assert not w.trainer_alive({}, T0, TIMING)
 
 
 # ------------------------------------------------------------------ the stage chain
