@@ -1,10 +1,12 @@
 """The trainer's side of splicing: which stage it reads, and answering splice/unsplice requests.
 
 :class:`TrainerTopology` owns the ``trainer.input`` KV record and the feed's
-consumers (see :mod:`rftstream.splice` for the protocol; its decisions are
-:func:`rftstream.splice.protocol.trainer_plan` and :func:`~rftstream.splice.protocol.step`). It acts only from
-:meth:`poll`, which the feed calls between two fetches, so a cut taken there
-(the last sequence the trainer's consumer delivered) is exact.
+consumers (see :mod:`rftstream.splice` for the protocol). It is the I/O around
+two pure decisions: :func:`~rftstream.splice.protocol.trainer_plan` (how to
+answer a request) and :func:`~rftstream.splice.protocol.step` (the record's
+next state). It acts only from :meth:`poll`, which the feed calls between two
+fetches, so a cut taken there (the last sequence the trainer's consumer
+delivered) is exact.
 
 It also watches the stage the trainer reads: when that is a spliced stage
 whose operator process is gone, it writes ``trainer.waiting`` with the
@@ -117,16 +119,20 @@ class TrainerTopology:
         """Write ``trainer.input`` (the stage read now, retired consumers; the last switch's
         ``splice_id``, ``from_stage`` and ``start_seq`` when given, else kept)."""
         assert self.feed is not None
-        last = self.record
-        self.record = TrainerInput(
+        record = TrainerInput(
             stage=self.stage,
             consumer=self.feed.consumer.durable,
             retired=self.feed.retired_records(),
-            splice_id=splice_id if splice_id is not None else last and last.splice_id,
-            from_stage=from_stage if from_stage is not None else last and last.from_stage,
-            start_seq=start_seq if start_seq is not None else last and last.start_seq,
+            splice_id=splice_id,
+            from_stage=from_stage,
+            start_seq=start_seq,
             ts=time.time(),
         )
+        if splice_id is None and self.record is not None:  # no new switch: keep the last one's
+            record.splice_id = self.record.splice_id
+            record.from_stage = self.record.from_stage
+            record.start_seq = self.record.start_seq
+        self.record = record
         await self.state.put(TRAINER_INPUT, self.record)
 
     # ------------------------------------------------------------------ polling
