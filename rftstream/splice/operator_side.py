@@ -10,7 +10,10 @@ they block until their answer, raise :class:`~rftstream.errors.RftError` (or
 :class:`TrainerGone`) when they give up, and can be cancelled at any point:
 the KV state stays consistent (a request left behind is abandoned or
 completed by whoever comes next). The trainer's side is
-:class:`~rftstream.actors.topology.TrainerTopology`.
+:class:`~rftstream.actors.topology.TrainerTopology`, which writes the record
+through the same :func:`apply`. ``Timing`` (patience, staleness, how often
+health is checked) is a parameter, defaulting to
+:data:`~rftstream.splice.protocol.DEFAULT_TIMING`.
 """
 
 from __future__ import annotations
