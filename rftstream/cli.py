@@ -608,24 +608,25 @@ def cmd_actor(args: argparse.Namespace) -> int:
 
 def cmd_unsplice(args: argparse.Namespace) -> int:
     """``rftstream operator --unsplice STAGE`` (no NAME): ask the stage's operator to leave."""
-    from rftstream import splice
     from rftstream.bus.client import Bus
     from rftstream.bus.state import RunState
+    from rftstream.splice import operator_side
+    from rftstream.wire import SpliceDone, SpliceDrained
 
     cfg, names = _names(args)
     stage = args.unsplice
 
-    async def main() -> dict[str, Any]:
+    async def main() -> SpliceDrained | SpliceDone:
         async with await Bus.connect(args.nats_url, names, cfg.nats, "unsplice") as bus:
             state = RunState(await bus.kv())
-            splice_id = await splice.ask_unsplice(state, stage)
+            splice_id = await operator_side.ask_unsplice(state, stage)
             console.print(f"asked the operator of exp.{stage} to remove itself; waiting…")
-            return await splice.wait_unsplice(state, splice_id, stage)
+            return await operator_side.wait_unsplice(state, splice_id, stage)
 
     result = anyio.run(main, backend="asyncio")
     console.print(
-        f"removed exp.{stage} ({result.get('operator')}): the trainer reads "
-        f"exp.{result.get('from_stage')} again from sequence {int(result['cut_seq']) + 1}",
+        f"removed exp.{stage} ({result.operator}): the trainer reads "
+        f"exp.{result.from_stage} again from sequence {int(result.cut_seq or 0) + 1}",
         markup=False,
         soft_wrap=True,
     )

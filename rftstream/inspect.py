@@ -106,8 +106,9 @@ def status_report(
     actor's role, age in seconds and the rest of its record. ``chain``: the
     stages from ``exp.<input_stage>`` to the trainer, spliced operators named.
     """
-    from rftstream.splice import in_flight, stage_chain
-    from rftstream.subjects import KV_SPLICE, KV_TRAINER_WAITING, KV_WEIGHTS
+    from rftstream.splice.protocol import in_flight, stage_chain
+    from rftstream.subjects import KV_WEIGHTS
+    from rftstream.wire import SPLICE, STAGE, TRAINER_DONE, TRAINER_INPUT, TRAINER_WAITING
 
     heartbeats: list[dict[str, Any]] = []
     for key, value in values.items():
@@ -136,7 +137,7 @@ def status_report(
         "step": _int(values.get("trainer.step")),
         "version": version,
         "heartbeat_age": trainer_hb["age"] if trainer_hb else None,
-        "done": values.get("trainer.done"),
+        "done": values.get(TRAINER_DONE.name),
     }
     names = {k.split(".")[1] for k in values if k.startswith("explorer.") and k.count(".") >= 2}
     names |= {h["actor"] for h in heartbeats if h["role"] == "explorer"}
@@ -154,10 +155,17 @@ def status_report(
                 "done": values.get(f"explorer.{name}.done") is not None,
             }
         )
-    chain = stage_chain(values, input_stage, output_stage)
+    prefix = STAGE.name.split("{")[0]
+    stages = {k[len(prefix) :]: STAGE.convert(v) for k, v in values.items() if k.startswith(prefix)}
+    chain = stage_chain(
+        TRAINER_INPUT.convert(values.get(TRAINER_INPUT.name)),
+        {k: v for k, v in stages.items() if v is not None},
+        input_stage,
+        output_stage,
+    )
     text = " -> ".join(s["stage"] + (f" ({s['operator']})" if s["operator"] else "") for s in chain)
-    waiting = values.get(KV_TRAINER_WAITING)
-    change = values.get(KV_SPLICE)
+    waiting = values.get(TRAINER_WAITING.name)
+    change = values.get(SPLICE.name)
     return {
         "status": values.get("status"),
         "trainer": trainer,
@@ -170,6 +178,6 @@ def status_report(
         "heartbeats": heartbeats,
         "stages": chain,
         "chain": text + " -> trainer",
-        "change": change if in_flight(change) else None,
+        "change": change if in_flight(SPLICE.convert(change)) else None,
         "waiting": waiting.get("message") if isinstance(waiting, dict) else None,
     }

@@ -139,7 +139,8 @@ KV_EVAL_FINAL = "eval.final"  # claimed by the explorer that runs the final eval
 KV_EXPLORER_STEP = "explorer.{name}.step"
 KV_EXPLORER_DONE = "explorer.{name}.done"
 KV_TRAINER_STEP = "trainer.step"
-KV_TRAINER_DONE = "trainer.done"
+KV_TRAINER_STARTED = "trainer.started"  # wire.TrainerStarted
+KV_TRAINER_DONE = "trainer.done"  # wire.TrainerDone
 KV_TRAINER_STARVING = (
     "trainer.starving"  # {"since": ts, "held": messages} while it waits with less than a batch
 )
@@ -147,15 +148,11 @@ KV_TRAINER_CHECKPOINT = "trainer.checkpoint"  # CheckpointRecord: where a restar
 KV_TRAINER_UNACKED = "trainer.trained_unacked"  # TrainedUnacked: trained, held until a checkpoint
 KV_WEIGHTS = "weights.latest"  # JSON: {"version", "method", "uri", "sha256"}
 KV_HEARTBEAT = "heartbeat.{actor}"
-# the trainer's input and the spliced stages (see rftstream.splice)
-KV_SPLICE = "splice"  # the one topology change in flight (splice or unsplice)
-KV_TRAINER_INPUT = (
-    "trainer.input"  # {"stage", "consumer", "retired": [...]}: what the trainer reads
-)
-KV_TOPOLOGY = (
-    "topology"  # [{"op", "from", "to", "by", "seq", "ts", "splice_id"}, ...]: every change so far
-)
-KV_STAGE = "stage.{stage}"  # a spliced stage: its operator, durable and owner process
-KV_TRAINER_WAITING = (
-    "trainer.waiting"  # {"stage", "message", "since"} while a dead stage starves it
-)
+# the trainer's input and the spliced stages (protocol: rftstream.splice). Their records'
+# shapes are the structs of rftstream.wire; read and write them through its typed handles
+# (wire.SPLICE, wire.TRAINER_INPUT, wire.STAGE.of(stage=...), ...), not these names.
+KV_SPLICE = "splice"  # wire.SpliceRecord: the one topology change in flight
+KV_TRAINER_INPUT = "trainer.input"  # wire.TrainerInput: the stage the trainer reads
+KV_TOPOLOGY = "topology"  # list[wire.TopologyEdge]: every change so far
+KV_STAGE = "stage.{stage}"  # wire.StageRecord: a spliced stage, its durable and owner
+KV_TRAINER_WAITING = "trainer.waiting"  # wire.TrainerWaiting: a dead stage starves the trainer

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Any, Generic, TypeVar
+from typing import Any, Generic, Literal, TypeVar
 
 import msgspec
 
@@ -20,32 +20,236 @@ from rftstream.subjects import (
     KV_EXPLORER_DONE,
     KV_EXPLORER_STEP,
     KV_HEARTBEAT,
+    KV_SPLICE,
+    KV_STAGE,
     KV_TASKSET,
     KV_TASKSET_CLAIM,
+    KV_TOPOLOGY,
+    KV_TRAINER_DONE,
+    KV_TRAINER_INPUT,
+    KV_TRAINER_STARTED,
     KV_TRAINER_STARVING,
+    KV_TRAINER_WAITING,
 )
 
-# --- splice protocol: splice, trainer.input, stage.<Y>, topology, trainer.waiting/started/done (H-splice)
-
-# --- explorer side: taskset claim, heartbeat, trainer.starving (H-explorer)
-# Key[T]: the minimal typed key handle; if the splice section defines one too, the merge keeps one
 T = TypeVar("T")
 
 
 @dataclass(frozen=True)
 class Key(Generic[T]):
-    """A key of the run's KV bucket and the type of its record.
-
-    ``name`` may be a template (``explorer.{name}.step``): :meth:`of` fills it in.
-    Read with ``RunState.get_json(key.name, key.type)``.
-    """
+    """A KV key and the type of its value: ``await state.get(TRAINER_INPUT)`` is a
+    ``TrainerInput | None``. ``name`` may be a template (``stage.{stage}``): :meth:`of`
+    fills it in."""
 
     name: str
-    type: type[T]
+    type: Any  # the value's type: a Struct, a tagged union of Structs, list[Struct], ...
 
-    def of(self, **fields: object) -> Key[T]:
-        """The concrete key of a templated one (``EXPLORER_STEP.of(name="e0")``)."""
+    def of(self, **fields: str) -> Key[T]:
+        """The key with the template's ``{fields}`` filled in (same value type)."""
         return Key(self.name.format(**fields), self.type)
+
+    def convert(self, value: Any) -> T | None:
+        """An already decoded JSON value (a KV dump's) as this key's record; None when it
+        is absent or has another shape (``rftstream status`` shows what it can)."""
+        if value is None:
+            return None
+        try:
+            return msgspec.convert(value, self.type)  # type: ignore[no-any-return]
+        except msgspec.ValidationError:
+            return None
+
+
+# --- splice protocol: splice, trainer.input, stage.<Y>, topology, trainer.waiting/started/done (H-splice)
+# The protocol itself is in rftstream.splice (its docstring), its transitions in
+# rftstream.splice.protocol.
+
+SpliceKind = Literal["splice", "unsplice"]
+
+
+class Owner(msgspec.Struct, kw_only=True):
+    """The process serving a spliced stage (or asking for a splice). ``token`` tells two
+    claims of one process apart; ``ts`` is refreshed while it serves."""
+
+    actor: str
+    pid: int = 0
+    host: str = ""
+    ts: float = 0.0
+    token: str = ""
+
+    def same_claim(self, other: Owner | None) -> bool:
+        """Whether ``other`` is this very claim (process and token)."""
+        return other is not None and (self.pid, self.host, self.token) == (
+            other.pid,
+            other.host,
+            other.token,
+        )
+
+
+class _SpliceRecord(msgspec.Struct, tag_field="state", kw_only=True):
+    """Fields every state of the ``splice`` record has (``state`` is the tag).
+
+    ``from_stage``: the stage the operator reads (a splice learns it at its cut);
+    ``args``/``owner``: the operator's arguments and the process that asked for a
+    splice; ``cut_seq``: where an unsplice's owner stopped reading ``from_stage``;
+    ``ts``: when it was asked or requested; ``ts_changed``: its last transition.
+    """
+
+    id: str
+    kind: SpliceKind = "splice"
+    operator: str = ""
+    to_stage: str = ""
+    from_stage: str | None = None
+    args: dict[str, Any] = msgspec.field(default_factory=dict)
+    owner: Owner | None = None
+    cut_seq: int | None = None
+    ts: float = 0.0
+    ts_changed: float = 0.0
+
+
+class SpliceAsked(_SpliceRecord, tag="asked"):
+    """An unsplice ``--unsplice`` asked for; the stage's owner has not taken it up yet."""
+
+
+class SpliceRequested(_SpliceRecord, tag="requested"):
+    """A splice the operator asked for, or an unsplice whose owner parked at ``cut_seq``:
+    the trainer's turn."""
+
+
+class SpliceClaimed(_SpliceRecord, tag="claimed"):
+    """The trainer took the request up; it can no longer be abandoned."""
+
+
+class SpliceCut(_SpliceRecord, tag="cut"):
+    """The trainer switched. Splice: the operator reads ``from_stage`` from ``start_seq``.
+    Unsplice: the trainer reads ``from_stage`` from ``cut_seq + 1``; the owner drains."""
+
+    start_seq: int | None = None
+    consumer: str | None = None
+
+
+class SpliceDrained(_SpliceRecord, tag="drained"):
+    """Unsplice: the owner processed everything up to ``cut_seq``; its stage ends at
+    ``drain_until``, which the trainer drains before closing."""
+
+    drain_until: int
+    consumer: str | None = None
+
+
+class SpliceDone(_SpliceRecord, tag="done"):
+    """Unsplice: the trainer drained the removed stage; the change is over."""
+
+    drain_until: int
+    consumer: str | None = None
+
+
+class SpliceRefused(_SpliceRecord, tag="refused"):
+    """The trainer cannot do it (``reason``), e.g. it already reads that stage."""
+
+    reason: str
+
+
+class SpliceAbandoned(_SpliceRecord, tag="abandoned"):
+    """Given up before a trainer (or owner) took it up (``reason``)."""
+
+    reason: str
+
+
+SpliceRecord = (
+    SpliceAsked
+    | SpliceRequested
+    | SpliceClaimed
+    | SpliceCut
+    | SpliceDrained
+    | SpliceDone
+    | SpliceRefused
+    | SpliceAbandoned
+)
+
+
+class RetiredConsumer(msgspec.Struct, kw_only=True):
+    """A consumer the trainer stopped reading but still drains up to ``cut_seq`` (None: an
+    unsplice's open cut, closed when the removed operator says where its stage ends)."""
+
+    consumer: str
+    cut_seq: int | None = None
+    splice_id: str | None = None
+
+
+class TrainerInput(msgspec.Struct, kw_only=True):
+    """``trainer.input``: the stage the trainer reads, through which durable, and the
+    consumers it still drains. Absent: ``exp.train`` through ``trainer``. Written by the
+    trainer only; ``splice_id``/``from_stage``/``start_seq``: its last switch."""
+
+    stage: str
+    consumer: str
+    retired: list[RetiredConsumer] = msgspec.field(default_factory=list)
+    splice_id: str | None = None
+    from_stage: str | None = None
+    start_seq: int | None = None
+    ts: float = 0.0
+
+
+class StageRecord(msgspec.Struct, kw_only=True):
+    """``stage.<Y>``: a spliced stage. Its operator reads ``from_stage`` through
+    ``durable`` (from ``start_seq``) and writes ``to_stage``; ``owner`` refreshes its
+    ``ts`` while it serves."""
+
+    operator: str
+    from_stage: str
+    to_stage: str
+    durable: str
+    owner: Owner
+    args: dict[str, Any] = msgspec.field(default_factory=dict)
+    start_seq: int = 1
+    splice_id: str | None = None
+
+
+class TopologyEdge(msgspec.Struct, kw_only=True):
+    """One entry of ``topology``: a change of the stage chain, once per ``splice_id``."""
+
+    op: SpliceKind
+    from_stage: str = msgspec.field(name="from")
+    to_stage: str = msgspec.field(name="to")
+    by: str | None
+    seq: int
+    ts: float
+    splice_id: str | None = None
+
+
+class TrainerWaiting(msgspec.Struct, kw_only=True):
+    """``trainer.waiting``: the trainer waits for ``stage``, whose operator is gone;
+    ``message`` has the command that restarts it (``rftstream status`` shows it)."""
+
+    stage: str
+    message: str
+    ts: float
+
+
+class TrainerStarted(msgspec.Struct, kw_only=True):
+    """``trainer.started``: a trainer process began (``ts``)."""
+
+    actor: str
+    ts: float
+
+
+class TrainerDone(msgspec.Struct, kw_only=True):
+    """``trainer.done``: the trainer ended at ``step`` with ``status``."""
+
+    step: int
+    status: str
+    ts: float
+
+
+SPLICE: Key[SpliceRecord] = Key(KV_SPLICE, SpliceRecord)
+TRAINER_INPUT: Key[TrainerInput] = Key(KV_TRAINER_INPUT, TrainerInput)
+STAGE: Key[StageRecord] = Key(KV_STAGE, StageRecord)  # STAGE.of(stage=...)
+TOPOLOGY: Key[list[TopologyEdge]] = Key(KV_TOPOLOGY, list[TopologyEdge])
+TRAINER_WAITING: Key[TrainerWaiting] = Key(KV_TRAINER_WAITING, TrainerWaiting)
+TRAINER_STARTED: Key[TrainerStarted] = Key(KV_TRAINER_STARTED, TrainerStarted)
+TRAINER_DONE: Key[TrainerDone] = Key(KV_TRAINER_DONE, TrainerDone)
+
+
+# --- explorer side: taskset claim, heartbeat, trainer.starving (H-explorer)
 
 
 class TasksetRecord(msgspec.Struct, kw_only=True):

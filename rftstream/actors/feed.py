@@ -48,6 +48,7 @@ from rftstream.bus.client import Bus, PullConsumer
 from rftstream.errors import BusError, SchemaError
 from rftstream.experience import Experience, decode_group
 from rftstream.subjects import TRAIN_STAGE
+from rftstream.wire import RetiredConsumer
 
 log = logging.getLogger(__name__)
 
@@ -150,10 +151,10 @@ class ExperienceFeed:
                 return True
         return False
 
-    def retired_records(self) -> list[dict[str, object]]:
+    def retired_records(self) -> list[RetiredConsumer]:
         """The retired consumers, as stored in the ``trainer.input`` KV record."""
         return [
-            {"consumer": r.consumer.durable, "cut_seq": r.cut_seq, "splice_id": r.splice_id}
+            RetiredConsumer(consumer=r.consumer.durable, cut_seq=r.cut_seq, splice_id=r.splice_id)
             for r in self.retired
         ]
 

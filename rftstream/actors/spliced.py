@@ -1,7 +1,8 @@
 """A spliced operator process: splice in (or resume), serve the stage, take itself out again.
 
 ``rftstream operator NAME --splice --to Y`` runs :func:`run_spliced`; the
-protocol is in :mod:`rftstream.splice`. What a user sees:
+protocol is in :mod:`rftstream.splice`, its KV loops in
+:mod:`rftstream.splice.operator_side`. What a user sees:
 
 * First start: the trainer cuts over to ``exp.Y``; this process reads the
   trainer's old stage from the cut on (``--replicas`` hosts sharing one durable).
@@ -31,12 +32,21 @@ from typing import Any
 import anyio
 import nats.js.errors
 
-from rftstream import splice
 from rftstream.actors.operator_host import DrainControl
 from rftstream.bus.client import Bus
 from rftstream.bus.state import RunState
 from rftstream.errors import RftError
-from rftstream.subjects import KV_SPLICE
+from rftstream.splice import operator_side, protocol
+from rftstream.wire import (
+    SPLICE,
+    STAGE,
+    SpliceAsked,
+    SpliceClaimed,
+    SpliceCut,
+    SpliceRecord,
+    SpliceRequested,
+    StageRecord,
+)
 
 log = logging.getLogger(__name__)
 
@@ -50,9 +60,10 @@ async def last_seq_on(bus: Bus, stage: str) -> int:
     return int(msg.seq or 0)
 
 
-async def _our_unsplice(state: RunState, stage: str) -> dict[str, Any] | None:
-    value = await state.get_json(KV_SPLICE)
-    return value if splice.unsplice_in_flight(value, stage) else None
+async def _our_unsplice(state: RunState, stage: str) -> SpliceRecord | None:
+    """The ``splice`` record when it is an unsplice of ``exp.<stage>`` under way."""
+    record = await state.get(SPLICE)
+    return record if protocol.unsplice_in_flight(record, stage) else None
 
 
 async def run_spliced(
@@ -80,7 +91,7 @@ async def run_spliced(
     n = run.names
     async with await Bus.connect(url, n, run.cfg.nats, f"{name}-splice") as bus:
         state = RunState(await bus.kv())
-        record = await splice.stage_record(state, to_stage)
+        record = await state.get(STAGE.of(stage=to_stage))
         if record is None and unsplice_now:
             raise RftError(f"--unsplice {to_stage}: exp.{to_stage} is not a spliced stage")
         if record is None:
@@ -89,7 +100,7 @@ async def run_spliced(
 
                 async def request() -> None:
                     nonlocal cut
-                    cut = await splice.request_splice(
+                    cut = await operator_side.request_splice(
                         state, operator, to_stage, args=args, actor=name
                     )
                     tg.cancel_scope.cancel()
@@ -101,7 +112,7 @@ async def run_spliced(
                 tg.start_soon(request)
                 tg.start_soon(stopper)
             if cut is None:  # stopped while waiting for the trainer
-                took = await splice.abandon(
+                took = await operator_side.abandon(
                     state, functools.partial(_own_request, to_stage), "the operator was stopped"
                 )
                 if took in (None, "abandoned", "refused"):
@@ -114,31 +125,31 @@ async def run_spliced(
                     f"spliced in: reads exp.{cut.from_stage} from sequence {cut.start_seq}, "
                     f"writes exp.{to_stage}; the trainer reads exp.{to_stage} from now on"
                 )
-                record = await splice.stage_record(state, to_stage)
+                record = await state.get(STAGE.of(stage=to_stage))
                 if record is None:
                     raise RftError(
                         f"exp.{to_stage}: the trainer answered but wrote no stage record"
                     )
         else:
-            if str(record.get("operator")) != operator:
+            if record.operator != operator:
                 raise RftError(
-                    f"exp.{to_stage} is spliced with operator {record.get('operator')!r}, not "
+                    f"exp.{to_stage} is spliced with operator {record.operator!r}, not "
                     f"{operator!r}; restart that one, or remove it first"
                 )
             say(
-                f"resuming exp.{to_stage}: reads exp.{record.get('from_stage')} through its "
-                f"durable {record.get('durable')}"
+                f"resuming exp.{to_stage}: reads exp.{record.from_stage} through its "
+                f"durable {record.durable}"
             )
-        claimed = await splice.claim_stage(state, to_stage, name)
-        from_stage = str(record["from_stage"])
+        claimed = await operator_side.claim_stage(state, to_stage, name)
+        from_stage = record.from_stage
         pending = await _our_unsplice(state, to_stage)
-        start_seq = int(record.get("start_seq") or 1)
+        start_seq = record.start_seq
         control = DrainControl(len(pipelines))
-        if pending is not None and pending.get("cut_seq") is not None:
+        if pending is not None and pending.cut_seq is not None:
             # an unsplice under way: the hosts must not process past its cut, not even once
-            cut_seq = int(pending["cut_seq"])
+            cut_seq = pending.cut_seq
             start_seq = cut_seq + 1  # never re-create the durable before its cut
-            if pending.get("state") in ("requested", "claimed"):
+            if isinstance(pending, SpliceRequested | SpliceClaimed):
                 control.stop()
             else:  # "cut" / "drained": the trainer reads from cut_seq + 1 already
                 control.set_cut(cut_seq)
@@ -168,17 +179,15 @@ async def run_spliced(
                     with anyio.move_on_after(0.3):
                         await stop.wait()
                     asked = await _our_unsplice(state, to_stage)
-                    if asked is not None and asked.get("state") == "asked":
+                    if isinstance(asked, SpliceAsked):
                         resume = asked
                         say(f"asked to remove exp.{to_stage} (rftstream operator --unsplice)")
-                await unsplice(
-                    bus, state, control, operator, from_stage, to_stage, resume or {}, say
-                )
+                await unsplice(bus, state, control, operator, from_stage, to_stage, resume, say)
                 outcome = "removed"
                 tg.cancel_scope.cancel()
 
             tg.start_soon(hosts)
-            tg.start_soon(splice.refresh_owner, state, to_stage, claimed["owner"])
+            tg.start_soon(operator_side.refresh_owner, state, to_stage, claimed.owner)
             tg.start_soon(trigger)
         return outcome
 
@@ -190,26 +199,25 @@ async def unsplice(
     operator: str,
     from_stage: str,
     to_stage: str,
-    resume: dict[str, Any],
+    resume: SpliceRecord | None,
     say: Callable[[str], None],
 ) -> None:
     """Take ``exp.<to_stage>`` out (steps 2 and 4 of :mod:`rftstream.splice`). Blocks.
 
     ``resume``: the ``splice`` record of an unsplice already under way for
-    this stage (empty: start one).
+    this stage (None: start one).
     """
     n = bus.names
     durable = n.stage_consumer(from_stage, to_stage)
-    st = resume.get("state")
-    splice_id = str(resume.get("id") or uuid.uuid4().hex[:12])
-    if st in (None, "asked"):
+    splice_id = resume.id if resume is not None else uuid.uuid4().hex[:12]
+    if resume is None or isinstance(resume, SpliceAsked) or resume.cut_seq is None:
         control.stop()
         say(f"removing exp.{to_stage}: every replica finishes the batch in hand…")
         await control.all_parked.wait()
         info = await bus.js.consumer_info(n.exp_stream, durable)
         cut = int(info.delivered.stream_seq or 0)
         say(f"cut at sequence {cut} of exp.{from_stage}; asking the trainer to read it again")
-        await splice.request_unsplice(
+        await operator_side.request_unsplice(
             state,
             splice_id,
             operator=operator,
@@ -218,11 +226,11 @@ async def unsplice(
             cut_seq=cut,
         )
     else:
-        cut = int(resume["cut_seq"])
+        cut = resume.cut_seq
         say(f"resuming the removal of exp.{to_stage} (cut at sequence {cut} of exp.{from_stage})")
-        if st in ("requested", "claimed"):
+        if isinstance(resume, SpliceRequested | SpliceClaimed):
             control.stop()
-            await splice.wait_unsplice_cut(state, splice_id, to_stage)
+            await operator_side.wait_unsplice_cut(state, splice_id, to_stage)
     control.set_cut(cut)
     say(
         f"the trainer reads exp.{from_stage} from sequence {cut + 1}; "
@@ -235,7 +243,7 @@ async def unsplice(
         await bus.js.delete_consumer(n.exp_stream, durable)
     except nats.js.errors.NotFoundError:
         pass
-    await splice.finish_unsplice(state, splice_id, to_stage, end)
+    await operator_side.finish_unsplice(state, splice_id, to_stage, end)
     log.info("unsplice of exp.%s drained in %.1fs", to_stage, time.monotonic() - t0)
     say(
         f"removed: exp.{to_stage} ends at sequence {end}; the trainer drains it, then reads "
@@ -243,31 +251,32 @@ async def unsplice(
     )
 
 
-def _own_request(to_stage: str, value: dict[str, Any]) -> bool:
+def _own_request(to_stage: str, record: SpliceRecord) -> bool:
     """Whether the ``splice`` record is this process's splice request for ``to_stage``."""
     return (
-        value.get("kind", "splice") == "splice"
-        and value.get("to_stage") == to_stage
-        and (value.get("owner") or {}).get("pid") == os.getpid()
+        record.kind == "splice"
+        and record.to_stage == to_stage
+        and record.owner is not None
+        and record.owner.pid == os.getpid()
     )
 
 
-async def _wait_record(state: RunState, to_stage: str, patience: float = 120.0) -> dict[str, Any]:
+async def _wait_record(state: RunState, to_stage: str, patience: float = 120.0) -> StageRecord:
     """The trainer took this process's splice request before it could be abandoned: wait for
     its cut and the ``stage.<to_stage>`` record (polls KV). Raises :class:`RftError` naming the
     stage and the request after ``patience`` s without them."""
-    value: Any = None
+    change: SpliceRecord | None = None
     with anyio.move_on_after(patience):
         while True:
-            value = await state.get_json(KV_SPLICE)
-            record = await splice.stage_record(state, to_stage)
-            if record is not None and isinstance(value, dict) and value.get("state") == "cut":
+            change = await state.get(SPLICE)
+            record = await state.get(STAGE.of(stage=to_stage))
+            if record is not None and isinstance(change, SpliceCut):
                 return record
             await anyio.sleep(0.2)
-    value = value if isinstance(value, dict) else {}
     raise RftError(
-        f"exp.{to_stage}: the trainer took splice {value.get('id')!r} up (state "
-        f"{value.get('state')!r}) but has not cut over within {patience:.0f}s; a restarted "
-        f"trainer completes it: then remove the stage with `rftstream operator "
-        f"{value.get('operator')} --unsplice {to_stage}` (`rftstream status` shows the splice)"
+        f"exp.{to_stage}: the trainer took splice {change and change.id!r} up (state "
+        f"{protocol.state_of(change)!r}) but has not cut over within {patience:.0f}s; a "
+        f"restarted trainer completes it: then remove the stage with `rftstream operator "
+        f"{change and change.operator} --unsplice {to_stage}` (`rftstream status` shows the "
+        "splice)"
     )

@@ -1,9 +1,12 @@
 """The trainer's side of splicing: which stage it reads, and answering splice/unsplice requests.
 
 :class:`TrainerTopology` owns the ``trainer.input`` KV record and the feed's
-consumers (see :mod:`rftstream.splice` for the protocol). It acts only from
-:meth:`poll`, which the feed calls between two fetches, so a cut taken there
-(the last sequence the trainer's consumer delivered) is exact.
+consumers (see :mod:`rftstream.splice` for the protocol). It is the I/O around
+two pure decisions: :func:`~rftstream.splice.protocol.trainer_plan` (how to
+answer a request) and :func:`~rftstream.splice.protocol.step` (the record's
+next state). It acts only from :meth:`poll`, which the feed calls between two
+fetches, so a cut taken there (the last sequence the trainer's consumer
+delivered) is exact.
 
 It also watches the stage the trainer reads: when that is a spliced stage
 whose operator process is gone, it writes ``trainer.waiting`` with the
@@ -24,17 +27,43 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any
 
 import nats.errors
 import nats.js.errors
 
-from rftstream import splice
 from rftstream.actors.feed import ExperienceFeed
 from rftstream.bus.client import Bus, PullConsumer
 from rftstream.bus.state import RunState
-from rftstream.errors import BusError
-from rftstream.subjects import KV_SPLICE, KV_TRAINER_INPUT, KV_TRAINER_WAITING
+from rftstream.errors import BusError, RftError
+from rftstream.splice import protocol
+from rftstream.splice.operator_side import apply, owner_alive
+from rftstream.splice.ownership import dead_stage_message
+from rftstream.splice.protocol import (
+    AnswerAgain,
+    Claim,
+    Close,
+    Event,
+    Refuse,
+    SwitchBack,
+    SwitchIn,
+    TrainerCut,
+)
+from rftstream.wire import (
+    SPLICE,
+    STAGE,
+    TOPOLOGY,
+    TRAINER_INPUT,
+    TRAINER_WAITING,
+    Owner,
+    SpliceClaimed,
+    SpliceDrained,
+    SpliceKind,
+    SpliceRecord,
+    StageRecord,
+    TopologyEdge,
+    TrainerInput,
+    TrainerWaiting,
+)
 
 log = logging.getLogger(__name__)
 
@@ -52,7 +81,7 @@ class TrainerTopology:
         self.name = name
         self.names = bus.names
         self.stage = "train"
-        self.record: dict[str, Any] = {}
+        self.record: TrainerInput | None = None
         self.feed: ExperienceFeed | None = None
         self._polled = 0.0
         self._waiting_checked = 0.0
@@ -62,8 +91,8 @@ class TrainerTopology:
 
     async def open(self) -> PullConsumer:
         """Bind the consumer ``trainer.input`` names (``trainer`` on ``exp.train`` if none)."""
-        self.record = await splice.trainer_input_record(self.state)
-        self.stage, durable = splice.input_of(self.record)
+        self.record = await self.state.get(TRAINER_INPUT)
+        self.stage, durable = protocol.input_of(self.record)
         return await self.bus.pull(self.names.exp_stream, durable)
 
     async def attach(self, feed: ExperienceFeed) -> None:
@@ -71,28 +100,40 @@ class TrainerTopology:
         self.feed = feed
         feed.on_idle = self.poll
         feed.on_retired_change = self.persist
-        for r in self.record.get("retired") or []:
+        retired = self.record.retired if self.record is not None else []
+        for r in retired:
             try:
-                consumer = await self.bus.pull(self.names.exp_stream, str(r["consumer"]))
+                consumer = await self.bus.pull(self.names.exp_stream, r.consumer)
             except Exception:  # noqa: BLE001 - already drained and deleted
                 continue
-            cut = r.get("cut_seq")
-            feed.retire(consumer, None if cut is None else int(cut), r.get("splice_id"))
-        if self.record.get("retired"):
+            feed.retire(consumer, r.cut_seq, r.splice_id)
+        if retired:
             await self.persist()
 
-    async def persist(self, **extra: Any) -> None:
-        """Write ``trainer.input`` (the stage read now, retired consumers)."""
+    async def persist(
+        self,
+        splice_id: str | None = None,
+        from_stage: str | None = None,
+        start_seq: int | None = None,
+    ) -> None:
+        """Write ``trainer.input`` (the stage read now, retired consumers; the last switch's
+        ``splice_id``, ``from_stage`` and ``start_seq`` when given, else kept)."""
         assert self.feed is not None
-        self.record = {
-            **{k: v for k, v in self.record.items() if k not in ("retired",)},
-            **extra,
-            "stage": self.stage,
-            "consumer": self.feed.consumer.durable,
-            "retired": self.feed.retired_records(),
-            "ts": time.time(),
-        }
-        await self.state.put_json(KV_TRAINER_INPUT, self.record)
+        record = TrainerInput(
+            stage=self.stage,
+            consumer=self.feed.consumer.durable,
+            retired=self.feed.retired_records(),
+            splice_id=splice_id,
+            from_stage=from_stage,
+            start_seq=start_seq,
+            ts=time.time(),
+        )
+        if splice_id is None and self.record is not None:  # no new switch: keep the last one's
+            record.splice_id = self.record.splice_id
+            record.from_stage = self.record.from_stage
+            record.start_seq = self.record.start_seq
+        self.record = record
+        await self.state.put(TRAINER_INPUT, self.record)
 
     # ------------------------------------------------------------------ polling
 
@@ -117,29 +158,44 @@ class TrainerTopology:
             )
 
     async def _poll(self, now: float) -> None:
-        value, rev = await self.state.get_entry(KV_SPLICE)
+        record, rev = await self.state.entry(SPLICE)
         if now - self._waiting_checked >= WAITING_CHECK_S:
             self._waiting_checked = now
-            await self._check_waiting(value)
-        pending = splice.pending_for_trainer(value, rev)
-        if pending is None:
-            return
-        request, rev = pending
-        if request.get("kind") == "unsplice" and request.get("state") == "drained":
-            await self._drained(request)
-            return
-        if await splice.claim(self.state, request, rev) is None:
-            return  # abandoned (or moved on) meanwhile
-        if request.get("kind", "splice") == "splice":
-            await self._splice_in(request)
+            await self._check_waiting(record)
+        match protocol.trainer_to_act(record):
+            case Close():
+                assert isinstance(record, SpliceDrained)
+                await self._drained(record)
+            case Claim():
+                claimed = await apply(self.state, record, rev, Claim())
+                if claimed is None:
+                    return  # abandoned (or moved on) meanwhile
+                assert isinstance(claimed, SpliceClaimed)
+                await self._answer_claimed(claimed)
+
+    async def _answer(self, request: SpliceRecord, event: Event) -> None:
+        """Move ``request`` on by ``event`` (compare-and-set on the record read now)."""
+        record, rev = await self.state.entry(SPLICE)
+        if record is None or record.id != request.id:
+            raise RftError(f"the splice record changed while the trainer answered it: {record}")
+        if await apply(self.state, record, rev, event) is None:
+            raise RftError(f"the splice record {request.id} changed while the trainer answered it")
+
+    async def _answer_claimed(self, request: SpliceClaimed) -> None:
+        assert self.feed is not None
+        plan = protocol.trainer_plan(request, self.stage, self.record)
+        if isinstance(plan, Refuse):
+            await self._answer(request, plan)
+        elif request.kind == "splice":
+            await self._splice_in(request, plan)
         else:
-            await self._unsplice(request)
+            await self._unsplice(request, plan)
 
     async def _new_durable(self, stage: str, start_seq: int, why: str) -> PullConsumer:
         """A fresh trainer durable on ``exp.<stage>`` delivering from ``start_seq``."""
         assert self.feed is not None
         n = self.names
-        name = splice.trainer_durable(stage)
+        name = protocol.trainer_durable(stage)
         in_use = {self.feed.consumer.durable} | self.feed.retired_names
         try:
             await self.bus.js.consumer_info(n.exp_stream, name)
@@ -159,160 +215,144 @@ class TrainerTopology:
         )
         return await self.bus.pull(n.exp_stream, name)
 
-    async def _splice_in(self, request: dict[str, Any]) -> None:
+    async def _record_topology(
+        self, op: SpliceKind, from_stage: str, to_stage: str, request: SpliceRecord, seq: int
+    ) -> None:
+        """Append the change to ``topology`` (once per splice id: a retried answer adds none)."""
+        edge = TopologyEdge(
+            op=op,
+            from_stage=from_stage,
+            to_stage=to_stage,
+            by=request.operator,
+            seq=seq,
+            ts=time.time(),
+            splice_id=request.id,
+        )
+        edges = protocol.with_edge(await self.state.get(TOPOLOGY) or [], edge)
+        if edges is not None:
+            await self.state.put(TOPOLOGY, edges)
+
+    async def _splice_in(
+        self, request: SpliceClaimed, plan: SwitchIn | AnswerAgain | SwitchBack
+    ) -> None:
         assert self.feed is not None
-        to_stage = str(request["to_stage"])
-        if self.record.get("splice_id") == request["id"] and self.stage == to_stage:
+        to_stage = request.to_stage
+        if isinstance(plan, AnswerAgain):
             # switched already (a poll that failed, or a trainer that died, before answering):
             # write what may be missing, then answer again
             await self.persist()
-            from_stage = str(self.record.get("from_stage"))
-            start_seq = int(self.record.get("start_seq") or 1)
-            stage_missing = await splice.stage_record(self.state, to_stage) is None
-        elif to_stage == self.stage:
-            await splice.answer(
-                self.state,
-                request,
-                state="refused",
-                reason=f"the trainer already reads exp.{to_stage}",
-            )
-            return
+            from_stage, start_seq = plan.from_stage, plan.start_seq
+            stage_missing = await self.state.get(STAGE.of(stage=to_stage)) is None
         else:
             from_stage = self.stage
             info = await self.feed.consumer.info()
             cut = int(info.delivered.stream_seq or 0)
             start_seq = cut + 1
             last = int((await self.bus.js.stream_info(self.names.exp_stream)).state.last_seq or 0)
-            new = await self._new_durable(
-                to_stage, last + 1, f"spliced by {request.get('operator')}"
-            )
-            await self.feed.switch_to(new, cut, splice_id=str(request["id"]))
+            new = await self._new_durable(to_stage, last + 1, f"spliced by {request.operator}")
+            await self.feed.switch_to(new, cut, splice_id=request.id)
             self.stage = to_stage
-            await self.persist(splice_id=request["id"], from_stage=from_stage, start_seq=start_seq)
+            await self.persist(splice_id=request.id, from_stage=from_stage, start_seq=start_seq)
             stage_missing = True
-        if stage_missing:
-            await splice.put_stage_record(
-                self.state,
-                request,
-                from_stage,
-                self.names.stage_consumer(from_stage, to_stage),
-                start_seq,
+        if stage_missing:  # stage.<Y> exists from the moment the trainer reads it
+            await self.state.put(
+                STAGE.of(stage=to_stage),
+                StageRecord(
+                    operator=request.operator,
+                    args=request.args,
+                    from_stage=from_stage,
+                    to_stage=to_stage,
+                    durable=self.names.stage_consumer(from_stage, to_stage),
+                    start_seq=start_seq,
+                    splice_id=request.id,
+                    owner=request.owner or Owner(actor=request.operator),
+                ),
             )
-        await splice.record_topology(
-            self.state,
-            "splice",
-            from_stage,
-            to_stage,
-            request.get("operator"),
-            start_seq,
-            str(request["id"]),
-        )
-        await splice.answer(
-            self.state,
+        await self._record_topology("splice", from_stage, to_stage, request, start_seq)
+        await self._answer(
             request,
-            state="cut",
-            from_stage=from_stage,
-            start_seq=start_seq,
-            consumer=self.feed.consumer.durable,
+            TrainerCut(
+                consumer=self.feed.consumer.durable, from_stage=from_stage, start_seq=start_seq
+            ),
         )
         log.info(
             "%s: spliced %s in: exp.%s from seq %d belongs to it; reading exp.%s now",
             self.name,
-            request.get("operator"),
+            request.operator,
             from_stage,
             start_seq,
             to_stage,
         )
 
-    async def _unsplice(self, request: dict[str, Any]) -> None:
+    async def _unsplice(
+        self, request: SpliceClaimed, plan: SwitchIn | AnswerAgain | SwitchBack
+    ) -> None:
         assert self.feed is not None
-        to_stage, from_stage = str(request["to_stage"]), str(request["from_stage"])
-        cut = int(request["cut_seq"])
-        if self.record.get("splice_id") == request["id"] and self.stage == from_stage:
-            # switched already (a poll that failed, or a trainer that died, before answering)
-            await self.persist()
-        elif self.stage != to_stage:
-            await splice.answer(
-                self.state,
-                request,
-                state="refused",
-                reason=f"the trainer reads exp.{self.stage}, not exp.{to_stage}",
-            )
-            return
-        else:
+        assert request.from_stage is not None and request.cut_seq is not None
+        to_stage, from_stage = request.to_stage, request.from_stage
+        start_seq = request.cut_seq + 1
+        if isinstance(plan, SwitchBack):
             new = await self._new_durable(
-                from_stage, cut + 1, f"{request.get('operator')} removed from exp.{to_stage}"
+                from_stage, start_seq, f"{request.operator} removed from exp.{to_stage}"
             )
-            await self.feed.switch_to(new, None, splice_id=str(request["id"]))
+            await self.feed.switch_to(new, None, splice_id=request.id)
             self.stage = from_stage
-            await self.persist(splice_id=request["id"], from_stage=to_stage, start_seq=cut + 1)
-        await splice.record_topology(
-            self.state,
-            "unsplice",
-            to_stage,
-            from_stage,
-            request.get("operator"),
-            cut + 1,
-            str(request["id"]),
-        )
-        await splice.answer(self.state, request, state="cut", consumer=self.feed.consumer.durable)
+            await self.persist(splice_id=request.id, from_stage=to_stage, start_seq=start_seq)
+        else:  # switched already (a poll that failed, or a trainer that died, before answering)
+            await self.persist()
+        await self._record_topology("unsplice", to_stage, from_stage, request, start_seq)
+        await self._answer(request, TrainerCut(consumer=self.feed.consumer.durable))
         log.info(
             "%s: removed %s: reading exp.%s from seq %d again; draining exp.%s",
             self.name,
-            request.get("operator"),
+            request.operator,
             from_stage,
-            cut + 1,
+            start_seq,
             to_stage,
         )
 
-    async def _drained(self, request: dict[str, Any]) -> None:
+    async def _drained(self, request: SpliceDrained) -> None:
         """The removed operator is done: drain its stage up to where it ended."""
         assert self.feed is not None
-        if not self.feed.set_retired_cut(str(request["id"]), int(request["drain_until"])):
+        if not self.feed.set_retired_cut(request.id, request.drain_until):
             log.warning(
                 "%s: no consumer retired by unsplice %s to close; nothing to drain",
                 self.name,
-                request["id"],
+                request.id,
             )
         await self.persist()
-        await splice.answer(self.state, request, state="done")
+        await self._answer(request, Close())
 
     # ------------------------------------------------------------------ a stage that died
 
-    async def _check_waiting(self, request: Any) -> None:
+    async def _check_waiting(self, request: SpliceRecord | None) -> None:
         """Say so (KV ``trainer.waiting``, a warning) when a dead spliced operator starves us.
 
         ``request``: the ``splice`` record as this poll read it.
         """
         assert self.feed is not None
         stages = [self.stage]
-        if splice.unsplice_in_flight(request):
-            stages.append(str(request.get("to_stage")))  # an unsplice that must still drain
+        if request is not None and protocol.unsplice_in_flight(request):
+            stages.append(request.to_stage)  # an unsplice that must still drain
         message = None
         dead = None
         for stage in stages:
-            record = await splice.stage_record(self.state, stage)
-            if record is None or splice.owner_alive(record):
+            record = await self.state.get(STAGE.of(stage=stage))
+            if record is None or owner_alive(record):
                 continue
             starving = time.monotonic() - self.feed.last_received > STARVED_S
             if stage == self.stage and not starving:
                 continue
-            owner = record.get("owner") or {}
-            age = time.time() - float(owner.get("ts", 0) or 0)
-            seen = f"last seen {age:.0f}s ago" if owner.get("ts") else "never started"
-            message = (
-                f"the trainer waits for exp.{stage}, spliced in by operator "
-                f"{record.get('operator')!r}, whose process is gone ({seen}); restart it with "
-                f"`{splice.restart_hint(record)}` (it resumes where it stopped), then remove it "
-                f"with Ctrl-C or `rftstream operator --unsplice {stage}` if you want it out"
-            )
+            message = dead_stage_message(record, time.time())
             dead = stage
             break
         if dead is not None and dead != self._warned:
             log.warning("%s: %s", self.name, message)
         self._warned = dead
-        if message:
-            await self.state.put_json(KV_TRAINER_WAITING, {"message": message, "ts": time.time()})
+        if message and dead:
+            await self.state.put(
+                TRAINER_WAITING, TrainerWaiting(stage=dead, message=message, ts=time.time())
+            )
         elif self.waiting:
-            await self.state.delete(KV_TRAINER_WAITING)
+            await self.state.delete(TRAINER_WAITING.name)
         self.waiting = message

@@ -79,7 +79,13 @@ from rftstream.training import checkpoint as ckpt
 from rftstream.training.datasets import DatasetSource, load_dataset_experiences
 from rftstream.training.ranks import RankLeader
 from rftstream.weights import checkpoint_dir, save_weights
-from rftstream.wire import TrainerStarving
+from rftstream.wire import (
+    TRAINER_DONE,
+    TRAINER_STARTED,
+    TrainerDone,
+    TrainerStarted,
+    TrainerStarving,
+)
 
 log = logging.getLogger(__name__)
 
@@ -305,7 +311,7 @@ class Trainer:
         from rftstream.training.engine import PolicyTrainer
 
         state = RunState(await self.bus.kv())
-        await state.put_json("trainer.started", {"actor": self.name, "ts": time.time()})
+        await state.put(TRAINER_STARTED, TrainerStarted(actor=self.name, ts=time.time()))
         topology = TrainerTopology(self.bus, state, self.name)
         consumer = await topology.open()  # moved by a splice, if any
         ticker = InProgressTicker(self.cfg.nats.ack_wait / 3)
@@ -484,8 +490,8 @@ class Trainer:
                     await state.heartbeat(
                         self.name, self.role, step=self.step, version=self.version, status=status
                     )
-                    await state.put_json(
-                        "trainer.done", {"step": self.step, "status": status, "ts": time.time()}
+                    await state.put(
+                        TRAINER_DONE, TrainerDone(step=self.step, status=status, ts=time.time())
                     )
                     await state.set_status(status)
                 except Exception as exc:  # noqa: BLE001 - the connection may be gone

@@ -15,10 +15,10 @@ import nats.errors
 import nats.js.errors
 from nats.js.kv import KeyValue
 
-from rftstream.errors import BusError
+from rftstream.errors import BusError, SchemaError
 from rftstream.messages import WeightsPointer, decode_json, encode_json
 from rftstream.subjects import KV_HEARTBEAT, KV_STATUS, KV_TASKSET, KV_TRAINER_STEP, KV_WEIGHTS
-from rftstream.wire import Heartbeat, TasksetRecord
+from rftstream.wire import Heartbeat, Key, TasksetRecord
 
 T = TypeVar("T")
 
@@ -183,3 +183,33 @@ class RunState:
             if raw is not None:
                 out[key] = msgspec.json.decode(raw)
         return out
+
+    # -- typed records: rftstream.wire key handles ----------------------------------
+    def _decode(self, key: Key[T], raw: bytes) -> T:
+        try:
+            return msgspec.json.decode(raw, type=key.type)  # type: ignore[no-any-return]
+        except msgspec.DecodeError as exc:
+            raise SchemaError(f"KV {self._where(key.name)}: not a {key.type}: {exc}") from exc
+
+    async def get(self, key: Key[T]) -> T | None:
+        """The record at ``key`` (None: absent); :class:`SchemaError` when it has another shape."""
+        raw = await self.get_raw(key.name)
+        return None if raw is None else self._decode(key, raw)
+
+    async def entry(self, key: Key[T]) -> tuple[T | None, int | None]:
+        """``(record, revision)`` at ``key``; ``(None, None)`` when absent or deleted."""
+        try:
+            got = await self.kv.get(key.name)
+        except (nats.js.errors.KeyNotFoundError, nats.js.errors.KeyDeletedError):
+            return None, None
+        if got.value is None:
+            return None, None
+        return self._decode(key, got.value), got.revision
+
+    async def put(self, key: Key[T], value: T) -> None:
+        """Write the record at ``key`` (see :meth:`put_json`)."""
+        await self.put_json(key.name, value)
+
+    async def cas(self, key: Key[T], value: T, revision: int | None) -> int | None:
+        """Write the record only if ``key`` is at ``revision`` (see :meth:`compare_and_put`)."""
+        return await self.compare_and_put(key.name, value, revision)

@@ -3,8 +3,9 @@ parties (trainer, owner, `--unsplice`) are played by the test writing their KV r
 
 What is checked: ``--unsplice`` gives up (with the restart command) when the stage's owner is
 gone in any state and when the run ended; a request a trainer claimed is waited for on both
-the splice and the unsplice side; a trainer's final heartbeat is not a live trainer; an owner
-that finds another process's claim stops serving instead of overwriting it.
+the splice and the unsplice side; an owner that finds another process's claim stops serving
+instead of overwriting it. The decisions themselves (on a fake clock) are unit-tested in
+tests/unit/test_splice_protocol_steps.py; these prove the KV loops around them.
 """
 
 from __future__ import annotations
@@ -23,10 +24,12 @@ import nats
 import pytest
 from nats.js import api
 
-from rftstream import splice
 from rftstream.bus.state import RunState
 from rftstream.errors import RftError
+from rftstream.splice import operator_side as splice
+from rftstream.splice.protocol import DEFAULT_TIMING, Claim
 from rftstream.subjects import KV_SPLICE, KV_STAGE, KV_STATUS
+from rftstream.wire import SPLICE, SpliceCut, SpliceRequested
 
 pytestmark = pytest.mark.integration
 
@@ -141,19 +144,6 @@ def test_unsplice_reports_a_missing_trainer_while_the_request_waits_for_one(
     with_state(nats_url, body)
 
 
-def test_a_final_trainer_heartbeat_is_not_a_live_trainer(nats_url: str) -> None:
-    async def body(state: RunState) -> None:
-        assert not await splice.trainer_alive(state)
-        await state.heartbeat("trainer", "trainer", step=3)
-        assert await splice.trainer_alive(state)
-        await state.heartbeat("trainer", "trainer", step=4, status="finished")  # its last word
-        assert not await splice.trainer_alive(state)
-        await state.heartbeat("explorer", "explorer", step=4)
-        assert not await splice.trainer_alive(state)
-
-    with_state(nats_url, body)
-
-
 def test_abandon_only_what_nobody_took(nats_url: str) -> None:
     async def body(state: RunState) -> None:
         assert await splice.abandon(state, "u1", "why") is None  # no request at all
@@ -164,7 +154,7 @@ def test_abandon_only_what_nobody_took(nats_url: str) -> None:
         assert value["state"] == "abandoned" and value["reason"] == "gone"
         assert await splice.abandon(state, "u1", "again") == "abandoned"  # already
         await state.put_json(KV_SPLICE, _unsplice("claimed"))
-        assert await splice.abandon(state, lambda v: v.get("to_stage") == STAGE, "x") == "claimed"
+        assert await splice.abandon(state, lambda r: r.to_stage == STAGE, "x") == "claimed"
         assert (await state.get_json(KV_SPLICE))["state"] == "claimed"
 
     with_state(nats_url, body)
@@ -201,9 +191,9 @@ def test_a_claimed_request_outlives_its_trainer_on_both_sides(nats_url: str, kin
             async with anyio.create_task_group() as tg:
                 tg.start_soon(requester)
                 while True:  # the trainer: claim the request, then die (no heartbeat)
-                    value, rev = await state.get_entry(KV_SPLICE)
-                    if isinstance(value, dict) and value.get("state") == "requested":
-                        assert await splice.claim(state, value, rev) is not None
+                    record, rev = await state.entry(SPLICE)
+                    if isinstance(record, SpliceRequested):
+                        assert await splice.apply(state, record, rev, Claim()) is not None
                         break
                     await anyio.sleep(0.05)
                 await spy.seen.wait()  # the requester saw no trainer, and did not abandon it
@@ -215,7 +205,7 @@ def test_a_claimed_request_outlives_its_trainer_on_both_sides(nats_url: str, kin
         if kind == "splice":
             assert (got[0].from_stage, got[0].to_stage, got[0].start_seq) == ("train", STAGE, 7)
         else:
-            assert got[0]["state"] == "cut"
+            assert isinstance(got[0], SpliceCut) and got[0].id == "u1"
 
     try:
         with_state(nats_url, body)
@@ -227,8 +217,8 @@ def test_an_owner_taken_over_stops_serving_instead_of_overwriting(nats_url: str)
     async def body(state: RunState) -> None:
         key = KV_STAGE.format(stage=STAGE)
         await state.put_json(key, _stage_record(_owner(_dead_pid())))
-        mine = (await splice.claim_stage(state, STAGE, "filter-a"))["owner"]
-        assert mine["pid"] == os.getpid() and mine["actor"] == "filter-a"
+        mine = (await splice.claim_stage(state, STAGE, "filter-a")).owner
+        assert mine.pid == os.getpid() and mine.actor == "filter-a"
         other = {**_owner(), "actor": "filter-b", "host": "elsewhere", "token": "b"}
         stopped = anyio.Event()
 
@@ -241,9 +231,9 @@ def test_an_owner_taken_over_stops_serving_instead_of_overwriting(nats_url: str)
         with anyio.fail_after(20):  # it used to overwrite the other claim forever
             async with anyio.create_task_group() as tg:
                 tg.start_soon(serve)
-                await anyio.sleep(splice.OWNER_REFRESH_S * 1.5)  # it refreshed its own claim
+                await anyio.sleep(DEFAULT_TIMING.owner_refresh_s * 1.5)  # it refreshed its claim
                 refreshed = (await state.get_json(key))["owner"]
-                assert refreshed["token"] == mine["token"] and refreshed["ts"] > mine["ts"]
+                assert refreshed["token"] == mine.token and refreshed["ts"] > mine.ts
                 # another process took the stage over (it looked stale to that one)
                 record, rev = await state.get_entry(key)
                 assert await state.compare_and_put(key, {**record, "owner": other}, rev)

@@ -21,7 +21,6 @@ import nats.errors
 import pytest
 
 from operators import EXPERIENCE_OPERATORS, ExperiencePipeline
-from rftstream import splice
 from rftstream.actors.common import InProgressTicker, heartbeat_loop
 from rftstream.actors.feed import ExperienceFeed
 from rftstream.actors.spliced import run_spliced
@@ -32,8 +31,10 @@ from rftstream.bus.state import RunState
 from rftstream.config import config_from_dict
 from rftstream.experience import decode_group
 from rftstream.runtime import prepare_run, provision
+from rftstream.splice import operator_side
+from rftstream.splice.protocol import Claim, TrainerCut
 from rftstream.subjects import KV_TASKSET, KV_TOPOLOGY
-from rftstream.wire import TasksetRecord
+from rftstream.wire import SPLICE, STAGE, SpliceDone, SpliceDrained, SpliceRequested, TasksetRecord
 from tests.integration._util import _group, read_stream, small_config
 
 pytestmark = pytest.mark.integration
@@ -163,8 +164,8 @@ def test_splice_crash_resume_unsplice_twice_exactly_once(
                         op.start_soon(operator(stop1, pipelines=_pipelines(2)))
                         await through_filter(3)
                         op.cancel_scope.cancel()
-                    record = await splice.stage_record(state, "filtered")
-                    assert record is not None and record["operator"] == "reward_filter"
+                    record = await state.get(STAGE.of(stage="filtered"))
+                    assert record is not None and record.operator == "reward_filter"
 
                     # 2. the same command resumes it; a graceful stop removes it
                     async def resumed_then_stopped() -> None:
@@ -175,7 +176,7 @@ def test_splice_crash_resume_unsplice_twice_exactly_once(
                         await through_filter(5)
                         stop1.set()
                     assert outcomes == ["removed"]
-                    assert await splice.stage_record(state, "filtered") is None
+                    assert await state.get(STAGE.of(stage="filtered")) is None
                     await trained_more(24)  # unfiltered again, straight from exp.train
 
                     # 3. splice again under the same stage name; remove it with --unsplice
@@ -185,9 +186,9 @@ def test_splice_crash_resume_unsplice_twice_exactly_once(
                     async with anyio.create_task_group() as op:
                         op.start_soon(spliced_then_asked)
                         await through_filter(5)
-                        ask = await splice.ask_unsplice(state, "filtered")
-                        done = await splice.wait_unsplice(state, ask, "filtered")
-                        assert done["state"] in ("drained", "done")
+                        ask = await operator_side.ask_unsplice(state, "filtered")
+                        done = await operator_side.wait_unsplice(state, ask, "filtered")
+                        assert isinstance(done, SpliceDrained | SpliceDone)
                     assert outcomes == ["removed", "removed"]
                     await trained_more(24)
 
@@ -302,11 +303,14 @@ def test_resumed_unsplice_never_processes_past_its_cut(
 
             async def trainer() -> None:  # answers the request (its KV side only)
                 while True:
-                    value, rev = await state.get_entry(KV_SPLICE)
-                    if value.get("state") == "requested":
-                        assert await splice.claim(state, value, rev) is not None
-                        await splice.answer(state, value, state="cut")
-                    if value.get("state") == "drained":
+                    record, rev = await state.entry(SPLICE)
+                    if isinstance(record, SpliceRequested):
+                        claimed = await operator_side.apply(state, record, rev, Claim())
+                        assert claimed is not None
+                        claimed, rev = await state.entry(SPLICE)
+                        cut = TrainerCut(consumer="trainer")
+                        assert await operator_side.apply(state, claimed, rev, cut) is not None
+                    if isinstance(record, SpliceDrained):
                         return
                     await anyio.sleep(0.05)
 
@@ -326,7 +330,7 @@ def test_resumed_unsplice_never_processes_past_its_cut(
                         unsplice_now=True,
                     )
             assert outcome == "removed", lines
-            assert await splice.stage_record(state, "filtered") is None
+            assert await state.get(STAGE.of(stage="filtered")) is None
             return await state.get_json(KV_SPLICE)
 
     final = anyio.run(main, backend="asyncio")
@@ -410,22 +414,22 @@ def test_kv_hiccups_do_not_fail_the_trainer_while_it_answers_splices(
                     tg.start_soon(trainer)
                     await read_at_least(8)
                     flaky.on = True
-                    cut = await splice.request_splice(state, "reward_filter", "filtered")
+                    cut = await operator_side.request_splice(state, "reward_filter", "filtered")
                     await obus.publish_group("filtered", _groups(100), msg_id="f100")
                     await read_at_least(
                         6 * 4 + 4
                     )  # all of exp.train (4 a group), then exp.filtered
-                    await splice.request_unsplice(
+                    await operator_side.request_unsplice(
                         state,
                         "u1",
                         operator="reward_filter",
                         from_stage="train",
                         to_stage="filtered",
-                        cut_seq=cut.start_seq - 1,
+                        cut_seq=int(cut.start_seq or 1) - 1,
                     )
                     end = int((await obus.js.stream_info(n.exp_stream)).state.last_seq)
-                    await splice.finish_unsplice(state, "u1", "filtered", end)
-                    while (await state.get_json(splice.KV_SPLICE))["state"] != "done":
+                    await operator_side.finish_unsplice(state, "u1", "filtered", end)
+                    while not isinstance(await state.get(SPLICE), SpliceDone):
                         await anyio.sleep(0.05)
                     tg.cancel_scope.cancel()
             return (
@@ -438,7 +442,7 @@ def test_kv_hiccups_do_not_fail_the_trainer_while_it_answers_splices(
     edges, trainer_input, failed, poll_errors = anyio.run(main, backend="asyncio")
     # the hiccups happened inside poll, on every step of answering (claim, switch, answer)
     assert ("update", "splice") in failed and ("put", "trainer.input") in failed, failed
-    assert ("put", "topology") in failed and ("put", "splice") in failed, failed
+    assert ("put", "topology") in failed and ("get", "splice") in failed, failed
     assert poll_errors == len(failed), (poll_errors, failed)  # every one inside poll
     assert [e["op"] for e in edges] == ["splice", "unsplice"]  # each recorded once
     assert trainer_input["stage"] == "train"

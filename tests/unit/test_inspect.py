@@ -38,6 +38,17 @@ def test_task_json_passes_through_and_garbage_is_reported() -> None:
     assert m["dead_letter"] == {H_DLQ_REASON: "boom"} and m["seq"] == 7 and "undecodable" in m
 
 
+def _stage(operator: str, from_stage: str, to_stage: str) -> dict[str, object]:
+    """A ``stage.<Y>`` record as the trainer writes it."""
+    return {
+        "operator": operator,
+        "from_stage": from_stage,
+        "to_stage": to_stage,
+        "durable": f"op_{from_stage}_to_{to_stage}",
+        "owner": {"actor": operator, "pid": 1, "host": "h", "ts": 990.0, "token": "t"},
+    }
+
+
 def test_status_report_versions_staleness_heartbeats_and_chain() -> None:
     from rftstream.inspect import status_report
 
@@ -54,8 +65,8 @@ def test_status_report_versions_staleness_heartbeats_and_chain() -> None:
         "explorer.e2.step": 9,
         "explorer.e2.done": {"step": 9},
         "trainer.input": {"stage": "f2", "consumer": "trainer_f2"},
-        "stage.f2": {"operator": "dedup", "from_stage": "filtered"},
-        "stage.filtered": {"operator": "reward_filter", "from_stage": "train"},
+        "stage.f2": _stage("dedup", "filtered", "f2"),
+        "stage.filtered": _stage("reward_filter", "train", "filtered"),
         "splice": {"id": "a", "kind": "unsplice", "state": "cut", "to_stage": "x"},
         "trainer.waiting": {"message": "restart it", "ts": 999.0},
     }
