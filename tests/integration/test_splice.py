@@ -47,6 +47,8 @@ def _config(tmp_path: Path, tiny_model_path: str) -> dict:
         "sync_style": "dynamic_by_explorer",
         "max_staleness": 1,
     }
+    # the accounts below count what the streams hold: nothing acked may be purged meanwhile
+    cfg.setdefault("nats", {}).setdefault("streams", {})["experience"] = {"purge_acked": False}
     return cfg
 
 
