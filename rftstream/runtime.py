@@ -26,6 +26,7 @@ from rftstream.config.schema import Config
 from rftstream.config.secrets import redact_url
 from rftstream.config.validate import run_id_from_name, validate_config
 from rftstream.errors import ConfigError
+from rftstream.experience_pipeline import EXPERIENCE_OPERATORS, ExperiencePipeline, create_operators
 from rftstream.monitors import check_monitor_packages
 from rftstream.subjects import RunNames
 from rftstream.training.schedule import lr_schedule
@@ -51,19 +52,15 @@ class PreparedRun:
         p = self.cfg.data_processor.experience_pipeline
         return [(p.input_stage, p.output_stage)]
 
-    def build_pipeline(self) -> Any:
+    def build_pipeline(self) -> ExperiencePipeline:
         """The operator pipeline of ``data_processor.experience_pipeline``, plus the
         algorithm's group advantage when it is not computed in the trainer."""
-        from operators import ExperiencePipeline, create_operators
-        from operators.advantage import GroupAdvantageOperator
-
         ops = list(create_operators(self.cfg.data_processor.experience_pipeline.operators))
         algo = self.algorithm
         if not algo.compute_advantage_in_trainer and (algo.config.advantage_fn or "none") != "none":
+            group_advantage = EXPERIENCE_OPERATORS.get("group_advantage")
             ops.append(
-                GroupAdvantageOperator(
-                    algo.config.advantage_fn, **(algo.config.advantage_fn_args or {})
-                )
+                group_advantage(algo.config.advantage_fn, **(algo.config.advantage_fn_args or {}))
             )
         return ExperiencePipeline(ops)
 

@@ -46,8 +46,8 @@ from rftstream.training.memory import (
     enable_gradient_checkpointing,
     mixed_precision_config,
 )
-from rftstream.training.ranks import env_world_size, per_rank_batch_size
 from rftstream.training.schedule import lr_schedule
+from rftstream.training.world import env_world_size, per_rank_batch_size
 from rftstream.training.zero import embedding_rows, full_state_dict, tied_aliases
 
 log = logging.getLogger(__name__)

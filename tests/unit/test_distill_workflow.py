@@ -15,8 +15,8 @@ import torch
 
 from algorithms.advantage_fn import ADVANTAGE_FN
 from rftstream.config.schema import AuxiliaryModelConfig
+from rftstream.engines.auxiliary_models import serve_auxiliary_models
 from rftstream.engines.model_wrapper import wrapper_of
-from rftstream.engines.openai_server import serve_auxiliary_models
 from rftstream.errors import RftError, WorkflowError
 from rftstream.experience import EID
 from tests.unit._util import ScriptedModel, task_for, wrapper
