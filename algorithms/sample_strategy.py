@@ -38,9 +38,7 @@ import torch
 from rftstream.config.schema import BufferConfig
 from rftstream.errors import ConfigError
 from rftstream.experience import Experience
-from rftstream.registry import Registry
-
-SAMPLE_STRATEGY: Registry[type[SampleStrategy]] = Registry("sample_strategy")
+from rftstream.registries import SAMPLE_STRATEGY
 
 
 @runtime_checkable

@@ -930,11 +930,11 @@ def cmd_debug(args: argparse.Namespace) -> int:
     root.addHandler(handler)
     _quiet_noisy_loggers()
     if not args.traceback:  # one attempt: the runner's warning would repeat the error line
-        logging.getLogger("workflows.runner").setLevel(logging.ERROR)
+        logging.getLogger("rftstream.workflow_runner").setLevel(logging.ERROR)
     else:  # the runner logs a raising workflow's traceback at DEBUG
         tb = RichHandler(console=err, show_path=False, rich_tracebacks=True, level=logging.DEBUG)
         tb.addFilter(lambda r: r.exc_info is not None)
-        logging.getLogger("workflows.runner").addHandler(tb)
+        logging.getLogger("rftstream.workflow_runner").addHandler(tb)
     load_plugins(args.plugin_dir)
     cfg, source = load_run_config(args)
     status = err.status("preparing (config, model)…") if not args.json else None

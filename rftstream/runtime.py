@@ -22,14 +22,16 @@ import anyio
 import msgspec
 
 from rftstream.bus.client import Bus
-from rftstream.config.schema import Config
+from rftstream.config.schema import AlgorithmConfig, BufferConfig, Config
 from rftstream.config.secrets import redact_url
 from rftstream.config.validate import run_id_from_name, validate_config
-from rftstream.errors import ConfigError
+from rftstream.errors import ConfigError, RegistryError
 from rftstream.experience_pipeline import EXPERIENCE_OPERATORS, ExperiencePipeline, create_operators
 from rftstream.monitors import check_monitor_packages
+from rftstream.registries import ALGORITHM_RESOLVERS, ALGORITHM_TYPE, REWARD_FUNCTIONS
 from rftstream.subjects import RunNames
 from rftstream.training.schedule import lr_schedule
+from rftstream.workflow import WORKFLOWS
 
 log = logging.getLogger(__name__)
 
@@ -65,11 +67,15 @@ class PreparedRun:
         return ExperiencePipeline(ops)
 
 
+def _resolve_algorithm(algorithm: AlgorithmConfig, buffer: BufferConfig) -> Any:
+    """The ``algorithm:`` section as instantiated components (an ``algorithms.ResolvedAlgorithm``),
+    by the resolver the algorithms package registers. ConfigError naming the key."""
+    return ALGORITHM_RESOLVERS.get("default")(algorithm, buffer)
+
+
 def _check_components(cfg: Config) -> None:
     """Names that only resolve at run time, checked now so the error names the key."""
     from rftstream.config.validate import eval_tasksets, training_tasksets
-    from rftstream.errors import RegistryError
-    from workflows import REWARD_FUNCTIONS, WORKFLOWS
 
     inp = cfg.buffer.explorer_input
     for key, ts in [*training_tasksets(inp), *eval_tasksets(inp)]:
@@ -118,8 +124,6 @@ def _off_policy_correction(cfg: Config) -> Config:
     keeps it. The preset's ``policy_loss_fn_args`` carry over (the loss takes all of
     ``ppo``'s).
     """
-    from algorithms import ALGORITHM_TYPE
-    from rftstream.errors import RegistryError
 
     if cfg.algorithm.policy_loss_fn is not None or not can_be_stale(cfg):
         return cfg
@@ -154,7 +158,6 @@ def _fill_batch_args(cfg: Config, algorithm: Any) -> tuple[Config, Any]:
     """
     import dataclasses
 
-    from algorithms import resolve_algorithm
     from algorithms.sample_strategy import resolve_train_batch_size
     from rftstream.training.batch import loss_batch_args
 
@@ -185,7 +188,7 @@ def _fill_batch_args(cfg: Config, algorithm: Any) -> tuple[Config, Any]:
         user = dict(cfg.algorithm.policy_loss_fn_args or {})
         algo_cfg = msgspec.structs.replace(cfg.algorithm, policy_loss_fn_args={**user, **fill})
         cfg = msgspec.structs.replace(cfg, algorithm=algo_cfg)
-        algorithm = resolve_algorithm(cfg.algorithm, cfg.buffer)
+        algorithm = _resolve_algorithm(cfg.algorithm, cfg.buffer)
     return cfg, dataclasses.replace(algorithm, batch_shape=shape)
 
 
@@ -197,9 +200,6 @@ def _preset_check_config(cfg: Config) -> Config:
     unknown preset is left for :func:`resolve_algorithm` to report.
     """
     import copy
-
-    from algorithms import ALGORITHM_TYPE
-    from rftstream.errors import RegistryError
 
     eb = cfg.buffer.trainer_input.experience_buffer
     if cfg.trainer_reads_dataset and (eb is None or not eb.path):
@@ -224,8 +224,8 @@ def _preset_check_config(cfg: Config) -> Config:
 
 def _check_algorithm(cfg: Config, algorithm: Any) -> None:
     """Run-level checks of the resolved algorithm against the trainer's inputs and the mode."""
-    from algorithms.utils import check_loss_agg_mode
     from rftstream.training.batch import trainer_tensors
+    from rftstream.training.masked_reductions import check_loss_agg_mode
 
     schema = str(getattr(algorithm.algorithm_type, "schema", "experience"))
     if cfg.trainer_reads_dataset and schema not in ("sft", "dpo", "cpt"):
@@ -331,7 +331,6 @@ def prepare_run(
     source: str | None = None,
 ) -> PreparedRun:
     """Validate and complete ``cfg``; build (or find) the model. Blocks (model build)."""
-    from algorithms import resolve_algorithm
 
     cfg = validate_config(cfg, source=source)
     run = run_id_from_name(cfg.name)
@@ -344,7 +343,7 @@ def prepare_run(
         buffer = msgspec.structs.replace(buffer, total_steps=steps)
     cfg = _preset_check_config(msgspec.structs.replace(cfg, buffer=buffer))
     cfg = _off_policy_correction(cfg)
-    algorithm = resolve_algorithm(cfg.algorithm, cfg.buffer)
+    algorithm = _resolve_algorithm(cfg.algorithm, cfg.buffer)
     cfg, algorithm = _fill_batch_args(cfg, algorithm)
     _check_algorithm(cfg, algorithm)
     if cfg.mode in ("both", "train"):  # the trainer's lr schedules, before any model loads

@@ -81,7 +81,7 @@ def load_hf_state_dict(path: Path) -> dict[str, torch.Tensor]:
 async def run_bench(explorer: Explorer, state: RunState, *, engine: Any = None) -> None:
     """Evaluate the given model, then the saved checkpoints; see the module docstring."""
     from rftstream.engines.rollout import rollout_model
-    from workflows.runner import WorkflowRunner
+    from rftstream.workflow_runner import WorkflowRunner
 
     cfg = explorer.cfg
     await explorer._load_eval_tasksets()

@@ -54,7 +54,7 @@ class EvaluationMixin:
         raise NotImplementedError
 
     async def _load_eval_tasksets(self) -> None:
-        from workflows.tasksets import load_taskset
+        from rftstream.tasksets import load_taskset
 
         self._eval_rows = []
         for key, ts in self.eval_sets:
@@ -140,7 +140,7 @@ class EvaluationMixin:
     async def _eval_taskset(
         self, ts_cfg: TasksetConfig, rows: list[dict[str, Any]], runner: Any
     ) -> dict[str, float]:
-        from workflows.workflow import make_task
+        from rftstream.workflow import make_task
 
         name = ts_cfg.name
         repeat = int(ts_cfg.repeat_times or 1)

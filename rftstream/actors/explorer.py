@@ -1,7 +1,7 @@
 """The Explorer actor: tasks in, experience groups out.
 
 Taskset: the training tasksets (``buffer.explorer_input.taskset`` and
-``tasksets``, see :func:`workflows.tasksets.plan_tasks`) are published into
+``tasksets``, see :func:`rftstream.tasksets.plan_tasks`) are published into
 ``RFT_<RUN>_TASKS`` once per run, in the background while the explorer loads
 its engine and explores, at most ``publish_lead`` tasks ahead of what explorers
 have taken: the first explorer claims KV key ``taskset.published.claim`` and
@@ -266,7 +266,7 @@ class Explorer(EvaluationMixin):
 
     async def _publish_plan(self, state: RunState, revision: int, start: int) -> None:
         """Load the training tasksets and publish the plan from ``start`` on; then the record."""
-        from workflows.tasksets import TasksetPlan, load_taskset, plan_tasks
+        from rftstream.tasksets import TasksetPlan, load_taskset, plan_tasks
 
         rev = revision
         lock = anyio.Lock()
@@ -436,7 +436,7 @@ class Explorer(EvaluationMixin):
     async def _explore_all(self, state: RunState, engine: Any) -> None:
         """Load the engine and explore until the run ends (see :meth:`run`)."""
         from rftstream.engines.rollout import rollout_model
-        from workflows.runner import WorkflowRunner
+        from rftstream.workflow_runner import WorkflowRunner
 
         await self._load_eval_tasksets()
         self.step = int(await state.get_json(KV_EXPLORER_STEP.format(name=self.name)) or 0)
@@ -747,7 +747,7 @@ class Explorer(EvaluationMixin):
         """Run one task (started with weights ``version``) and publish its group after
         the tasks started with older weights (:meth:`_after_older_tasks`), then ack it; a
         failure is dead-lettered or retried."""
-        from workflows.workflow import make_task
+        from rftstream.workflow import make_task
 
         try:
             tmsg: TaskMsg = decode_json(msg.data, TaskMsg, f"task message on {msg.subject}")

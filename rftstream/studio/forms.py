@@ -25,6 +25,8 @@ import yaml
 from rftstream.config.loader import ConfigYamlLoader, load_config
 from rftstream.config.schema import Config
 from rftstream.errors import ConfigError
+from rftstream.registries import ADVANTAGE_FN, ALGORITHM_TYPE, POLICY_LOSS_FN, REWARD_FUNCTIONS
+from rftstream.workflow import WORKFLOWS
 
 __all__ = [
     "COMMON_KEYS",
@@ -168,9 +170,7 @@ def _choices() -> dict[str, tuple[str, ...]]:
 
 def _suggestions() -> dict[str, tuple[str, ...]]:
     """Registered names for keys that take one (plugins add more, so these are hints)."""
-    from algorithms import ADVANTAGE_FN, ALGORITHM_TYPE, POLICY_LOSS_FN
     from rftstream.monitors import MONITOR_TYPES
-    from workflows import REWARD_FUNCTIONS, WORKFLOWS
 
     taskset = "buffer.explorer_input.taskset."
     return {

@@ -45,7 +45,7 @@ Shards keep each group (consecutive experiences of one task, ``eid.tid``; DPO
 pairs) whole, so an advantage fn computed in the trainer on groups (GRPO's,
 GAE per row) sees the same groups as on one rank. Statistics over the whole
 batch (REINFORCE++'s and PPO's whitening) are all-reduced over the ranks' shards
-(``PolicyTrainer._whole_batch_statistics``, :func:`algorithms.utils.whole_batch`).
+(``PolicyTrainer._whole_batch_statistics``, :func:`rftstream.training.masked_reductions.whole_batch`).
 
 Failure: a rank that raises in a training step leaves the others blocked in a
 collective until torch.distributed's timeout; the launcher (``torchrun``) stops

@@ -24,8 +24,8 @@ from rftstream.engines.openai_engine import OpenAIEngine
 from rftstream.engines.transformers_engine import TransformersEngine
 from rftstream.errors import RftError
 from rftstream.experience import Experience
+from rftstream.workflow_runner import WorkflowRunner
 from workflows import Task, Workflow
-from workflows.runner import WorkflowRunner
 
 pytestmark = [pytest.mark.anyio, pytest.mark.integration]
 
