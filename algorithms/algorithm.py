@@ -45,7 +45,7 @@ from algorithms.sample_strategy import (
 from algorithms.utils import check_loss_agg_mode
 from rftstream.config.schema import AlgorithmConfig, BufferConfig
 from rftstream.errors import ConfigError, RegistryError
-from rftstream.registries import ALGORITHM_RESOLVERS, ALGORITHM_TYPE
+from rftstream.plugin_registries import ALGORITHM_RESOLVERS, ALGORITHM_TYPE
 from rftstream.registry import Registry
 
 

@@ -38,7 +38,7 @@ import torch
 from rftstream.config.schema import BufferConfig
 from rftstream.errors import ConfigError
 from rftstream.experience import Experience
-from rftstream.registries import SAMPLE_STRATEGY
+from rftstream.plugin_registries import SAMPLE_STRATEGY
 
 
 @runtime_checkable

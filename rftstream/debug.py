@@ -31,14 +31,15 @@ import anyio.to_thread
 
 from rftstream.engines.rollout import rollout_model
 from rftstream.errors import ConfigError, RftError, WorkflowError
+from rftstream.tasksets import load_taskset
+from rftstream.workflow import Task, Workflow, make_task
+from rftstream.workflow_runner import TaskResult, WorkflowRunner
 
 if TYPE_CHECKING:
     from rich.console import Console
 
     from rftstream.experience import Experience
     from rftstream.runtime import PreparedRun
-    from rftstream.workflow import Task
-    from rftstream.workflow_runner import TaskResult
 
 __all__ = [
     "WorkflowDebug",
@@ -77,8 +78,6 @@ def make_debug_task(
     an unknown ``taskset`` name or an index outside the taskset.
     """
     from rftstream.config.validate import training_tasksets
-    from rftstream.tasksets import load_taskset
-    from rftstream.workflow import make_task
 
     cfg = run.cfg
     if cfg.mode == "train":
@@ -128,7 +127,6 @@ async def run_debug_task(run: PreparedRun, task: Task) -> tuple[TaskResult, Any,
     ``explorer.max_timeout`` (one attempt, no retries); everything started is
     closed before returning.
     """
-    from rftstream.workflow_runner import WorkflowRunner
 
     async with rollout_model(run.cfg, run.model_path) as (model, aux, engine_s):
         runner = WorkflowRunner(
@@ -378,6 +376,5 @@ def render(d: WorkflowDebug, console: Console, *, max_chars: int = 2000) -> None
 
 
 def _base_run_async() -> Any:
-    from rftstream.workflow import Workflow
 
     return Workflow.run_async

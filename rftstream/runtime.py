@@ -28,7 +28,7 @@ from rftstream.config.validate import run_id_from_name, validate_config
 from rftstream.errors import ConfigError, RegistryError
 from rftstream.experience_pipeline import EXPERIENCE_OPERATORS, ExperiencePipeline, create_operators
 from rftstream.monitors import check_monitor_packages
-from rftstream.registries import ALGORITHM_RESOLVERS, ALGORITHM_TYPE, REWARD_FUNCTIONS
+from rftstream.plugin_registries import ALGORITHM_RESOLVERS, ALGORITHM_TYPE, REWARD_FUNCTIONS
 from rftstream.subjects import RunNames
 from rftstream.training.schedule import lr_schedule
 from rftstream.workflow import WORKFLOWS

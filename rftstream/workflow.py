@@ -49,7 +49,7 @@ from anyio.lowlevel import RunVar
 from rftstream.config.schema import FormatConfig, GenerationConfig, TasksetConfig
 from rftstream.errors import RegistryError, WorkflowError
 from rftstream.experience import Experience
-from rftstream.registries import REWARD_FUNCTIONS
+from rftstream.plugin_registries import REWARD_FUNCTIONS
 from rftstream.registry import Registry
 
 if TYPE_CHECKING:

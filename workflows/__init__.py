@@ -1,8 +1,12 @@
 """Workflows: ``Task``, the ``Workflow`` base, built-in workflows and reward functions.
 
 ``from workflows import Workflow, Task, WORKFLOWS`` is all a workflow author
-needs (plus ``ModelWrapper`` and ``Experience``, re-exported here). Depends on
-the rftstream kernel and engines only, never on NATS or the actors.
+needs (plus ``ModelWrapper`` and ``Experience``, re-exported here). The interface
+(``Task``, ``Workflow``, ``WORKFLOWS``), the runner and the taskset readers are the
+explorer's, in :mod:`rftstream.workflow`, :mod:`rftstream.workflow_runner` and
+:mod:`rftstream.tasksets`, re-exported here; this package holds the built-ins, which
+register themselves (the core imports it by name on a registry's first lookup).
+Depends on the rftstream kernel and engines only, never on NATS or the actors.
 """
 
 from rftstream.engines.model_wrapper import ModelWrapper

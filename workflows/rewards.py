@@ -60,7 +60,7 @@ from fractions import Fraction
 from typing import Any
 
 from rftstream.errors import RegistryError, WorkflowError
-from rftstream.registries import REWARD_FUNCTIONS
+from rftstream.plugin_registries import REWARD_FUNCTIONS
 from rftstream.registry import Registry
 
 __all__ = [

@@ -25,7 +25,12 @@ import yaml
 from rftstream.config.loader import ConfigYamlLoader, load_config
 from rftstream.config.schema import Config
 from rftstream.errors import ConfigError
-from rftstream.registries import ADVANTAGE_FN, ALGORITHM_TYPE, POLICY_LOSS_FN, REWARD_FUNCTIONS
+from rftstream.plugin_registries import (
+    ADVANTAGE_FN,
+    ALGORITHM_TYPE,
+    POLICY_LOSS_FN,
+    REWARD_FUNCTIONS,
+)
 from rftstream.workflow import WORKFLOWS
 
 __all__ = [
