@@ -59,25 +59,28 @@ class Registry(Generic[T]):
             reg._defaults_loaded = defaults_loaded
 
     def _load_defaults(self) -> None:
-        """Import the :attr:`defaults` modules once (blocks while they import).
+        """Import the :attr:`defaults` modules, until they have finished importing once.
 
-        Marked loaded before importing, so a lookup made while a default module is
-        still importing (a plugin reading its own registry) sees what is registered so
-        far instead of importing again. A failed import raises :class:`RegistryError`
-        naming the module, and the next lookup tries again.
+        Blocks while they import; another thread's lookup meanwhile waits for that
+        import (Python's per-module import lock) and then sees every built-in. A lookup
+        made by the importing thread itself (a built-in registering itself, or reading
+        its own registry) returns at once and sees what is registered so far. A failed
+        import raises :class:`RegistryError` naming the module; the next lookup tries
+        again.
         """
         if self._defaults_loaded:
             return
-        self._defaults_loaded = True
         for module_name in self.defaults:
             try:
-                importlib.import_module(module_name)
+                module = importlib.import_module(module_name)
             except Exception as exc:
-                self._defaults_loaded = False
                 raise RegistryError(
                     f"{self.name}: cannot import {module_name!r}, which registers the "
                     f"built-ins: {type(exc).__name__}: {exc}"
                 ) from exc
+            if getattr(module.__spec__, "_initializing", False):
+                return  # this thread is importing it: not complete yet, look again later
+        self._defaults_loaded = True
 
     def __repr__(self) -> str:
         return f"Registry({self.name!r}, {sorted(self._modules)})"

@@ -8,6 +8,7 @@ import importlib
 import json
 import os.path
 import sys
+import threading
 
 import pytest
 
@@ -261,3 +262,23 @@ def test_snapshot_and_restore_keep_whether_the_defaults_were_loaded(tmp_path, mo
     Registry.restore_all(snapshot)
     sys.modules.pop("rft_test_defaults_d")  # imported again on the next first lookup
     assert reg.names() == ["level"]
+
+
+def test_another_thread_waits_for_the_defaults_to_finish_importing(tmp_path, monkeypatch) -> None:
+    """A lookup racing the import of the built-ins sees all of them, not the first few."""
+    started = threading.Event()
+    monkeypatch.setattr(builtins, "rft_test_started", started, raising=False)
+    body = (
+        "import builtins, time\n"
+        "REG.register_module('first', int)\n"
+        "builtins.rft_test_started.set()\n"
+        "time.sleep(0.3)\n"
+        "REG.register_module('second', float)\n"
+    )
+    reg = _defaults_package(tmp_path, monkeypatch, "rft_test_defaults_e", body)
+    importer = threading.Thread(target=importlib.import_module, args=("rft_test_defaults_e",))
+    importer.start()
+    assert started.wait(5)
+    assert reg.get("second") is float  # waited for the import instead of reading it half-done
+    importer.join()
+    assert reg.names() == ["first", "second"]
