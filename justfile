@@ -48,3 +48,7 @@ bench *ARGS: setup
 bench-trl *ARGS: setup
     {{py}} -m pip install -q --disable-pip-version-check -e '.[bench]'
     {{py}} benchmarks/vs_trl.py {{ARGS}}
+
+# the import graph: core -> plugin imports, imports inside functions, import cycles
+imports:
+    python3 tools/import_graph.py

@@ -45,9 +45,8 @@ from algorithms.sample_strategy import (
 from algorithms.utils import check_loss_agg_mode
 from rftstream.config.schema import AlgorithmConfig, BufferConfig
 from rftstream.errors import ConfigError, RegistryError
+from rftstream.plugin_registries import ALGORITHM_RESOLVERS, ALGORITHM_TYPE
 from rftstream.registry import Registry
-
-ALGORITHM_TYPE: Registry[type[AlgorithmType]] = Registry("algorithm")
 
 
 class AlgorithmType:
@@ -615,6 +614,7 @@ def _loss_agg_mode(user: str | None, preset: str | None) -> str:
     return user
 
 
+@ALGORITHM_RESOLVERS.register_module("default")
 def resolve_algorithm(
     cfg: AlgorithmConfig, buffer: BufferConfig | None = None
 ) -> ResolvedAlgorithm:

@@ -29,9 +29,7 @@ from typing import Any, ClassVar
 import torch
 
 from algorithms.utils import check_loss_agg_mode, masked_loss
-from rftstream.registry import Registry
-
-ENTROPY_LOSS_FN: Registry[type[EntropyLossFn]] = Registry("entropy_loss_fn")
+from rftstream.plugin_registries import ENTROPY_LOSS_FN
 
 
 class EntropyLossFn(ABC):

@@ -24,9 +24,7 @@ import torch
 
 from algorithms.utils import check_loss_agg_mode, masked_loss, masked_mean
 from rftstream.experience import Experience
-from rftstream.registry import Registry
-
-KL_FN: Registry[type[KLFn]] = Registry("kl_fn")
+from rftstream.plugin_registries import KL_FN
 
 
 class KLFn(ABC):

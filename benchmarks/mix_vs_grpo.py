@@ -39,7 +39,7 @@ from rftstream.config import apply_overrides, config_from_dict
 from rftstream.defaults import DEFAULT_CONFIG
 from rftstream.plot import read_metrics, window_mean
 from rftstream.runtime import PreparedRun, prepare_run, run_actors, start_fresh
-from rftstream.up import run_with_signals
+from rftstream.signals import run_with_signals
 
 ROOT = Path(__file__).resolve().parents[1]
 EXPERT_DATA = ROOT / "examples" / "seed_mix" / "expert_data.jsonl"

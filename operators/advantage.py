@@ -15,9 +15,9 @@ from __future__ import annotations
 from typing import Any
 
 from algorithms.advantage_fn import ADVANTAGE_FN, AdvantageFn
-from operators.base import EXPERIENCE_OPERATORS, ExperienceOperator
 from rftstream.errors import RegistryError
 from rftstream.experience import Experience
+from rftstream.experience_pipeline import EXPERIENCE_OPERATORS, ExperienceOperator
 
 
 @EXPERIENCE_OPERATORS.register_module("group_advantage")

@@ -106,9 +106,9 @@ from typing import Any
 
 import anyio.to_thread
 
-from operators.base import EXPERIENCE_OPERATORS, ExperienceOperator
 from rftstream.errors import RftError
 from rftstream.experience import Experience
+from rftstream.experience_pipeline import EXPERIENCE_OPERATORS, ExperienceOperator
 
 log = logging.getLogger(__name__)
 

@@ -16,8 +16,8 @@ import math
 
 import numpy as np
 
-from operators.base import EXPERIENCE_OPERATORS, ExperienceOperator
 from rftstream.experience import Experience, group_by
+from rftstream.experience_pipeline import EXPERIENCE_OPERATORS, ExperienceOperator
 
 
 @EXPERIENCE_OPERATORS.register_module("reward_filter")

@@ -13,8 +13,8 @@ from typing import Any
 
 import torch
 
-from operators.base import EXPERIENCE_OPERATORS, ExperienceOperator
 from rftstream.experience import Experience, group_by
+from rftstream.experience_pipeline import EXPERIENCE_OPERATORS, ExperienceOperator
 
 
 @EXPERIENCE_OPERATORS.register_module("mask_response_truncated")

@@ -18,17 +18,17 @@ from rich.markup import escape
 from rich.table import Table
 
 from rftstream.bus.account import RunAccount
+from rftstream.config.schema import Config
+from rftstream.subjects import RunNames
 
 
-def cmd_account(args: argparse.Namespace, console: Console) -> int:
-    """Read the run of ``--config`` on ``--nats-url`` (read only: nothing is created or acked),
-    print its account and return 0 when it balances, 1 when not. Raises
-    :class:`~rftstream.errors.RunNotFoundError` when the run has no state on the server."""
+def cmd_account(args: argparse.Namespace, console: Console, cfg: Config, names: RunNames) -> int:
+    """Read the run ``names`` of config ``cfg`` on ``--nats-url`` (read only: nothing is
+    created or acked), print its account and return 0 when it balances, 1 when not. Blocks
+    until the account is read. Raises :class:`~rftstream.errors.RunNotFoundError` when the
+    run has no state on the server."""
     from rftstream.bus.account import account_run
     from rftstream.bus.client import Bus
-    from rftstream.cli import _names
-
-    cfg, names = _names(args)
 
     async def main() -> RunAccount:
         async with await Bus.connect(args.nats_url, names, cfg.nats, "account") as bus:

@@ -286,7 +286,8 @@ def follow_trainer_rank(run: Any) -> int:
     """This process as a trainer rank other than 0: build the policy, follow rank 0 until it
     says stop. Blocks; returns 0."""
     from rftstream.training.engine import PolicyTrainer
-    from rftstream.training.ranks import env_rank, follow_leader
+    from rftstream.training.ranks import follow_leader
+    from rftstream.training.world import env_rank
 
     policy = PolicyTrainer(run.cfg, run.model_path, run.algorithm)
     steps = follow_leader(policy)
@@ -352,7 +353,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         from rftstream.config import load_config
         from rftstream.plugins import load_plugins
         from rftstream.runtime import prepare_run, run_actors
-        from rftstream.up import run_with_signals
+        from rftstream.signals import run_with_signals
 
         load_plugins(args.plugin_dir)
         cfg = load_config(args.config, validate=False)

@@ -48,6 +48,7 @@ from rftstream.console import (
     show_warning_via,
 )
 from rftstream.errors import RftError
+from rftstream.step_lines import format_number, step_line
 
 if TYPE_CHECKING:
     from rftstream.config.schema import Config
@@ -384,12 +385,16 @@ def _operator_pipeline(args: argparse.Namespace) -> Any:
     """``rftstream operator NAME --args JSON``: a pipeline of that one operator (None: the configured one).
 
     Every way this can fail (unknown name, a module that does not import, a
-    class that is not an :class:`~operators.ExperienceOperator`, a constructor
+    class that is not an :class:`~rftstream.experience_pipeline.ExperienceOperator`, a constructor
     that raises) is one :class:`RftError` line naming the operator and its args.
     """
     if not getattr(args, "operator", None):
         return None
-    from operators import EXPERIENCE_OPERATORS, ExperienceOperator, ExperiencePipeline
+    from rftstream.experience_pipeline import (
+        EXPERIENCE_OPERATORS,
+        ExperienceOperator,
+        ExperiencePipeline,
+    )
 
     name = args.operator
     try:
@@ -420,7 +425,7 @@ def _operator_pipeline(args: argparse.Namespace) -> Any:
 
 
 def _run_graceful(main: Callable[[anyio.Event], Awaitable[None]]) -> int:
-    """Like :func:`rftstream.up.run_with_signals`, but the first SIGINT/SIGTERM only sets the
+    """Like :func:`rftstream.signals.run_with_signals`, but the first SIGINT/SIGTERM only sets the
     event ``main`` gets (a spliced operator then removes itself); a second one cancels."""
     signals_seen: list[int] = []
 
@@ -473,7 +478,7 @@ def _launched_ranks(args: argparse.Namespace) -> int | None:
     code is returned. ``trainer.n_gpus_per_node`` > 1 is ``rftstream up``'s way of starting
     ranks; under a launcher it must be 1 or equal ``WORLD_SIZE``.
     """
-    from rftstream.training.ranks import env_rank, env_world_size
+    from rftstream.training.world import env_rank, env_world_size
 
     world = env_world_size()
     if world == 1:
@@ -501,7 +506,7 @@ def cmd_actor(args: argparse.Namespace) -> int:
 
     from rftstream import runtime
     from rftstream.bus.connect import server_urls
-    from rftstream.up import run_with_signals
+    from rftstream.signals import run_with_signals
 
     terminal.start()
     if args.command == "trainer":
@@ -531,7 +536,7 @@ def cmd_actor(args: argparse.Namespace) -> int:
         progress.update(
             task,
             info=f"step {info['step']}  groups {info.get('groups', 0)}  failed {info.get('failed_tasks', 0)}  "
-            f"weights v{info.get('model_version', 0)}  reward {_fmt(mean if mean == mean else None)}",
+            f"weights v{info.get('model_version', 0)}  reward {format_number(mean if mean == mean else None)}",
         )
 
     def operator_progress(c: dict[str, Any]) -> None:
@@ -542,7 +547,7 @@ def cmd_actor(args: argparse.Namespace) -> int:
         )
 
     def trainer_step(r: dict[str, Any]) -> None:
-        progress.console.print(_step_line(r), soft_wrap=True)
+        progress.console.print(step_line(r), soft_wrap=True)
         progress.update(task, info=f"step {r['step']}/{run.cfg.buffer.total_steps or '?'}")
 
     pipelines: list[Any] = []
@@ -670,7 +675,7 @@ def _print_status(r: dict[str, Any]) -> None:
     t = r["trainer"]
     console.print(
         f"run [cyan]{escape(str(r.get('run_name') or r['run']))}[/] ({r['run']})  status [bold]{r['status'] or '-'}[/]  trainer step "
-        f"[bold]{_fmt(t['step'], 'd')}[/]  weights v{_fmt(r['weights']['version'], 'd')} "
+        f"[bold]{format_number(t['step'], 'd')}[/]  weights v{format_number(r['weights']['version'], 'd')} "
         f"({r['weights']['method'] or '-'}, published {age(r['weights']['age'])})"
     )
     console.print("stages: " + r["chain"], markup=False)
@@ -689,9 +694,9 @@ def _print_status(r: dict[str, Any]) -> None:
         for e in r["explorers"]:
             ex.add_row(
                 e["name"],
-                _fmt(e["step"], "d"),
-                _fmt(e["model_version"], "d"),
-                _fmt(e["staleness"], "d"),
+                format_number(e["step"], "d"),
+                format_number(e["model_version"], "d"),
+                format_number(e["staleness"], "d"),
                 age(e["heartbeat_age"]),
             )
         console.print(ex)
@@ -836,7 +841,7 @@ def cmd_streams(args: argparse.Namespace) -> int:
 def cmd_tail(args: argparse.Namespace) -> int:
     from rftstream.bus.client import Bus
     from rftstream.bus.inspect import tail
-    from rftstream.up import run_with_signals
+    from rftstream.signals import run_with_signals
 
     cfg, names = _names(args)
     subject = names.dlq_subject(args.stage) if args.dlq else names.exp_subject(args.stage)
@@ -926,11 +931,11 @@ def cmd_debug(args: argparse.Namespace) -> int:
     root.addHandler(handler)
     _quiet_noisy_loggers()
     if not args.traceback:  # one attempt: the runner's warning would repeat the error line
-        logging.getLogger("workflows.runner").setLevel(logging.ERROR)
+        logging.getLogger("rftstream.workflow_runner").setLevel(logging.ERROR)
     else:  # the runner logs a raising workflow's traceback at DEBUG
         tb = RichHandler(console=err, show_path=False, rich_tracebacks=True, level=logging.DEBUG)
         tb.addFilter(lambda r: r.exc_info is not None)
-        logging.getLogger("workflows.runner").addHandler(tb)
+        logging.getLogger("rftstream.workflow_runner").addHandler(tb)
     load_plugins(args.plugin_dir)
     cfg, source = load_run_config(args)
     status = err.status("preparing (config, model)…") if not args.json else None
@@ -950,28 +955,6 @@ def cmd_debug(args: argparse.Namespace) -> int:
         max_chars=args.max_chars,
     )
     return 0
-
-
-def _fmt(v: Any, spec: str = ".3f") -> str:
-    return "-" if v is None else format(v, spec)
-
-
-def _step_line(r: dict[str, Any]) -> str:
-    return (
-        f"step {r['step']:>4}  reward {_fmt(r.get('reward/mean'))}  "
-        f"filtered {int(r.get('experience/filtered') or 0):>4}  "
-        f"staleness {_fmt(r.get('staleness/mean'), '.2f')}  "
-        f"wait {_fmt(r.get('time/trainer_wait'), '.2f')}s  "
-        f"loss {_fmt(_step_loss(r), '.4f')}"
-    )
-
-
-def _step_loss(r: dict[str, Any]) -> float | None:
-    """The step's policy loss; for runs without one (sft, dpo) the loss they train on."""
-    for key in ("actor/pg_loss", "actor/sft_loss", "actor/dpo_loss", "actor/loss"):
-        if r.get(key) is not None:
-            return r[key]
-    return None
 
 
 def _first_leaf(group: BaseException) -> BaseException:
@@ -1001,7 +984,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "account":
             from rftstream.account_cli import cmd_account
 
-            return cmd_account(args, console)
+            return cmd_account(args, console, *_names(args))
         if args.command == "tail":
             return cmd_tail(args)
         if args.command == "decode":

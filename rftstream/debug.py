@@ -3,12 +3,12 @@
 As ``trinity debug --module workflow`` does: take row ``--task N`` (default 0)
 of the training taskset (``buffer.explorer_input.taskset``, or the one named
 by ``--taskset`` when ``tasksets`` lists several), build its :class:`Task` as
-the explorer does (:func:`workflows.workflow.make_task`; ``repeat_times`` from
+the explorer does (:func:`rftstream.workflow.make_task`; ``repeat_times`` from
 the taskset or ``algorithm.repeat_times``; task id = row index, epoch 0),
 build the rollout engine, :class:`ModelWrapper` and auxiliary models from
 ``explorer.rollout_model``, ``explorer.auxiliary_models`` and ``model`` as
 the explorer does (:func:`rollout_model`), run the task
-with a :class:`~workflows.runner.WorkflowRunner` under ``explorer.max_timeout``
+with a :class:`~rftstream.workflow_runner.WorkflowRunner` under ``explorer.max_timeout``
 (one attempt: a failure shows at once), and print every experience with rich:
 prompt and response text, reward, token counts, action-mask and logprobs
 summaries, metrics and info. ``--json`` prints one JSON document instead.
@@ -31,14 +31,15 @@ import anyio.to_thread
 
 from rftstream.engines.rollout import rollout_model
 from rftstream.errors import ConfigError, RftError, WorkflowError
+from rftstream.tasksets import load_taskset
+from rftstream.workflow import Task, Workflow, make_task
+from rftstream.workflow_runner import TaskResult, WorkflowRunner
 
 if TYPE_CHECKING:
     from rich.console import Console
 
     from rftstream.experience import Experience
     from rftstream.runtime import PreparedRun
-    from workflows.runner import TaskResult
-    from workflows.workflow import Task
 
 __all__ = [
     "WorkflowDebug",
@@ -77,8 +78,6 @@ def make_debug_task(
     an unknown ``taskset`` name or an index outside the taskset.
     """
     from rftstream.config.validate import training_tasksets
-    from workflows.tasksets import load_taskset
-    from workflows.workflow import make_task
 
     cfg = run.cfg
     if cfg.mode == "train":
@@ -128,7 +127,6 @@ async def run_debug_task(run: PreparedRun, task: Task) -> tuple[TaskResult, Any,
     ``explorer.max_timeout`` (one attempt, no retries); everything started is
     closed before returning.
     """
-    from workflows.runner import WorkflowRunner
 
     async with rollout_model(run.cfg, run.model_path) as (model, aux, engine_s):
         runner = WorkflowRunner(
@@ -378,6 +376,5 @@ def render(d: WorkflowDebug, console: Console, *, max_chars: int = 2000) -> None
 
 
 def _base_run_async() -> Any:
-    from workflows.workflow import Workflow
 
     return Workflow.run_async

@@ -2,7 +2,13 @@
 
 Lookup accepts a registered name, or a dotted path (``pkg.mod.Class`` or
 ``pkg.mod:Class``) which is imported on demand, so a user can name their own
-class in a config without registering it. No I/O besides that import.
+class in a config without registering it. No I/O besides those imports.
+
+A registry the core owns names the packages holding its built-ins
+(``defaults``, module names as strings): the first lookup imports them, and
+their ``register_module`` decorators fill it. So the core finds the plugin
+packages (``operators``, ``algorithms``, ``workflows``) by name and never imports
+them; they import the core.
 """
 
 from __future__ import annotations
@@ -10,7 +16,7 @@ from __future__ import annotations
 import importlib
 import logging
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Generic, TypeVar, overload
 
 from rftstream.errors import RegistryError
@@ -31,36 +37,68 @@ class Registry(Generic[T]):
 
     _instances: weakref.WeakSet[Registry[Any]] = weakref.WeakSet()
 
-    def __init__(self, name: str) -> None:
+    def __init__(self, name: str, defaults: Sequence[str] = ()) -> None:
+        """``defaults``: modules whose import registers the built-ins, imported by the
+        first lookup (``get``, ``names``, ``in``, iteration, ``len``)."""
         self.name = name
+        self.defaults = tuple(defaults)
         self._modules: dict[str, T] = {}
+        self._defaults_loaded = not self.defaults
         Registry._instances.add(self)
 
     @classmethod
-    def snapshot_all(cls) -> dict[Registry[Any], dict[str, Any]]:
+    def snapshot_all(cls) -> dict[Registry[Any], tuple[dict[str, Any], bool]]:
         """The contents of every registry (tests restore them with :meth:`restore_all`)."""
-        return {reg: dict(reg._modules) for reg in list(cls._instances)}
+        return {reg: (dict(reg._modules), reg._defaults_loaded) for reg in list(cls._instances)}
 
     @classmethod
-    def restore_all(cls, snapshot: dict[Registry[Any], dict[str, Any]]) -> None:
+    def restore_all(cls, snapshot: dict[Registry[Any], tuple[dict[str, Any], bool]]) -> None:
         """Put every registry back to a :meth:`snapshot_all` state."""
-        for reg, modules in snapshot.items():
+        for reg, (modules, defaults_loaded) in snapshot.items():
             reg._modules = dict(modules)
+            reg._defaults_loaded = defaults_loaded
+
+    def _load_defaults(self) -> None:
+        """Import the :attr:`defaults` modules, until they have finished importing once.
+
+        Blocks while they import; another thread's lookup meanwhile waits for that
+        import (Python's per-module import lock) and then sees every built-in. A lookup
+        made by the importing thread itself (a built-in registering itself, or reading
+        its own registry) returns at once and sees what is registered so far. A failed
+        import raises :class:`RegistryError` naming the module; the next lookup tries
+        again.
+        """
+        if self._defaults_loaded:
+            return
+        for module_name in self.defaults:
+            try:
+                module = importlib.import_module(module_name)
+            except Exception as exc:
+                raise RegistryError(
+                    f"{self.name}: cannot import {module_name!r}, which registers the "
+                    f"built-ins: {type(exc).__name__}: {exc}"
+                ) from exc
+            if getattr(module.__spec__, "_initializing", False):
+                return  # this thread is importing it: not complete yet, look again later
+        self._defaults_loaded = True
 
     def __repr__(self) -> str:
         return f"Registry({self.name!r}, {sorted(self._modules)})"
 
     def __contains__(self, name: object) -> bool:
+        self._load_defaults()
         return isinstance(name, str) and name in self._modules
 
     def __iter__(self) -> Iterator[str]:
-        return iter(sorted(self._modules))
+        return iter(self.names())
 
     def __len__(self) -> int:
+        self._load_defaults()
         return len(self._modules)
 
     def names(self) -> list[str]:
-        """The registered names, sorted."""
+        """The registered names, sorted (the built-ins imported first)."""
+        self._load_defaults()
         return sorted(self._modules)
 
     @overload
@@ -80,6 +118,7 @@ class Registry(Generic[T]):
         """
         if not isinstance(name, str) or not name:
             raise RegistryError(f"{self.name}: a registered name must be a non-empty string")
+        self._load_defaults()  # a plugin registered first still replaces the built-in
 
         def _register(obj: T) -> T:
             existing = self._modules.get(name)
@@ -109,6 +148,7 @@ class Registry(Generic[T]):
 
     def unregister(self, name: str) -> T | None:
         """Remove ``name``; returns what was registered (None if nothing was)."""
+        self._load_defaults()
         return self._modules.pop(name, None)
 
     def get(self, name: str) -> T:
@@ -116,6 +156,7 @@ class Registry(Generic[T]):
 
         Raises :class:`RegistryError` naming the registry and the known names.
         """
+        self._load_defaults()
         if name in self._modules:
             return self._modules[name]
         if "." in name or ":" in name:

@@ -27,13 +27,16 @@ from rftstream.config.resolve import (
     resolve_run,
     with_train_batch_size,
 )
-from rftstream.config.schema import TRAINER_MODES, Config
+from rftstream.config.schema import TRAINER_MODES, AlgorithmConfig, BufferConfig, Config
 from rftstream.config.secrets import redact_url
 from rftstream.config.validate import run_id_from_name, validate_config
-from rftstream.errors import ConfigError
+from rftstream.errors import ConfigError, RegistryError
+from rftstream.experience_pipeline import EXPERIENCE_OPERATORS, ExperiencePipeline, create_operators
 from rftstream.monitors import check_monitor_packages
+from rftstream.plugin_registries import ALGORITHM_RESOLVERS, ALGORITHM_TYPE, REWARD_FUNCTIONS
 from rftstream.subjects import RunNames
 from rftstream.training.schedule import lr_schedule
+from rftstream.workflow import WORKFLOWS
 
 log = logging.getLogger(__name__)
 
@@ -56,28 +59,28 @@ class PreparedRun:
         p = self.cfg.data_processor.experience_pipeline
         return [(p.input_stage, p.output_stage)]
 
-    def build_pipeline(self) -> Any:
+    def build_pipeline(self) -> ExperiencePipeline:
         """The operator pipeline of ``data_processor.experience_pipeline``, plus the
         algorithm's group advantage when it is not computed in the trainer."""
-        from operators import ExperiencePipeline, create_operators
-        from operators.advantage import GroupAdvantageOperator
-
         ops = list(create_operators(self.cfg.data_processor.experience_pipeline.operators))
         algo = self.algorithm
         if not algo.compute_advantage_in_trainer and (algo.config.advantage_fn or "none") != "none":
+            group_advantage = EXPERIENCE_OPERATORS.get("group_advantage")
             ops.append(
-                GroupAdvantageOperator(
-                    algo.config.advantage_fn, **(algo.config.advantage_fn_args or {})
-                )
+                group_advantage(algo.config.advantage_fn, **(algo.config.advantage_fn_args or {}))
             )
         return ExperiencePipeline(ops)
+
+
+def _resolve_algorithm(algorithm: AlgorithmConfig, buffer: BufferConfig) -> Any:
+    """The ``algorithm:`` section as instantiated components (an ``algorithms.ResolvedAlgorithm``),
+    by the resolver the algorithms package registers. ConfigError naming the key."""
+    return ALGORITHM_RESOLVERS.get("default")(algorithm, buffer)
 
 
 def _check_components(cfg: Config) -> None:
     """Names that only resolve at run time, checked now so the error names the key."""
     from rftstream.config.validate import eval_tasksets, training_tasksets
-    from rftstream.errors import RegistryError
-    from workflows import REWARD_FUNCTIONS, WORKFLOWS
 
     inp = cfg.buffer.explorer_input
     for key, ts in [*training_tasksets(inp), *eval_tasksets(inp)]:
@@ -105,8 +108,6 @@ def _check_components(cfg: Config) -> None:
 def _preset_policy_loss_fn(cfg: Config) -> str | None:
     """The ``policy_loss_fn`` of the preset's ``default_config()`` (None: unknown preset,
     which :func:`resolve_algorithm` reports)."""
-    from algorithms import ALGORITHM_TYPE
-    from rftstream.errors import RegistryError
 
     try:
         preset = ALGORITHM_TYPE.get(cfg.algorithm.algorithm_type).default_config()
@@ -122,8 +123,6 @@ def _fill_batch_args(cfg: Config, algorithm: Any) -> tuple[Config, Any]:
     ``batch_shape`` (computed here, once; the trainer applies it)."""
     import dataclasses
 
-    from algorithms import resolve_algorithm
-
     ratio = algorithm.sample_strategy_args.get("expert_data_ratio")
     if ratio is None:  # the strategy's own default (the guide's MIX reads 0.5 when unset)
         ratio = (algorithm.sample_strategy_cls.default_args() or {}).get("expert_data_ratio", 0.5)
@@ -135,7 +134,7 @@ def _fill_batch_args(cfg: Config, algorithm: Any) -> tuple[Config, Any]:
     )
     if filled is not cfg:
         cfg = filled
-        algorithm = resolve_algorithm(cfg.algorithm, cfg.buffer)
+        algorithm = _resolve_algorithm(cfg.algorithm, cfg.buffer)
     return cfg, dataclasses.replace(algorithm, batch_shape=shape)
 
 
@@ -147,9 +146,6 @@ def _preset_check_config(cfg: Config) -> Config:
     unknown preset is left for :func:`resolve_algorithm` to report.
     """
     import copy
-
-    from algorithms import ALGORITHM_TYPE
-    from rftstream.errors import RegistryError
 
     eb = cfg.buffer.trainer_input.experience_buffer
     if cfg.trainer_reads_dataset and (eb is None or not eb.path):
@@ -174,8 +170,8 @@ def _preset_check_config(cfg: Config) -> Config:
 
 def _check_algorithm(cfg: Config, algorithm: Any) -> None:
     """Run-level checks of the resolved algorithm against the trainer's inputs and the mode."""
-    from algorithms.utils import check_loss_agg_mode
     from rftstream.training.batch import trainer_tensors
+    from rftstream.training.masked_reductions import check_loss_agg_mode
 
     schema = str(getattr(algorithm.algorithm_type, "schema", "experience"))
     if cfg.trainer_reads_dataset and schema not in ("sft", "dpo", "cpt"):
@@ -284,7 +280,6 @@ def prepare_run(
     ``steps``, ``run_dir``, ``nats_url``, the algorithm preset's defaults, the train
     batch size), run the checks that need the plugins, and build (or find) the model.
     Blocks (model build)."""
-    from algorithms import resolve_algorithm
 
     validate_config(cfg, source=source)
     cfg = resolve_run(cfg, steps=steps, run_dir=run_dir, nats_url=nats_url)
@@ -301,7 +296,7 @@ def prepare_run(
             "set policy_loss_fn: ppo to train without the correction)"
         )
     cfg = corrected
-    algorithm = resolve_algorithm(cfg.algorithm, cfg.buffer)
+    algorithm = _resolve_algorithm(cfg.algorithm, cfg.buffer)
     cfg, algorithm = _fill_batch_args(cfg, algorithm)
     _check_algorithm(cfg, algorithm)
     if cfg.mode in TRAINER_MODES:  # the trainer's lr schedules, before any model loads

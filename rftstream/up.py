@@ -11,10 +11,8 @@ the embedded server is stopped; the whole shutdown takes a few seconds.
 from __future__ import annotations
 
 import contextlib
-import signal
 import textwrap
 import time
-from collections.abc import Awaitable, Callable
 from typing import Any
 
 import anyio
@@ -30,51 +28,12 @@ from rftstream.console import ChildConsole
 from rftstream.plot import idle_shares, plot_metrics, read_metrics, window_mean
 from rftstream.report import REPORT_FILE, save_run_config, write_report
 from rftstream.runtime import PreparedRun, run_actors, start_fresh
+from rftstream.signals import run_with_signals
+from rftstream.step_lines import StepLines, step_line
 
 
 class Interrupted(Exception):
     """Raised when a signal stopped the run."""
-
-
-def run_with_signals(main: Callable[[], Awaitable[None]]) -> int:
-    """Run ``main`` on the asyncio backend; SIGINT/SIGTERM cancel it. Returns an exit code."""
-    stopped: list[int] = []
-
-    async def wrapper() -> None:
-        async with anyio.create_task_group() as tg:
-
-            async def watch() -> None:
-                with anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
-                    async for signum in signals:
-                        stopped.append(signum)
-                        tg.cancel_scope.cancel()
-                        return
-
-            tg.start_soon(watch)
-            await main()
-            tg.cancel_scope.cancel()
-
-    anyio.run(wrapper, backend="asyncio")
-    return 130 if stopped else 0
-
-
-class StepLines:
-    """Which trainer steps get a line on the console: the first few, the last, and then at
-    most ``per_second`` a second (every step of a slow run; the progress bar shows the
-    rest, ``metrics.jsonl`` has every step)."""
-
-    def __init__(self, total: int | None, first: int = 5, per_second: float = 2.0) -> None:
-        self.total = total
-        self.first = first
-        self.gap = 1.0 / per_second
-        self._last = float("-inf")
-
-    def due(self, step: int, now: float | None = None) -> bool:
-        now = time.monotonic() if now is None else now
-        if step <= self.first or step == self.total or now - self._last >= self.gap:
-            self._last = now
-            return True
-        return False
 
 
 def live_progress(console: Console, label: str, total: int | None, **kwargs: Any) -> Progress:
@@ -272,7 +231,6 @@ def run_up(run: PreparedRun, *, console: Console, child_console: ChildConsole | 
     if cfg.mode in ("explore", "bench"):
         return _run_without_trainer(run, url, server, console)
     total = cfg.buffer.total_steps
-    from rftstream.cli import _step_line
 
     progress = live_progress(console, "trainer", total, refresh_per_second=4)
     task = progress.add_task("train", total=total, info="waiting for experience…")
@@ -281,7 +239,7 @@ def run_up(run: PreparedRun, *, console: Console, child_console: ChildConsole | 
 
     def on_step(record: dict[str, Any]) -> None:
         if lines.due(record["step"]):
-            progress.console.print(_step_line(record), soft_wrap=True)
+            progress.console.print(step_line(record), soft_wrap=True)
         if record.get("reward/mean") is not None:
             last_reward[0] = record["reward/mean"]
         progress.update(task, completed=record["step"], info=f"raw reward {last_reward[0]:.3f}")

@@ -37,10 +37,10 @@ import anyio.to_thread
 
 from rftstream.errors import WorkflowError
 from rftstream.experience import Experience
+from rftstream.workflow import WORKFLOWS, Task
 from workflows.math_workflow import SimpleWorkflow
 from workflows.rewards import REWARD_FUNCTIONS, RewardFn
 from workflows.sandbox import run_python
-from workflows.workflow import WORKFLOWS, Task
 
 __all__ = ["CODE_PROMPT", "CodeReward", "CodeWorkflow", "extract_code", "run_tests"]
 

@@ -21,8 +21,8 @@ import json
 from typing import Any
 
 from rftstream.errors import WorkflowError
+from rftstream.workflow import WORKFLOWS, Task
 from workflows.math_workflow import SimpleWorkflow
-from workflows.workflow import WORKFLOWS, Task
 
 __all__ = ["COUNTDOWN_PROMPT", "CountdownWorkflow"]
 

@@ -34,8 +34,8 @@ import torch
 
 from rftstream.errors import WorkflowError
 from rftstream.experience import Experience
+from rftstream.workflow import WORKFLOWS, Task
 from workflows.math_workflow import MathBoxedWorkflow, SimpleWorkflow
-from workflows.workflow import WORKFLOWS, Task
 
 __all__ = [
     "TEACHER_LOGPROBS_KEY",

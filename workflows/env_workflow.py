@@ -48,8 +48,8 @@ import torch
 from rftstream.engines.base import SamplingParams
 from rftstream.errors import WorkflowError
 from rftstream.experience import Experience
+from rftstream.workflow import WORKFLOWS, Task, Workflow
 from workflows.envs import ENVS, normalize_step
-from workflows.workflow import WORKFLOWS, Task, Workflow
 
 __all__ = ["EnvWorkflow", "TokenTrajectory"]
 

@@ -28,7 +28,7 @@ import anyio.to_thread
 
 from rftstream.errors import WorkflowError
 from rftstream.experience import Experience
-from workflows.workflow import WORKFLOWS, Task, Workflow, call_reward_fn, resolve_reward_fn
+from rftstream.workflow import WORKFLOWS, Task, Workflow, call_reward_fn, resolve_reward_fn
 
 __all__ = ["MathBoxedWorkflow", "MathWorkflow", "SimpleWorkflow"]
 

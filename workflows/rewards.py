@@ -60,6 +60,7 @@ from fractions import Fraction
 from typing import Any
 
 from rftstream.errors import RegistryError, WorkflowError
+from rftstream.plugin_registries import REWARD_FUNCTIONS
 from rftstream.registry import Registry
 
 __all__ = [
@@ -96,9 +97,6 @@ class RewardFn(ABC):
     @abstractmethod
     def __call__(self, response: str, truth: str | None = None, **kwargs: Any) -> dict[str, float]:
         """Return named scores; the reward is their sum."""
-
-
-REWARD_FUNCTIONS: Registry[type[RewardFn]] = Registry("reward_functions")
 
 
 # ---------------------------------------------------------------------------

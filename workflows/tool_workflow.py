@@ -45,9 +45,9 @@ import anyio.to_thread
 
 from rftstream.errors import WorkflowError
 from rftstream.experience import Experience
+from rftstream.workflow import WORKFLOWS, Task, Workflow, call_reward_fn
 from workflows.math_workflow import SimpleWorkflow
 from workflows.sandbox import run_python_async
-from workflows.workflow import WORKFLOWS, Task, Workflow, call_reward_fn
 
 __all__ = ["PYTHON_TOOL", "PythonToolWorkflow", "format_tool_result"]
 

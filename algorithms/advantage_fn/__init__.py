@@ -13,7 +13,6 @@ pipeline; ``ppo`` (GAE),
 
 from algorithms.advantage_fn.advantage_fn import (
     ADVANTAGE_FN,
-    TRAINER_ADVANTAGE_INPUTS,
     AdvantageFn,
     GroupAdvantage,
     NoAdvantageFn,
@@ -33,6 +32,7 @@ from algorithms.advantage_fn.ppo_advantage import PPOAdvantageFn, compute_gae_ad
 from algorithms.advantage_fn.rec_advantage import RECGroupedAdvantage
 from algorithms.advantage_fn.reinforce_plus_plus_advantage import REINFORCEPLUSPLUSAdvantageFn
 from algorithms.advantage_fn.remax_advantage import REMAXAdvantageFn
+from rftstream.training.loss_inputs import TRAINER_ADVANTAGE_INPUTS
 
 __all__ = [
     "ADVANTAGE_FN",

@@ -18,26 +18,7 @@ from abc import ABC, abstractmethod
 from typing import Any
 
 from rftstream.experience import Experience, group_by
-from rftstream.registry import Registry
-
-ADVANTAGE_FN: Registry[type[AdvantageFn]] = Registry("advantage_fn")
-
-
-TRAINER_ADVANTAGE_INPUTS: frozenset[str] = frozenset(
-    {"entropy", "nec", "old_logprob", "rollout_logprob"}
-)
-"""Per-token tensors the trainer can compute for an advantage fn that declares them in
-:attr:`AdvantageFn.trainer_inputs` (each passed as a keyword argument: one float32
-tensor per experience, covering the response tokens the trainer trains on):
-
-* ``old_logprob``: log-probs of the response under the current policy (no-grad pass);
-* ``entropy``: entropy of the current policy's next-token distribution per token;
-* ``nec``: ``H * sum(p^2) + sum(p^2 log p)`` of that distribution (Clip_V's ``necs``);
-* ``rollout_logprob``: the experience's rollout log-probs where it has usable ones,
-  else ``old_logprob``.
-
-All use the rollout temperature, as the log-probs of the loss do.
-"""
+from rftstream.plugin_registries import ADVANTAGE_FN
 
 
 class AdvantageFn(ABC):

@@ -90,7 +90,7 @@ async def run_bench(
     checkpoints, with ``evaluator``; see the module docstring. Heartbeats as
     ``evaluator.name`` meanwhile."""
     from rftstream.engines.rollout import rollout_model
-    from workflows.runner import WorkflowRunner
+    from rftstream.workflow_runner import WorkflowRunner
 
     await evaluator.load_tasksets()
     directory = checkpoint_dir(cfg)

@@ -72,7 +72,7 @@ class Evaluator:
 
     async def load_tasksets(self) -> None:
         """Read every eval taskset (in a worker thread). Blocks."""
-        from workflows.tasksets import load_taskset
+        from rftstream.tasksets import load_taskset
 
         self._rows = []
         for key, ts in self.eval_sets:
@@ -153,7 +153,7 @@ class Evaluator:
     async def _eval_taskset(
         self, ts_cfg: TasksetConfig, rows: list[dict[str, Any]], runner: Any
     ) -> dict[str, float]:
-        from workflows.workflow import make_task
+        from rftstream.workflow import make_task
 
         name = ts_cfg.name
         repeat = int(ts_cfg.repeat_times or 1)

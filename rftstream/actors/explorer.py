@@ -211,7 +211,7 @@ class Explorer:
     async def _explore_all(self, state: RunState, engine: Any) -> None:
         """Load the engine and explore until the run ends (see :meth:`run`)."""
         from rftstream.engines.rollout import rollout_model
-        from workflows.runner import WorkflowRunner
+        from rftstream.workflow_runner import WorkflowRunner
 
         await self.evaluator.load_tasksets()
         step_key = EXPLORER_STEP.of(name=self.name)
@@ -535,7 +535,7 @@ class Explorer:
         """Run one task (started with weights ``version``) and publish its group after
         the tasks started with older weights (:meth:`_after_older_tasks`), then ack it; a
         failure is dead-lettered or retried."""
-        from workflows.workflow import make_task
+        from rftstream.workflow import make_task
 
         try:
             tmsg: TaskMsg = decode_json(msg.data, TaskMsg, f"task message on {msg.subject}")

@@ -1,7 +1,7 @@
 """The explorer's taskset publisher: the training tasksets into the task stream, once per run.
 
 The training tasksets (``buffer.explorer_input.taskset`` and ``tasksets``, see
-:func:`workflows.tasksets.plan_tasks`) are published into ``RFT_<RUN>_TASKS``
+:func:`rftstream.tasksets.plan_tasks`) are published into ``RFT_<RUN>_TASKS``
 once per run, by one explorer, at most ``publish_lead`` tasks ahead of what
 explorers have taken. Which explorer publishes, its progress and the take-over
 of a dead publisher are the claim protocol of :mod:`rftstream.taskset_claim`;
@@ -197,7 +197,7 @@ class TasksetPublisher:
     # ------------------------------------------------------------ the plan
     async def _publish_plan(self, state: RunState, start: int) -> None:
         """Load the training tasksets and publish the plan from ``start`` on; then the record."""
-        from workflows.tasksets import TasksetPlan, load_taskset, plan_tasks
+        from rftstream.tasksets import TasksetPlan, load_taskset, plan_tasks
 
         lost = False
 

@@ -9,7 +9,7 @@ package does not import ``transformers``, ``vllm``, ``openai`` or ``aiohttp``
 The OpenAI-compatible server of a model is
 :class:`~rftstream.engines.openai_server.OpenAIServer` (started by
 ``ModelWrapper.get_openai_client()``); ``explorer.auxiliary_models`` are
-started by :func:`~rftstream.engines.openai_server.serve_auxiliary_models`.
+started by :func:`~rftstream.engines.auxiliary_models.serve_auxiliary_models`.
 """
 
 from __future__ import annotations

@@ -51,7 +51,7 @@ import threading
 import uuid
 import weakref
 from collections.abc import Awaitable, Callable, Sequence
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import Any, TypeVar
 
 import anyio
 import anyio.from_thread
@@ -60,11 +60,15 @@ import msgspec
 import torch
 
 from rftstream.engines.base import Completion, RolloutEngine, SamplingParams
+from rftstream.engines.openai_protocol import (
+    ApiError,
+    normalize_messages,
+    parse_tool_calls,
+    truncate_at_stop,
+)
+from rftstream.engines.openai_server import OpenAIServer
 from rftstream.errors import RftError
 from rftstream.experience import Experience
-
-if TYPE_CHECKING:
-    from rftstream.engines.openai_server import OpenAIServer
 
 __all__ = ["ModelWrapper", "merge_history", "wrapper_of"]
 
@@ -400,8 +404,6 @@ class ModelWrapper:
     ) -> tuple[str, list[int], list[Experience]]:
         self._note_loop()
         if not isinstance(messages, list):
-            from rftstream.engines.openai_server import ApiError
-
             raise ApiError("`messages` must be a list of messages", param="messages")
         messages = [dict(m) if isinstance(m, dict) else m for m in messages]
         render = functools.partial(
@@ -542,8 +544,6 @@ class ModelWrapper:
         Hermes-style system prompt; ``tool`` messages become ``user`` messages
         with ``<tool_response>`` tags if the template rejects the role.
         """
-        from rftstream.engines.openai_server import normalize_messages
-
         if continue_final is None:
             last = messages[-1] if messages else None
             continue_final = isinstance(last, dict) and last.get("role") == "assistant"
@@ -632,8 +632,6 @@ class ModelWrapper:
         """Experiences of ``completions``; ``info`` holds the engine's flags, the finish reason
         and the sampling ``temperature`` (the trainer uses the log-probs only when it scores
         at the same temperature)."""
-        from rftstream.engines.openai_server import parse_tool_calls, truncate_at_stop
-
         total = sum(len(c.token_ids) for c in completions)
         texts = await self._maybe_thread(
             lambda: [self._decode(c.token_ids) for c in completions], total > _INLINE_TOKENS
@@ -722,8 +720,6 @@ class ModelWrapper:
 
     # ------------------------------------------------------------ OpenAI plumbing
     def _server(self) -> OpenAIServer:
-        from rftstream.engines.openai_server import OpenAIServer
-
         shared = self._shared
         with shared.server_lock:
             if shared.server is None or shared.server.closed:

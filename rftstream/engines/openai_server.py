@@ -20,9 +20,10 @@ Sessions: ``/v1/...`` is served by the wrapper that created the server;
 history of each workflow stays its own (the runner gives every workflow a
 clone when history is on).
 
-The protocol helpers (request parsing, message normalisation, tool-call
-parsing, response bodies) are pure functions, usable without a server.
-:func:`serve_auxiliary_models` starts ``explorer.auxiliary_models``.
+The wire format (request parsing, message normalisation, tool-call parsing,
+response bodies) is pure, in :mod:`rftstream.engines.openai_protocol`. The server
+serves any :class:`ServedModel` (a wrapper and its clones) and does not import the
+wrapper's module: the wrapper starts its server.
 
 Request fields understood, beyond the usual ``n``, ``temperature``,
 ``top_p``, ``max_tokens`` / ``max_completion_tokens``, ``stop``, ``seed``:
@@ -46,393 +47,70 @@ import concurrent.futures
 import contextlib
 import json
 import logging
-import re
 import socket
 import threading
 import time
 import uuid
 import weakref
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
-from typing import TYPE_CHECKING, Any, TypeVar
+from collections.abc import Awaitable, Callable
+from typing import Any, Protocol, TypeVar
 
 import anyio
 import anyio.from_thread
 import anyio.lowlevel
 import anyio.to_thread
 
-from rftstream.engines.base import SamplingParams
+from rftstream.engines.base import RolloutEngine, SamplingParams
+from rftstream.engines.openai_protocol import (
+    COMPLETIONS_DEFAULT_MAX_TOKENS,
+    MAX_TOP_LOGPROBS,
+    ApiError,
+    chat_logprobs,
+    completion_logprobs,
+    sampling_from_request,
+    sse_chat_chunks,
+    sse_completion_chunks,
+)
 from rftstream.errors import RftError
-
-if TYPE_CHECKING:
-    from rftstream.engines.model_wrapper import ModelWrapper
+from rftstream.experience import Experience
 
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
-__all__ = [
-    "ApiError",
-    "OpenAIServer",
-    "normalize_messages",
-    "parse_tool_calls",
-    "render_tool_call",
-    "sampling_from_request",
-    "serve_auxiliary_models",
-    "tools_system_prompt",
-]
-
-MAX_N = 128
-MAX_TOP_LOGPROBS = 20
-COMPLETIONS_DEFAULT_MAX_TOKENS = 16
+__all__ = ["OpenAIServer", "ServedModel"]
 
 
-class ApiError(RftError):
-    """A request the API rejects: becomes an OpenAI-style error body with ``status``."""
+class ServedModel(Protocol):
+    """What the server uses of a :class:`~rftstream.engines.model_wrapper.ModelWrapper`
+    (the root wrapper or a session clone); the wrapper implements it and starts the server."""
 
-    def __init__(
+    engine: RolloutEngine
+    model_path: str
+    served_model_name: str
+    session_id: str
+    max_response_tokens: int
+    default_temperature: float
+
+    @property
+    def tokenizer(self) -> Any: ...
+
+    @property
+    def _tok_lock(self) -> contextlib.AbstractContextManager[Any]: ...
+
+    async def _chat_for_api(
         self,
-        message: str,
+        messages: Any,
+        params: SamplingParams,
         *,
-        status: int = 400,
-        param: str | None = None,
-        type: str = "invalid_request_error",  # noqa: A002 - the OpenAI field name
-    ) -> None:
-        super().__init__(message)
-        self.status = status
-        self.param = param
-        self.type = type
+        tools: list[dict[str, Any]] | None,
+        template_kwargs: dict[str, Any],
+        chat_template: str | None = None,
+    ) -> tuple[list[int], list[Experience]]: ...
 
-    def body(self) -> dict[str, Any]:
-        return {
-            "error": {
-                "message": str(self),
-                "type": self.type,
-                "param": self.param,
-                "code": self.status,
-            }
-        }
-
-
-# ---------------------------------------------------------------------------
-# Protocol helpers (pure)
-# ---------------------------------------------------------------------------
-
-
-def _number(body: dict[str, Any], key: str, kind: type, default: Any) -> Any:
-    value = body.get(key)
-    if value is None:
-        return default
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ApiError(f"`{key}` must be a number, got {value!r}", param=key)
-    if kind is int:
-        if float(value) != int(value):
-            raise ApiError(f"`{key}` must be an integer, got {value!r}", param=key)
-        return int(value)
-    return float(value)
-
-
-def sampling_from_request(
-    body: dict[str, Any],
-    *,
-    default_max_tokens: int | None,
-    default_temperature: float = 1.0,
-) -> SamplingParams:
-    """The :class:`SamplingParams` of a chat or completions request body (raises :class:`ApiError`)."""
-    n = _number(body, "n", int, 1)
-    if not 1 <= n <= MAX_N:
-        raise ApiError(f"`n` must be in [1, {MAX_N}], got {n}", param="n")
-    max_tokens = _number(body, "max_completion_tokens", int, None)
-    if max_tokens is None:
-        max_tokens = _number(body, "max_tokens", int, default_max_tokens)
-    stop = body.get("stop")
-    if isinstance(stop, str):
-        stop = [stop]
-    if stop is not None and not (isinstance(stop, list) and all(isinstance(s, str) for s in stop)):
-        raise ApiError("`stop` must be a string or a list of strings", param="stop")
-    stop_ids = body.get("stop_token_ids")
-    if stop_ids is not None and not (
-        isinstance(stop_ids, list) and all(isinstance(t, int) for t in stop_ids)
-    ):
-        raise ApiError("`stop_token_ids` must be a list of integers", param="stop_token_ids")
-    top_k = _number(body, "top_k", int, -1)
-    try:
-        return SamplingParams(
-            n=n,
-            temperature=_number(body, "temperature", float, default_temperature),
-            top_p=_number(body, "top_p", float, 1.0),
-            top_k=top_k if top_k > 0 else -1,
-            max_tokens=max_tokens,
-            stop=([s for s in stop if s] or None) if stop else None,
-            stop_token_ids=stop_ids,
-            seed=_number(body, "seed", int, None),
-        )
-    except ValueError as exc:
-        raise ApiError(str(exc).replace("SamplingParams.", "")) from exc
-
-
-def _text_of(content: Any) -> str:
-    """Message content as text: ``None`` is empty, a list of parts is joined."""
-    if content is None:
-        return ""
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):
-        parts = []
-        for part in content:
-            if isinstance(part, str):
-                parts.append(part)
-            elif isinstance(part, dict) and part.get("type") in ("text", "input_text"):
-                parts.append(str(part.get("text", "")))
-            else:
-                raise ApiError(
-                    f"unsupported message content part {part!r}: only text parts are supported",
-                    param="messages",
-                )
-        return "".join(parts)
-    return str(content)
-
-
-def _arguments_of(call: dict[str, Any]) -> tuple[str, Any]:
-    fn = call.get("function", call)
-    if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
-        raise ApiError(f"malformed tool call {call!r}", param="messages")
-    args = fn.get("arguments", {})
-    if isinstance(args, str):
-        try:
-            args = json.loads(args) if args.strip() else {}
-        except json.JSONDecodeError:
-            pass  # keep the string: the template renders it as is
-    return fn["name"], args
-
-
-def render_tool_call(name: str, arguments: Any) -> str:
-    """A tool call as Qwen / Hermes models write it: ``<tool_call>\\n{json}\\n</tool_call>``."""
-    payload = json.dumps({"name": name, "arguments": arguments}, ensure_ascii=False)
-    return f"<tool_call>\n{payload}\n</tool_call>"
-
-
-def tools_system_prompt(tools: Sequence[dict[str, Any]]) -> str:
-    """Qwen2.5's (Hermes-style) tool instructions, for chat templates that ignore ``tools``."""
-    lines = "\n".join(json.dumps(t, ensure_ascii=False) for t in tools)
-    return (
-        "# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
-        "You are provided with function signatures within <tools></tools> XML tags:\n"
-        f"<tools>\n{lines}\n</tools>\n\n"
-        "For each function call, return a json object with function name and arguments "
-        "within <tool_call></tool_call> XML tags:\n<tool_call>\n"
-        '{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call>'
-    )
-
-
-def normalize_messages(
-    messages: Any,
-    *,
-    native_tool_calls: bool,
-    tool_role: bool = True,
-    tools: Sequence[dict[str, Any]] | None = None,
-) -> list[dict[str, Any]]:
-    """OpenAI chat messages made renderable by a Hugging Face chat template.
-
-    Content becomes text (``None`` -> ``""``, text parts joined). An assistant
-    message's ``tool_calls`` keep their OpenAI shape with ``arguments`` parsed
-    into objects when the template renders ``tool_calls``
-    (``native_tool_calls``); otherwise they are appended to the content as
-    ``<tool_call>`` blocks. With ``tool_role=False``, ``tool`` messages become
-    ``user`` messages wrapping the result in ``<tool_response>`` tags. ``tools``
-    (given only when the template ignores them) become a system prompt,
-    merged into a leading system message. Raises :class:`ApiError`.
-    """
-    if not isinstance(messages, list) or not messages:
-        raise ApiError("`messages` must be a non-empty list", param="messages")
-    out: list[dict[str, Any]] = []
-    for m in messages:
-        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
-            raise ApiError(f"malformed message {m!r}", param="messages")
-        msg = {k: v for k, v in m.items() if v is not None}
-        msg["content"] = _text_of(m.get("content"))
-        calls = m.get("tool_calls") or []
-        if calls:
-            parsed = [_arguments_of(c) for c in calls]
-            if native_tool_calls:
-                msg["tool_calls"] = [
-                    {
-                        "id": c.get("id", ""),
-                        "type": "function",
-                        "function": {"name": name, "arguments": args},
-                    }
-                    for c, (name, args) in zip(calls, parsed, strict=True)
-                ]
-            else:
-                msg.pop("tool_calls", None)
-                blocks = [render_tool_call(name, args) for name, args in parsed]
-                msg["content"] = "\n".join([msg["content"], *blocks] if msg["content"] else blocks)
-        if msg["role"] == "tool" and not tool_role:
-            msg = {
-                "role": "user",
-                "content": f"<tool_response>\n{msg['content']}\n</tool_response>",
-            }
-        out.append(msg)
-    if tools:
-        prompt = tools_system_prompt(tools)
-        if out[0]["role"] == "system":
-            out[0] = {**out[0], "content": f"{out[0]['content']}\n\n{prompt}"}
-        else:
-            out.insert(0, {"role": "system", "content": prompt})
-    return out
-
-
-_TOOL_CALL_RE = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
-
-
-def parse_tool_calls(text: str) -> tuple[str | None, list[dict[str, Any]]]:
-    """Split a reply into its text and its ``<tool_call>{json}</tool_call>`` calls (Qwen / Hermes).
-
-    Returns ``(content, tool_calls)`` with OpenAI-shaped calls (``id``,
-    ``type: "function"``, ``function.name``, ``function.arguments`` as a JSON
-    string); ``content`` is the text outside the blocks, stripped, or ``None``
-    if empty. A reply with no block, or with any block that is not a JSON
-    object with a string ``name``, is returned unchanged with no calls.
-    """
-    blocks = list(_TOOL_CALL_RE.finditer(text))
-    if not blocks:
-        return text, []
-    calls = []
-    for b in blocks:
-        try:
-            obj = json.loads(b.group(1))
-        except json.JSONDecodeError:
-            return text, []
-        if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
-            return text, []
-        args = obj.get("arguments", obj.get("parameters", {}))
-        calls.append(
-            {
-                "id": f"call_{uuid.uuid4().hex[:24]}",
-                "type": "function",
-                "function": {
-                    "name": obj["name"],
-                    "arguments": args
-                    if isinstance(args, str)
-                    else json.dumps(args, ensure_ascii=False),
-                },
-            }
-        )
-    rest = _TOOL_CALL_RE.sub("", text).strip()
-    return rest or None, calls
-
-
-def truncate_at_stop(text: str, stop: Sequence[str] | None) -> str:
-    """``text`` up to the first occurrence of any stop string (OpenAI leaves it out)."""
-    if not stop:
-        return text
-    cut = min((i for i in (text.find(s) for s in stop if s) if i >= 0), default=-1)
-    return text if cut < 0 else text[:cut]
-
-
-def _token_text(tokenizer: Any, token_id: int, as_ids: bool) -> str:
-    if as_ids:
-        return f"token_id:{token_id}"
-    return str(tokenizer.decode([int(token_id)], skip_special_tokens=False))
-
-
-def chat_logprobs(
-    tokenizer: Any,
-    token_ids: Sequence[int],
-    logprobs: Sequence[float],
-    top: Sequence[Sequence[tuple[int, float]]] | None,
-    *,
-    as_ids: bool = False,
-) -> dict[str, Any]:
-    """The ``choices[i].logprobs`` object of a chat completion."""
-    content = []
-    for i, (tid, lp) in enumerate(zip(token_ids, logprobs, strict=True)):
-        text = _token_text(tokenizer, tid, as_ids)
-        alts = []
-        for alt_id, alt_lp in top[i] if top is not None else ():
-            alt = _token_text(tokenizer, alt_id, as_ids)
-            alts.append({"token": alt, "logprob": alt_lp, "bytes": list(alt.encode())})
-        content.append(
-            {"token": text, "logprob": lp, "bytes": list(text.encode()), "top_logprobs": alts}
-        )
-    return {"content": content, "refusal": None}
-
-
-def completion_logprobs(
-    tokenizer: Any,
-    token_ids: Sequence[int],
-    logprobs: Sequence[float | None],
-    top: Sequence[Sequence[tuple[int, float]] | None] | None,
-    *,
-    as_ids: bool = False,
-    offset: int = 0,
-) -> dict[str, Any]:
-    """The ``choices[i].logprobs`` object of a (legacy) completion."""
-    tokens, offsets, tops = [], [], []
-    pos = offset
-    for i, tid in enumerate(token_ids):
-        text = _token_text(tokenizer, tid, as_ids)
-        tokens.append(text)
-        offsets.append(pos)
-        pos += len(text)
-        alts = top[i] if top is not None else None
-        tops.append(
-            None if alts is None else {_token_text(tokenizer, a, as_ids): lp for a, lp in alts}
-        )
-    return {
-        "tokens": tokens,
-        "token_logprobs": list(logprobs),
-        "top_logprobs": tops,
-        "text_offset": offsets,
-    }
-
-
-def _sse_chat_chunks(body: dict[str, Any], include_usage: bool) -> list[dict[str, Any]]:
-    """A finished chat completion as ``chat.completion.chunk`` objects (one per choice part)."""
-    base = {k: body[k] for k in ("id", "created", "model")}
-    base["object"] = "chat.completion.chunk"
-    chunks = []
-    for ch in body["choices"]:
-        msg = ch["message"]
-        delta: dict[str, Any] = {"role": "assistant", "content": msg.get("content") or ""}
-        if msg.get("tool_calls"):
-            delta["tool_calls"] = [{"index": i, **c} for i, c in enumerate(msg["tool_calls"])]
-        chunks.append(
-            {
-                **base,
-                "choices": [
-                    {
-                        "index": ch["index"],
-                        "delta": delta,
-                        "logprobs": ch.get("logprobs"),
-                        "finish_reason": None,
-                    }
-                ],
-            }
-        )
-        chunks.append(
-            {
-                **base,
-                "choices": [
-                    {
-                        "index": ch["index"],
-                        "delta": {},
-                        "logprobs": None,
-                        "finish_reason": ch["finish_reason"],
-                    }
-                ],
-            }
-        )
-    if include_usage:
-        chunks.append({**base, "choices": [], "usage": body["usage"]})
-    return chunks
-
-
-def _sse_completion_chunks(body: dict[str, Any], include_usage: bool) -> list[dict[str, Any]]:
-    base = {k: body[k] for k in ("id", "object", "created", "model")}
-    chunks = [{**base, "choices": [ch]} for ch in body["choices"]]
-    if include_usage:
-        chunks.append({**base, "choices": [], "usage": body["usage"]})
-    return chunks
+    async def _complete_for_api(
+        self, prompts: list[str | list[int]], params: SamplingParams
+    ) -> list[tuple[str, list[int], list[Experience]]]: ...
 
 
 # ---------------------------------------------------------------------------
@@ -441,7 +119,7 @@ def _sse_completion_chunks(body: dict[str, Any], include_usage: bool) -> list[di
 
 
 async def _tokenizing(
-    wrapper: ModelWrapper, size: int, fn: Callable[..., T], *args: Any, **kw: Any
+    wrapper: ServedModel, size: int, fn: Callable[..., T], *args: Any, **kw: Any
 ) -> T:
     """``fn(*args, **kw)`` under the wrapper's tokenizer lock; in a worker thread when large."""
 
@@ -472,7 +150,7 @@ def _top_count(value: Any, param: str) -> int:
     return int(value)
 
 
-async def handle_chat(wrapper: ModelWrapper, body: dict[str, Any]) -> dict[str, Any]:
+async def handle_chat(wrapper: ServedModel, body: dict[str, Any]) -> dict[str, Any]:
     """Serve one ``/v1/chat/completions`` body with ``wrapper``; returns the response body."""
     params = sampling_from_request(
         body,
@@ -572,7 +250,7 @@ def _prompts_of(prompt: Any) -> list[str | list[int]]:
     )
 
 
-async def handle_completion(wrapper: ModelWrapper, body: dict[str, Any]) -> dict[str, Any]:
+async def handle_completion(wrapper: ServedModel, body: dict[str, Any]) -> dict[str, Any]:
     """Serve one ``/v1/completions`` body with ``wrapper``; returns the response body."""
     params = sampling_from_request(
         body,
@@ -646,7 +324,7 @@ async def handle_completion(wrapper: ModelWrapper, body: dict[str, Any]) -> dict
     }
 
 
-def models_body(wrapper: ModelWrapper) -> dict[str, Any]:
+def models_body(wrapper: ServedModel) -> dict[str, Any]:
     """The ``/v1/models`` body: the one served model (``id`` = its served name)."""
     entry: dict[str, Any] = {
         "id": wrapper.served_model_name,
@@ -676,12 +354,12 @@ class OpenAIServer:
     in the listen backlog. :meth:`aclose` stops serving.
     """
 
-    def __init__(self, root: ModelWrapper, *, host: str = "127.0.0.1", port: int = 0) -> None:
+    def __init__(self, root: ServedModel, *, host: str = "127.0.0.1", port: int = 0) -> None:
         self.root = root
         self.host = host
         self._port = int(port)
         self._sock: socket.socket | None = None
-        self._sessions: weakref.WeakValueDictionary[str, ModelWrapper] = (
+        self._sessions: weakref.WeakValueDictionary[str, ServedModel] = (
             weakref.WeakValueDictionary()
         )
         self._bind_lock = threading.Lock()
@@ -714,7 +392,7 @@ class OpenAIServer:
         """The OpenAI ``base_url`` of the root wrapper: ``http://host:port/v1``."""
         return f"{self.url}/v1"
 
-    def register(self, wrapper: ModelWrapper) -> str:
+    def register(self, wrapper: ServedModel) -> str:
         """The ``base_url`` of ``wrapper``: ``/v1`` for the root, ``/s/<session>/v1`` for a clone."""
         if wrapper is self.root:
             return self.base_url
@@ -846,7 +524,7 @@ class OpenAIServer:
         app.router.add_get("/health", self._health)
         return app
 
-    def _wrapper(self, request: Any) -> ModelWrapper:
+    def _wrapper(self, request: Any) -> ServedModel:
         sid = request.match_info.get("session")
         if sid is None:
             return self.root
@@ -864,7 +542,7 @@ class OpenAIServer:
         return await loop.run_in_executor(self._bridge, call)
 
     async def _json_response(
-        self, request: Any, handler: Callable[[ModelWrapper, dict[str, Any]], Awaitable[Any]]
+        self, request: Any, handler: Callable[[ServedModel, dict[str, Any]], Awaitable[Any]]
     ) -> Any:
         from aiohttp import web
 
@@ -892,9 +570,9 @@ class OpenAIServer:
             return web.json_response(result)
         include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
         chunks = (
-            _sse_chat_chunks(result, include_usage)
+            sse_chat_chunks(result, include_usage)
             if result["object"] == "chat.completion"
-            else _sse_completion_chunks(result, include_usage)
+            else sse_completion_chunks(result, include_usage)
         )
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await resp.prepare(request)
@@ -942,112 +620,3 @@ async def _start_site(app: Any, sock: socket.socket | None) -> Any:
     site = web.SockSite(runner, sock, shutdown_timeout=0.5)
     await site.start()
     return runner
-
-
-# ---------------------------------------------------------------------------
-# Auxiliary models
-# ---------------------------------------------------------------------------
-
-
-def _auxiliary_model_path(index: int, model_path: str) -> str:
-    """The local directory of ``explorer.auxiliary_models[index]``; builds the tiny model for
-    ``builtin:tiny``. Blocks. RftError naming the entry when the directory does not exist."""
-    from pathlib import Path
-
-    if model_path == "builtin:tiny":
-        from rftstream.engines.tiny import ensure_tiny_model
-
-        return str(ensure_tiny_model())
-    if not Path(model_path).is_dir():
-        raise RftError(
-            f"explorer.auxiliary_models[{index}].model_path: no such directory {model_path!r} "
-            "(models are loaded from local paths; builtin:tiny is the embedded tiny model)"
-        )
-    return model_path
-
-
-@contextlib.asynccontextmanager
-async def serve_auxiliary_models(
-    configs: Sequence[Any],
-    *,
-    dtype: str = "float32",
-    device: str = "cpu",
-    seed: int = 42,
-) -> AsyncIterator[list[Any]]:
-    """Start ``explorer.auxiliary_models`` and yield one ``openai.OpenAI`` client per entry.
-
-    An entry with ``model_path`` (and no ``base_url``) gets its own rollout
-    engine (``engine_type``, default ``transformers``) and its own
-    :class:`OpenAIServer` on another loopback port; its ``max_response_tokens``
-    and ``temperature`` are the server's defaults for requests that omit
-    them. An entry with ``base_url`` just gets a client for that server. Every
-    client has ``model_path`` set to the model name to pass as ``model=``
-    (``name``, else ``model_path``). ``model_path: builtin:tiny`` is the
-    embedded tiny model (built and cached on first use, as for
-    ``model.model_path``). Loading blocks a worker thread; on exit the servers
-    and engines stop. Raises :class:`RftError` naming the entry for one with
-    neither key or with a ``model_path`` that is not a directory.
-    """
-    import openai
-
-    from rftstream.engines import create_engine
-    from rftstream.engines.model_wrapper import ModelWrapper
-
-    for i, cfg in enumerate(configs):
-        if not cfg.model_path and not cfg.base_url:
-            raise RftError(
-                f"explorer.auxiliary_models[{i}]: set `model_path` (served here) "
-                "or `base_url` (an external OpenAI-compatible server)"
-            )
-    paths = {  # before anything starts: a wrong path is one plain error
-        i: await anyio.to_thread.run_sync(_auxiliary_model_path, i, cfg.model_path)
-        for i, cfg in enumerate(configs)
-        if not cfg.base_url
-    }
-    clients: list[Any] = []
-    wrappers: list[ModelWrapper] = []
-    engines: list[Any] = []
-    async with anyio.create_task_group() as tg:
-        try:
-            for i, cfg in enumerate(configs):
-                name = cfg.name or cfg.model_path
-                if cfg.base_url:
-                    client = openai.OpenAI(base_url=cfg.base_url, api_key=cfg.api_key or "EMPTY")
-                    client.model_path = name  # type: ignore[attr-defined]
-                    clients.append(client)
-                    continue
-                path = paths[i]
-                engine = await anyio.to_thread.run_sync(
-                    lambda c=cfg, p=path: create_engine(
-                        c.engine_type,
-                        p,
-                        dtype=dtype,
-                        device=device,
-                        seed=seed,
-                        default_max_tokens=c.max_response_tokens,
-                    )
-                )
-                engines.append(engine)
-                await tg.start(engine.run)
-                wrapper = ModelWrapper(
-                    engine,
-                    model_path=path,
-                    max_response_tokens=cfg.max_response_tokens,
-                    default_temperature=cfg.temperature,
-                    served_model_name=name,
-                )
-                wrappers.append(wrapper)
-                await wrapper.start_openai_server()
-                clients.append(wrapper.get_openai_client())
-            yield clients
-        finally:
-            with anyio.CancelScope(shield=True):
-                for c in clients:
-                    with contextlib.suppress(Exception):
-                        c.close()
-                for w in wrappers:
-                    await w.aclose()
-                for e in engines:
-                    with contextlib.suppress(Exception):
-                        await e.aclose()
-            tg.cancel_scope.cancel()

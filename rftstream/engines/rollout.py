@@ -80,7 +80,7 @@ async def rollout_model(
         await tg.start(engine.run)
         aux: list[Any] = []
         if cfg.explorer.auxiliary_models:
-            from rftstream.engines.openai_server import serve_auxiliary_models
+            from rftstream.engines.auxiliary_models import serve_auxiliary_models
 
             aux = await stack.enter_async_context(
                 serve_auxiliary_models(

@@ -26,6 +26,13 @@ from rftstream.config.loader import ConfigYamlLoader, load_config
 from rftstream.config.paths import literal_choices
 from rftstream.config.schema import MONITOR_TYPES, SYNC_STYLE_ALIASES, Config
 from rftstream.errors import ConfigError
+from rftstream.plugin_registries import (
+    ADVANTAGE_FN,
+    ALGORITHM_TYPE,
+    POLICY_LOSS_FN,
+    REWARD_FUNCTIONS,
+)
+from rftstream.workflow import WORKFLOWS
 
 __all__ = [
     "COMMON_KEYS",
@@ -165,8 +172,6 @@ def _choices(path: str, kind: str | None, optional: bool) -> tuple[str | int, ..
 
 def _suggestions() -> dict[str, tuple[str, ...]]:
     """Registered names for keys that take one (plugins add more, so these are hints)."""
-    from algorithms import ADVANTAGE_FN, ALGORITHM_TYPE, POLICY_LOSS_FN
-    from workflows import REWARD_FUNCTIONS, WORKFLOWS
 
     taskset = "buffer.explorer_input.taskset."
     return {

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from algorithms.utils import masked_loss, masked_mean
+from rftstream.training.masked_reductions import masked_loss, masked_mean
 
 
 class ValueModel(torch.nn.Module):

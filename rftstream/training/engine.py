@@ -41,13 +41,15 @@ from rftstream.training.batch import (
     trainer_tensors,
 )
 from rftstream.training.critic import value_loss
+from rftstream.training.loss_inputs import TRAINER_ADVANTAGE_INPUTS, loss_inputs_for
+from rftstream.training.masked_reductions import whole_batch
 from rftstream.training.memory import (
     check_bf16_supported,
     enable_gradient_checkpointing,
     mixed_precision_config,
 )
-from rftstream.training.ranks import env_world_size, per_rank_batch_size
 from rftstream.training.schedule import lr_schedule
+from rftstream.training.world import env_world_size, per_rank_batch_size
 from rftstream.training.zero import embedding_rows, full_state_dict, tied_aliases
 
 log = logging.getLogger(__name__)
@@ -100,7 +102,6 @@ class PolicyTrainer:
         ensure_dist_env()
         import deepspeed  # heavy import: only where training happens
 
-        from algorithms import loss_inputs_for
         from rftstream.hf import HF_LOAD_LOCK, load_causal_lm, load_tokenizer
 
         self.cfg = cfg
@@ -490,15 +491,13 @@ class PolicyTrainer:
     # ------------------------------------------------------------ step
     def _whole_batch_statistics(self, rank_scale: float) -> contextlib.AbstractContextManager[None]:
         """On several ranks: the advantage fn's whole-tensor statistics (REINFORCE++'s and
-        PPO's whitening, :func:`algorithms.utils.whole_batch`) are all-reduced over every
+        PPO's whitening, :func:`rftstream.training.masked_reductions.whole_batch`) are all-reduced over every
         rank's shard, so they are the whole batch's, as on one rank; a rank training a
         padding copy (``rank_scale`` 0) adds nothing. One rank: no change. Each reduction
         is a collective: every rank makes the same ones (the fns branch on the reduced
         values only)."""
         if self.world_size <= 1:
             return contextlib.nullcontext()
-        from algorithms.utils import whole_batch
-
         weight = 1.0 if rank_scale > 0 else 0.0
         device = self.engine.device
 
@@ -925,8 +924,6 @@ def _advantage_inputs(algorithm: Any) -> tuple[str, ...]:
     Raises:
         ConfigError: at ``algorithm.advantage_fn`` for a name the trainer cannot compute.
     """
-    from algorithms.advantage_fn import TRAINER_ADVANTAGE_INPUTS
-
     declared = set(getattr(algorithm.advantage_fn, "trainer_inputs", ()) or ())
     unknown = sorted(declared - TRAINER_ADVANTAGE_INPUTS)
     if unknown:

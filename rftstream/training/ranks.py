@@ -45,7 +45,7 @@ Shards keep each group (consecutive experiences of one task, ``eid.tid``; DPO
 pairs) whole, so an advantage fn computed in the trainer on groups (GRPO's,
 GAE per row) sees the same groups as on one rank. Statistics over the whole
 batch (REINFORCE++'s and PPO's whitening) are all-reduced over the ranks' shards
-(``PolicyTrainer._whole_batch_statistics``, :func:`algorithms.utils.whole_batch`).
+(``PolicyTrainer._whole_batch_statistics``, :func:`rftstream.training.masked_reductions.whole_batch`).
 
 Failure: a rank that raises in a training step leaves the others blocked in a
 collective until torch.distributed's timeout; the launcher (``torchrun``) stops
@@ -55,8 +55,6 @@ every rank when one exits with an error.
 from __future__ import annotations
 
 import logging
-import math
-import os
 from collections import defaultdict
 from collections.abc import Sequence
 from pathlib import Path
@@ -64,7 +62,6 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from rftstream.errors import ConfigError
 from rftstream.experience import Experience, Experiences
 
 if TYPE_CHECKING:
@@ -80,36 +77,6 @@ _STATE_DICT = "state_dict"
 _CRITIC_STATE_DICT = "critic_state_dict"
 _SAVE = "save_hf_checkpoint"
 _STOP = "stop"
-
-
-def env_world_size() -> int:
-    """The number of trainer ranks of this process's launch (``WORLD_SIZE``, default 1).
-
-    Raises:
-        ConfigError: ``WORLD_SIZE`` is not a positive integer.
-    """
-    raw = os.environ.get("WORLD_SIZE", "1")
-    try:
-        n = int(raw)
-    except ValueError:
-        n = 0
-    if n < 1:
-        raise ConfigError("WORLD_SIZE", f"must be a positive integer, got {raw!r}")
-    return n
-
-
-def env_rank() -> int:
-    """This process's trainer rank (``RANK``, default 0)."""
-    return int(os.environ.get("RANK", "0"))
-
-
-def per_rank_batch_size(train_batch_size: int, world_size: int) -> int:
-    """Rows one rank trains per step: ``ceil(train_batch_size / world_size)`` (at least 1).
-
-    Every rank sizes its gradient accumulation from it, so all ranks run the same
-    number of micro-batches (DeepSpeed's accumulation boundary) whatever their shard.
-    """
-    return max(1, math.ceil(max(1, train_batch_size) / max(1, world_size)))
 
 
 def _blocks(exps: Sequence[Experience], unit: int) -> list[int]:

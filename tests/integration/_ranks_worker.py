@@ -118,7 +118,8 @@ def train_reference(
 
 
 def main(model_path: str, out: str, case: str, zero_stage: str = "0") -> None:
-    from rftstream.training.ranks import RankLeader, env_rank, follow_leader
+    from rftstream.training.ranks import RankLeader, follow_leader
+    from rftstream.training.world import env_rank
 
     rank = env_rank()
     trainer = build(Path(out).parent / f"rank{rank}", model_path, case, int(zero_stage))

@@ -30,6 +30,7 @@ from rftstream.messages import TaskMsg, encode_json
 from rftstream.plugins import load_plugins
 from rftstream.runtime import PreparedRun, prepare_run, provision
 from rftstream.subjects import KV_TASKSET_CLAIM
+from rftstream.tasksets import TasksetPlan, plan_tasks
 from rftstream.wire import TasksetClaim
 from tests.integration._util import (
     read_metrics,
@@ -38,7 +39,6 @@ from tests.integration._util import (
     small_config,
     user_env,
 )
-from workflows.tasksets import TasksetPlan, plan_tasks
 
 pytestmark = pytest.mark.integration
 

@@ -18,14 +18,14 @@ import torch
 
 from rftstream.config.schema import AuxiliaryModelConfig
 from rftstream.engines import SamplingParams, create_engine
+from rftstream.engines.auxiliary_models import serve_auxiliary_models
 from rftstream.engines.model_wrapper import ModelWrapper
 from rftstream.engines.openai_engine import OpenAIEngine
-from rftstream.engines.openai_server import serve_auxiliary_models
 from rftstream.engines.transformers_engine import TransformersEngine
 from rftstream.errors import RftError
 from rftstream.experience import Experience
+from rftstream.workflow_runner import WorkflowRunner
 from workflows import Task, Workflow
-from workflows.runner import WorkflowRunner
 
 pytestmark = [pytest.mark.anyio, pytest.mark.integration]
 

@@ -15,10 +15,11 @@ import torch
 
 from algorithms.advantage_fn import ADVANTAGE_FN
 from rftstream.config.schema import AuxiliaryModelConfig
+from rftstream.engines.auxiliary_models import serve_auxiliary_models
 from rftstream.engines.model_wrapper import wrapper_of
-from rftstream.engines.openai_server import serve_auxiliary_models
 from rftstream.errors import RftError, WorkflowError
 from rftstream.experience import EID
+from rftstream.workflow import construct_workflow
 from tests.unit._util import ScriptedModel, task_for, wrapper
 from workflows import (
     WORKFLOWS,
@@ -29,7 +30,6 @@ from workflows import (
     WorkflowRunner,
 )
 from workflows.distill_workflow import response_slice
-from workflows.workflow import construct_workflow
 
 ROW = {"question": "3+4=", "answer": "7"}
 

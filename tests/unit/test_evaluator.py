@@ -12,7 +12,7 @@ import pytest
 from rftstream.actors.evaluation import Evaluator
 from rftstream.config.schema import Config, TasksetConfig
 from rftstream.experience import Experience
-from workflows.runner import TaskResult
+from rftstream.workflow_runner import TaskResult
 
 pytestmark = pytest.mark.anyio
 

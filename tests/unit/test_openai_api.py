@@ -23,7 +23,7 @@ import torch
 
 from rftstream.engines.base import Completion, RolloutEngine, SamplingParams, TokenScores
 from rftstream.engines.model_wrapper import ModelWrapper, merge_history
-from rftstream.engines.openai_server import (
+from rftstream.engines.openai_protocol import (
     ApiError,
     normalize_messages,
     parse_tool_calls,

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import builtins
 import collections
+import importlib
 import json
 import os.path
+import sys
+import threading
 
 import pytest
 
@@ -192,3 +196,89 @@ def test_plugin_may_replace_a_builtin_but_not_another_plugin(
     assert "replaces the built-in" in caplog.text
     with pytest.raises(RegistryError, match="already registered"):
         reg.register_module("reward_filter", other)
+
+
+def _defaults_package(tmp_path, monkeypatch: pytest.MonkeyPatch, name: str, body: str) -> Registry:
+    """A registry whose built-ins package ``name`` (written under ``tmp_path``) registers into it."""
+    reg: Registry[type] = Registry("tools", defaults=(name,))
+    holder = tmp_path / f"{name}_holder.py"
+    holder.write_text("REG = None\n")
+    (tmp_path / f"{name}.py").write_text(f"from {name}_holder import REG\n{body}")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    importlib.import_module(f"{name}_holder").REG = reg
+    return reg
+
+
+def test_defaults_are_imported_by_the_first_lookup_only(tmp_path, monkeypatch) -> None:
+    body = (
+        "import builtins\n"
+        "builtins.loads_hammer = getattr(builtins, 'loads_hammer', 0) + 1\n"
+        "@REG.register_module('hammer')\n"
+        "class Hammer:\n"
+        "    pass\n"
+        "assert 'hammer' in REG  # a lookup while importing does not import again\n"
+    )
+    reg = _defaults_package(tmp_path, monkeypatch, "rft_test_defaults_a", body)
+    assert "rft_test_defaults_a" not in sys.modules  # nothing imported at construction
+    assert reg.names() == ["hammer"]
+    assert reg.get("hammer").__name__ == "Hammer"
+    assert list(reg) == ["hammer"] and len(reg) == 1
+    assert builtins.loads_hammer == 1  # type: ignore[attr-defined]
+    del builtins.loads_hammer  # type: ignore[attr-defined]
+
+
+def test_a_plugin_registered_before_the_defaults_still_replaces_the_builtin(
+    tmp_path, monkeypatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    body = "@REG.register_module('saw')\nclass Saw:\n    __module__ = 'operators.saw'\n"
+    reg = _defaults_package(tmp_path, monkeypatch, "rft_test_defaults_b", body)
+    mine = type("MySaw", (), {"__module__": "my_plugins.saw"})
+    with caplog.at_level("WARNING"):
+        reg.register_module("saw", mine)
+    assert reg.get("saw") is mine
+    assert "replaces the built-in" in caplog.text
+
+
+def test_a_default_that_fails_to_import_is_a_registry_error_and_retried(
+    tmp_path, monkeypatch
+) -> None:
+    reg = _defaults_package(
+        tmp_path, monkeypatch, "rft_test_defaults_c", "raise ValueError('boom')\n"
+    )
+    with pytest.raises(RegistryError, match="rft_test_defaults_c.*ValueError: boom"):
+        reg.get("anything")
+    (tmp_path / "rft_test_defaults_c.py").write_text(
+        "from rft_test_defaults_c_holder import REG\nREG.register_module('drill', int)\n"
+    )
+    importlib.invalidate_caches()
+    assert reg.get("drill") is int
+
+
+def test_snapshot_and_restore_keep_whether_the_defaults_were_loaded(tmp_path, monkeypatch) -> None:
+    body = "@REG.register_module('level')\nclass Level:\n    pass\n"
+    reg = _defaults_package(tmp_path, monkeypatch, "rft_test_defaults_d", body)
+    snapshot = Registry.snapshot_all()
+    assert reg.names() == ["level"]
+    Registry.restore_all(snapshot)
+    sys.modules.pop("rft_test_defaults_d")  # imported again on the next first lookup
+    assert reg.names() == ["level"]
+
+
+def test_another_thread_waits_for_the_defaults_to_finish_importing(tmp_path, monkeypatch) -> None:
+    """A lookup racing the import of the built-ins sees all of them, not the first few."""
+    started = threading.Event()
+    monkeypatch.setattr(builtins, "rft_test_started", started, raising=False)
+    body = (
+        "import builtins, time\n"
+        "REG.register_module('first', int)\n"
+        "builtins.rft_test_started.set()\n"
+        "time.sleep(0.3)\n"
+        "REG.register_module('second', float)\n"
+    )
+    reg = _defaults_package(tmp_path, monkeypatch, "rft_test_defaults_e", body)
+    importer = threading.Thread(target=importlib.import_module, args=("rft_test_defaults_e",))
+    importer.start()
+    assert started.wait(5)
+    assert reg.get("second") is float  # waited for the import instead of reading it half-done
+    importer.join()
+    assert reg.names() == ["first", "second"]

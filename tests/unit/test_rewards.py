@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 
 from rftstream.errors import WorkflowError
+from rftstream.workflow import resolve_reward_fn
 from workflows import REWARD_FUNCTIONS
 from workflows.rewards import (
     evaluate_equation,
@@ -20,7 +21,6 @@ from workflows.rewards import (
     math_equal,
     normalize_answer,
 )
-from workflows.workflow import resolve_reward_fn
 
 
 def reward(name: str, **args: Any) -> Any:

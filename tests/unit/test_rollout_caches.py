@@ -15,8 +15,8 @@ from typing import Any
 import pytest
 
 from rftstream.errors import RftError
+from rftstream.workflow import call_reward_fn
 from tests.unit._util import wrapper
-from workflows.workflow import call_reward_fn
 
 pytestmark = pytest.mark.anyio
 

@@ -17,7 +17,7 @@ from rftstream.config.schema import ExplorerInput, FormatConfig, TasksetConfig
 from rftstream.config.validate import eval_tasksets, training_tasksets, validate_config
 from rftstream.errors import ConfigError
 from rftstream.messages import TaskMsg, decode_json, encode_json
-from workflows.tasksets import (
+from rftstream.tasksets import (
     TasksetPlan,
     builtin_arithmetic_tasks,
     epoch_order,

@@ -14,7 +14,7 @@ from rftstream.engines.tiny import (
     evaluate_accuracy,
     tiny_model_version,
 )
-from workflows.tasksets import builtin_arithmetic_tasks
+from rftstream.tasksets import builtin_arithmetic_tasks
 
 
 def test_build_is_deterministic_atomic_and_cached(tmp_path: Path, tiny_model_path: str) -> None:

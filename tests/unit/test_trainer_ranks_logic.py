@@ -6,13 +6,8 @@ import pytest
 
 from rftstream.errors import ConfigError
 from rftstream.experience import EID, Experience
-from rftstream.training.ranks import (
-    env_world_size,
-    merge_metrics,
-    per_rank_batch_size,
-    rank_scales,
-    shard_batch,
-)
+from rftstream.training.ranks import merge_metrics, rank_scales, shard_batch
+from rftstream.training.world import env_world_size, per_rank_batch_size
 
 
 def exps(*group_sizes: int) -> list[Experience]:

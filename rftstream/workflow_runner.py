@@ -39,9 +39,9 @@ and its own OpenAI session URL), so concurrent tasks never mix their calls; a
 reused instance's leftover history is cleared before its next task. When the
 model has ``enable_openai_api``, its OpenAI server is started (once) before
 the first task. ``auxiliary_models`` (a list of ``openai.OpenAI`` clients, see
-:func:`rftstream.engines.openai_server.serve_auxiliary_models`) are passed to
+:func:`rftstream.engines.auxiliary_models.serve_auxiliary_models`) are passed to
 every workflow, and their model wrappers to one that takes
-``auxiliary_model_wrappers`` (:func:`~workflows.workflow.construct_workflow`).
+``auxiliary_model_wrappers`` (:func:`~rftstream.workflow.construct_workflow`).
 """
 
 from __future__ import annotations
@@ -61,7 +61,7 @@ import msgspec
 
 from rftstream.errors import WorkflowError
 from rftstream.experience import Experience
-from workflows.workflow import Task, Workflow, _workflow_limiter, construct_workflow
+from rftstream.workflow import Task, Workflow, _workflow_limiter, construct_workflow
 
 log = logging.getLogger(__name__)
 

@@ -25,6 +25,10 @@ A taskset row may pick its own workflow and reward function: with
 ``format.workflow_key`` (``format.reward_fn_key``) set, a row that has that key
 names a registered workflow (reward fn) for itself; other rows use
 ``default_workflow_type`` (``default_reward_fn_type``). No I/O here.
+
+The explorer runs workflows, so this interface is the core's; the built-in
+workflows live in the ``workflows`` package (``from workflows import Workflow, Task``
+re-exports these names).
 """
 
 from __future__ import annotations
@@ -45,6 +49,7 @@ from anyio.lowlevel import RunVar
 from rftstream.config.schema import FormatConfig, GenerationConfig, TasksetConfig
 from rftstream.errors import RegistryError, WorkflowError
 from rftstream.experience import Experience
+from rftstream.plugin_registries import REWARD_FUNCTIONS
 from rftstream.registry import Registry
 
 if TYPE_CHECKING:
@@ -61,7 +66,9 @@ __all__ = [
     "resolve_reward_fn",
 ]
 
-WORKFLOWS: Registry[type[Workflow]] = Registry("workflows")
+WORKFLOWS: Registry[type[Workflow]] = Registry("workflows", defaults=("workflows",))
+"""Workflows a taskset names (``default_workflow_type``); the built-ins' package,
+``workflows``, is imported by name on the first lookup and registers itself here."""
 
 # Sync workflows run in worker threads under their own limiter, so that they
 # can never take every thread of anyio's default pool (which the engine and
@@ -84,7 +91,7 @@ class Task:
     """One task: a raw taskset row plus everything needed to build its workflow.
 
     ``workflow`` is a :class:`Workflow` subclass or a name registered in
-    :data:`WORKFLOWS`; ``reward_fn`` a :class:`~workflows.rewards.RewardFn`
+    :data:`WORKFLOWS`; ``reward_fn`` a :class:`~workflows.RewardFn`
     subclass, a registered name, or ``None`` (the workflow's default).
     ``rollout_args.n`` always equals ``repeat_times`` (set on construction).
     ``batch_id`` / ``task_id`` become the experiences' ``eid.batch`` /
@@ -198,7 +205,7 @@ class Workflow(ABC):  # noqa: B024 - ABC so subclasses may declare abstract meth
     yields the task's whole group. A workflow that does not repeat (the
     default) is run ``repeat_times`` times by the runner, each run on a
     single-run copy of the task (``repeat_times`` and ``rollout_args.n`` 1,
-    ``run_id_base`` the run index); see :mod:`workflows.runner`.
+    ``run_id_base`` the run index); see :mod:`rftstream.workflow_runner`.
     """
 
     def __init__(
@@ -341,8 +348,6 @@ def _truthy(attr: Any) -> bool:
 def resolve_reward_fn(spec: Any, args: Mapping[str, Any] | None = None) -> Callable[..., Any]:
     """Turn a reward-fn spec (registered name, ``RewardFn`` class or instance, or a plain
     function) into a callable; classes are instantiated with ``args``."""
-    from workflows.rewards import REWARD_FUNCTIONS
-
     if isinstance(spec, str):
         try:
             spec = REWARD_FUNCTIONS.get(spec)
