@@ -89,8 +89,8 @@ from rftstream.actors.taskset_publisher import TasksetPublisher
 from rftstream.bus.client import Bus
 from rftstream.bus.limits import ExperienceRoom
 from rftstream.bus.state import END_STATUSES, RunState
-from rftstream.config.schema import Config, TasksetConfig
-from rftstream.config.validate import TRAINER_MODES, eval_tasksets, training_tasksets
+from rftstream.config.schema import TRAINER_MODES, Config, TasksetConfig
+from rftstream.config.validate import eval_tasksets, training_tasksets
 from rftstream.errors import BusError, PayloadTooLargeError, RftError, SchemaError
 from rftstream.experience import Experience
 from rftstream.messages import TaskMsg, TrainedUnacked, decode_json
