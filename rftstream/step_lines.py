@@ -38,10 +38,10 @@ def step_line(r: dict[str, Any]) -> str:
     """The console line of one ``metrics.jsonl`` record: step, reward, filtered, staleness,
     trainer wait and loss."""
     return (
-        f"step {r['step']:>4}  reward {format_number(r.get('reward/mean'))}  "
+        f"step {r['step']:>4}  reward {format_number(r.get('reward/mean')):>5}  "
         f"filtered {int(r.get('experience/filtered') or 0):>4}  "
-        f"staleness {format_number(r.get('staleness/mean'), '.2f')}  "
-        f"wait {format_number(r.get('time/trainer_wait'), '.2f')}s  "
+        f"staleness {format_number(r.get('staleness/mean'), '.2f'):>4}  "
+        f"wait {format_number(r.get('time/trainer_wait'), '.2f'):>4}s  "
         f"loss {format_number(step_loss(r), '.4f')}"
     )
 

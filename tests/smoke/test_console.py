@@ -36,7 +36,7 @@ NOISE = (
 FORBIDDEN = ("Warning", "warn(", "DeepSpeed", "[WARNING]", "ld:", "%|", "noisy-library")
 
 RICH_LOG = r"(\[\d\d/\d\d/\d\d \d\d:\d\d:\d\d\]| {19}) (INFO|WARNING) +\S.*"  # RichHandler
-STEP = r"step +\d+  reward \S+  filtered +\d+  staleness \S+  wait \S+s  loss \S+"
+STEP = r"step +\d+  reward +\S+  filtered +\d+  staleness +\S+  wait +\S+s  loss \S+"
 SUMMARY_LABELS = ("done in", "reward/mean:", "idle after step 1:", "curves:", "report:", "logs:")
 UP_LINES = [
     r"NATS listening on nats://127\.0\.0\.1:\d+ \(JetStream store .*\)",
