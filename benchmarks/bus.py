@@ -7,7 +7,7 @@ by ``Bus.provision`` (so both sides use the same stream and consumer config).
 
 * rftstream: ``Bus.publish_group`` (encode, summary headers, ``Nats-Msg-Id``,
   size checks, in-flight byte cap, bounded ack wait) from ``PUBLISHERS``
-  concurrent tasks; ``Bus.pull`` + ``PullConsumer.fetch(FETCH_BATCH)`` +
+  concurrent tasks; ``Bus.pull`` + ``PullSubscription.fetch(FETCH_BATCH)`` +
   ``decode_group`` (``Experience`` objects; each array becomes a tensor when
   first read, as the raw side's arrays stay ``memoryview``s) + ``ack``.
 * raw nats-py: ``js.publish`` of the same encoded bytes and headers (one
@@ -210,7 +210,7 @@ async def measure(
             produce = lambda: rft_publish(pbus, wl, n, run, codec)  # noqa: E731
             read = scenario == "tensors"
             consume = lambda: rft_consume(cbus, names, n, codec, read)  # noqa: E731
-            conns = [pbus.nc, cbus.nc]
+            conns = [pbus.transport.nc, cbus.transport.nc]
         else:  # two plain nats-py connections, default options
             pnc, cnc = await nats.connect(url), await nats.connect(url)
             produce = lambda: raw_publish(pnc.jetstream(), subject, wl, n, run)  # noqa: E731

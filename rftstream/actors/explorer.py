@@ -80,8 +80,6 @@ from typing import Any
 
 import anyio
 import anyio.abc
-import nats.js.errors
-from nats.aio.msg import Msg
 
 from rftstream.actors.common import (
     InProgressTicker,
@@ -95,9 +93,17 @@ from rftstream.actors.evaluation import EvaluationMixin
 from rftstream.bus.client import Bus
 from rftstream.bus.limits import ExperienceRoom
 from rftstream.bus.state import END_STATUSES, RunState
+from rftstream.bus.transport import Delivery
 from rftstream.config.schema import Config, TasksetConfig
 from rftstream.config.validate import TRAINER_MODES, eval_tasksets, training_tasksets
-from rftstream.errors import BusError, PayloadTooLargeError, RftError, SchemaError
+from rftstream.errors import (
+    BusError,
+    CasConflict,
+    KeyNotFound,
+    PayloadTooLargeError,
+    RftError,
+    SchemaError,
+)
 from rftstream.experience import Experience
 from rftstream.messages import (
     TaskMsg,
@@ -160,7 +166,7 @@ class Explorer(EvaluationMixin):
         self.name = name
         # purges acked experience and holds raw publishes while the stream is near its limits
         self.room = ExperienceRoom(
-            getattr(bus, "js", None),
+            getattr(bus, "transport", None),
             bus.names.exp_stream,
             cfg.nats.streams.experience,
             name,
@@ -182,7 +188,7 @@ class Explorer(EvaluationMixin):
         self.state: RunState | None = None
         self._eval_rows: list[tuple[TasksetConfig, list[dict[str, Any]]]] = []
         self._last_eval: tuple[int, int] | None = None
-        self._unacked: dict[int, Msg] = {}
+        self._unacked: dict[int, Delivery] = {}
         self._in_flight = 0  # tasks started and not finished
         self._flight_versions: Counter[int] = Counter()  # tasks in flight by weights version
         self._flight_changed = anyio.Event()
@@ -234,7 +240,7 @@ class Explorer(EvaluationMixin):
             try:
                 entry = await kv.get(KV_TASKSET_CLAIM)
                 claim = decode_json(entry.value or b"", TasksetClaim, "KV taskset claim")
-            except (nats.js.errors.KeyNotFoundError, nats.js.errors.KeyDeletedError, SchemaError):
+            except (KeyNotFound, SchemaError):
                 entry, claim = None, None
             if entry is None or claim is None:
                 await anyio.sleep(0.2)
@@ -277,7 +283,7 @@ class Explorer(EvaluationMixin):
                 body = encode_json(TasksetClaim(by=self.name, ts=time.time(), seq=seq))
                 try:
                     rev = int(await state.kv.update(KV_TASKSET_CLAIM, body, last=rev))
-                except nats.js.errors.APIError as exc:
+                except CasConflict as exc:
                     raise _ClaimLost from exc
 
         lost = False
@@ -372,9 +378,9 @@ class Explorer(EvaluationMixin):
         last = time.monotonic()
         while True:
             try:
-                info = await self.bus.js.consumer_info(n.tasks_stream, n.explorer_consumer)
-                waiting = int(info.num_pending or 0)
-            except nats.js.errors.Error as exc:
+                info = await self.bus.transport.consumer_state(n.tasks_stream, n.explorer_consumer)
+                waiting = info.num_pending
+            except BusError as exc:
                 log.warning("%s: task queue info: %s; publishing on", self.name, exc)
                 return
             if waiting < self.publish_lead:
@@ -553,7 +559,7 @@ class Explorer(EvaluationMixin):
                     take = await self._respect_staleness(state, next_step)
                 await self._sync_weights(state, next_step)
             wait_sync = time.perf_counter() - t_wait
-            msgs: list[Msg] = []
+            msgs: list[Delivery] = []
             while len(msgs) < take:
                 got = await consumer.fetch(take - len(msgs), timeout=1.0)
                 for m in got:
@@ -643,7 +649,7 @@ class Explorer(EvaluationMixin):
     async def _run_step(
         self,
         step: int,
-        msgs: list[Msg],
+        msgs: list[Delivery],
         runner: Any,
         limiter: anyio.CapacityLimiter,
         ticker: InProgressTicker,
@@ -663,7 +669,7 @@ class Explorer(EvaluationMixin):
             "publish_failures": 0.0,
         }
 
-        async def task(msg: Msg) -> None:
+        async def task(msg: Delivery) -> None:
             try:
                 await self._run_task(msg, runner, limiter, ticker, stats, version)
             finally:
@@ -713,7 +719,7 @@ class Explorer(EvaluationMixin):
         if self.explore_only and await state.status() not in ("failed", "stopped"):
             await state.set_status("finished")
 
-    async def _fail_task(self, msg: Msg, reason: str, stats: dict[str, float]) -> None:
+    async def _fail_task(self, msg: Delivery, reason: str, stats: dict[str, float]) -> None:
         """Dead-letter a task message (``dlq.tasks``, reason in headers) and count it as failed.
 
         When the dead letter cannot be published (NATS trouble), the task is
@@ -737,7 +743,7 @@ class Explorer(EvaluationMixin):
 
     async def _run_task(
         self,
-        msg: Msg,
+        msg: Delivery,
         runner: Any,
         limiter: anyio.CapacityLimiter,
         ticker: InProgressTicker,

@@ -128,7 +128,9 @@ def test_splice_crash_resume_unsplice_twice_exactly_once(
 
                 async def on_filtered() -> int:
                     subject = run.names.exp_subject("filtered")
-                    info = await bus.js.stream_info(run.names.exp_stream, subjects_filter=subject)
+                    info = await bus.transport.js.stream_info(
+                        run.names.exp_stream, subjects_filter=subject
+                    )
                     return int((info.state.subjects or {}).get(subject, 0))
 
                 async def through_filter(more: int) -> None:
@@ -423,7 +425,7 @@ def test_kv_hiccups_do_not_fail_the_trainer_while_it_answers_splices(
                         to_stage="filtered",
                         cut_seq=cut.start_seq - 1,
                     )
-                    end = int((await obus.js.stream_info(n.exp_stream)).state.last_seq)
+                    end = int((await obus.transport.js.stream_info(n.exp_stream)).state.last_seq)
                     await splice.finish_unsplice(state, "u1", "filtered", end)
                     while (await state.get_json(splice.KV_SPLICE))["state"] != "done":
                         await anyio.sleep(0.05)
