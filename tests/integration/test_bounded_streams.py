@@ -125,9 +125,7 @@ async def test_discard_old_loss_under_a_consumer_is_reported(
         await bus.provision()
         for i in range(25):  # nobody reads exp.raw: 15 of them go unread
             await bus.publish(names.exp_subject("raw"), b"g", msg_id=f"g{i}")
-        room = ExperienceRoom(
-            bus.transport, names.exp_stream, cfg.streams.experience, "explorer-0"
-        )
+        room = ExperienceRoom(bus.transport, names.exp_stream, cfg.streams.experience, "explorer-0")
         with caplog.at_level(logging.WARNING, logger="rftstream.bus.limits"):
             assert not await room.check()  # 10 of max_msgs 10: full
     # the operator's durable op_raw_to_train had acked nothing: 15 sequences passed it

@@ -17,7 +17,6 @@ import time
 from pathlib import Path
 
 import anyio
-import nats.errors
 import pytest
 
 from operators import EXPERIENCE_OPERATORS, ExperiencePipeline
@@ -30,6 +29,7 @@ from rftstream.actors.trainer import Trainer
 from rftstream.bus.client import Bus
 from rftstream.bus.state import RunState
 from rftstream.config import config_from_dict
+from rftstream.errors import BusTimeout
 from rftstream.experience import decode_group
 from rftstream.messages import TasksetRecord
 from rftstream.runtime import prepare_run, provision
@@ -358,7 +358,7 @@ class FlakyKV:
             what = (name, args[0] if args else None)
             if self.on and what not in self.failed:
                 self.failed.append(what)
-                raise nats.errors.TimeoutError
+                raise BusTimeout(f"KV {name}: timed out (injected)")
             return await attr(*args, **kwargs)
 
         return call
