@@ -29,7 +29,9 @@ from typing import Any
 
 import anyio
 
+from rftstream.bus.jetstream import connect_transport
 from rftstream.bus.limits import purge_acked, stream_limits
+from rftstream.bus.memory import MemoryTransport
 from rftstream.bus.state import RunState
 from rftstream.bus.transport import (
     ConsumerSpec,
@@ -46,6 +48,7 @@ from rftstream.errors import (
     BusError,
     BusTimeout,
     BusUnavailable,
+    ConsumerNotFound,
     PayloadTooLargeError,
     RunNotFoundError,
     StreamFullError,
@@ -95,8 +98,6 @@ class Bus:
         for ``nats.reconnect_window`` seconds; after that, operations raise
         :class:`BusError` naming the servers and the window.
         """
-        from rftstream.bus.jetstream import connect_transport
-
         transport = await connect_transport(
             cfg, url, name=f"rftstream:{names.run}:{actor}", actor=actor
         )
@@ -107,8 +108,6 @@ class Bus:
         """A bus on a fresh :class:`~rftstream.bus.memory.MemoryTransport` (one process;
         for unit tests of the logic above the bus). Share ``bus.transport`` between
         several :class:`Bus` objects to give each actor its own."""
-        from rftstream.bus.memory import MemoryTransport
-
         return cls(MemoryTransport(), names, cfg or NatsConfig(), actor)
 
     @property
@@ -305,9 +304,7 @@ class Bus:
         """Bind to an existing durable pull consumer (see :meth:`provision`)."""
         try:
             return await self.transport.pull(stream, durable)
-        except BusError as exc:
-            if isinstance(exc, BusTimeout | BusUnavailable):
-                raise
+        except ConsumerNotFound as exc:
             raise BusError(
                 f"consumer {stream}/{durable} does not exist; provision the run first"
             ) from exc
@@ -374,8 +371,6 @@ class Bus:
             except BusUnavailable as exc:
                 if attempt >= retries and time.monotonic() >= give_up:
                     raise BusError(f"{self.actor}: publish to {subject} rejected: {exc}") from exc
-            except BusError as exc:
-                raise BusError(f"{self.actor}: {exc}") from exc
             await anyio.sleep(delay)
             delay = min(delay * 2, 5.0)
 

@@ -90,7 +90,7 @@ class Delivery(Protocol):
 
 
 # -------------------------------------------------------------- records
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)  # not frozen: made once per publish, on the hot path
 class PubAck:
     """A stored publish: the stream and its sequence; ``duplicate`` when the message id was seen
     within the stream's duplicate window (nothing new stored)."""

@@ -59,7 +59,7 @@ def test_survives_a_restart_within_the_window(tmp_path: Path, sig: signal.Signal
             assert sorted(decode_group(m.data)[0].eid.task for m in got) == [1, 2]
             for m in got:
                 await m.ack_sync()
-            assert bus.transport.watch is not None and bus.transport.watch.gave_up is None
+            assert bus.transport.connection is not None and bus.transport.connection.gave_up is None
 
     try:
         anyio.run(main, backend="asyncio")

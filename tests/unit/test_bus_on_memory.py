@@ -154,3 +154,27 @@ async def test_backlog_and_purge_of_acked_experience() -> None:
     assert (res.purged, res.messages, res.first_seq) == (2, 2, 3)
     record = (await read_purged(state))[TRAIN_STAGE]
     assert (record.below_seq, record.messages, record.experiences) == (3, 2, 4)
+
+
+async def test_the_dead_letter_watcher_counts_what_is_dead_lettered_after_it_started() -> None:
+    from rftstream.actors.dead_letters import DeadLetterThresholdError, DeadLetterWatcher
+
+    transport = MemoryTransport()
+    operator = await _bus("operator", transport)
+    trainer = await _bus("trainer", transport)
+    await operator.publish(NAMES.dlq_subject("raw"), b"old", headers={H_DLQ_REASON: "before"})
+    watcher = DeadLetterWatcher(trainer, lambda: 0, window=2, max_share=1.0)
+    await watcher.start()  # from now on: the dead letter stored before is not counted
+    assert watcher.window.dead_total == 0
+    for i in range(2):
+        await operator.publish_group("raw", _group(i), msg_id=f"g{i}")
+    await operator.ensure_consumer(
+        NAMES.exp_stream, "op_raw_to_x", NAMES.exp_subject("raw"), description="", role="operator"
+    )
+    sub = await operator.pull(NAMES.exp_stream, "op_raw_to_x")
+    for msg in await sub.fetch(2, 0.01):
+        await operator.dead_letter("x", msg, "op: broken")
+    assert watcher.window.dead_total == 2
+    with pytest.raises(DeadLetterThresholdError, match="the last 2 groups were all"):
+        await watcher.check_final(trained_steps=0)
+    await watcher.stop()

@@ -272,7 +272,7 @@ class JetStreamTransport:
     ) -> None:
         self.nc = nc
         self.js = ResilientJetStream(nc, timeout=10.0, retry_window=retry_window)
-        self.watch = watch  # names the reason when the connection was given up
+        self.connection = watch  # names the reason when the connection was given up
         self.actor = actor
         self._limiter = InflightLimiter(max_inflight_bytes)
         self._replies = Replies(nc)
@@ -302,14 +302,18 @@ class JetStreamTransport:
         if not self.nc.is_closed:
             await self.nc.close()
 
+    def _who(self, what: str) -> str:
+        """``what``, prefixed by the actor this connection serves (for publish errors)."""
+        return f"{self.actor}: {what}" if self.actor else what
+
     def _closed(self, what: str) -> BusError:
-        if self.watch is not None:
-            return self.watch.closed_error(f"{self.actor}: {what}" if self.actor else what)
-        return BusError(f"{what}: connection closed")
+        if self.connection is not None:
+            return self.connection.closed_error(self._who(what))
+        return BusError(self._who(f"{what}: connection closed"))
 
     @contextmanager
     def _api(self, what: str, missing: type[NotFound] = NotFound) -> Iterator[None]:
-        with _translated(what, missing, self.watch):
+        with _translated(what, missing, self.connection):
             yield
 
     # ------------------------------------------------------------ publishing
@@ -338,7 +342,9 @@ class JetStreamTransport:
         try:
             ack = PUBACK_DECODER.decode(msg.data)
         except msgspec.DecodeError as exc:
-            raise BusError(f"publish to {subject}: unreadable ack {msg.data[:200]!r}") from exc
+            raise BusError(
+                self._who(f"publish to {subject}: unreadable ack {msg.data[:200]!r}")
+            ) from exc
         if ack.error is not None:
             try:
                 nats.js.errors.APIError.from_error(ack.error)  # raises
@@ -347,14 +353,14 @@ class JetStreamTransport:
                     raise StreamFullError(exc.description or str(exc)) from exc
                 if getattr(exc, "code", None) in (429, 503):
                     raise BusUnavailable(f"publish to {subject}: {exc}") from exc
-                raise BusError(f"publish to {subject} rejected: {exc}") from exc
+                raise BusError(self._who(f"publish to {subject} rejected: {exc}")) from exc
         return PubAck(stream=ack.stream, seq=ack.seq, duplicate=bool(ack.duplicate))
 
     # ------------------------------------------------------------ consuming
     async def pull(self, stream: str, durable: str) -> JetStreamPull:
         with self._api(f"consumer {stream}/{durable}", ConsumerNotFound):
             sub = await self.js.pull_subscribe_bind(durable=durable, stream=stream)
-        return JetStreamPull(sub, stream, durable, self.watch)
+        return JetStreamPull(sub, stream, durable, self.connection)
 
     async def read(
         self, stream: str | None, subject: str, *, start_seq: int = 1, headers_only: bool = False
