@@ -4,8 +4,9 @@
 what travels on them; the messages themselves go through a
 :class:`~rftstream.bus.transport.Transport`: NATS JetStream
 (:meth:`Bus.connect`, :mod:`rftstream.bus.jetstream`) or the in-memory one of
-unit tests (:meth:`Bus.in_memory`, :mod:`rftstream.bus.memory`). Nothing here
-imports a client library: errors are the neutral ones of :mod:`rftstream.errors`.
+unit tests (:meth:`Bus.in_memory`, :mod:`rftstream.bus.memory`). No client
+library's types or errors reach this module: errors are the neutral ones of
+:mod:`rftstream.errors`.
 
 Blocking and cancellation:
 

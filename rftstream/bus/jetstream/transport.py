@@ -214,6 +214,8 @@ class _OrderedRead:
             return await self._sub.next_msg(timeout=timeout)  # type: ignore[no-any-return]
         except (nats.errors.TimeoutError, TimeoutError):
             return None
+        except nats.errors.Error as exc:
+            raise BusError(f"ordered read: {exc}") from exc
 
     async def close(self) -> None:
         try:
@@ -337,6 +339,8 @@ class JetStreamTransport:
             raise BusTimeout(f"publish to {subject}: no stream answered") from exc
         except nats.errors.ConnectionClosedError as exc:
             raise self._closed(f"publish to {subject}") from exc
+        except nats.errors.Error as exc:
+            raise BusError(self._who(f"publish to {subject}: {exc}")) from exc
         finally:
             self._limiter.release(size)  # synchronous: a cancelled publish gives its bytes back
         try:
@@ -411,10 +415,8 @@ class JetStreamTransport:
             with self._api(f"stream {spec.name}", StreamNotFound):
                 info = await self.js.stream_info(spec.name)
         except StreamNotFound:
-            try:
+            with self._api(f"cannot create stream {spec.name} ({key})"):
                 await self.js.add_stream(cfg)
-            except nats.js.errors.APIError as exc:
-                raise BusError(f"cannot create stream {spec.name} ({key}): {exc}") from exc
             return
         old = info.config
         if old.retention != cfg.retention:
@@ -433,24 +435,29 @@ class JetStreamTransport:
                 spec.max_bytes,
             )
         try:
-            await self.js.update_stream(cfg)
-        except nats.js.errors.APIError as exc:
+            with self._api(f"updating stream {spec.name}"):
+                await self.js.update_stream(cfg)
+        except BusError as exc:
             log.warning("stream %s exists and could not be updated to %s: %s", spec.name, key, exc)
 
     async def ensure_consumer(self, stream: str, spec: ConsumerSpec) -> None:
+        what = f"consumer {stream}/{spec.durable}"
         try:
-            await self.js.consumer_info(stream, spec.durable)
+            await self.consumer_state(stream, spec.durable)
             return
-        except nats.js.errors.NotFoundError:
+        except ConsumerNotFound:
             pass
         try:
-            await self.js.add_consumer(stream, consumer_config(spec))
-        except nats.js.errors.APIError as exc:
+            with self._api(f"cannot create {what}"):
+                await self.js.add_consumer(stream, consumer_config(spec))
+        except (BusTimeout, BusUnavailable):
+            raise
+        except BusError as exc:
             # a concurrent actor may have created it a moment ago
             try:
-                await self.js.consumer_info(stream, spec.durable)
-            except nats.js.errors.NotFoundError:
-                raise BusError(f"cannot create consumer {stream}/{spec.durable}: {exc}") from exc
+                await self.consumer_state(stream, spec.durable)
+            except ConsumerNotFound:
+                raise exc from None
 
     # ------------------------------------------------------------ streams
     async def stream_state(self, stream: str, subjects_filter: str | None = None) -> StreamState:
@@ -505,19 +512,20 @@ class JetStreamTransport:
         except BucketNotFound:
             if not create:
                 raise
+            config = api.KeyValueConfig(
+                bucket=bucket,
+                description=description,
+                history=5,
+                replicas=replicas,
+                storage=api.StorageType.FILE,
+            )
             try:
-                kv = await self.js.create_key_value(
-                    api.KeyValueConfig(
-                        bucket=bucket,
-                        description=description,
-                        history=5,
-                        replicas=replicas,
-                        storage=api.StorageType.FILE,
-                    )
-                )
+                kv = await self.js.create_key_value(config)
             except nats.js.errors.APIError:
                 with self._api(f"KV bucket {bucket}", BucketNotFound):
                     kv = await self.js.key_value(bucket)  # created meanwhile by another actor
+            except (nats.errors.Error, TimeoutError) as exc:
+                raise BusError(f"cannot create KV bucket {bucket}: {exc}") from exc
         return _JetStreamKV(kv, self.js, self.nc, bucket)
 
     async def delete_kv(self, bucket: str) -> None:
