@@ -202,7 +202,7 @@ async def measure(
         await setup.provision()
         subject = names.exp_subject(RAW_STAGE)
         if scenario == "consume":  # pre-fill (not timed): the same bytes either way
-            await raw_publish(setup.js, subject, wl, n, f"{run}.pre")
+            await raw_publish(setup.transport.js, subject, wl, n, f"{run}.pre")
         if side == "rftstream":  # two actors' connections, as Bus.connect makes them
             pbus = await Bus.connect(url, names, cfg, "producer")
             cbus = await Bus.connect(url, names, cfg, "consumer")
@@ -228,17 +228,17 @@ async def measure(
         finally:
             for nc in conns:
                 await nc.close()
-        info = await setup.js.stream_info(names.exp_stream)
+        info = await setup.transport.js.stream_info(names.exp_stream)
         assert info.state.messages == n, info.state  # every publish stored once
         if scenario != "publish":  # every message delivered and acked (acks land async)
             with anyio.fail_after(30):
                 while True:
-                    c = await setup.js.consumer_info(names.exp_stream, durable)
+                    c = await setup.transport.js.consumer_info(names.exp_stream, durable)
                     if c.num_pending == 0 and c.num_ack_pending == 0:
                         break
                     await anyio.sleep(0.05)
         for stream in names.streams:  # keep the disk small
-            await setup.js.delete_stream(stream)
+            await setup.transport.js.delete_stream(stream)
     server = None if s0 is None or s1 is None else 1e6 * (s1 - s0) / n
     return Run(n / dt, 1e6 * cpu / n, server)
 
