@@ -324,8 +324,8 @@ class JetStreamTransport:
     ) -> PubAck:
         """One JetStream publish: what ``js.publish`` does, cheaper per message.
 
-        Blocks while ``max_inflight_bytes`` are awaiting acks (without yielding when
-        there is room), then for the stream's ack through :class:`Replies` (parsed by
+        Blocks while ``max_inflight_bytes`` of payload are awaiting acks (without
+        yielding when there is room; headers, a few hundred bytes, are not counted), then for the stream's ack through :class:`Replies` (parsed by
         msgspec: ``json.loads`` + ``PubAck.from_response`` cost about 7 us). The bytes
         are given back synchronously, cancelled or not.
         """
