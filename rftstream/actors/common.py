@@ -22,7 +22,7 @@ import anyio
 from rftstream.bus.client import Bus
 from rftstream.bus.state import END_STATUSES, RunState
 from rftstream.bus.transport import Delivery, PullSubscription, Unsubscribe
-from rftstream.errors import BusError, ConsumerNotFound
+from rftstream.errors import BusError, BusTimeout, ConsumerNotFound
 
 log = logging.getLogger(__name__)
 
@@ -207,7 +207,9 @@ async def experience_backlog(bus: Bus, stream: str, exclude: tuple[str, ...] = (
     """
     try:
         listed = await bus.transport.consumers(stream)
-    except BusError:
+    except BusTimeout:
+        raise
+    except BusError:  # no such stream (yet), or the server refused the listing
         return Backlog(0, 0)
     consumers = [(c.name, c.filter_subject) for c in listed if c.name not in exclude and c.durable]
     total = held = working = 0
