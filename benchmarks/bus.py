@@ -7,7 +7,7 @@ by ``Bus.provision`` (so both sides use the same stream and consumer config).
 
 * rftstream: ``Bus.publish_group`` (encode, summary headers, ``Nats-Msg-Id``,
   size checks, in-flight byte cap, bounded ack wait) from ``PUBLISHERS``
-  concurrent tasks; ``Bus.pull`` + ``PullConsumer.fetch(FETCH_BATCH)`` +
+  concurrent tasks; ``Bus.pull`` + ``PullSubscription.fetch(FETCH_BATCH)`` +
   ``decode_group`` (``Experience`` objects; each array becomes a tensor when
   first read, as the raw side's arrays stay ``memoryview``s) + ``ack``.
 * raw nats-py: ``js.publish`` of the same encoded bytes and headers (one
@@ -202,7 +202,7 @@ async def measure(
         await setup.provision()
         subject = names.exp_subject(RAW_STAGE)
         if scenario == "consume":  # pre-fill (not timed): the same bytes either way
-            await raw_publish(setup.js, subject, wl, n, f"{run}.pre")
+            await raw_publish(setup.transport.js, subject, wl, n, f"{run}.pre")
         if side == "rftstream":  # two actors' connections, as Bus.connect makes them
             pbus = await Bus.connect(url, names, cfg, "producer")
             cbus = await Bus.connect(url, names, cfg, "consumer")
@@ -210,7 +210,7 @@ async def measure(
             produce = lambda: rft_publish(pbus, wl, n, run, codec)  # noqa: E731
             read = scenario == "tensors"
             consume = lambda: rft_consume(cbus, names, n, codec, read)  # noqa: E731
-            conns = [pbus.nc, cbus.nc]
+            conns = [pbus.transport.nc, cbus.transport.nc]
         else:  # two plain nats-py connections, default options
             pnc, cnc = await nats.connect(url), await nats.connect(url)
             produce = lambda: raw_publish(pnc.jetstream(), subject, wl, n, run)  # noqa: E731
@@ -228,17 +228,17 @@ async def measure(
         finally:
             for nc in conns:
                 await nc.close()
-        info = await setup.js.stream_info(names.exp_stream)
+        info = await setup.transport.js.stream_info(names.exp_stream)
         assert info.state.messages == n, info.state  # every publish stored once
         if scenario != "publish":  # every message delivered and acked (acks land async)
             with anyio.fail_after(30):
                 while True:
-                    c = await setup.js.consumer_info(names.exp_stream, durable)
+                    c = await setup.transport.js.consumer_info(names.exp_stream, durable)
                     if c.num_pending == 0 and c.num_ack_pending == 0:
                         break
                     await anyio.sleep(0.05)
         for stream in names.streams:  # keep the disk small
-            await setup.js.delete_stream(stream)
+            await setup.transport.js.delete_stream(stream)
     server = None if s0 is None or s1 is None else 1e6 * (s1 - s0) / n
     return Run(n / dt, 1e6 * cpu / n, server)
 

@@ -160,7 +160,7 @@ class ActorProcess:
         """The prepared config, with the resolved model path, for the child to load."""
         import msgspec
 
-        from rftstream.bus.connect import secrets_to_env
+        from rftstream.bus.jetstream.connect import secrets_to_env
         from rftstream.config.loader import dump_config_yaml
 
         cfg = self.run.cfg

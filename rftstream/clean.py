@@ -13,14 +13,12 @@ from __future__ import annotations
 import re
 import time
 from dataclasses import dataclass, field
-from typing import Any
 
 import msgspec
-import nats.errors
-import nats.js.errors
 
 from rftstream.bus.state import END_STATUSES
-from rftstream.errors import BusError, RftError
+from rftstream.bus.transport import Transport
+from rftstream.errors import BucketNotFound, BusError, KeyNotFound, RftError, StreamNotFound
 
 #: a run whose newest heartbeat is younger than this is live (the actors beat every few seconds)
 LIVE_HEARTBEAT_S = 30.0
@@ -86,11 +84,11 @@ def refusal(res: RunResources, now: float, *, force: bool, older_than: float | N
     return None
 
 
-async def _kv_state(js: Any, run: str, res: RunResources) -> None:
+async def _kv_state(transport: Transport, run: str, res: RunResources) -> None:
     """Fill status and heartbeat times from the run's KV bucket (absent: left empty)."""
     try:
-        kv = await js.key_value(f"rft_{run}_state")
-    except (nats.js.errors.BucketNotFoundError, nats.js.errors.NotFoundError):
+        kv = await transport.kv(f"rft_{run}_state", create=False)
+    except BucketNotFound:
         return
     times: list[float] = []
     try:
@@ -98,16 +96,13 @@ async def _kv_state(js: Any, run: str, res: RunResources) -> None:
         res.status = str(msgspec.json.decode(entry.value or b'""'))
         if entry.created is not None:
             times.append(entry.created.timestamp())
-    except (nats.js.errors.KeyNotFoundError, nats.js.errors.KeyDeletedError):
+    except KeyNotFound:
         pass
     beats: list[float] = []
-    stream = f"KV_rft_{run}_state"
-    info = await js.stream_info(stream, subjects_filter=f"$KV.rft_{run}_state.heartbeat.>")
-    for subject in info.state.subjects or {}:
-        key = subject.split(".", 2)[2]
+    for key in await kv.keys("heartbeat."):
         try:
             value = msgspec.json.decode((await kv.get(key)).value or b"null")
-        except (nats.js.errors.KeyNotFoundError, nats.js.errors.KeyDeletedError):
+        except KeyNotFound:
             continue
         if isinstance(value, dict) and isinstance(value.get("ts"), (int, float)):
             beats.append(float(value["ts"]))
@@ -116,38 +111,37 @@ async def _kv_state(js: Any, run: str, res: RunResources) -> None:
     res.last_activity = max(times) if times else None
 
 
-async def find_runs(js: Any) -> dict[str, RunResources]:
+async def find_runs(transport: Transport) -> dict[str, RunResources]:
     """Every run with resources on the server, by run id (a few API round trips per run).
 
     Raises :class:`BusError` when the server cannot be listed.
     """
     runs: dict[str, RunResources] = {}
     try:
-        infos = await js.streams_info()
-        for info in infos:
-            run = run_of_stream(info.config.name)
+        for name, state in (await transport.streams()).items():
+            run = run_of_stream(name)
             if run is None:
                 continue
             res = runs.setdefault(run, RunResources(run))
-            res.streams[info.config.name] = int(info.state.bytes or 0)
-            res.consumers += int(info.state.consumer_count or 0)
+            res.streams[name] = state.bytes
+            res.consumers += state.consumer_count
         for run, res in runs.items():
-            await _kv_state(js, run, res)
-    except (nats.errors.Error, TimeoutError) as exc:
+            await _kv_state(transport, run, res)
+    except (BusError, TimeoutError) as exc:
         raise BusError(f"listing the server's streams failed: {exc}") from exc
     return runs
 
 
-async def remove_run(js: Any, res: RunResources) -> None:
+async def remove_run(transport: Transport, res: RunResources) -> None:
     """Delete every stream of ``res`` (consumers go with their stream; the KV bucket and
     object store are streams too). A stream already gone is skipped. Raises
     :class:`RftError` naming the run and stream on any other failure."""
     for stream in sorted(res.streams):
         try:
-            await js.delete_stream(stream)
-        except nats.js.errors.NotFoundError:
+            await transport.delete_stream(stream)
+        except StreamNotFound:
             continue
-        except (nats.errors.Error, TimeoutError) as exc:
+        except (BusError, TimeoutError) as exc:
             raise RftError(f"run {res.run!r}: deleting stream {stream} failed: {exc}") from exc
 
 

@@ -505,7 +505,7 @@ def cmd_actor(args: argparse.Namespace) -> int:
     from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
     from rftstream import runtime
-    from rftstream.bus.connect import server_urls
+    from rftstream.bus.jetstream.connect import server_urls
     from rftstream.signals import run_with_signals
 
     terminal.start()
@@ -723,7 +723,6 @@ def cmd_clean(args: argparse.Namespace) -> int:
     """``rftstream clean``: see :mod:`rftstream.clean`. Exit 1 when a named run was refused."""
     import shutil
 
-    import nats
     from rich.table import Table
 
     from rftstream import clean
@@ -741,15 +740,17 @@ def cmd_clean(args: argparse.Namespace) -> int:
         )
 
     async def main() -> tuple[list[Any], list[tuple[Any, str]]]:
+        from rftstream.bus.jetstream import connect_transport
+        from rftstream.errors import BusError
+
         try:
-            nc = await nats.connect(
-                args.nats_url, connect_timeout=cfg.nats.connect_timeout, max_reconnect_attempts=0
+            transport = await connect_transport(
+                cfg.nats, args.nats_url, name="rftstream:clean", actor="clean"
             )
-        except Exception as exc:  # nats raises several unrelated types here
-            raise RftError(f"clean: cannot connect to NATS at {args.nats_url}: {exc}") from exc
+        except BusError as exc:
+            raise RftError(f"clean: {exc}") from exc
         try:
-            js = nc.jetstream()
-            runs = await clean.find_runs(js)
+            runs = await clean.find_runs(transport)
             missing = sorted((wanted or set()) - runs.keys())
             if missing:
                 raise RftError(f"clean: no run {', '.join(map(repr, missing))} on {args.nats_url}")
@@ -763,10 +764,10 @@ def cmd_clean(args: argparse.Namespace) -> int:
                     go.append(runs[run])
             if not args.dry_run:
                 for res in go:
-                    await clean.remove_run(js, res)
+                    await clean.remove_run(transport, res)
             return go, kept
         finally:
-            await nc.close()
+            await transport.close()
 
     go, kept = anyio.run(main, backend="asyncio")
     table = Table(title=("would remove" if args.dry_run else "removed") + f" on {args.nats_url}")

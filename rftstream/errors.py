@@ -62,6 +62,51 @@ class PayloadTooLargeError(BusError):
     """A message (payload + headers) exceeds the server's ``max_payload``."""
 
 
+# -- what a transport (rftstream.bus.transport) raises: neutral, whatever carries the bus
+
+
+class BusTimeout(BusError):
+    """A bus request got no answer in time; it may or may not have taken effect
+    (a publish retried with the same message id is stored once)."""
+
+
+class BusUnavailable(BusError):
+    """The bus answered "not now" (overloaded, no leader, no stream for the subject yet):
+    the same request may succeed a moment later."""
+
+
+class StreamFullError(BusUnavailable):
+    """A publish was refused because the stream reached ``max_bytes`` / ``max_msgs`` (discard new)."""
+
+
+class NotFound(BusError):
+    """A named stream, consumer, bucket, key or message does not exist."""
+
+
+class StreamNotFound(NotFound):
+    """No stream of that name."""
+
+
+class ConsumerNotFound(NotFound):
+    """No consumer of that name on the stream."""
+
+
+class BucketNotFound(NotFound):
+    """No key-value bucket of that name."""
+
+
+class KeyNotFound(NotFound):
+    """The key has no value (never written, deleted or purged)."""
+
+
+class MessageNotFound(NotFound):
+    """No stored message at that sequence, or none on that subject."""
+
+
+class CasConflict(BusError):
+    """A conditional key-value write lost: the key was not at the expected revision."""
+
+
 class ActorError(RftError):
     """An actor failed; the message names the actor."""
 

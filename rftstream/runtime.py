@@ -325,13 +325,12 @@ FINAL_EVAL_GRACE_S = 300.0  # how long `up` waits for the final evaluation after
 
 async def _run_status(bus: Bus) -> str:
     """The run's status in its KV bucket ("" when there is no bucket or no status)."""
-    import nats.js.errors
-
     from rftstream.bus.state import RunState
+    from rftstream.errors import BucketNotFound
 
     try:
-        kv = await bus.js.key_value(bus.names.kv_bucket)
-    except (nats.js.errors.BucketNotFoundError, nats.js.errors.NotFoundError):
+        kv = await bus.transport.kv(bus.names.kv_bucket, create=False)
+    except BucketNotFound:
         return ""
     return str(await RunState(kv).status() or "")
 
@@ -350,10 +349,8 @@ async def start_fresh(run: PreparedRun, url: str) -> str | None:
     """
     import time
 
-    import nats.js.errors
-
     from rftstream.bus.state import RunState
-    from rftstream.errors import RftError
+    from rftstream.errors import BucketNotFound, RftError, StreamNotFound
 
     names = run.names
     from rftstream.bus.state import END_STATUSES
@@ -369,13 +366,13 @@ async def start_fresh(run: PreparedRun, url: str) -> str | None:
         present = []
         for stream in names.streams:
             try:
-                await bus.js.stream_info(stream)
+                await bus.transport.stream_state(stream)
                 present.append(stream)
-            except nats.js.errors.NotFoundError:
+            except StreamNotFound:
                 pass
         try:
-            kv = await bus.js.key_value(names.kv_bucket)
-        except (nats.js.errors.BucketNotFoundError, nats.js.errors.NotFoundError):
+            kv = await bus.transport.kv(names.kv_bucket, create=False)
+        except BucketNotFound:
             kv = None
         if not present and kv is None:
             return None
@@ -395,9 +392,9 @@ async def start_fresh(run: PreparedRun, url: str) -> str | None:
                     f"run {names.run!r} is active on {redact_url(url)} (last heartbeat {age:.0f}s ago); "
                     "stop it or choose another `name`"
                 )
-            await bus.js.delete_key_value(names.kv_bucket)
+            await bus.transport.delete_kv(names.kv_bucket)
         for stream in present:
-            await bus.js.delete_stream(stream)
+            await bus.transport.delete_stream(stream)
     return f"replaced the earlier run {names.run!r} on this server (status {status or 'unknown'})"
 
 

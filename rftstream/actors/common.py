@@ -18,11 +18,11 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 import anyio
-import nats.js.errors
-from nats.aio.msg import Msg
 
-from rftstream.bus.client import Bus, PullConsumer
+from rftstream.bus.client import Bus
 from rftstream.bus.state import END_STATUSES, RunState
+from rftstream.bus.transport import Delivery, PullSubscription, Unsubscribe
+from rftstream.errors import BusError, BusTimeout, ConsumerNotFound
 
 log = logging.getLogger(__name__)
 
@@ -75,8 +75,9 @@ async def wait_for_run_end(state: RunState, poll: float = 0.5) -> str:
 class KeyChanges:
     """Wakes a waiter when one of ``keys`` of the run's KV bucket is written.
 
-    A plain NATS subscription on the keys' subjects (``$KV.<bucket>.<key>``): no
-    JetStream consumer, nothing stored, values not read (re-read them from KV).
+    A write notification of the run's bucket (:meth:`KeyValueStore.on_write`; on NATS
+    a plain subscription on ``$KV.<bucket>.<key>``): nothing stored, values not read
+    (re-read them from KV).
     :meth:`start` subscribes, :meth:`stop` unsubscribes (errors ignored);
     :meth:`wait` blocks until a write arrived since the previous :meth:`wait`
     returned, or ``timeout`` seconds (a write while nobody waits is kept).
@@ -86,15 +87,14 @@ class KeyChanges:
         self.bus = bus
         self.keys = tuple(keys)
         self._event = anyio.Event()
-        self._subs: list[Any] = []
+        self._subs: list[Unsubscribe] = []
 
     async def start(self) -> None:
-        async def changed(_msg: Msg) -> None:
+        async def changed() -> None:
             self._event.set()
 
-        for key in self.keys:
-            subject = f"$KV.{self.bus.names.kv_bucket}.{key}"
-            self._subs.append(await self.bus.nc.subscribe(subject, cb=changed))
+        kv = await self.bus.kv()
+        self._subs.append(await kv.on_write(self.keys, changed))
 
     async def wait(self, timeout: float) -> bool:
         """True if a key was written (since the last wait), False after ``timeout``."""
@@ -123,12 +123,12 @@ class InProgressTicker:
 
     def __init__(self, interval: float) -> None:
         self.interval = max(0.5, interval)
-        self._held: dict[int, Msg] = {}
+        self._held: dict[int, Delivery] = {}
 
-    def hold(self, msg: Msg) -> None:
+    def hold(self, msg: Delivery) -> None:
         self._held[id(msg)] = msg
 
-    def release(self, msg: Msg) -> None:
+    def release(self, msg: Delivery) -> None:
         self._held.pop(id(msg), None)
 
     @property
@@ -206,21 +206,19 @@ async def experience_backlog(bus: Bus, stream: str, exclude: tuple[str, ...] = (
     API round trip for the list, then one per consumer.
     """
     try:
-        listed = await bus.js.consumers_info(stream)
-    except nats.js.errors.APIError:
+        listed = await bus.transport.consumers(stream)
+    except BusTimeout:
+        raise
+    except BusError:  # no such stream (yet), or the server refused the listing
         return Backlog(0, 0)
-    consumers = [
-        (info.name, str(getattr(info.config, "filter_subject", None) or ""))
-        for info in listed
-        if info.name not in exclude and getattr(info.config, "durable_name", None)
-    ]
+    consumers = [(c.name, c.filter_subject) for c in listed if c.name not in exclude and c.durable]
     total = held = working = 0
     for name in pipeline_order(consumers):
         try:
-            info = await bus.js.consumer_info(stream, name)
-        except nats.js.errors.NotFoundError:
+            info = await bus.transport.consumer_state(stream, name)
+        except ConsumerNotFound:
             continue  # deleted meanwhile (a splice retired it): its messages were handed on
-        pending, unacked = int(info.num_pending or 0), int(info.num_ack_pending or 0)
+        pending, unacked = info.num_pending, info.num_ack_pending
         total += pending + unacked
         if _is_trainer_consumer(name):
             held += unacked
@@ -232,21 +230,21 @@ async def experience_backlog(bus: Bus, stream: str, exclude: tuple[str, ...] = (
 async def consumer_drained(bus: Bus, stream: str, durable: str) -> bool:
     """True if the durable has nothing left to deliver and nothing unacked."""
     try:
-        info = await bus.js.consumer_info(stream, durable)
-    except nats.js.errors.NotFoundError:
+        info = await bus.transport.consumer_state(stream, durable)
+    except ConsumerNotFound:
         return True
-    return int(info.num_pending or 0) == 0 and int(info.num_ack_pending or 0) == 0
+    return info.num_pending == 0 and info.num_ack_pending == 0
 
 
 class DrainStep(NamedTuple):
     """What one :func:`drain_step` did."""
 
-    mine: list[Msg]  # fetched messages up to the cut: the caller's to process and ack
+    mine: list[Delivery]  # fetched messages up to the cut: the caller's to process and ack
     done: bool  # every message up to the cut is acked: the consumer may go
     skipped: int  # fetched messages after the cut, acked unprocessed
 
 
-async def drained_to(consumer: PullConsumer, cut: int) -> bool:
+async def drained_to(consumer: PullSubscription, cut: int) -> bool:
     """Whether every message of ``consumer`` up to stream sequence ``cut`` is acked.
 
     True when the ack floor reached ``cut``, or when nothing is left to
@@ -256,13 +254,13 @@ async def drained_to(consumer: PullConsumer, cut: int) -> bool:
     One JetStream API round trip.
     """
     info = await consumer.info()
-    if int(info.ack_floor.stream_seq or 0) >= cut:
+    if info.ack_floor >= cut:
         return True
-    return int(info.num_pending or 0) == 0 and int(info.num_ack_pending or 0) == 0
+    return info.num_pending == 0 and info.num_ack_pending == 0
 
 
 async def drain_step(
-    consumer: PullConsumer, cut: int | None, *, batch: int, timeout: float
+    consumer: PullSubscription, cut: int | None, *, batch: int, timeout: float
 ) -> DrainStep:
     """One step of draining ``consumer`` up to ``cut`` (after a splice or an unsplice).
 
@@ -274,7 +272,7 @@ async def drain_step(
     """
     if cut is not None and await drained_to(consumer, cut):
         return DrainStep([], True, 0)
-    mine: list[Msg] = []
+    mine: list[Delivery] = []
     skipped = 0
     for m in await consumer.fetch(batch, timeout=timeout):
         if cut is not None and m.metadata.sequence.stream > cut:

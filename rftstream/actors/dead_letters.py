@@ -34,7 +34,6 @@ from datetime import UTC, datetime
 from typing import Any
 
 import anyio
-from nats.js import api
 
 from rftstream.bus.client import Bus
 from rftstream.errors import RftError
@@ -172,14 +171,12 @@ class DeadLetterWatcher:
             except Exception:  # noqa: BLE001 - no JetStream metadata
                 pass
 
-        start = datetime.fromtimestamp(time.time(), UTC).isoformat().replace("+00:00", "Z")
-        self._sub = await self.bus.js.subscribe(
+        self._sub = await self.bus.transport.watch(
+            self.bus.names.dlq_stream,
             self.bus.names.dlq_wildcard,
-            cb=on_msg,
-            ordered_consumer=True,
+            on_msg,
+            start_time=datetime.fromtimestamp(time.time(), UTC),
             headers_only=True,
-            deliver_policy=api.DeliverPolicy.BY_START_TIME,
-            config=api.ConsumerConfig(opt_start_time=start),
         )
 
     def _raise_if(self, why: str | None) -> None:
@@ -206,12 +203,12 @@ class DeadLetterWatcher:
         DeadLetterThresholdError: see :meth:`DeadLetterWindow.final_verdict`."""
         if self.window.size == 0 or self._sub is None:
             return
-        last = int((await self.bus.js.stream_info(self.bus.names.dlq_stream)).state.last_seq or 0)
+        last = (await self.bus.transport.stream_state(self.bus.names.dlq_stream)).last_seq
         with anyio.move_on_after(5.0):
             while self._last_seq < last:
                 try:
-                    info = await self._sub.consumer_info()
-                    if not info.num_pending and info.delivered.stream_seq <= self._last_seq:
+                    info = await self._sub.info()
+                    if not info.num_pending and info.delivered <= self._last_seq:
                         break  # all stored since the start counted (older ones are not ours)
                 except Exception:  # noqa: BLE001 - an ordered consumer being recreated
                     pass

@@ -74,7 +74,6 @@ from typing import Any
 
 import anyio
 import anyio.abc
-from nats.aio.msg import Msg
 
 from rftstream.actors.common import (
     InProgressTicker,
@@ -89,9 +88,15 @@ from rftstream.actors.taskset_publisher import TasksetPublisher
 from rftstream.bus.client import Bus
 from rftstream.bus.limits import ExperienceRoom
 from rftstream.bus.state import END_STATUSES, RunState
+from rftstream.bus.transport import Delivery
 from rftstream.config.schema import TRAINER_MODES, Config, TasksetConfig
 from rftstream.config.validate import eval_tasksets, training_tasksets
-from rftstream.errors import BusError, PayloadTooLargeError, RftError, SchemaError
+from rftstream.errors import (
+    BusError,
+    PayloadTooLargeError,
+    RftError,
+    SchemaError,
+)
 from rftstream.experience import Experience
 from rftstream.messages import TaskMsg, TrainedUnacked, decode_json
 from rftstream.subjects import (
@@ -137,7 +142,7 @@ class Explorer:
         self.name = name
         # purges acked experience and holds raw publishes while the stream is near its limits
         self.room = ExperienceRoom(
-            getattr(bus, "js", None),
+            getattr(bus, "transport", None),
             bus.names.exp_stream,
             cfg.nats.streams.experience,
             name,
@@ -157,7 +162,7 @@ class Explorer:
         self.failed_tasks = 0
         self.engine: Any = None
         self.state: RunState | None = None
-        self._unacked: dict[int, Msg] = {}
+        self._unacked: dict[int, Delivery] = {}
         self._in_flight = 0  # tasks started and not finished
         self._flight_versions: Counter[int] = Counter()  # tasks in flight by weights version
         self._flight_changed = anyio.Event()
@@ -329,7 +334,7 @@ class Explorer:
                     take = await self._respect_staleness(state, next_step)
                 await self._sync_weights(state, next_step)
             wait_sync = time.perf_counter() - t_wait
-            msgs: list[Msg] = []
+            msgs: list[Delivery] = []
             while len(msgs) < take:
                 got = await consumer.fetch(take - len(msgs), timeout=1.0)
                 for m in got:
@@ -421,7 +426,7 @@ class Explorer:
     async def _run_step(
         self,
         step: int,
-        msgs: list[Msg],
+        msgs: list[Delivery],
         runner: Any,
         limiter: anyio.CapacityLimiter,
         ticker: InProgressTicker,
@@ -441,7 +446,7 @@ class Explorer:
             "publish_failures": 0.0,
         }
 
-        async def task(msg: Msg) -> None:
+        async def task(msg: Delivery) -> None:
             try:
                 await self._run_task(msg, runner, limiter, ticker, stats, version)
             finally:
@@ -501,7 +506,7 @@ class Explorer:
             state, runner, step=self.step, version=self._version(), final=True
         )
 
-    async def _fail_task(self, msg: Msg, reason: str, stats: dict[str, float]) -> None:
+    async def _fail_task(self, msg: Delivery, reason: str, stats: dict[str, float]) -> None:
         """Dead-letter a task message (``dlq.tasks``, reason in headers) and count it as failed.
 
         When the dead letter cannot be published (NATS trouble), the task is
@@ -525,7 +530,7 @@ class Explorer:
 
     async def _run_task(
         self,
-        msg: Msg,
+        msg: Delivery,
         runner: Any,
         limiter: anyio.CapacityLimiter,
         ticker: InProgressTicker,

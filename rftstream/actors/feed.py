@@ -40,11 +40,10 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 import anyio
-import nats.errors
-from nats.aio.msg import Msg
 
 from rftstream.actors.common import InProgressTicker, drain_step
-from rftstream.bus.client import Bus, PullConsumer
+from rftstream.bus.client import Bus
+from rftstream.bus.transport import Delivery, PullSubscription
 from rftstream.errors import BusError, SchemaError
 from rftstream.experience import Experience, decode_group
 from rftstream.subjects import TRAIN_STAGE
@@ -57,7 +56,7 @@ ACK_CONFIRM_S = 2.0  # how long commit waits for the server to confirm its last 
 
 @dataclass
 class _Held:
-    msg: Msg
+    msg: Delivery
     remaining: int
     stage: str = ""
     trained_uids: list[str] = field(default_factory=list)  # trained, the message not acked
@@ -69,7 +68,7 @@ class _Retired:
     trainer's. ``cut_seq`` None (an unsplice under way): everything on it, until the spliced
     operator has drained and says where its stage ends."""
 
-    consumer: PullConsumer
+    consumer: PullSubscription
     cut_seq: int | None
     splice_id: str | None = None
 
@@ -80,7 +79,7 @@ class ExperienceFeed:
     def __init__(
         self,
         bus: Bus,
-        consumer: PullConsumer,
+        consumer: PullSubscription,
         ticker: InProgressTicker,
         exhausted: Callable[[], Awaitable[bool]],
         *,
@@ -127,7 +126,7 @@ class ExperienceFeed:
         self.last_received = time.monotonic()
 
     async def switch_to(
-        self, consumer: PullConsumer, cut_seq: int | None, splice_id: str | None = None
+        self, consumer: PullSubscription, cut_seq: int | None, splice_id: str | None = None
     ) -> None:
         """Read ``consumer`` from now on; keep draining the current one up to ``cut_seq``.
 
@@ -138,7 +137,9 @@ class ExperienceFeed:
         self.retired.append(_Retired(self.consumer, cut_seq, splice_id))
         self.consumer = consumer
 
-    def retire(self, consumer: PullConsumer, cut_seq: int | None, splice_id: str | None) -> None:
+    def retire(
+        self, consumer: PullSubscription, cut_seq: int | None, splice_id: str | None
+    ) -> None:
         """Drain ``consumer`` (not the one read now) up to ``cut_seq``: a trainer restart
         picks up where the previous process left its retired consumers."""
         self.retired.append(_Retired(consumer, cut_seq, splice_id))
@@ -170,7 +171,7 @@ class ExperienceFeed:
         for r in list(self.retired):
             try:
                 step = await drain_step(r.consumer, r.cut_seq, batch=batch, timeout=0.05)
-            except (nats.errors.Error, TimeoutError, BusError) as exc:
+            except (TimeoutError, BusError) as exc:
                 log.warning("draining retired consumer %s failed: %s", r.consumer.durable, exc)
                 continue
             if not step.done:
@@ -178,7 +179,7 @@ class ExperienceFeed:
                 continue
             await r.consumer.unsubscribe()
             try:
-                await self.bus.js.delete_consumer(r.consumer.stream, r.consumer.durable)
+                await self.bus.transport.delete_consumer(r.consumer.stream, r.consumer.durable)
             except Exception as exc:  # noqa: BLE001 - best effort; it only costs space
                 log.warning("could not delete retired consumer %s: %s", r.consumer.durable, exc)
             self.retired.remove(r)
@@ -188,7 +189,7 @@ class ExperienceFeed:
                 if self.on_retired_change is not None:
                     await self.on_retired_change()
                 self._retired_changed = False
-            except (nats.errors.Error, TimeoutError, BusError) as exc:
+            except (TimeoutError, BusError) as exc:
                 log.warning("could not record the retired consumers (retrying): %s", exc)
 
     @property
@@ -218,7 +219,7 @@ class ExperienceFeed:
         await self._accept(msgs)
         return bool(msgs)
 
-    async def _accept(self, msgs: list[Msg]) -> None:
+    async def _accept(self, msgs: list[Delivery]) -> None:
         """Decode, validate, deduplicate and buffer ``msgs`` (dead-lettering bad ones)."""
         for m in msgs:
             try:
@@ -326,7 +327,7 @@ class ExperienceFeed:
         this step made, not a stale backlog. A confirmation that times out is logged
         only; the ack itself was sent.
         """
-        done: list[Msg] = []
+        done: list[Delivery] = []
         grown = 0
         for uid, held in zip(self._taken_uids, self._taken, strict=True):
             held.trained_uids.append(uid)
@@ -388,12 +389,12 @@ class ExperienceFeed:
         await self._ack_all([h.msg for h in held])
         return len(held)
 
-    async def _ack_all(self, done: list[Msg]) -> None:
+    async def _ack_all(self, done: list[Delivery]) -> None:
         """Ack ``done``; the last ack waits for the server's confirmation (see :meth:`commit`)."""
         for msg in done[:-1]:
             await msg.ack()
         if done:
             try:
                 await done[-1].ack_sync(timeout=ACK_CONFIRM_S)
-            except (nats.errors.Error, TimeoutError) as exc:
+            except Exception as exc:  # noqa: BLE001 - no confirmation: acked or redelivered
                 log.debug("ack confirmation: %s", exc)

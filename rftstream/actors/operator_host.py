@@ -57,11 +57,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import anyio
-from nats.aio.msg import Msg
 
 from rftstream.actors.common import InProgressTicker, drain_step, heartbeat_loop
-from rftstream.bus.client import Bus, PullConsumer
+from rftstream.bus.client import Bus
 from rftstream.bus.state import END_STATUSES, RunState
+from rftstream.bus.transport import Delivery, PullSubscription
 from rftstream.errors import BusError, ConfigError, PayloadTooLargeError, SchemaError
 from rftstream.experience import H_MSG_ID, Experience, decode_group, experience_problem
 
@@ -236,7 +236,7 @@ class OperatorHost:
         return {**self.counters, "from_stage": self.from_stage, "to_stage": self.to_stage}
 
     async def _loop(
-        self, consumer: PullConsumer, state: RunState, ticker: InProgressTicker
+        self, consumer: PullSubscription, state: RunState, ticker: InProgressTicker
     ) -> None:
         idle_checks = 0
         while True:
@@ -262,7 +262,7 @@ class OperatorHost:
                 continue
             await self._process_held(msgs, ticker)
 
-    async def _process_held(self, msgs: list[Msg], ticker: InProgressTicker) -> None:
+    async def _process_held(self, msgs: list[Delivery], ticker: InProgressTicker) -> None:
         for m in msgs:
             ticker.hold(m)
         try:
@@ -271,7 +271,7 @@ class OperatorHost:
             for m in msgs:
                 ticker.release(m)
 
-    async def process_batch(self, msgs: list[Msg]) -> None:
+    async def process_batch(self, msgs: list[Delivery]) -> None:
         """Decode, run the pipeline, publish survivors, ack inputs (or dead-letter them).
 
         A NATS failure naks the inputs instead (see the module docstring).
@@ -343,14 +343,14 @@ class OperatorHost:
         except Exception as exc:  # noqa: BLE001 - metrics must not stop the stage
             log.warning("%s: metrics publish failed: %s", self.name, exc)
 
-    async def _dead_letter(self, m: Msg, reason: str, n_exps: int, stats: _Stats) -> None:
+    async def _dead_letter(self, m: Delivery, reason: str, n_exps: int, stats: _Stats) -> None:
         await self.bus.dead_letter(self.from_stage, m, reason)
         stats.dead_lettered += 1
         stats.dead_lettered_exps += n_exps
 
-    async def _handle(self, msgs: list[Msg], stats: _Stats) -> None:
+    async def _handle(self, msgs: list[Delivery], stats: _Stats) -> None:
         """Process ``msgs`` as one pipeline call; on failure, each message on its own."""
-        decoded: list[tuple[Msg, list[Experience]]] = []
+        decoded: list[tuple[Delivery, list[Experience]]] = []
         for m in msgs:
             try:
                 group = decode_group(m.data)

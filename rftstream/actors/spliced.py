@@ -30,12 +30,11 @@ from collections.abc import Callable
 from typing import Any
 
 import anyio
-import nats.js.errors
 
 from rftstream.actors.operator_host import DrainControl
 from rftstream.bus.client import Bus
 from rftstream.bus.state import RunState
-from rftstream.errors import RftError
+from rftstream.errors import ConsumerNotFound, NotFound, RftError
 from rftstream.splice import operator_side, protocol
 from rftstream.wire import (
     SPLICE,
@@ -54,10 +53,10 @@ log = logging.getLogger(__name__)
 async def last_seq_on(bus: Bus, stage: str) -> int:
     """The stream sequence of the last message on ``exp.<stage>`` (0: none)."""
     try:
-        msg = await bus.js.get_last_msg(bus.names.exp_stream, bus.names.exp_subject(stage))
-    except nats.js.errors.NotFoundError:
+        msg = await bus.transport.last_msg(bus.names.exp_stream, bus.names.exp_subject(stage))
+    except NotFound:
         return 0
-    return int(msg.seq or 0)
+    return msg.seq
 
 
 async def _our_unsplice(state: RunState, stage: str) -> SpliceRecord | None:
@@ -214,8 +213,8 @@ async def unsplice(
         control.stop()
         say(f"removing exp.{to_stage}: every replica finishes the batch in hand…")
         await control.all_parked.wait()
-        info = await bus.js.consumer_info(n.exp_stream, durable)
-        cut = int(info.delivered.stream_seq or 0)
+        info = await bus.transport.consumer_state(n.exp_stream, durable)
+        cut = info.delivered
         say(f"cut at sequence {cut} of exp.{from_stage}; asking the trainer to read it again")
         await operator_side.request_unsplice(
             state,
@@ -240,8 +239,8 @@ async def unsplice(
     await control.all_drained.wait()
     end = await last_seq_on(bus, to_stage)
     try:
-        await bus.js.delete_consumer(n.exp_stream, durable)
-    except nats.js.errors.NotFoundError:
+        await bus.transport.delete_consumer(n.exp_stream, durable)
+    except ConsumerNotFound:
         pass
     await operator_side.finish_unsplice(state, splice_id, to_stage, end)
     log.info("unsplice of exp.%s drained in %.1fs", to_stage, time.monotonic() - t0)

@@ -20,7 +20,6 @@ from typing import Any
 import anyio
 import anyio.to_thread
 import msgspec
-import nats.js.errors
 
 from rftstream.bus.client import Bus
 from rftstream.bus.state import RunState
@@ -290,9 +289,9 @@ class TasksetPublisher:
         n = self.names
         while True:
             try:
-                info = await self.bus.js.consumer_info(n.tasks_stream, n.explorer_consumer)
-                waiting = int(info.num_pending or 0)
-            except nats.js.errors.Error as exc:
+                info = await self.bus.transport.consumer_state(n.tasks_stream, n.explorer_consumer)
+                waiting = info.num_pending
+            except BusError as exc:
                 log.warning("%s: task queue info: %s; publishing on", self.name, exc)
                 return
             if waiting < self.publish_lead:

@@ -28,13 +28,11 @@ from __future__ import annotations
 import logging
 import time
 
-import nats.errors
-import nats.js.errors
-
 from rftstream.actors.feed import ExperienceFeed
-from rftstream.bus.client import Bus, PullConsumer
+from rftstream.bus.client import Bus
 from rftstream.bus.state import RunState
-from rftstream.errors import BusError, RftError
+from rftstream.bus.transport import PullSubscription
+from rftstream.errors import BusError, ConsumerNotFound, RftError
 from rftstream.splice import protocol
 from rftstream.splice.operator_side import apply, owner_alive
 from rftstream.splice.ownership import dead_stage_message
@@ -89,7 +87,7 @@ class TrainerTopology:
         self._warned: str | None = None
         self.poll_errors = 0
 
-    async def open(self) -> PullConsumer:
+    async def open(self) -> PullSubscription:
         """Bind the consumer ``trainer.input`` names (``trainer`` on ``exp.train`` if none)."""
         self.record = await self.state.get(TRAINER_INPUT)
         self.stage, durable = protocol.input_of(self.record)
@@ -148,7 +146,7 @@ class TrainerTopology:
         self._polled = now
         try:
             await self._poll(now)
-        except (nats.errors.Error, TimeoutError, BusError) as exc:
+        except (TimeoutError, BusError) as exc:
             self.poll_errors += 1
             log.warning(
                 "%s: splice polling failed (%s: %s); retrying at the next poll",
@@ -191,19 +189,19 @@ class TrainerTopology:
         else:
             await self._unsplice(request, plan)
 
-    async def _new_durable(self, stage: str, start_seq: int, why: str) -> PullConsumer:
+    async def _new_durable(self, stage: str, start_seq: int, why: str) -> PullSubscription:
         """A fresh trainer durable on ``exp.<stage>`` delivering from ``start_seq``."""
         assert self.feed is not None
         n = self.names
         name = protocol.trainer_durable(stage)
         in_use = {self.feed.consumer.durable} | self.feed.retired_names
         try:
-            await self.bus.js.consumer_info(n.exp_stream, name)
+            await self.bus.transport.consumer_state(n.exp_stream, name)
             if name in in_use:
                 name = f"{name}_{start_seq}"
             else:  # left over (e.g. by a trainer that died mid-switch): nobody reads it
-                await self.bus.js.delete_consumer(n.exp_stream, name)
-        except nats.js.errors.NotFoundError:
+                await self.bus.transport.delete_consumer(n.exp_stream, name)
+        except ConsumerNotFound:
             pass
         await self.bus.ensure_consumer(
             n.exp_stream,
@@ -246,9 +244,9 @@ class TrainerTopology:
         else:
             from_stage = self.stage
             info = await self.feed.consumer.info()
-            cut = int(info.delivered.stream_seq or 0)
+            cut = info.delivered
             start_seq = cut + 1
-            last = int((await self.bus.js.stream_info(self.names.exp_stream)).state.last_seq or 0)
+            last = (await self.bus.transport.stream_state(self.names.exp_stream)).last_seq
             new = await self._new_durable(to_stage, last + 1, f"spliced by {request.operator}")
             await self.feed.switch_to(new, cut, splice_id=request.id)
             self.stage = to_stage

@@ -46,7 +46,6 @@ from typing import Any
 
 import anyio
 import msgspec
-from nats.js import api
 
 from rftstream.actors.common import (
     InProgressTicker,
@@ -175,28 +174,26 @@ class RawMonitor:
             self.on_metrics(msg.data)
             _seen("metrics", msg)
 
-        def since(kind: str) -> api.ConsumerConfig | None:
+        def since(kind: str) -> int | None:
             seq = int((after or {}).get(kind, 0))
             if seq <= 0:
                 return None
             self.read_through[kind] = self.taken_through[kind] = seq
-            return api.ConsumerConfig(
-                deliver_policy=api.DeliverPolicy.BY_START_SEQUENCE, opt_start_seq=seq + 1
-            )
+            return seq + 1
 
         n = bus.names
         self._subs.append(
-            await bus.js.subscribe(
+            await bus.transport.watch(
+                n.exp_stream,
                 n.exp_subject(RAW_STAGE),
-                cb=on_raw,
-                ordered_consumer=True,
+                on_raw,
+                start_seq=since("raw"),
                 headers_only=True,
-                config=since("raw"),
             )
         )
         self._subs.append(
-            await bus.js.subscribe(
-                n.metrics_wildcard, cb=on_metric, ordered_consumer=True, config=since("metrics")
+            await bus.transport.watch(
+                n.metrics_stream, n.metrics_wildcard, on_metric, start_seq=since("metrics")
             )
         )
 
@@ -294,11 +291,11 @@ class Trainer:
         n = self.names
         if not await consumer_drained(self.bus, n.tasks_stream, n.explorer_consumer):
             return False
-        infos = await self.bus.js.consumers_info(n.exp_stream)
+        infos = await self.bus.transport.consumers(n.exp_stream)
         mine = self.feed.consumer.durable if self.feed is not None else n.trainer_consumer
         for info in infos:
-            pending = int(info.num_pending or 0)
-            unacked = int(info.num_ack_pending or 0)
+            pending = info.num_pending
+            unacked = info.num_ack_pending
             if info.name == mine:
                 if pending:
                     return False

@@ -38,14 +38,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
-import nats.errors
-import nats.js.errors
-from nats.js import api
 
 from rftstream.bus.client import Bus
 from rftstream.bus.purged import PurgedPrefix, read_purged
 from rftstream.bus.state import RunState
-from rftstream.errors import BusError, SchemaError
+from rftstream.bus.transport import ConsumerState
+from rftstream.errors import BusError, SchemaError, StreamNotFound
 from rftstream.experience import H_COUNT, decode_group_msg
 from rftstream.messages import H_DLQ_REASON, H_DLQ_SEQ, H_DLQ_STAGE, H_DLQ_SUBJECT, MetricsMsg
 from rftstream.subjects import META_TO_STAGE, RAW_STAGE, TRAIN_STAGE
@@ -477,21 +475,17 @@ async def _read_all(bus: Bus, stream: str, subject: str) -> list[Any]:
     after = 0  # the stream sequence of the last message read
     while True:
         try:
-            info = await bus.js.stream_info(stream, subjects_filter=subject)
-        except nats.js.errors.NotFoundError:
+            info = await bus.transport.stream_state(stream, subjects_filter=subject)
+        except StreamNotFound:
             return out
-        if not out and not sum((info.state.subjects or {}).values()):
+        if not out and not sum(info.subjects.values()):
             return out  # nothing stored on the subject
-        since = api.ConsumerConfig(
-            deliver_policy=api.DeliverPolicy.BY_START_SEQUENCE, opt_start_seq=after + 1
-        )
-        sub = await bus.js.subscribe(subject, stream=stream, ordered_consumer=True, config=since)
+        reader = await bus.transport.read(stream, subject, start_seq=after + 1)
         caught_up = False
         try:
             while True:
-                try:
-                    msg = await sub.next_msg(timeout=_READ_IDLE_S)
-                except nats.errors.TimeoutError:
+                msg = await reader.next(_READ_IDLE_S)
+                if msg is None:
                     break
                 out.append(msg)
                 after = int(msg.metadata.sequence.stream)
@@ -499,10 +493,7 @@ async def _read_all(bus: Bus, stream: str, subject: str) -> list[Any]:
                     caught_up = True
                     break
         finally:
-            try:
-                await sub.unsubscribe()
-            except Exception:  # noqa: BLE001 - closing
-                pass
+            await reader.close()
         if caught_up:
             return out
         if time.monotonic() >= deadline:
@@ -527,7 +518,7 @@ def _stored(msg: Any, prefix: str) -> StoredMessage:
         return StoredMessage(int(msg.metadata.sequence.stream), stage, None, str(exc))
 
 
-def _durable(info: api.ConsumerInfo, bus: Bus, stages: set[str]) -> Durable | None:
+def _durable(info: ConsumerState, bus: Bus, stages: set[str]) -> Durable | None:
     """The stages a durable of the experience stream connects (None: not one of the run's).
 
     The stage it reads is its filter subject; the stage it writes is its ``rft.to_stage``
@@ -536,12 +527,12 @@ def _durable(info: api.ConsumerInfo, bus: Bus, stages: set[str]) -> Durable | No
     stages the stream holds).
     """
     prefix = f"rft.{bus.names.run}.exp."
-    subject = info.config.filter_subject or ""
-    name = info.config.durable_name or ""
+    subject = info.filter_subject
+    name = info.name if info.durable else ""
     if not subject.startswith(prefix) or not name:
         return None
     from_stage = subject[len(prefix) :]
-    meta = getattr(info.config, "metadata", None) or {}
+    meta = info.metadata
     role = meta.get("rft.role", "")
     if (
         role == "trainer"
@@ -567,12 +558,12 @@ def _to_stage_from_name(name: str, from_stage: str, stages: set[str]) -> str:
     return rest
 
 
-def _floor(info: api.ConsumerInfo) -> int:
-    return int(getattr(info.ack_floor, "stream_seq", 0) or 0)
+def _floor(info: ConsumerState) -> int:
+    return info.ack_floor
 
 
-def _pending(info: api.ConsumerInfo) -> int:
-    return int(info.num_pending or 0) + int(info.num_ack_pending or 0)
+def _pending(info: ConsumerState) -> int:
+    return info.num_pending + info.num_ack_pending
 
 
 async def _trained_total(bus: Bus) -> int | None:
@@ -594,19 +585,17 @@ async def _trained_total(bus: Bus) -> int | None:
 async def _tasks(bus: Bus) -> TaskAccount | None:
     """The tasks stream's published and still-queued tasks, and the dead-lettered ones."""
     try:
-        info = await bus.js.stream_info(bus.names.tasks_stream)
-    except nats.js.errors.NotFoundError:
+        info = await bus.transport.stream_state(bus.names.tasks_stream)
+    except StreamNotFound:
         return None
     try:
-        dlq = await bus.js.stream_info(
+        dlq = await bus.transport.stream_state(
             bus.names.dlq_stream, subjects_filter=bus.names.dlq_subject("tasks")
         )
-        failed = sum((dlq.state.subjects or {}).values())
-    except nats.js.errors.NotFoundError:
+        failed = sum(dlq.subjects.values())
+    except StreamNotFound:
         failed = 0
-    return TaskAccount(
-        published=int(info.state.last_seq or 0), queued=int(info.state.messages or 0), failed=failed
-    )
+    return TaskAccount(published=info.last_seq, queued=info.messages, failed=failed)
 
 
 async def account_run(bus: Bus) -> RunAccount:
@@ -625,10 +614,12 @@ async def account_run(bus: Bus) -> RunAccount:
     purged = await read_purged(state)
     # the durables next: a message stored after its ack floor was read counts as pending
     try:
-        infos = await bus.js.consumers_info(names.exp_stream)
-        exp_info = await bus.js.stream_info(names.exp_stream, subjects_filter=names.exp_wildcard)
-        stages = {s[len(prefix) :] for s in (exp_info.state.subjects or {})}
-    except nats.js.errors.NotFoundError:
+        infos = await bus.transport.consumers(names.exp_stream)
+        exp_info = await bus.transport.stream_state(
+            names.exp_stream, subjects_filter=names.exp_wildcard
+        )
+        stages = {s[len(prefix) :] for s in exp_info.subjects}
+    except StreamNotFound:
         infos, stages = [], set()
     durables: list[Durable] = []
     for info in infos:

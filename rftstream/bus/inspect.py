@@ -12,12 +12,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-import nats.errors
-import nats.js.errors
-from nats.js import api
-
 from rftstream.bus.client import Bus
-from rftstream.errors import BusError
+from rftstream.errors import BusError, StreamNotFound
 from rftstream.inspect import summarize_message
 
 
@@ -47,26 +43,26 @@ async def streams_report(bus: Bus) -> list[StreamRow]:
     rows = []
     for name in bus.names.streams:
         try:
-            info = await bus.js.stream_info(name, subjects_filter=">")
-        except nats.js.errors.NotFoundError:
+            info = await bus.transport.stream_state(name, subjects_filter=">")
+        except StreamNotFound:
             rows.append(StreamRow(name, "(not created yet)", 0, 0, {}, missing=True))
             continue
         row = StreamRow(
             name=name,
-            description=info.config.description or "",
-            messages=int(info.state.messages or 0),
-            bytes=int(info.state.bytes or 0),
-            subjects=dict(sorted((info.state.subjects or {}).items())),
+            description=info.description,
+            messages=info.messages,
+            bytes=info.bytes,
+            subjects=dict(sorted(info.subjects.items())),
         )
-        for c in await bus.js.consumers_info(name):
+        for c in await bus.transport.consumers(name):
             row.consumers.append(
                 ConsumerRow(
                     name=c.name,
-                    filter=c.config.filter_subject or "",
-                    pending=int(c.num_pending or 0),
-                    ack_pending=int(c.num_ack_pending or 0),
-                    redelivered=int(c.num_redelivered or 0),
-                    description=c.config.description or "",
+                    filter=c.filter_subject,
+                    pending=c.num_pending,
+                    ack_pending=c.num_ack_pending,
+                    redelivered=c.num_redelivered,
+                    description=c.description,
                 )
             )
         rows.append(row)
@@ -89,10 +85,8 @@ async def tail(
     messages emitted when not following (cancel it to stop following).
     """
     try:
-        sub = await bus.js.subscribe(
-            subject, ordered_consumer=True, deliver_policy=api.DeliverPolicy.ALL
-        )
-    except nats.js.errors.NotFoundError as exc:
+        reader = await bus.transport.read(None, subject)
+    except StreamNotFound as exc:
         raise BusError(
             f"{bus.actor}: no stream holds {subject} on this server: the run "
             f"{bus.names.run!r} does not exist there, or the credentials belong to another "
@@ -111,9 +105,8 @@ async def tail(
 
     try:
         while True:
-            try:
-                msg = await sub.next_msg(timeout=idle_timeout)
-            except nats.errors.TimeoutError:
+            msg = await reader.next(idle_timeout)
+            if msg is None:
                 if not caught_up:
                     caught_up = True
                     flush()
@@ -133,7 +126,4 @@ async def tail(
                     if not follow:
                         return emitted
     finally:
-        try:
-            await sub.unsubscribe()
-        except Exception:  # noqa: BLE001 - closing
-            pass
+        await reader.close()

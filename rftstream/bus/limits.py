@@ -1,7 +1,7 @@
 """Bounded streams: the limits of the run's streams, purging acked experience, back-pressure.
 
 Pure parts (no I/O): :func:`stream_limits`, :func:`purge_points`,
-:func:`limit_warnings`, :func:`experience_full`. NATS parts: :func:`purge_acked`
+:func:`limit_warnings`, :func:`experience_full`. Bus parts (any transport): :func:`purge_acked`
 and :class:`ExperienceRoom`, which an explorer awaits before publishing a group
 to ``exp.raw``.
 
@@ -10,7 +10,7 @@ and cleanup"):
 
 * ``discard: new`` (the default of the tasks and experience streams): the
   server refuses a publish that would pass the limit; nothing stored is lost.
-  The publish fails with "maximum bytes exceeded" (:class:`StreamFullError`),
+  The publish fails with "maximum bytes exceeded" (:class:`~rftstream.errors.StreamFullError`),
   and the publisher's retry path waits. Explorers wait *before* publishing
   (:class:`ExperienceRoom`) while the experience stream is above
   :data:`HIGH_WATER` of a limit, so operators and the trainer, which free
@@ -35,12 +35,10 @@ from dataclasses import dataclass
 from typing import Any
 
 import anyio
-import nats.errors
-import nats.js.errors
-from nats.js import api
 
 from rftstream.bus.purged import record_purge
 from rftstream.bus.state import RunState
+from rftstream.bus.transport import Transport
 from rftstream.config.schema import ExperienceStreamConfig, StreamLimitsConfig, StreamsConfig
 from rftstream.errors import BusError
 
@@ -56,25 +54,18 @@ CHECK_TTL_S = 0.5
 #: the stream keys of ``nats.streams``, with the role each stream has
 STREAM_KEYS = ("tasks", "experience", "dead_letter", "metrics")
 
-# JSStreamStoreFailedF: what the server answers a publish to a full `discard: new` stream
-STREAM_FULL_ERR_CODE = 10077
-
 
 class StreamLimitWarning(UserWarning):
     """A ``nats.streams`` setting that can remove messages nobody has processed yet."""
 
 
-class StreamFullError(BusError):
-    """A publish was refused because the stream reached ``max_bytes`` / ``max_msgs`` (discard new)."""
-
-
 def stream_limits(limits: StreamLimitsConfig) -> dict[str, Any]:
-    """The :class:`nats.js.api.StreamConfig` fields of one ``nats.streams.<stream>`` table."""
+    """The :class:`~rftstream.bus.transport.StreamSpec` fields of one ``nats.streams.<stream>`` table."""
     return {
         "max_bytes": int(limits.max_bytes),
         "max_msgs": int(limits.max_msgs),
         "max_age": float(limits.max_age),
-        "discard": api.DiscardPolicy.OLD if limits.discard == "old" else api.DiscardPolicy.NEW,
+        "discard": "old" if limits.discard == "old" else "new",
     }
 
 
@@ -210,16 +201,13 @@ def experience_full(
     return limits.max_msgs > 0 and stored_msgs >= high_water * limits.max_msgs
 
 
-async def consumer_floors(js: Any, stream: str) -> list[ConsumerFloor]:
+async def consumer_floors(transport: Transport, stream: str) -> list[ConsumerFloor]:
     """The durable consumers of ``stream`` and their acked floors (one API round trip)."""
-    out = []
-    for info in await js.consumers_info(stream):
-        if not getattr(info.config, "durable_name", None):
-            continue  # an ordered watch (tail, the trainer's header watch) keeps nothing
-        floor = int(getattr(info.ack_floor, "stream_seq", 0) or 0)
-        outstanding = int(info.num_pending or 0) + int(info.num_ack_pending or 0)
-        out.append(ConsumerFloor(info.name, info.config.filter_subject or "", floor, outstanding))
-    return out
+    return [
+        ConsumerFloor(c.name, c.filter_subject, c.ack_floor, c.num_pending + c.num_ack_pending)
+        for c in await transport.consumers(stream)
+        if c.durable  # an ordered watch (tail, the trainer's header watch) keeps nothing
+    ]
 
 
 @dataclass
@@ -235,7 +223,7 @@ class PurgeResult:
 
 
 async def purge_acked(
-    js: Any,
+    transport: Transport,
     stream: str,
     cfg: ExperienceStreamConfig,
     state: RunState | None = None,
@@ -256,18 +244,17 @@ async def purge_acked(
     a KV write more). Raises :class:`BusError` naming the stream on failure.
     """
     try:
-        info = await js.stream_info(
+        st = await transport.stream_state(
             stream, subjects_filter=f"{subject_prefix}>" if state is not None else None
         )
-        floors = await consumer_floors(js, stream)
-    except (nats.errors.Error, TimeoutError) as exc:
+        floors = await consumer_floors(transport, stream)
+    except BusError as exc:
         raise BusError(f"stream {stream}: reading its state failed: {exc}") from exc
-    st = info.state
-    first, last = int(st.first_seq or 0), int(st.last_seq or 0)
-    result = PurgeResult(first, last, int(st.messages or 0), int(st.bytes or 0), 0, floors)
+    first, last = st.first_seq, st.last_seq
+    result = PurgeResult(first, last, st.messages, st.bytes, 0, floors)
     if not cfg.purge_acked or not st.messages:
         return result
-    unreachable = getattr(js, "missing_consumers", {}).get(stream)
+    unreachable = transport.unreachable_consumers(stream)
     if unreachable:  # one of them may be a durable whose floor is lower: purge nothing
         log.warning("stream %s: not purging while consumers %s do not answer", stream, unreachable)
         return result
@@ -282,16 +269,16 @@ async def purge_acked(
     try:
         for subject, point in points.items():
             if state is not None:
-                stored = int((st.subjects or {}).get(subject, 0))
+                stored = int(st.subjects.get(subject, 0))
                 stage = subject[len(subject_prefix) :]
-                await record_purge(state, js, stream, subject, stage, first, point, stored)
-            await js.purge_stream(stream, subject=subject, seq=point)
-        info = await js.stream_info(stream)
-    except (nats.errors.Error, TimeoutError) as exc:
+                await record_purge(state, transport, stream, subject, stage, first, point, stored)
+            await transport.purge(stream, subject, point)
+        after = await transport.stream_state(stream)
+    except BusError as exc:
         raise BusError(f"stream {stream}: purging acked messages failed: {exc}") from exc
-    result.purged = max(0, result.messages - int(info.state.messages or 0))
-    result.messages, result.bytes = int(info.state.messages or 0), int(info.state.bytes or 0)
-    result.first_seq = int(info.state.first_seq or first)
+    result.purged = max(0, result.messages - after.messages)
+    result.messages, result.bytes = after.messages, after.bytes
+    result.first_seq = after.first_seq or first
     return result
 
 
@@ -307,7 +294,7 @@ class ExperienceRoom:
 
     def __init__(
         self,
-        js: Any,
+        transport: Transport | None,
         stream: str,
         cfg: ExperienceStreamConfig,
         actor: str,
@@ -315,7 +302,7 @@ class ExperienceRoom:
         state: RunState | None = None,
         subject_prefix: str = "",
     ) -> None:
-        self.js = js
+        self.transport = transport
         self.stream = stream
         self.cfg = cfg
         self.actor = actor
@@ -334,13 +321,16 @@ class ExperienceRoom:
     @property
     def bounded(self) -> bool:
         """Whether there is anything to do: a limit to respect or acked messages to purge."""
-        return self.js is not None and (
+        return self.transport is not None and (
             self.cfg.purge_acked or self.cfg.max_bytes > 0 or self.cfg.max_msgs > 0
         )
 
     async def check(self) -> bool:
         """Read the stream (purging what every consumer acked); True if there is room."""
-        res = await purge_acked(self.js, self.stream, self.cfg, self.state, self.subject_prefix)
+        assert self.transport is not None
+        res = await purge_acked(
+            self.transport, self.stream, self.cfg, self.state, self.subject_prefix
+        )
         self._checked_at = time.monotonic()
         self._fill = fill_ratio(res.bytes, res.messages, self.cfg)
         self.purged += res.purged
@@ -410,13 +400,3 @@ class ExperienceRoom:
                     return False
         finally:
             self.waited_s += time.monotonic() - started
-
-
-def is_stream_full(exc: nats.js.errors.APIError) -> bool:
-    """Whether a publish error is the server's "maximum bytes/messages exceeded" (discard new)."""
-    desc = str(getattr(exc, "description", "") or "")
-    return (
-        getattr(exc, "err_code", None) == STREAM_FULL_ERR_CODE
-        or "maximum " in desc
-        and ("exceeded" in desc)
-    )

@@ -22,10 +22,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import msgspec
-import nats.errors
-from nats.js import api
 
 from rftstream.bus.state import RunState
+from rftstream.bus.transport import Transport
 from rftstream.errors import BusError
 from rftstream.experience import H_COUNT
 
@@ -73,26 +72,18 @@ def _count(headers: dict[str, str] | None) -> int | None:
 
 
 async def read_counts(
-    js: object, stream: str, subject: str, start: int, point: int
+    transport: Transport, stream: str, subject: str, start: int, point: int
 ) -> list[tuple[int, int | None]]:
     """``(seq, Rft-Count)`` of the messages of ``subject`` from ``start`` to below ``point``,
     read headers-only by an ordered ephemeral consumer (bodies are never sent). Blocks for
     one consumer's life, plus ``_READ_IDLE_S`` when no message of the subject is at or
     after ``start`` (the read ends when none comes for that long)."""
-    sub = await js.subscribe(  # type: ignore[attr-defined]
-        subject,
-        stream=stream,
-        ordered_consumer=True,
-        deliver_policy=api.DeliverPolicy.BY_START_SEQUENCE,
-        headers_only=True,
-        config=api.ConsumerConfig(opt_start_seq=max(1, start)),
-    )
+    reader = await transport.read(stream, subject, start_seq=max(1, start), headers_only=True)
     rows: list[tuple[int, int | None]] = []
     try:
         while True:
-            try:
-                msg = await sub.next_msg(timeout=_READ_IDLE_S)
-            except nats.errors.TimeoutError:
+            msg = await reader.next(_READ_IDLE_S)
+            if msg is None:
                 break  # nothing at or after `start` on the subject (or nothing more)
             seq = int(msg.metadata.sequence.stream)
             if seq >= point:
@@ -101,16 +92,13 @@ async def read_counts(
             if msg.metadata.num_pending == 0:
                 break
     finally:
-        try:
-            await sub.unsubscribe()
-        except Exception:  # noqa: BLE001 - closing
-            pass
+        await reader.close()
     return rows
 
 
 async def record_purge(
     state: RunState,
-    js: object,
+    transport: Transport,
     stream: str,
     subject: str,
     stage: str,
@@ -133,7 +121,7 @@ async def record_purge(
             return prev
         start = max(prev.below_seq, first_seq)
         if rows is None or (rows and rows[0][0] > start):
-            rows = await read_counts(js, stream, subject, start, point) if stored else []
+            rows = await read_counts(transport, stream, subject, start, point) if stored else []
         new = extend(prev, rows, point)
         if await state.compare_and_put(key, msgspec.to_builtins(new), revision) is not None:
             return new

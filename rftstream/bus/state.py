@@ -3,7 +3,8 @@
 Keys (see :mod:`rftstream.subjects`): ``status``, ``taskset.published``,
 ``explorer.<name>.step``, ``trainer.step``, ``weights.latest``,
 ``heartbeat.<actor>``. Values are JSON, readable with ``nats kv get``.
-Every method is one KV round trip (blocks for it).
+Every method is one KV round trip (blocks for it). The bucket is a
+:class:`~rftstream.bus.transport.KeyValueStore` of any transport.
 """
 
 from __future__ import annotations
@@ -11,11 +12,9 @@ from __future__ import annotations
 from typing import Any, TypeVar
 
 import msgspec
-import nats.errors
-import nats.js.errors
-from nats.js.kv import KeyValue
 
-from rftstream.errors import BusError, SchemaError
+from rftstream.bus.transport import KeyValueStore
+from rftstream.errors import BusError, CasConflict, KeyNotFound, SchemaError
 from rftstream.messages import WeightsPointer, decode_json, encode_json
 from rftstream.subjects import KV_HEARTBEAT, KV_STATUS, KV_TASKSET, KV_TRAINER_STEP, KV_WEIGHTS
 from rftstream.wire import Heartbeat, Key, TasksetRecord
@@ -26,16 +25,6 @@ T = TypeVar("T")
 #: run statuses after which nothing more happens in the run
 END_STATUSES = ("finished", "failed", "stopped")
 
-# JSStreamWrongLastSequenceErrF / JSStreamWrongLastSequenceConstantErr: the key moved on
-_WRONG_LAST_SEQUENCE = (10071, 10164)
-
-
-def _lost_race(exc: Exception) -> bool:
-    """Whether a failed conditional KV write failed only because another writer was first."""
-    if isinstance(exc, nats.js.errors.KeyWrongLastSequenceError):
-        return True
-    return isinstance(exc, nats.js.errors.APIError) and exc.err_code in _WRONG_LAST_SEQUENCE
-
 
 def _encode(value: Any) -> bytes:
     """A KV value as JSON: structs through the project's encoder, the rest as plain JSON."""
@@ -45,31 +34,27 @@ def _encode(value: Any) -> bytes:
 class RunState:
     """Run status, steps, weights pointer and heartbeats in the KV bucket."""
 
-    def __init__(self, kv: KeyValue) -> None:
+    def __init__(self, kv: KeyValueStore) -> None:
         self.kv = kv
 
     def _where(self, key: str) -> str:
         """``<bucket>/<key>`` for error messages."""
-        return f"{getattr(self.kv, '_name', None) or 'bucket'}/{key}"
+        return f"{self.kv.bucket}/{key}"
 
     async def get_raw(self, key: str) -> bytes | None:
         try:
-            entry = await self.kv.get(key)
-        except nats.js.errors.KeyNotFoundError:
+            return (await self.kv.get(key)).value
+        except KeyNotFound:
             return None
-        except nats.js.errors.KeyDeletedError:
-            return None
-        return entry.value
 
     async def put_json(self, key: str, value: Any) -> None:
         """Write ``key`` (last value wins, so a retry is harmless). A bucket opened through a
-        :class:`~rftstream.bus.client.Bus` retries timeouts and unavailable servers for
-        ``nats.retry_window`` s (:class:`~rftstream.bus.resilient.ResilientJetStream`);
-        what still fails raises :class:`BusError` naming the key."""
+        :class:`~rftstream.bus.client.Bus` on NATS retries timeouts and unavailable servers
+        for ``nats.retry_window`` s; what still fails raises :class:`BusError` naming the key."""
         try:
             await self.kv.put(key, _encode(value))
-        except (nats.errors.Error, TimeoutError) as exc:
-            raise BusError(f"cannot write {self._where(key)}: {exc!r}") from exc
+        except BusError as exc:
+            raise BusError(f"cannot write {self._where(key)}: {exc}") from exc
 
     async def get_json(self, key: str, typ: type[T] | None = None) -> T | Any | None:
         raw = await self.get_raw(key)
@@ -83,9 +68,7 @@ class RunState:
         """``(decoded value, revision)``; ``(None, None)`` when the key is absent or deleted."""
         try:
             entry = await self.kv.get(key)
-        except (nats.js.errors.KeyNotFoundError, nats.js.errors.KeyDeletedError):
-            return None, None
-        if entry.value is None:
+        except KeyNotFound:
             return None, None
         return msgspec.json.decode(entry.value), entry.revision
 
@@ -101,17 +84,12 @@ class RunState:
             if revision is None:
                 return await self.kv.create(key, data)
             return await self.kv.update(key, data, last=revision)
-        except (nats.errors.Error, TimeoutError) as exc:
-            if _lost_race(exc):
-                return None
-            raise BusError(f"KV {self._where(key)}: conditional write failed: {exc}") from exc
+        except CasConflict:
+            return None
 
     async def delete(self, key: str) -> None:
         """Delete ``key`` (no error if absent)."""
-        try:
-            await self.kv.delete(key)
-        except nats.js.errors.KeyNotFoundError:
-            pass
+        await self.kv.delete(key)
 
     async def heartbeats(self) -> dict[str, dict[str, Any]]:
         """Every ``heartbeat.<actor>`` record, by actor."""
@@ -122,26 +100,6 @@ class RunState:
     async def keys(self, prefix: str = "") -> list[str]:
         """Keys starting with ``prefix`` that have a stored value, sorted."""
         return list(await self.all(prefix))
-
-    async def _listed_keys(self, prefix: str) -> list[str]:
-        """Keys starting with ``prefix`` that the bucket's stream holds an entry for,
-        sorted; the last entry may be a delete or purge marker.
-
-        One stream-info request for the stream's subjects, rather than
-        ``KeyValue.keys()``: that one runs a watcher whose "no more keys"
-        marker can race ahead of a just-stored key and then reports none.
-        """
-        pre = self.kv._pre
-        # a subject filter must end on a token boundary: "heartbeat.>" but not "explorer>"
-        token_prefix = prefix if prefix.endswith(".") else ""
-        try:
-            info = await self.kv._js.stream_info(
-                self.kv._stream, subjects_filter=f"{pre}{token_prefix}>"
-            )
-        except (nats.errors.Error, TimeoutError) as exc:
-            raise BusError(f"KV {self._where(prefix + '*')}: listing keys failed: {exc}") from exc
-        keys = (s[len(pre) :] for s in (info.state.subjects or {}))
-        return sorted(k for k in keys if k.startswith(prefix))
 
     async def claim(self, key: str, value: Any) -> bool:
         """Atomically create ``key``; False if it already exists (someone else claimed it).
@@ -178,7 +136,7 @@ class RunState:
         """Every key starting with ``prefix`` and its decoded value, sorted by key;
         deleted keys left out (for ``rftstream status``). One ``get`` per key."""
         out: dict[str, Any] = {}
-        for key in await self._listed_keys(prefix):
+        for key in await self.kv.keys(prefix):
             raw = await self.get_raw(key)
             if raw is not None:
                 out[key] = msgspec.json.decode(raw)
@@ -200,7 +158,7 @@ class RunState:
         """``(record, revision)`` at ``key``; ``(None, None)`` when absent or deleted."""
         try:
             got = await self.kv.get(key.name)
-        except (nats.js.errors.KeyNotFoundError, nats.js.errors.KeyDeletedError):
+        except KeyNotFound:
             return None, None
         if got.value is None:
             return None, None

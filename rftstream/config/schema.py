@@ -530,7 +530,7 @@ class NatsConfig(_Base):
     """``nats``: the bus. ``url`` empty (and no ``servers``) means: start an embedded
     nats-server. Credentials (``creds``, ``nkey_seed``, ``token``, ``user``/``password``,
     ``tls``) and the reconnect window are for a server of your own; secrets are best
-    given as ``${oc.env:VAR}`` and are never written out (see :mod:`rftstream.bus.connect`).
+    given as ``${oc.env:VAR}`` and are never written out (see :mod:`rftstream.bus.jetstream.connect`).
     """
 
     url: str = ""
@@ -542,7 +542,7 @@ class NatsConfig(_Base):
     dedup_window: float = 600.0
     connect_timeout: float = 10.0
     streams: StreamsConfig = msgspec.field(default_factory=StreamsConfig)
-    # secured and shared servers (rftstream.bus.connect builds nats-py's options from these)
+    # secured and shared servers (rftstream.bus.jetstream.connect builds nats-py's options from these)
     servers: list[str] = msgspec.field(default_factory=list)  # several URLs of one cluster
     creds: str = ""  # a .creds file (user JWT + nkey seed), for operator-mode servers
     nkey_seed: str = ""  # a file holding a user nkey seed (SU...)

@@ -15,17 +15,14 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import msgspec
-import nats.errors
-import nats.js.errors
-from nats.aio.client import Client as NatsClient
-from nats.js import api
 
 from rftstream.bus.client import Bus
 from rftstream.bus.inspect import streams_report
 from rftstream.bus.state import RunState
+from rftstream.bus.transport import Transport
 from rftstream.clean import find_runs
 from rftstream.config.schema import NatsConfig
-from rftstream.errors import BusError
+from rftstream.errors import BucketNotFound, BusError, MessageNotFound, StreamNotFound
 from rftstream.inspect import status_report, summarize_message
 from rftstream.messages import MetricsMsg
 from rftstream.subjects import RunNames
@@ -56,7 +53,7 @@ class MetricsReader:
     def __init__(self) -> None:
         self._runs: dict[str, _Series] = {}
 
-    async def curves(self, nc: NatsClient, names: RunNames) -> dict[str, list[list[float]]]:
+    async def curves(self, transport: Transport, names: RunNames) -> dict[str, list[list[float]]]:
         """The trainer's ``CURVE_KEYS`` per step, ``{key: [[step, value], ...]}``, step order.
 
         Reads the metrics stream from the sequence after the last one read, with an
@@ -64,31 +61,23 @@ class MetricsReader:
         second when nothing new is there. A run without a metrics stream gives no points.
         """
         series = self._runs.setdefault(names.run, _Series())
-        js = nc.jetstream()
         try:
-            info = await js.stream_info(names.metrics_stream)
-        except nats.js.errors.NotFoundError:
+            last = (await transport.stream_state(names.metrics_stream)).last_seq
+        except StreamNotFound:
             return {key: [] for key in CURVE_KEYS}
-        last = int(info.state.last_seq or 0)
         if last > series.last_seq:
-            sub = await js.subscribe(
-                names.metrics_wildcard,
-                ordered_consumer=True,
-                config=api.ConsumerConfig(
-                    deliver_policy=api.DeliverPolicy.BY_START_SEQUENCE,
-                    opt_start_seq=series.last_seq + 1,
-                ),
+            reader = await transport.read(
+                names.metrics_stream, names.metrics_wildcard, start_seq=series.last_seq + 1
             )
             try:
                 while series.last_seq < last:
-                    try:
-                        msg = await sub.next_msg(timeout=1.0)
-                    except nats.errors.TimeoutError:
+                    msg = await reader.next(1.0)
+                    if msg is None:
                         break
                     series.last_seq = int(msg.metadata.sequence.stream)
                     self._add(series, msg.data)
             finally:
-                await sub.unsubscribe()
+                await reader.close()
         return {
             key: [[s, v] for s, v in sorted(series.steps.get(key, []))[-MAX_POINTS:]]
             for key in CURVE_KEYS
@@ -108,11 +97,11 @@ class MetricsReader:
                 series.steps.setdefault(key, []).append((int(record.step), float(value)))
 
 
-async def list_runs(nc: NatsClient) -> list[dict[str, Any]]:
+async def list_runs(transport: Transport) -> list[dict[str, Any]]:
     """Every run on the server: id, status, seconds since its newest heartbeat, bytes.
     Raises :class:`BusError` when the server cannot be listed."""
     now = time.time()
-    runs = await find_runs(nc.jetstream())
+    runs = await find_runs(transport)
     return [
         {
             "run": res.run,
@@ -124,30 +113,28 @@ async def list_runs(nc: NatsClient) -> list[dict[str, Any]]:
     ]
 
 
-async def _dead_letters(nc: NatsClient, names: RunNames) -> dict[str, Any]:
+async def _dead_letters(transport: Transport, names: RunNames) -> dict[str, Any]:
     """The run's dead-letter count and its newest :data:`DEAD_LETTERS_SHOWN` messages,
     each summarised with its reason headers (direct gets of the last sequences)."""
-    js = nc.jetstream()
     try:
-        info = await js.stream_info(names.dlq_stream)
-    except nats.js.errors.NotFoundError:
+        info = await transport.stream_state(names.dlq_stream)
+    except StreamNotFound:
         return {"count": 0, "messages": []}
-    first, last = int(info.state.first_seq or 0), int(info.state.last_seq or 0)
     shown = []
-    seq = last
-    while seq >= max(first, 1) and len(shown) < DEAD_LETTERS_SHOWN:
+    seq = info.last_seq
+    while seq >= max(info.first_seq, 1) and len(shown) < DEAD_LETTERS_SHOWN:
         try:
-            raw = await js.get_msg(names.dlq_stream, seq)
-        except nats.js.errors.NotFoundError:
+            raw = await transport.get_msg(names.dlq_stream, seq)
+        except MessageNotFound:
             seq -= 1
             continue
-        item = summarize_message(raw.subject or "", seq, raw.headers, raw.data or b"")
+        item = summarize_message(raw.subject, seq, raw.headers, raw.data)
         shown.append(item)
         seq -= 1
-    return {"count": int(info.state.messages or 0), "messages": shown}
+    return {"count": info.messages, "messages": shown}
 
 
-async def run_snapshot(nc: NatsClient, run: str, metrics: MetricsReader) -> dict[str, Any]:
+async def run_snapshot(transport: Transport, run: str, metrics: MetricsReader) -> dict[str, Any]:
     """Everything the live page shows of ``run`` now: ``status`` (steps, staleness,
     heartbeats, stage chain), ``streams`` (depths, consumers' lag), ``curves`` and
     ``dead_letters``. Raises :class:`BusError` naming the run when it has no KV bucket
@@ -156,20 +143,22 @@ async def run_snapshot(nc: NatsClient, run: str, metrics: MetricsReader) -> dict
         names = RunNames(run)
     except ValueError as exc:
         raise BusError(str(exc)) from exc
-    bus = Bus(nc, names, NatsConfig(), "studio")  # shares the studio's connection
+    bus = Bus(transport, names, NatsConfig(), "studio")  # shares the studio's connection
     try:
-        try:
-            kv = await nc.jetstream().key_value(names.kv_bucket)
-        except (nats.js.errors.BucketNotFoundError, nats.js.errors.NotFoundError) as exc:
-            raise BusError(
-                f"run {run!r}: no KV bucket {names.kv_bucket} on this server (no such run)"
-            ) from exc
+        kv = await transport.kv(names.kv_bucket, create=False)
+    except BucketNotFound as exc:
+        raise BusError(
+            f"run {run!r}: no KV bucket {names.kv_bucket} on this server (no such run)"
+        ) from exc
+    except (BusError, TimeoutError) as exc:
+        raise BusError(f"run {run!r}: reading it from NATS failed: {exc}") from exc
+    try:
         values = await RunState(kv).all()
         report = status_report(values, time.time())
         streams = [asdict(row) for row in await streams_report(bus)]
-        curves = await metrics.curves(nc, names)
-        dead = await _dead_letters(nc, names)
-    except (nats.errors.Error, TimeoutError) as exc:
+        curves = await metrics.curves(transport, names)
+        dead = await _dead_letters(transport, names)
+    except (BusError, TimeoutError) as exc:
         raise BusError(f"run {run!r}: reading it from NATS failed: {exc}") from exc
     return {
         "run": run,

@@ -21,8 +21,8 @@ from typing import Any
 import anyio
 import anyio.to_thread
 from aiohttp import web
-from nats.aio.client import Client as NatsClient
 
+from rftstream.bus.transport import Transport
 from rftstream.config.schema import NatsConfig
 from rftstream.errors import BusError, RftError
 from rftstream.studio.forms import check_form, form_sections
@@ -40,25 +40,25 @@ class Studio:
         self.nats_url = nats_url
         self.nats_cfg = nats_cfg or NatsConfig()
         self.metrics = MetricsReader()
-        self._nc: NatsClient | None = None
+        self._transport: Transport | None = None
         self._lock = anyio.Lock()
 
-    async def nc(self) -> NatsClient:
+    async def transport(self) -> Transport:
         """The studio's NATS connection (opened on first use). Raises :class:`BusError`
         naming the server when it cannot be reached."""
-        from rftstream.bus.connect import open_connection
+        from rftstream.bus.jetstream import connect_transport
 
         async with self._lock:
-            if self._nc is None or self._nc.is_closed:
-                self._nc, _ = await open_connection(
+            if self._transport is None or self._transport.is_closed:
+                self._transport = await connect_transport(
                     self.nats_cfg, self.nats_url, name="rftstream:studio", actor="studio"
                 )
-            return self._nc
+            return self._transport
 
     async def close(self) -> None:
         """Close the NATS connection, if open."""
-        if self._nc is not None and not self._nc.is_closed:
-            await self._nc.close()
+        if self._transport is not None:
+            await self._transport.close()
 
 
 def _error(status: int, message: str, **extra: Any) -> web.Response:
@@ -144,7 +144,11 @@ def make_app(studio: Studio) -> web.Application:
     async def runs(_: web.Request) -> web.Response:
         try:
             return web.json_response(
-                {"ok": True, "nats": studio.nats_url, "runs": await list_runs(await studio.nc())}
+                {
+                    "ok": True,
+                    "nats": studio.nats_url,
+                    "runs": await list_runs(await studio.transport()),
+                }
             )
         except RftError as exc:
             return _error(502, str(exc), nats=studio.nats_url)
@@ -153,7 +157,7 @@ def make_app(studio: Studio) -> web.Application:
     async def run(request: web.Request) -> web.Response:
         name = request.match_info["run"]
         try:
-            snapshot = await run_snapshot(await studio.nc(), name, studio.metrics)
+            snapshot = await run_snapshot(await studio.transport(), name, studio.metrics)
         except BusError as exc:
             return _error(404 if "no such run" in str(exc) else 502, str(exc))
         except RftError as exc:

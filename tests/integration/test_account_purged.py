@@ -52,7 +52,7 @@ async def test_a_purged_run_balances_by_id_and_by_record(nats_url: str) -> None:
         await bus.provision()
         state = RunState(await bus.kv())
         room = ExperienceRoom(
-            bus.js,
+            bus.transport,
             names.exp_stream,
             cfg.streams.experience,
             "explorer",
@@ -115,7 +115,7 @@ async def test_read_only_commands_do_not_create_a_missing_run(nats_url: str) -> 
 
 
 async def _streams(bus: Bus):  # noqa: ANN202 - async generator of StreamInfo
-    for info in await bus.js.streams_info():
+    for info in await bus.transport.js.streams_info():
         yield info
 
 
@@ -131,6 +131,6 @@ def test_read_only_cli_commands_name_a_missing_run(
 
     async def buckets() -> list[str]:
         async with await Bus.connect(nats_url, RunNames("x"), NatsConfig(), "t") as bus:
-            return [i.config.name for i in await bus.js.streams_info()]
+            return [i.config.name for i in await bus.transport.js.streams_info()]
 
     assert "KV_rft_ghostrun_state" not in anyio.run(buckets, backend="asyncio")

@@ -12,10 +12,10 @@ import pytest
 from nats.js import api
 
 from rftstream.bus.client import Bus
-from rftstream.bus.limits import ExperienceRoom, StreamFullError
+from rftstream.bus.limits import ExperienceRoom
 from rftstream.bus.server import EmbeddedNatsServer
 from rftstream.config.schema import NatsConfig
-from rftstream.errors import BusError
+from rftstream.errors import BusError, StreamFullError
 from rftstream.subjects import RunNames
 
 pytestmark = pytest.mark.anyio
@@ -46,7 +46,7 @@ async def test_limits_from_config_reach_every_stream(nats_url: str) -> None:
     names = RunNames("lim")
     async with await Bus.connect(nats_url, names, cfg, "t") as bus:
         await bus.provision()
-        seen = {s: (await bus.js.stream_info(s)).config for s in names.streams}
+        seen = {s: (await bus.transport.js.stream_info(s)).config for s in names.streams}
     tasks, exp, dlq, metrics = (seen[s] for s in names.streams)
     assert (tasks.max_bytes, tasks.max_msgs, tasks.discard) == (
         1_000_000,
@@ -68,7 +68,7 @@ async def test_defaults_bound_every_stream(nats_url: str) -> None:
     async with await Bus.connect(nats_url, names, NatsConfig(), "t") as bus:
         await bus.provision()
         for s in names.streams:
-            assert (await bus.js.stream_info(s)).config.max_bytes > 0, s
+            assert (await bus.transport.js.stream_info(s)).config.max_bytes > 0, s
 
 
 async def test_changed_limits_update_an_existing_stream(nats_url: str) -> None:
@@ -81,13 +81,13 @@ async def test_changed_limits_update_an_existing_stream(nats_url: str) -> None:
         nats_url, names, _nats(experience={"max_bytes": 3 * 10**6}), "b"
     ) as bus:
         await bus.provision()
-        assert (await bus.js.stream_info(names.exp_stream)).config.max_bytes == 3 * 10**6
+        assert (await bus.transport.js.stream_info(names.exp_stream)).config.max_bytes == 3 * 10**6
 
 
 async def test_a_stream_with_another_retention_is_refused_by_name(nats_url: str) -> None:
     names = RunNames("ret")
     async with await Bus.connect(nats_url, names, NatsConfig(), "t") as bus:
-        await bus.js.add_stream(
+        await bus.transport.js.add_stream(
             api.StreamConfig(name=names.tasks_stream, subjects=[names.tasks_subject])
         )  # limits retention: not the work queue this run needs
         with pytest.raises(
@@ -112,11 +112,11 @@ async def test_full_stream_refuses_with_a_clear_error_then_takes_more_once_purge
             for i in range(100):
                 await bus.publish(subject, b"x" * 1000, msg_id=f"m{i}", retries=0)
                 stored += 1
-        info = await bus.js.stream_info(names.exp_stream)
+        info = await bus.transport.js.stream_info(names.exp_stream)
         assert info.state.messages == stored and info.state.bytes <= 40_000
         assert 30 <= stored < 40  # ~1 KB each (payload + headers) under 40 000 bytes
         # nothing stored was dropped: the first one is still there
-        assert (await bus.js.get_msg(names.exp_stream, 1)).data == b"x" * 1000
+        assert (await bus.transport.js.get_msg(names.exp_stream, 1)).data == b"x" * 1000
 
 
 async def test_discard_old_loss_under_a_consumer_is_reported(
@@ -128,7 +128,7 @@ async def test_discard_old_loss_under_a_consumer_is_reported(
         await bus.provision()
         for i in range(25):  # nobody reads exp.raw: 15 of them go unread
             await bus.publish(names.exp_subject("raw"), b"g", msg_id=f"g{i}")
-        room = ExperienceRoom(bus.js, names.exp_stream, cfg.streams.experience, "explorer-0")
+        room = ExperienceRoom(bus.transport, names.exp_stream, cfg.streams.experience, "explorer-0")
         with caplog.at_level(logging.WARNING, logger="rftstream.bus.limits"):
             assert not await room.check()  # 10 of max_msgs 10: full
     # the operator's durable op_raw_to_train had acked nothing: 15 sequences passed it
@@ -157,7 +157,9 @@ async def test_long_run_stays_under_its_bound_and_trains_everything(tmp_path: Pa
             await Bus.connect(url, names, cfg, "trainer") as tr,
         ):
             await ex.provision()
-            room = ExperienceRoom(ex.js, names.exp_stream, cfg.streams.experience, "explorer")
+            room = ExperienceRoom(
+                ex.transport, names.exp_stream, cfg.streams.experience, "explorer"
+            )
 
             async def explorer() -> None:
                 for i in range(n_groups):
@@ -185,7 +187,7 @@ async def test_long_run_stays_under_its_bound_and_trains_everything(tmp_path: Pa
 
             async def watch() -> None:
                 while len(trained) < n_groups:
-                    info = await ex.js.stream_info(names.exp_stream)
+                    info = await ex.transport.js.stream_info(names.exp_stream)
                     peak["bytes"] = max(peak["bytes"], int(info.state.bytes))
                     peak["disk"] = max(peak["disk"], _dir_bytes(store))
                     await anyio.sleep(0.05)
@@ -195,7 +197,7 @@ async def test_long_run_stays_under_its_bound_and_trains_everything(tmp_path: Pa
                     for fn in (explorer, operator, trainer, watch):
                         tg.start_soon(fn)
             await room.check()  # the explorer's last purge, after the trainer's last ack
-            final = await ex.js.stream_info(names.exp_stream)
+            final = await ex.transport.js.stream_info(names.exp_stream)
     finally:
         server.stop()
     published = n_groups * (body + 60)

@@ -11,7 +11,8 @@ import msgspec
 import nats
 import pytest
 
-from rftstream.bus.client import Bus, PullConsumer
+from rftstream.bus.client import Bus
+from rftstream.bus.transport import PullSubscription
 from rftstream.config.schema import NatsConfig
 from rftstream.errors import BusError
 from rftstream.experience import H_MSG_ID, decode_group
@@ -29,14 +30,16 @@ async def _bus(url: str, **cfg: Any) -> Bus:
     return bus
 
 
-async def _consumer(bus: Bus) -> PullConsumer:
+async def _consumer(bus: Bus) -> PullSubscription:
     consumer = await bus.pull(NAMES.exp_stream, NAMES.stage_consumer("raw", "train"))
     assert consumer._direct  # the nats-py in use has what the direct fetch reads
     return consumer
 
 
 async def _ack_pending(bus: Bus) -> tuple[int, int]:
-    info = await bus.js.consumer_info(NAMES.exp_stream, NAMES.stage_consumer("raw", "train"))
+    info = await bus.transport.js.consumer_info(
+        NAMES.exp_stream, NAMES.stage_consumer("raw", "train")
+    )
     return int(info.num_pending), int(info.num_ack_pending)
 
 
@@ -47,13 +50,13 @@ def test_publish_acks_duplicates_and_headers(nats_url: str) -> None:
             a = await bus.publish(subject, b"a", headers={"Rft-X": "1"}, msg_id="m1")
             b = await bus.publish(subject, b"b", msg_id="m2")
             again = await bus.publish(subject, b"a", msg_id="m1")
-            assert (a.stream, a.seq, a.duplicate) == (NAMES.exp_stream, 1, None)
-            assert (b.seq, b.duplicate) == (2, None)
+            assert (a.stream, a.seq, a.duplicate) == (NAMES.exp_stream, 1, False)
+            assert (b.seq, b.duplicate) == (2, False)
             assert again.duplicate and again.seq == 1
-            msg = await bus.js.get_msg(NAMES.exp_stream, 1)
+            msg = await bus.transport.js.get_msg(NAMES.exp_stream, 1)
             assert msg.headers is not None
             assert msg.headers[H_MSG_ID] == "m1" and msg.headers["Rft-X"] == "1"
-            assert bus._limiter.inflight == 0 and not bus._replies._pending
+            assert bus.transport._limiter.inflight == 0 and not bus.transport._replies._pending
 
     anyio.run(main, backend="asyncio")
 
@@ -66,7 +69,7 @@ def test_rejected_and_unrouted_publishes_raise_bus_error(nats_url: str) -> None:
                 await bus.publish(NAMES.exp_subject("raw"), b"x", headers=wrong, retries=0)
             with pytest.raises(BusError, match="timed out 2 times"):  # no stream: 503
                 await bus.publish("nowhere.at.all", b"x", msg_id="n", retries=1)
-            assert bus._limiter.inflight == 0 and not bus._replies._pending
+            assert bus.transport._limiter.inflight == 0 and not bus.transport._replies._pending
 
     anyio.run(main, backend="asyncio")
 
@@ -85,11 +88,11 @@ def test_unanswered_publish_times_out_and_cancel_leaks_nothing(nats_url: str) ->
                 with pytest.raises(BusError, match=r"timed out [3-9] times") as err:
                     await bus.publish("blackhole.x", b"x", msg_id="w", timeout=0.2, retries=0)
                 assert "nats.retry_window 1 s" in str(err.value)
-                assert bus._limiter.inflight == 0 and not bus._replies._pending
+                assert bus.transport._limiter.inflight == 0 and not bus.transport._replies._pending
                 with anyio.move_on_after(0.3) as scope:
                     await bus.publish("blackhole.x", b"y", msg_id="c", timeout=30)
                 assert scope.cancelled_caught
-                assert bus._limiter.inflight == 0 and not bus._replies._pending
+                assert bus.transport._limiter.inflight == 0 and not bus.transport._replies._pending
             finally:
                 await nc.close()
 
@@ -100,20 +103,20 @@ def test_inflight_bytes_stay_under_the_cap(nats_url: str) -> None:
     async def main() -> None:
         async with await _bus(nats_url, max_inflight_bytes=4000) as bus:
             seen: list[int] = []
-            real = bus._replies.request
+            real = bus.transport._replies.request
 
             async def request(*args: Any, **kw: Any) -> Any:
-                seen.append(bus._limiter.inflight)
+                seen.append(bus.transport._limiter.inflight)
                 return await real(*args, **kw)
 
-            bus._replies.request = request  # type: ignore[method-assign]
+            bus.transport._replies.request = request  # type: ignore[method-assign]
             subject = NAMES.exp_subject("raw")
             async with anyio.create_task_group() as tg:
                 for i in range(40):
                     tg.start_soon(lambda i=i: bus.publish(subject, b"x" * 1000, msg_id=f"m{i}"))
             assert len(seen) == 40 and max(seen) <= 4000
-            assert bus._limiter.inflight == 0 and bus._limiter.waiting == 0
-            info = await bus.js.stream_info(NAMES.exp_stream)
+            assert bus.transport._limiter.inflight == 0 and bus.transport._limiter.waiting == 0
+            info = await bus.transport.js.stream_info(NAMES.exp_stream)
             assert info.state.messages == 40
 
     anyio.run(main, backend="asyncio")
@@ -134,7 +137,7 @@ def test_fetch_returns_what_is_there_and_acks_nothing(nats_url: str) -> None:
             assert await _ack_pending(bus) == (0, 5)  # delivered, none acked
             for m in first + rest:
                 await m.ack()
-            await bus.nc.flush()
+            await bus.transport.nc.flush()
             assert await _ack_pending(bus) == (0, 0)
             with pytest.raises(ValueError):
                 await consumer.fetch(0, timeout=1)

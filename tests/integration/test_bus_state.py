@@ -8,16 +8,26 @@ import nats
 import pytest
 from nats.js import api
 
+from rftstream.bus.jetstream import JetStreamTransport
 from rftstream.bus.state import RunState
 from rftstream.errors import BusError
 
 pytestmark = pytest.mark.integration
 
 
+def _transport(nc: nats.NATS) -> JetStreamTransport:
+    return JetStreamTransport(nc, retry_window=5.0, max_inflight_bytes=1 << 20)
+
+
+async def _state(transport: JetStreamTransport, bucket: str, **cfg: object) -> RunState:
+    """A bucket made with ``cfg`` (a KV setting the run's buckets do not use), as RunState."""
+    await transport.js.create_key_value(api.KeyValueConfig(bucket=bucket, **cfg))
+    return RunState(await transport.kv(bucket, create=False))
+
+
 async def _bucket(url: str, **cfg: object) -> tuple[nats.NATS, RunState]:
     nc = await nats.connect(url)
-    kv = await nc.jetstream().create_key_value(api.KeyValueConfig(bucket="cas", **cfg))
-    return nc, RunState(kv)
+    return nc, await _state(_transport(nc), "cas", **cfg)
 
 
 def test_compare_and_put_lost_race_is_none(nats_url: str) -> None:
@@ -66,18 +76,17 @@ def test_keys_lists_every_stored_key_right_after_its_put(nats_url: str) -> None:
     async def main() -> None:
         nc = await nats.connect(nats_url)
         try:
-            js = nc.jetstream()
+            transport = _transport(nc)
             # created first: the server's stream directory is never left empty by the
             # deletes below (nats-server removes it then, and a create at that moment fails)
-            kv = await js.create_key_value(api.KeyValueConfig(bucket="listing"))
-            state = RunState(kv)
+            state = await _state(transport, "listing")
             # a fresh bucket, one put, one listing: the old watcher-based listing
             # missed the key here about once in 150 rounds
             for i in range(300):
-                fresh = RunState(await js.create_key_value(api.KeyValueConfig(bucket=f"one{i}")))
+                fresh = await _state(transport, f"one{i}")
                 await fresh.heartbeat("trainer", "trainer", step=1)
                 assert await fresh.keys() == ["heartbeat.trainer"], f"round {i}"
-                await js.delete_key_value(f"one{i}")
+                await transport.delete_kv(f"one{i}")
             assert await state.keys() == []
             assert await state.heartbeats() == {}
             for i in range(40):  # put, then list at once: every round must see the new key

@@ -28,12 +28,12 @@ async def _make_run(url: str, run: str, status: str, beat_age: float | None) -> 
                 "heartbeat.trainer",
                 {"actor": "trainer", "role": "trainer", "ts": time.time() - beat_age},
             )
-        await bus.js.create_object_store(f"rft_{run}_weights")
+        await bus.transport.js.create_object_store(f"rft_{run}_weights")
 
 
 async def _streams(url: str) -> set[str]:
     async with await Bus.connect(url, RunNames("probe"), NatsConfig(), "probe") as bus:
-        return {info.config.name for info in await bus.js.streams_info()}
+        return {info.config.name for info in await bus.transport.js.streams_info()}
 
 
 def _setup(url: str) -> None:

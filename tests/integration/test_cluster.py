@@ -43,7 +43,7 @@ def nats_cluster(tmp_path: Path) -> Iterator[LocalNatsCluster]:
 
 async def replica_state(bus: Bus, stream: str) -> tuple[str, dict[str, bool]]:
     """``(leader, {follower: current})`` of ``stream``'s raft group, from stream info."""
-    info = await bus.js.stream_info(stream)
+    info = await bus.transport.js.stream_info(stream)
     assert info.cluster is not None, f"stream {stream} has no cluster info"
     followers = {
         str(p.name): bool(p.current) and not p.offline and not (p.lag or 0)
@@ -82,7 +82,7 @@ def test_streams_and_kv_get_three_current_replicas(
             kv_stream = f"KV_{n.kv_bucket}"
             streams = [n.tasks_stream, n.exp_stream, n.dlq_stream, n.metrics_stream, kv_stream]
             for stream in streams:
-                info = await bus.js.stream_info(stream)
+                info = await bus.transport.js.stream_info(stream)
                 assert info.config.num_replicas == 3, (stream, info.config.num_replicas)
             await wait_replicas_current(bus, streams)
             for stream in streams:

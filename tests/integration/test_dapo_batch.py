@@ -75,7 +75,11 @@ def test_every_step_is_a_full_batch_of_groups_with_signal(
 
             with anyio.fail_after(180):
                 await wait_drained(
-                    bus.js, run.names.exp_stream, "op_raw_to_train", timeout=180, check=no_errors
+                    bus.transport.js,
+                    run.names.exp_stream,
+                    "op_raw_to_train",
+                    timeout=180,
+                    check=no_errors,
                 )
                 while True:  # nothing more comes in: the durable stays drained meanwhile
                     no_errors()

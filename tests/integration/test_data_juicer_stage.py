@@ -59,7 +59,9 @@ def test_data_juicer_stage_filters_by_text(
             await bus.publish_group("raw", group(2), msg_id="g2")
             async with anyio.create_task_group() as tg:
                 tg.start_soon(run_operator, run, nats_url)
-                await wait_drained(bus.js, run.names.exp_stream, "op_raw_to_train", timeout=90)
+                await wait_drained(
+                    bus.transport.js, run.names.exp_stream, "op_raw_to_train", timeout=90
+                )
                 tg.cancel_scope.cancel()
 
     anyio.run(main, backend="asyncio")

@@ -191,7 +191,7 @@ def test_final_eval_when_the_tasks_run_out_and_tasksets_mix(
         }
         assert sizes == {"a": 4, "b": 2}  # b's own repeat_times
         async with await Bus.connect(nats_url, run.names, run.cfg.nats, "check") as bus:
-            info = await bus.js.stream_info(run.names.tasks_stream)
+            info = await bus.transport.js.stream_info(run.names.tasks_stream)
             assert info.state.messages == 0  # work queue: every task acked
         metrics = await read_metrics(nats_url, "rft.itest.metrics.>")
         assert [m.values["eval/final"] for m in metrics if "eval/final" in m.values] == [0.0, 1.0]
@@ -296,7 +296,7 @@ def test_stopped_explorer_is_resumed_by_a_new_one(
         # stuck step (run again, see _check_resumed) come back only because they were nak'ed
         async with await Bus.connect(nats_url, run.names, run.cfg.nats, "check") as bus:
             tasks = (run.names.tasks_stream, run.names.explorer_consumer)
-            assert (await bus.js.consumer_info(*tasks)).config.ack_wait > 120
+            assert (await bus.transport.js.consumer_info(*tasks)).config.ack_wait > 120
         (tmp_path / "gate").unlink()
         t0 = time.monotonic()
         with anyio.fail_after(120):
@@ -402,16 +402,16 @@ def test_taskset_publisher_that_died_is_taken_over(
             assert record.tasksets == {"t": 60}
             final = msgspec.json.decode((await state.kv.get(KV_TASKSET_CLAIM)).value)
             assert final["by"] == "heir" and final["seq"] == 60
-            info = await bus.js.stream_info(run.names.tasks_stream)
+            info = await bus.transport.js.stream_info(run.names.tasks_stream)
             assert info.state.messages == 60
             # a later explorer finds the record and publishes nothing
             late = Explorer(run.cfg, bus, model_path=run.model_path, name="late")
             await late.publisher.run(state)
-            info = await bus.js.stream_info(run.names.tasks_stream)
+            info = await bus.transport.js.stream_info(run.names.tasks_stream)
             assert info.state.messages == 60
             stored = [
                 msgspec.json.decode(
-                    (await bus.js.get_msg(run.names.tasks_stream, seq)).data, type=TaskMsg
+                    (await bus.transport.js.get_msg(run.names.tasks_stream, seq)).data, type=TaskMsg
                 )
                 for seq in range(info.state.first_seq, info.state.last_seq + 1)
             ]

@@ -152,7 +152,7 @@ def test_the_plan_is_published_as_it_is_taken(
             async with anyio.create_task_group() as tg:
                 tg.start_soon(explorer.publisher.run, state)
                 await anyio.sleep(1.5)
-                info = await bus.js.stream_info(names.tasks_stream)
+                info = await bus.transport.js.stream_info(names.tasks_stream)
                 assert info.state.messages == PUBLISH_CHUNK  # one chunk, then it waits
                 assert await state.taskset() is None
                 first = await state.kv.get(KV_TASKSET_CLAIM)

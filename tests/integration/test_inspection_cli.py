@@ -76,13 +76,15 @@ def test_operator_name_from_to_then_streams_tail_decode(
                 with anyio.fail_after(120):
                     while True:
                         assert op.poll() is None, log.read_text()[-3000:]
-                        info = await bus.js.stream_info(run.names.exp_stream, subjects_filter=">")
+                        info = await bus.transport.js.stream_info(
+                            run.names.exp_stream, subjects_filter=">"
+                        )
                         if (info.state.subjects or {}).get("rft.itest.exp.filtered", 0) >= 2:
                             break
                         await anyio.sleep(0.3)
                 # the stage's one durable (test_module_class_replicas_share_one_durable
                 # shows both replicas take work from it)
-                c = await bus.js.consumer_info(run.names.exp_stream, "op_raw_to_filtered")
+                c = await bus.transport.js.consumer_info(run.names.exp_stream, "op_raw_to_filtered")
                 assert c.config.filter_subject == "rft.itest.exp.raw"
                 await RunState(await bus.kv()).set_status("finished")
             return await read_stream(nats_url, "rft.itest.exp.filtered")
@@ -231,7 +233,7 @@ def test_module_class_replicas_share_one_durable(
             async with await Bus.connect(nats_url, run.names, run.cfg.nats, "checker") as bus:
                 # missing_ok: the process has not created the durable yet
                 await wait_drained(
-                    bus.js,
+                    bus.transport.js,
                     run.names.exp_stream,
                     "op_raw_to_kept",
                     timeout=120,
@@ -249,7 +251,7 @@ def test_module_class_replicas_share_one_durable(
 
     async def check() -> None:
         async with await Bus.connect(nats_url, run.names, run.cfg.nats, "checker") as bus:
-            infos = await bus.js.consumers_info(run.names.exp_stream)
+            infos = await bus.transport.js.consumers_info(run.names.exp_stream)
             # one consumer for this stage (besides the configured pipeline's own on exp.raw)
             mine = [c for c in infos if c.name not in ("op_raw_to_train", "trainer")]
             assert [c.name for c in mine] == ["op_raw_to_kept"]

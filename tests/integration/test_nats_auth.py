@@ -194,10 +194,10 @@ def test_accounts_isolate_runs_sharing_a_server(server: Any, tmp_path: Path) -> 
         await _round_trip(srv.url, as_b, run_b)
         async with await Bus.connect(srv.url, run_b, as_a, "intruder") as bus:
             with pytest.raises(nats.js.errors.NotFoundError):
-                await bus.js.stream_info(run_b.exp_stream)
-            assert [s.config.name for s in await bus.js.streams_info()] == []
+                await bus.transport.js.stream_info(run_b.exp_stream)
+            assert [s.config.name for s in await bus.transport.js.streams_info()] == []
         async with await Bus.connect(srv.url, run_b, as_b, "owner") as bus:
-            info = await bus.js.stream_info(run_b.exp_stream)
+            info = await bus.transport.js.stream_info(run_b.exp_stream)
             assert info.state.messages == 1
 
     anyio.run(main, backend="asyncio")

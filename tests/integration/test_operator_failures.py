@@ -124,14 +124,14 @@ def test_poison_message_is_retried_then_dead_lettered_and_the_stage_goes_on(
                 tg.start_soon(lambda: run_operator(run, nats_url, pipeline=pipeline))
 
                 async def dead_lettered() -> bool:
-                    info = await bus.js.stream_info(run.names.dlq_stream)
+                    info = await bus.transport.js.stream_info(run.names.dlq_stream)
                     return info.state.messages >= 1
 
                 await _wait(dead_lettered)
                 # the host is still running: messages published now pass too
                 for g in later:
                     await bus.publish_group("raw", g, msg_id=f"raw-{g[0].eid.task}")
-                await wait_drained(bus.js, run.names.exp_stream, "op_raw_to_train")
+                await wait_drained(bus.transport.js, run.names.exp_stream, "op_raw_to_train")
                 tg.cancel_scope.cancel()
 
     anyio.run(main, backend="asyncio")
@@ -189,7 +189,7 @@ def test_an_operator_that_fails_for_a_while_then_recovers_loses_nothing(
                 tg.start_soon(
                     lambda: run_operator(run, nats_url, pipeline=ExperiencePipeline([flaky]))
                 )
-                await wait_drained(bus.js, run.names.exp_stream, "op_raw_to_train")
+                await wait_drained(bus.transport.js, run.names.exp_stream, "op_raw_to_train")
                 tg.cancel_scope.cancel()
 
     anyio.run(main, backend="asyncio")
@@ -227,7 +227,7 @@ def test_a_hanging_operator_is_timed_out_and_dead_lettered(
             async with anyio.create_task_group() as tg:
                 pipeline = ExperiencePipeline([HangsOnTask(2, release)])
                 tg.start_soon(lambda: run_operator(run, nats_url, pipeline=pipeline))
-                await wait_drained(bus.js, run.names.exp_stream, "op_raw_to_train")
+                await wait_drained(bus.transport.js, run.names.exp_stream, "op_raw_to_train")
                 tg.cancel_scope.cancel()
 
     try:
@@ -298,7 +298,7 @@ def test_an_operators_own_timeout_error_is_dead_lettered_as_itself(
             async with anyio.create_task_group() as tg:
                 pipeline = ExperiencePipeline([RaisesItsOwnTimeout(1)])
                 tg.start_soon(lambda: run_operator(run, nats_url, pipeline=pipeline))
-                await wait_drained(bus.js, run.names.exp_stream, "op_raw_to_train")
+                await wait_drained(bus.transport.js, run.names.exp_stream, "op_raw_to_train")
                 tg.cancel_scope.cancel()
 
     anyio.run(main, backend="asyncio")

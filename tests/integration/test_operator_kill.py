@@ -43,7 +43,9 @@ async def delivered(bus: Bus, durable: str) -> int:
     """Messages the durable has delivered so far (0 before its process created it)."""
     try:
         return int(
-            (await bus.js.consumer_info(bus.names.exp_stream, durable)).delivered.consumer_seq
+            (
+                await bus.transport.js.consumer_info(bus.names.exp_stream, durable)
+            ).delivered.consumer_seq
         )
     except nats.js.errors.NotFoundError:
         return 0
@@ -51,7 +53,10 @@ async def delivered(bus: Bus, durable: str) -> int:
 
 async def in_flight(bus: Bus, durable: str) -> bool:
     """True while the durable has delivered messages not yet acked (a batch is mid-way)."""
-    return int((await bus.js.consumer_info(bus.names.exp_stream, durable)).num_ack_pending) > 0
+    return (
+        int((await bus.transport.js.consumer_info(bus.names.exp_stream, durable)).num_ack_pending)
+        > 0
+    )
 
 
 def test_sigkilled_stage_loses_nothing_and_doubles_nothing(
@@ -130,7 +135,9 @@ def test_sigkilled_stage_loses_nothing_and_doubles_nothing(
                         assert b.poll() is None, (tmp_path / "b.log").read_text()[-3000:]
                         done = True
                         for durable in ("op_raw_to_s1", "op_s1_to_train"):
-                            info = await bus.js.consumer_info(run.names.exp_stream, durable)
+                            info = await bus.transport.js.consumer_info(
+                                run.names.exp_stream, durable
+                            )
                             done &= info.num_pending == 0 and info.num_ack_pending == 0
                         if done:
                             break

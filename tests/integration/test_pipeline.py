@@ -71,10 +71,10 @@ def test_explorer_operator_trainer_steps(
         group = decode_group(train[0].data)
         assert len(group) == 4 and all(e.advantages is not None for e in group)
         async with await Bus.connect(nats_url, run.names, run.cfg.nats, "inspector") as bus:
-            info = await bus.js.stream_info(run.names.exp_stream)
+            info = await bus.transport.js.stream_info(run.names.exp_stream)
             assert "experience" in (info.config.description or "")
             assert info.config.metadata and info.config.metadata["rft.run"] == "itest"
-            cinfo = await bus.js.consumer_info(run.names.exp_stream, "trainer")
+            cinfo = await bus.transport.js.consumer_info(run.names.exp_stream, "trainer")
             assert cinfo.config.metadata["rft.role"] == "trainer"
             state = RunState(await bus.kv())
             assert await state.status() == "finished"
@@ -180,10 +180,10 @@ def test_malformed_message_is_dead_lettered_and_run_goes_on(
                 tg.start_soon(run_operator, run, nats_url)
                 with anyio.fail_after(60):
                     while True:
-                        train = await bus.js.stream_info(
+                        train = await bus.transport.js.stream_info(
                             run.names.exp_stream, subjects_filter=run.names.exp_subject("train")
                         )
-                        dlq = await bus.js.stream_info(run.names.dlq_stream)
+                        dlq = await bus.transport.js.stream_info(run.names.dlq_stream)
                         if dlq.state.messages >= 1 and (train.state.subjects or {}).get(
                             run.names.exp_subject("train")
                         ):
@@ -233,7 +233,9 @@ def test_group_split_into_parts_arrives_whole(
             assert stored >= 4  # split into parts
             async with anyio.create_task_group() as tg:
                 tg.start_soon(run_operator, run, nats_url)
-                await wait_drained(bus.js, run.names.exp_stream, "op_raw_to_train", timeout=60)
+                await wait_drained(
+                    bus.transport.js, run.names.exp_stream, "op_raw_to_train", timeout=60
+                )
                 tg.cancel_scope.cancel()
 
     anyio.run(main, backend="asyncio")

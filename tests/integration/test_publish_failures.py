@@ -80,7 +80,9 @@ def test_operator_gives_inputs_back_on_a_publish_failure(
             )
             async with anyio.create_task_group() as tg:
                 tg.start_soon(host.run)
-                await wait_drained(producer.js, run.names.exp_stream, host.durable, timeout=120)
+                await wait_drained(
+                    producer.transport.js, run.names.exp_stream, host.durable, timeout=120
+                )
                 tg.cancel_scope.cancel()
             return failed, dict(host.counters)
 

@@ -46,10 +46,10 @@ def test_survives_a_restart_within_the_window(tmp_path: Path, sig: signal.Signal
             consumer = await bus.pull(NAMES.exp_stream, NAMES.stage_consumer("raw", "train"))
             _kill(server, sig)
             await anyio.sleep(1.5)  # the client notices and starts reconnecting
-            assert not bus.nc.is_connected
+            assert not bus.transport.nc.is_connected
             await anyio.to_thread.run_sync(server.start)  # same port, same store
             with anyio.fail_after(20):
-                while not bus.nc.is_connected:
+                while not bus.transport.nc.is_connected:
                     await anyio.sleep(0.1)
             await bus.publish_group("raw", _group(2, 1.0), msg_id="after")
             got = []
@@ -59,7 +59,7 @@ def test_survives_a_restart_within_the_window(tmp_path: Path, sig: signal.Signal
             assert sorted(decode_group(m.data)[0].eid.task for m in got) == [1, 2]
             for m in got:
                 await m.ack_sync()
-            assert bus.watch is not None and bus.watch.gave_up is None
+            assert bus.transport.connection is not None and bus.transport.connection.gave_up is None
 
     try:
         anyio.run(main, backend="asyncio")

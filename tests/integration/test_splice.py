@@ -21,8 +21,10 @@ import nats.js.errors
 import pytest
 import yaml
 
+from rftstream.bus.jetstream import JetStreamTransport
 from rftstream.bus.state import RunState
 from rftstream.config import config_from_dict
+from rftstream.errors import BucketNotFound
 from rftstream.experience import decode_group
 from rftstream.plugins import load_plugins
 from rftstream.runtime import prepare_run, run_actors, run_operator, splice_in
@@ -55,9 +57,10 @@ def _config(tmp_path: Path, tiny_model_path: str) -> dict:
 async def _trainer_step(url: str, run) -> int:
     nc = await nats.connect(url)
     try:
-        kv = await nc.jetstream().key_value(run.names.kv_bucket)
+        transport = JetStreamTransport(nc, retry_window=5.0, max_inflight_bytes=1 << 20)
+        kv = await transport.kv(run.names.kv_bucket, create=False)
         return await RunState(kv).trainer_step()
-    except nats.js.errors.BucketNotFoundError:
+    except BucketNotFound:
         return 0  # not provisioned yet
     finally:
         await nc.close()

@@ -112,7 +112,7 @@ def _count_on(url: str, run: Any, stage: str) -> int:
     async def count() -> int:
         async with await Bus.connect(url, run.names, run.cfg.nats, "probe") as bus:
             subject = run.names.exp_subject(stage)
-            info = await bus.js.stream_info(run.names.exp_stream, subjects_filter=subject)
+            info = await bus.transport.js.stream_info(run.names.exp_stream, subjects_filter=subject)
             return int((info.state.subjects or {}).get(subject, 0))
 
     return anyio.run(count, backend="asyncio")

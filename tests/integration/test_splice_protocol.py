@@ -22,8 +22,8 @@ from typing import Any
 import anyio
 import nats
 import pytest
-from nats.js import api
 
+from rftstream.bus.jetstream import JetStreamTransport
 from rftstream.bus.state import RunState
 from rftstream.errors import RftError
 from rftstream.splice import operator_side as splice
@@ -83,8 +83,8 @@ def with_state(nats_url: str, body: Callable[[RunState], Awaitable[None]]) -> No
     async def main() -> None:
         nc = await nats.connect(nats_url)
         try:
-            kv = await nc.jetstream().create_key_value(api.KeyValueConfig(bucket="proto"))
-            await body(RunState(kv))
+            transport = JetStreamTransport(nc, retry_window=5.0, max_inflight_bytes=1 << 20)
+            await body(RunState(await transport.kv("proto", create=True)))
         finally:
             await nc.close()
 

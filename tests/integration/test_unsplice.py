@@ -17,7 +17,6 @@ import time
 from pathlib import Path
 
 import anyio
-import nats.errors
 import pytest
 
 from operators import EXPERIENCE_OPERATORS, ExperiencePipeline
@@ -29,6 +28,7 @@ from rftstream.actors.trainer import Trainer
 from rftstream.bus.client import Bus
 from rftstream.bus.state import RunState
 from rftstream.config import config_from_dict
+from rftstream.errors import BusTimeout
 from rftstream.experience import decode_group
 from rftstream.runtime import prepare_run, provision
 from rftstream.splice import operator_side
@@ -129,7 +129,9 @@ def test_splice_crash_resume_unsplice_twice_exactly_once(
 
                 async def on_filtered() -> int:
                     subject = run.names.exp_subject("filtered")
-                    info = await bus.js.stream_info(run.names.exp_stream, subjects_filter=subject)
+                    info = await bus.transport.js.stream_info(
+                        run.names.exp_stream, subjects_filter=subject
+                    )
                     return int((info.state.subjects or {}).get(subject, 0))
 
                 async def through_filter(more: int) -> None:
@@ -360,7 +362,7 @@ class FlakyKV:
             what = (name, args[0] if args else None)
             if self.on and what not in self.failed:
                 self.failed.append(what)
-                raise nats.errors.TimeoutError
+                raise BusTimeout(f"KV {name}: timed out (injected)")
             return await attr(*args, **kwargs)
 
         return call
@@ -427,7 +429,7 @@ def test_kv_hiccups_do_not_fail_the_trainer_while_it_answers_splices(
                         to_stage="filtered",
                         cut_seq=int(cut.start_seq or 1) - 1,
                     )
-                    end = int((await obus.js.stream_info(n.exp_stream)).state.last_seq)
+                    end = int((await obus.transport.js.stream_info(n.exp_stream)).state.last_seq)
                     await operator_side.finish_unsplice(state, "u1", "filtered", end)
                     while not isinstance(await state.get(SPLICE), SpliceDone):
                         await anyio.sleep(0.05)

@@ -225,14 +225,13 @@ def test_experience_problem(over: dict, expected: str | None) -> None:
 
 
 def _info(name: str, subject: str, meta: dict[str, str] | None = None) -> object:
-    from nats.js import api
+    from rftstream.bus.transport import ConsumerState
 
-    return api.ConsumerInfo(
-        stream_name="S",
+    return ConsumerState(
         name=name,
-        created=0,
-        config=api.ConsumerConfig(durable_name=name, filter_subject=subject, metadata=meta),
-        ack_floor=api.SequenceInfo(consumer_seq=0, stream_seq=7),
+        filter_subject=subject,
+        metadata=meta or {},
+        ack_floor=7,
         num_pending=1,
         num_ack_pending=2,
     )

@@ -7,7 +7,7 @@ import anyio
 import pytest
 from anyio import wait_all_tasks_blocked
 
-from rftstream.bus.client import InflightLimiter
+from rftstream.bus.jetstream.publish import InflightLimiter
 
 pytestmark = pytest.mark.anyio
 

@@ -8,7 +8,7 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from rftstream.bus.connect import connect_options, secrets_to_env, server_urls
+from rftstream.bus.jetstream.connect import connect_options, secrets_to_env, server_urls
 from rftstream.config import load_config
 from rftstream.config.explain import explain_file
 from rftstream.config.loader import dump_config_yaml

@@ -10,8 +10,8 @@ import nats.errors
 import nats.js.errors
 import pytest
 
-from rftstream.bus import resilient
-from rftstream.bus.resilient import is_transient, retry_transient
+from rftstream.bus.jetstream import resilient
+from rftstream.bus.jetstream.resilient import is_transient, retry_transient
 
 pytestmark = pytest.mark.anyio
 

@@ -15,6 +15,7 @@ import anyio
 import pytest
 
 from rftstream.actors.common import experience_backlog, pipeline_order
+from rftstream.bus.transport import ConsumerState
 from rftstream.config.schema import (
     AlgorithmConfig,
     BufferConfig,
@@ -31,12 +32,9 @@ GROUP = 8  # experiences per message (repeat_times)
 TBS = 64  # experiences per trainer step: 8 messages
 
 
-def _info(name: str, stage: str, pending: int = 0, unacked: int = 0) -> Any:
-    return SimpleNamespace(
-        name=name,
-        config=SimpleNamespace(durable_name=name, filter_subject=f"rft.t.exp.{stage}"),
-        num_pending=pending,
-        num_ack_pending=unacked,
+def _info(name: str, stage: str, pending: int = 0, unacked: int = 0) -> ConsumerState:
+    return ConsumerState(
+        name=name, filter_subject=f"rft.t.exp.{stage}", num_pending=pending, num_ack_pending=unacked
     )
 
 
@@ -50,13 +48,13 @@ class World:
         self.version = 0
         self.starving: TrainerStarving | None = None
         self.trained_unacked: Any = None  # the trainer's TrainedUnacked record
-        self.on_list: list[Any] = []  # one callable per consumers_info call, then nothing
+        self.on_list: list[Any] = []  # one callable per consumers() call, then nothing
         self.after_trainer_read: list[Any] = []  # one per read of the trainer's consumer
         self.on_weights: list[Any] = []  # one per latest_weights call
         self.versions_seen: list[int] = []
 
-    # the part of the JetStream API experience_backlog uses
-    async def consumers_info(self, stream: str) -> list[Any]:
+    # the part of the transport experience_backlog uses
+    async def consumers(self, stream: str) -> list[ConsumerState]:
         # a server reads each consumer in turn, here the trainer first: what moves
         # meanwhile is in neither count of the list
         trainer = _info("trainer", "train", 0, self.trainer_held)
@@ -64,7 +62,7 @@ class World:
             self.on_list.pop(0)()
         return [trainer, self._op()]
 
-    async def consumer_info(self, stream: str, name: str) -> Any:
+    async def consumer_state(self, stream: str, name: str) -> ConsumerState:
         if name != "trainer":
             return self._op()
         info = _info(name, "train", 0, self.trainer_held)
@@ -121,7 +119,7 @@ def _explorer(max_staleness: int) -> Any:
 
 
 def _attach(explorer: Any, world: World) -> None:
-    explorer.bus = SimpleNamespace(names=RunNames("t"), js=world)
+    explorer.bus = SimpleNamespace(names=RunNames("t"), transport=world)
 
 
 def test_consumers_are_read_upstream_first() -> None:

@@ -6,8 +6,9 @@ import warnings
 
 import msgspec
 import pytest
-from nats.js import api
+from nats.js.api import DiscardPolicy
 
+from rftstream.bus.jetstream.records import stream_config
 from rftstream.bus.limits import (
     ConsumerFloor,
     StreamLimitWarning,
@@ -19,6 +20,7 @@ from rftstream.bus.limits import (
     removed_by_limits,
     stream_limits,
 )
+from rftstream.bus.transport import StreamSpec
 from rftstream.config import config_from_dict
 from rftstream.config.schema import NatsConfig, StreamLimitsConfig, StreamsConfig
 from rftstream.config.validate import validate_config
@@ -99,9 +101,11 @@ def test_fill_and_high_water() -> None:
     assert not experience_full(10**12, 10**9, StreamLimitsConfig())  # unlimited
 
 
-def test_stream_limits_map_to_nats_fields() -> None:
+def test_stream_limits_map_to_stream_spec_fields() -> None:
     out = stream_limits(StreamLimitsConfig(max_bytes=5, max_msgs=6, max_age=7.5, discard="old"))
-    assert out == {"max_bytes": 5, "max_msgs": 6, "max_age": 7.5, "discard": api.DiscardPolicy.OLD}
+    assert out == {"max_bytes": 5, "max_msgs": 6, "max_age": 7.5, "discard": "old"}
+    spec = StreamSpec(name="S", subjects=("s",), **out)
+    assert stream_config(spec).discard == DiscardPolicy.OLD  # as NATS gets it
 
 
 def test_defaults_bound_every_stream_without_discarding_unread_work() -> None:

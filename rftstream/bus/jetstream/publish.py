@@ -1,0 +1,172 @@
+"""Publishing to JetStream cheaply: request/reply through one inbox and a cap on bytes in flight.
+
+:class:`Replies` replaces ``nc.request`` for JetStream publishes (one wildcard
+inbox subscription, a counter for tokens, one timer per wait);
+:class:`InflightLimiter` caps the bytes awaiting their acks (DESIGN §8). Both
+sit on the publish hot path of :class:`~rftstream.bus.jetstream.transport.JetStreamTransport`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import deque
+from typing import Any
+
+import anyio
+import msgspec
+import nats.errors
+import nats.js.errors
+from nats.aio.client import Client as NatsClient
+from nats.aio.msg import Msg
+from nats.js import api
+
+_STATUS = api.Header.STATUS
+
+
+class PubAckMsg(msgspec.Struct, gc=False):
+    """A JetStream publish reply: the ack, or ``error`` (code, err_code, description)."""
+
+    stream: str = ""
+    seq: int = 0
+    domain: str | None = None
+    duplicate: bool | None = None
+    error: dict[str, Any] | None = None
+
+
+PUBACK_DECODER = msgspec.json.Decoder(PubAckMsg)
+
+
+def _expire(fut: asyncio.Future[Msg]) -> None:
+    if not fut.done():
+        fut.set_exception(nats.errors.TimeoutError())
+
+
+class Replies:
+    """Request/reply for JetStream publishes on one connection.
+
+    ``nc.request`` makes a NUID and reads ``os.urandom`` for every request's
+    token and waits through ``asyncio.wait_for``; here one wildcard inbox
+    subscription (made on first use) serves every publish, a token is a
+    counter, and the wait is one timer. The subscription is restored with the
+    connection after a reconnect; a reply lost meanwhile is a timeout.
+    """
+
+    def __init__(self, nc: NatsClient) -> None:
+        self.nc = nc
+        self._prefix = ""
+        self._sub: Any = None
+        self._starting: anyio.Event | None = None
+        self._pending: dict[str, asyncio.Future[Msg]] = {}
+        self._count = 0
+
+    async def _start(self) -> None:
+        while self._sub is None:
+            if self._starting is not None:  # another publish is subscribing
+                await self._starting.wait()
+                continue
+            self._starting = anyio.Event()
+            try:
+                prefix = self.nc.new_inbox()
+                self._sub = await self.nc.subscribe(f"{prefix}.*", cb=self._on_reply)
+                self._prefix = prefix
+            finally:
+                self._starting.set()
+                self._starting = None
+
+    async def _on_reply(self, msg: Msg) -> None:
+        fut = self._pending.pop(msg.subject[len(self._prefix) + 1 :], None)
+        if fut is None or fut.done():
+            return  # a reply after its timeout or cancel
+        if not msg.data and msg.headers and msg.headers.get(_STATUS) == "503":
+            fut.set_exception(nats.js.errors.NoStreamResponseError())  # no stream for the subject
+        else:
+            fut.set_result(msg)
+
+    async def request(
+        self, subject: str, data: bytes, headers: dict[str, str] | None, timeout: float
+    ) -> Msg:
+        """Publish with a reply subject; block until the reply, at most ``timeout`` s.
+
+        Raises ``nats.errors.TimeoutError`` after ``timeout``. Cancelling it
+        forgets the request (the message may be stored or not).
+        """
+        if self._sub is None:
+            await self._start()
+        self._count += 1
+        token = str(self._count)
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future[Msg] = loop.create_future()
+        self._pending[token] = fut
+        try:
+            await self.nc.publish(subject, data, reply=f"{self._prefix}.{token}", headers=headers)
+            timer = loop.call_later(timeout, _expire, fut)
+            try:
+                return await fut
+            finally:
+                timer.cancel()
+        finally:
+            self._pending.pop(token, None)
+
+
+class _Waiter:
+    __slots__ = ("n", "event", "granted")
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+        self.event = anyio.Event()
+        self.granted = False
+
+
+class InflightLimiter:
+    """Caps the bytes of publishes awaiting their ack (DESIGN §8: thousands of
+    large messages in flight make the server answer 429 and drop).
+
+    :meth:`acquire` returns at once, without yielding to the event loop, while
+    ``inflight + n <= limit`` and nobody is waiting; otherwise it blocks in
+    FIFO order until releases make room (one message larger than the limit is
+    let through alone, when nothing else is in flight). :meth:`release` is
+    synchronous: it never blocks, so a ``finally`` of a cancelled publish gives
+    its bytes back without a shielded scope, and it hands the room directly
+    to the waiters it wakes. Cancelling a blocked :meth:`acquire` takes
+    nothing (or gives back what was granted at the same moment).
+    """
+
+    def __init__(self, limit: int) -> None:
+        self.limit = max(1, limit)
+        self.inflight = 0
+        self._waiters: deque[_Waiter] = deque()
+
+    def _fits(self, n: int) -> bool:
+        return self.inflight == 0 or self.inflight + n <= self.limit
+
+    @property
+    def waiting(self) -> int:
+        """Acquires blocked for room."""
+        return len(self._waiters)
+
+    async def acquire(self, n: int) -> None:
+        if not self._waiters and self._fits(n):
+            self.inflight += n
+            return
+        waiter = _Waiter(n)
+        self._waiters.append(waiter)
+        try:
+            await waiter.event.wait()
+        except BaseException:
+            if waiter.granted:
+                self.release(n)
+            else:
+                self._waiters.remove(waiter)
+                self._wake()  # the head left: the next ones may fit now
+            raise
+
+    def release(self, n: int) -> None:
+        self.inflight -= n
+        self._wake()
+
+    def _wake(self) -> None:
+        while self._waiters and self._fits(self._waiters[0].n):
+            waiter = self._waiters.popleft()
+            self.inflight += waiter.n
+            waiter.granted = True
+            waiter.event.set()

@@ -1,0 +1,89 @@
+"""KV buckets of the in-memory transport: keys as subjects of a stream ``KV_<bucket>``,
+revisions as its sequences, deletes as marker messages (as JetStream keeps them)."""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+
+from rftstream.bus.memory.streams import Stored, Stream
+from rftstream.bus.transport import KvEntry
+from rftstream.errors import CasConflict, KeyNotFound
+
+H_KV_OPERATION = "KV-Operation"  # JetStream's marker of a deleted (or purged) key
+
+
+class WriteListeners:
+    """A callback for writes of some keys (:meth:`MemoryKV.on_write`)."""
+
+    def __init__(self, kv: MemoryKV, keys: tuple[str, ...], cb: Callable[[], Awaitable[None]]):
+        self._kv = kv
+        self.keys = keys
+        self.cb = cb
+
+    async def unsubscribe(self) -> None:
+        if self in self._kv.listeners:
+            self._kv.listeners.remove(self)
+
+
+class MemoryKV:
+    """A KV bucket over the stream ``KV_<bucket>`` (:class:`~rftstream.bus.transport.KeyValueStore`)."""
+
+    def __init__(self, stream: Stream, bucket: str) -> None:
+        self._stream = stream  # KV_<bucket>, subjects $KV.<bucket>.>
+        self.bucket = bucket
+        self._pre = f"$KV.{bucket}."
+        self.listeners: list[WriteListeners] = []
+
+    def _last(self, key: str) -> tuple[int, Stored] | None:
+        subject = self._pre + key
+        for seq, m in reversed(self._stream.msgs.items()):
+            if m.subject == subject:
+                return seq, m
+        return None
+
+    @staticmethod
+    def _deleted(stored: Stored) -> bool:
+        return (stored.headers or {}).get(H_KV_OPERATION) in ("DEL", "PURGE")
+
+    async def _write(self, key: str, value: bytes, headers: dict[str, str] | None = None) -> int:
+        ack = self._stream.store(self._pre + key, value, headers)
+        for listener in list(self.listeners):
+            if key in listener.keys:
+                await listener.cb()
+        return ack.seq
+
+    async def get(self, key: str) -> KvEntry:
+        last = self._last(key)
+        if last is None or self._deleted(last[1]):
+            raise KeyNotFound(f"KV {self.bucket}/{key}: no value")
+        return KvEntry(key, last[1].data, last[0], last[1].stamp)
+
+    async def put(self, key: str, value: bytes) -> int:
+        return await self._write(key, value)
+
+    async def create(self, key: str, value: bytes) -> int:
+        last = self._last(key)
+        if last is not None and not self._deleted(last[1]):
+            raise CasConflict(f"KV {self.bucket}/{key}: exists already")
+        return await self._write(key, value)
+
+    async def update(self, key: str, value: bytes, last: int) -> int:
+        now = self._last(key)
+        if (now[0] if now is not None else 0) != last:
+            raise CasConflict(f"KV {self.bucket}/{key}: not at revision {last}")
+        return await self._write(key, value)
+
+    async def delete(self, key: str) -> None:
+        if self._last(key) is not None:
+            await self._write(key, b"", {H_KV_OPERATION: "DEL"})
+
+    async def keys(self, prefix: str = "") -> list[str]:
+        found = {m.subject[len(self._pre) :] for m in self._stream.msgs.values()}
+        return sorted(k for k in found if k.startswith(prefix))
+
+    async def on_write(
+        self, keys: tuple[str, ...], callback: Callable[[], Awaitable[None]]
+    ) -> WriteListeners:
+        listener = WriteListeners(self, tuple(keys), callback)
+        self.listeners.append(listener)
+        return listener

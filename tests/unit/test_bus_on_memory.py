@@ -1,0 +1,180 @@
+"""Logic above the bus, run on the in-memory transport (no server): the Bus's publishing
+and dead letters, RunState's compare-and-set, the trainer's ExperienceFeed acking what it
+trained, the backlog count and the purge of acked experience."""
+
+from __future__ import annotations
+
+import msgspec
+import pytest
+
+from rftstream.actors.common import InProgressTicker, KeyChanges, experience_backlog
+from rftstream.actors.feed import ExperienceFeed
+from rftstream.bus.client import Bus
+from rftstream.bus.limits import purge_acked
+from rftstream.bus.memory import MemoryTransport
+from rftstream.bus.purged import read_purged
+from rftstream.bus.state import RunState
+from rftstream.config.schema import ExperienceStreamConfig, NatsConfig
+from rftstream.errors import PayloadTooLargeError, StreamFullError
+from rftstream.experience import EID, Experience, decode_group
+from rftstream.messages import H_DLQ_REASON, H_DLQ_SEQ, H_DLQ_STAGE
+from rftstream.subjects import TRAIN_STAGE, RunNames
+
+pytestmark = pytest.mark.anyio
+
+NAMES = RunNames("mem")
+
+
+def _group(task: int, n: int = 2) -> list[Experience]:
+    return [
+        Experience(tokens=[5, 6, 7, 8], prompt_length=2, reward=1.0, eid=EID(0, task, i))
+        for i in range(n)
+    ]
+
+
+async def _bus(actor: str = "test", transport: MemoryTransport | None = None, **cfg: object) -> Bus:
+    config = msgspec.convert(cfg, NatsConfig)
+    bus = Bus(transport or MemoryTransport(), NAMES, config, actor)
+    await bus.provision()
+    return bus
+
+
+async def test_provision_makes_the_runs_streams_durables_and_bucket() -> None:
+    bus = await _bus()
+    streams = await bus.transport.streams()
+    assert set(NAMES.streams) | {f"KV_{NAMES.kv_bucket}"} <= set(streams)
+    assert (await bus.transport.consumer_state(NAMES.exp_stream, NAMES.trainer_consumer)).durable
+    await bus.provision()  # idempotent
+
+
+async def test_publish_group_is_stored_once_per_msg_id_with_its_headers() -> None:
+    bus = await _bus()
+    assert await bus.publish_group("raw", _group(1), msg_id="g1") == 1
+    assert await bus.publish_group("raw", _group(1), msg_id="g1") == 0  # a retried publish
+    stored = await bus.transport.last_msg(NAMES.exp_stream, NAMES.exp_subject("raw"))
+    assert stored.headers is not None and stored.headers["Rft-Count"] == "2"
+    assert [e.eid.run for e in decode_group(stored.data)] == [0, 1]
+    with pytest.raises(PayloadTooLargeError, match="max_payload"):
+        await bus.publish(NAMES.exp_subject("raw"), b"x" * (bus.max_payload + 1))
+
+
+async def test_a_full_stream_raises_stream_full_naming_the_config_key() -> None:
+    bus = await _bus(streams={"experience": {"max_msgs": 1}})
+    await bus.publish(NAMES.exp_subject("raw"), b"a")
+    with pytest.raises(StreamFullError, match="max_bytes / max_msgs"):
+        await bus.publish(NAMES.exp_subject("raw"), b"b", retries=0)
+
+
+async def test_a_dead_letter_carries_the_reason_and_is_never_redelivered() -> None:
+    transport = MemoryTransport()
+    producer = await _bus("explorer", transport)
+    trainer = await _bus("trainer", transport)
+    await producer.publish_group(TRAIN_STAGE, _group(1), msg_id="g1")
+    sub = await trainer.pull(NAMES.exp_stream, NAMES.trainer_consumer)
+    (msg,) = await sub.fetch(1, 0.01)
+    await trainer.dead_letter(TRAIN_STAGE, msg, "trainer: bad\nrecord")
+    dead = await transport.last_msg(NAMES.dlq_stream, NAMES.dlq_subject(TRAIN_STAGE))
+    assert dead.headers is not None
+    assert dead.headers[H_DLQ_REASON] == "trainer: bad record"
+    assert (dead.headers[H_DLQ_STAGE], dead.headers[H_DLQ_SEQ]) == (TRAIN_STAGE, "1")
+    assert dead.data == msg.data
+    info = await sub.info()
+    assert (info.num_ack_pending, info.ack_floor) == (0, 1)  # terminated: settled
+
+
+async def test_run_state_compare_and_put_loses_a_race_as_none() -> None:
+    state = await (await _bus()).state()
+    first = await state.compare_and_put("k", {"v": 1}, None)
+    assert first is not None
+    assert await state.compare_and_put("k", {"v": 2}, None) is None  # exists already
+    second = await state.compare_and_put("k", {"v": 3}, first)
+    assert second is not None and second > first
+    assert await state.compare_and_put("k", {"v": 4}, first) is None  # stale revision
+    assert await state.get_entry("k") == ({"v": 3}, second)
+    assert await state.claim("c", {"by": "a"}) and not await state.claim("c", {"by": "b"})
+    await state.heartbeat("trainer", "trainer", step=3)
+    assert (await state.heartbeats())["trainer"]["step"] == 3
+    await state.delete("c")
+    assert await state.get_json("c") is None and "c" not in await state.all()
+
+
+async def test_key_changes_wake_a_waiter_on_a_write() -> None:
+    bus = await _bus()
+    changes = KeyChanges(bus, ["watched"])
+    await changes.start()
+    assert not await changes.wait(0.01)
+    await RunState(await bus.kv()).put_json("watched", 1)
+    assert await changes.wait(0.01)
+    await changes.stop()
+
+
+async def test_the_feed_acks_a_message_once_all_its_experiences_were_trained() -> None:
+    transport = MemoryTransport()
+    explorer = await _bus("explorer", transport)
+    trainer = await _bus("trainer", transport)
+    groups = [_group(task) for task in range(3)]
+    for task, group in enumerate(groups):
+        await explorer.publish_group(TRAIN_STAGE, group, msg_id=f"g{task}")
+    await explorer.publish_group(TRAIN_STAGE, groups[0], msg_id="copy")  # the same uids again
+    consumer = await trainer.pull(NAMES.exp_stream, NAMES.trainer_consumer)
+
+    async def exhausted() -> bool:
+        return True
+
+    ticker = InProgressTicker(5.0)
+    feed = ExperienceFeed(trainer, consumer, ticker, exhausted, group_size=2, fetch_timeout=0.01)
+    assert len(await feed.read(3)) == 3  # one message and a half: two fetched
+    assert await feed.commit() == 1  # only the first message is wholly trained
+    info = await consumer.info()
+    assert (info.ack_floor, info.num_ack_pending) == (1, 1)
+    assert len(await feed.read(5)) == 3  # the rest; the copy's experiences are duplicates
+    assert await feed.commit() == 2
+    assert feed.duplicates == 2
+    info = await consumer.info()
+    assert (info.ack_floor, info.num_ack_pending, info.num_pending) == (4, 0, 0)
+
+
+async def test_backlog_and_purge_of_acked_experience() -> None:
+    transport = MemoryTransport()
+    explorer = await _bus("explorer", transport)
+    for task in range(4):
+        await explorer.publish_group(TRAIN_STAGE, _group(task), msg_id=f"g{task}")
+    backlog = await experience_backlog(explorer, NAMES.exp_stream)
+    assert (backlog.total, backlog.held_by_trainer) == (4, 0)
+    sub = await explorer.pull(NAMES.exp_stream, NAMES.trainer_consumer)
+    msgs = await sub.fetch(3, 0.01)
+    await msgs[0].ack()
+    await msgs[1].ack()
+    backlog = await experience_backlog(explorer, NAMES.exp_stream)
+    assert (backlog.total, backlog.held_by_trainer) == (2, 1)
+    state = await explorer.state()
+    cfg = ExperienceStreamConfig(purge_acked=True, keep_acked_msgs=0)
+    prefix = NAMES.exp_wildcard[:-1]
+    res = await purge_acked(transport, NAMES.exp_stream, cfg, state, prefix)
+    assert (res.purged, res.messages, res.first_seq) == (2, 2, 3)
+    record = (await read_purged(state))[TRAIN_STAGE]
+    assert (record.below_seq, record.messages, record.experiences) == (3, 2, 4)
+
+
+async def test_the_dead_letter_watcher_counts_what_is_dead_lettered_after_it_started() -> None:
+    from rftstream.actors.dead_letters import DeadLetterThresholdError, DeadLetterWatcher
+
+    transport = MemoryTransport()
+    operator = await _bus("operator", transport)
+    trainer = await _bus("trainer", transport)
+    await operator.publish(NAMES.dlq_subject("raw"), b"old", headers={H_DLQ_REASON: "before"})
+    watcher = DeadLetterWatcher(trainer, lambda: 0, window=2, max_share=1.0)
+    await watcher.start()  # from now on: the dead letter stored before is not counted
+    assert watcher.window.dead_total == 0
+    for i in range(2):
+        await operator.publish_group("raw", _group(i), msg_id=f"g{i}")
+    await operator.ensure_consumer(
+        NAMES.exp_stream, "op_raw_to_x", NAMES.exp_subject("raw"), description="", role="operator"
+    )
+    sub = await operator.pull(NAMES.exp_stream, "op_raw_to_x")
+    for msg in await sub.fetch(2, 0.01):
+        await operator.dead_letter("x", msg, "op: broken")
+    assert watcher.window.dead_total == 2
+    with pytest.raises(DeadLetterThresholdError, match="the last 2 groups were all"):
+        await watcher.check_final(trained_steps=0)
+    await watcher.stop()
