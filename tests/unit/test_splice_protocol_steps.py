@@ -583,48 +583,12 @@ def test_key_templates() -> None:
     assert key == Key("stage.filtered", StageRecord) and STAGE.name == "stage.{stage}"
 
 
-class _FakeKV:
-    """The three KeyValue calls RunState's typed methods make, over a dict."""
-
-    class Entry:
-        def __init__(self, value: bytes, revision: int) -> None:
-            self.value, self.revision = value, revision
-
-    def __init__(self) -> None:
-        self.data: dict[str, _FakeKV.Entry] = {}
-
-    async def get(self, key: str) -> _FakeKV.Entry:
-        import nats.js.errors
-
-        if key not in self.data:
-            raise nats.js.errors.KeyNotFoundError
-        return self.data[key]
-
-    async def put(self, key: str, value: bytes) -> int:
-        rev = len(self.data) + 100
-        self.data[key] = self.Entry(value, rev)
-        return rev
-
-    async def create(self, key: str, value: bytes) -> int:
-        import nats.js.errors
-
-        if key in self.data:
-            raise nats.js.errors.KeyWrongLastSequenceError
-        return await self.put(key, value)
-
-    async def update(self, key: str, value: bytes, last: int) -> int:
-        import nats.js.errors
-
-        if self.data[key].revision != last:
-            raise nats.js.errors.KeyWrongLastSequenceError
-        return await self.put(key, value)
-
-
 @pytest.mark.anyio
 async def test_run_state_typed_records() -> None:
+    from rftstream.bus.memory import MemoryTransport
     from rftstream.bus.state import RunState
 
-    state = RunState(_FakeKV())  # type: ignore[arg-type]
+    state = RunState(await MemoryTransport().kv("rft_t_state", create=True))
     assert await state.get(SPLICE) is None and await state.entry(SPLICE) == (None, None)
     requested = _requested_splice()
     rev = await state.cas(SPLICE, requested, None)
