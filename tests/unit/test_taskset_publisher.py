@@ -77,10 +77,10 @@ class FakeTasks:
         self.published_by: dict[str, int] = {}  # publish calls per actor, duplicates too
         self.taken = 0  # tasks the explorers took (acked) so far
         self.keeping_up = False  # the explorers take every task as soon as it is stored
-        self.js = SimpleNamespace(consumer_info=self.consumer_info)
+        self.transport = SimpleNamespace(consumer_state=self.consumer_state)
 
     def bus(self) -> Any:
-        return SimpleNamespace(names=RunNames("t"), publish=self.publish, js=self.js)
+        return SimpleNamespace(names=RunNames("t"), publish=self.publish, transport=self.transport)
 
     async def publish(self, subject: str, data: bytes, *, headers: dict[str, str], msg_id: str):
         actor = headers["Rft-Actor"]
@@ -88,7 +88,7 @@ class FakeTasks:
         self.stored.setdefault(msg_id, actor)
         await anyio.lowlevel.checkpoint()
 
-    async def consumer_info(self, stream: str, consumer: str) -> Any:
+    async def consumer_state(self, stream: str, consumer: str) -> Any:
         taken = len(self.stored) if self.keeping_up else self.taken
         return SimpleNamespace(num_pending=len(self.stored) - taken)
 
