@@ -1,6 +1,6 @@
 """MIX against GRPO: raw reward per trainer step from the same untrained start.
 
-Both runs start from the embedded default (``rftstream.defaults``): the tiny
+Both runs start from the embedded default (``rftstream.default_run``): the tiny
 model (built with fixed seeds, so both start from the same weights), the
 built-in arithmetic task, the same learning rate, batch sizes, repeat times,
 seed and number of trainer steps. The MIX run changes only what MIX needs:
@@ -36,7 +36,7 @@ from rich.table import Table
 
 from rftstream.bus.server import EmbeddedNatsServer
 from rftstream.config import apply_overrides, config_from_dict
-from rftstream.defaults import DEFAULT_CONFIG
+from rftstream.default_run import DEFAULT_CONFIG
 from rftstream.plot import read_metrics, window_mean
 from rftstream.runtime import PreparedRun, prepare_run, run_actors, start_fresh
 from rftstream.signals import run_with_signals

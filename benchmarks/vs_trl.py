@@ -1,7 +1,7 @@
 """rftstream against TRL's synchronous ``GRPOTrainer``, side by side, on the same work.
 
 The work (the embedded default, ``rftstream up``): the tiny model from
-rftstream's cache (``rftstream.engines.tiny``), the 100 built-in arithmetic
+rftstream's cache (``rftstream.tiny_model``), the 100 built-in arithmetic
 prompts in the same chat format, 8 prompts x 8 generations = 64 completions per
 step, learning rate 2e-4 constant, no KL (TRL ``beta=0``), 6 new tokens,
 temperature 1, the same reward (``math_reward``: 1 for the right number).
@@ -144,7 +144,7 @@ def trl_child(out: Path, max_steps: int, seed: int, longtail: bool, stop_at: flo
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    from rftstream.engines.tiny import arithmetic_problems, ensure_tiny_model
+    from rftstream.tiny_model import arithmetic_problems, ensure_tiny_model
     from workflows.rewards import MathReward
 
     sys.path.insert(0, str(PLUGINS))

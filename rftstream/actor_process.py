@@ -351,7 +351,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.threads > 0:
             torch.set_num_threads(args.threads)
         from rftstream.config import load_config
-        from rftstream.plugins import load_plugins
+        from rftstream.plugin_loader import load_plugins
         from rftstream.runtime import prepare_run, run_actors
         from rftstream.signals import run_with_signals
 

@@ -263,7 +263,7 @@ def _clean_parser(sub: Any) -> None:
 def load_run_config(args: argparse.Namespace) -> tuple[Any, str]:
     """The config named by ``--config`` (or the embedded default), with ``--set`` overrides."""
     from rftstream.config import apply_overrides, config_from_dict, load_config
-    from rftstream.defaults import DEFAULT_CONFIG
+    from rftstream.default_run import DEFAULT_CONFIG
 
     if args.config:
         return load_config(args.config, list(args.set), validate=False), args.config
@@ -315,7 +315,7 @@ child_console: ChildConsole | None = None
 
 
 def _prepare(args: argparse.Namespace) -> Any:
-    from rftstream.plugins import load_plugins
+    from rftstream.plugin_loader import load_plugins
     from rftstream.runtime import prepare_run
 
     load_plugins(args.plugin_dir)
@@ -340,7 +340,7 @@ def cmd_up(args: argparse.Namespace) -> int:
     terminal.start()
     if args.config:
         from rftstream.config.stages import load_stages
-        from rftstream.plugins import load_plugins
+        from rftstream.plugin_loader import load_plugins
 
         load_plugins(args.plugin_dir)
         stages = load_stages(args.config, list(args.set))
@@ -639,12 +639,12 @@ def cmd_unsplice(args: argparse.Namespace) -> int:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    """``rftstream status``: a :func:`rftstream.inspect.status_report` of the KV bucket."""
+    """``rftstream status``: a :func:`rftstream.message_summaries.status_report` of the KV bucket."""
     import time
 
     from rftstream.bus.client import Bus
     from rftstream.bus.state import RunState
-    from rftstream.inspect import status_report
+    from rftstream.message_summaries import status_report
 
     cfg, names = _names(args)
 
@@ -800,7 +800,7 @@ def cmd_streams(args: argparse.Namespace) -> int:
     from rich.table import Table
 
     from rftstream.bus.client import Bus
-    from rftstream.bus.inspect import streams_report
+    from rftstream.bus.stream_view import streams_report
 
     cfg, names = _names(args)
 
@@ -841,7 +841,7 @@ def cmd_streams(args: argparse.Namespace) -> int:
 
 def cmd_tail(args: argparse.Namespace) -> int:
     from rftstream.bus.client import Bus
-    from rftstream.bus.inspect import tail
+    from rftstream.bus.stream_view import tail
     from rftstream.signals import run_with_signals
 
     cfg, names = _names(args)
@@ -896,7 +896,7 @@ def cmd_report(args: argparse.Namespace) -> int:
 
 def cmd_decode() -> int:
     from rftstream.errors import SchemaError
-    from rftstream.inspect import summarize_body
+    from rftstream.message_summaries import summarize_body
 
     body = sys.stdin.buffer.read()
     try:
@@ -908,11 +908,11 @@ def cmd_decode() -> int:
 
 
 def cmd_debug(args: argparse.Namespace) -> int:
-    """``rftstream debug workflow``: see :mod:`rftstream.debug`. No NATS."""
+    """``rftstream debug workflow``: see :mod:`rftstream.debug_workflow`. No NATS."""
     from rich.logging import RichHandler
 
-    from rftstream.debug import debug_workflow
-    from rftstream.plugins import load_plugins
+    from rftstream.debug_workflow import debug_workflow
+    from rftstream.plugin_loader import load_plugins
     from rftstream.runtime import prepare_run
 
     module = args.module or args.module_opt

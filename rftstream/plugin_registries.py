@@ -6,7 +6,7 @@ The interfaces (``PolicyLossFn``, ``AdvantageFn``, ``RewardFn``, ...) and the
 built-ins live in the plugin packages, which import these registries and register
 into them; each registry names its built-ins' package (``defaults``) and imports it
 by name on its first lookup, so the core never imports ``algorithms`` or
-``workflows``. User plugins register the same way (see :mod:`rftstream.plugins`).
+``workflows``. User plugins register the same way (see :mod:`rftstream.plugin_loader`).
 
 The registries whose interface is the core's own sit beside it:
 :data:`~rftstream.experience_pipeline.EXPERIENCE_OPERATORS` and

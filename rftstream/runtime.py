@@ -255,7 +255,7 @@ def resolve_model_path(cfg: Config, progress: Callable[[str], None] | None = Non
     """``model.model_path``, or the embedded tiny model (built and cached on first use)."""
     path = cfg.model.model_path
     if not path or path == "builtin:tiny":
-        from rftstream.engines.tiny import ensure_tiny_model
+        from rftstream.tiny_model import ensure_tiny_model
 
         return str(ensure_tiny_model(progress=progress))
     if not Path(path).exists():

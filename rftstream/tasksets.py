@@ -77,9 +77,9 @@ def builtin_arithmetic_tasks() -> list[dict[str, str]]:
     """Single-digit addition: ``{"question": "3+4=", "answer": "7"}`` for a, b in 0..9 (100 rows).
 
     Deterministic, and exactly the problems the embedded tiny model was
-    pre-trained on (see :mod:`rftstream.engines.tiny`).
+    pre-trained on (see :mod:`rftstream.tiny_model`).
     """
-    from rftstream.engines.tiny import arithmetic_problems
+    from rftstream.tiny_model import arithmetic_problems
 
     return [{"question": q, "answer": a} for q, a in arithmetic_problems()]
 

@@ -25,7 +25,7 @@ from safetensors.torch import load_file, save_file
 
 from rftstream.config import Config
 from rftstream.errors import RftError
-from rftstream.messages import WeightsPointer
+from rftstream.wire import WeightsPointer
 
 
 class WeightSyncError(RftError):

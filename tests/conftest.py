@@ -45,7 +45,7 @@ def nats_url(nats_server: EmbeddedNatsServer) -> str:
 @pytest.fixture(scope="session")
 def tiny_model_path(tmp_path_factory: pytest.TempPathFactory) -> str:
     """The embedded tiny model, built once per test session (shared cache if RFTSTREAM_CACHE is set)."""
-    from rftstream.engines.tiny import ensure_tiny_model
+    from rftstream.tiny_model import ensure_tiny_model
 
     cache = os.environ.get("RFTSTREAM_CACHE")
     return str(ensure_tiny_model(cache or tmp_path_factory.mktemp("tiny-model")))

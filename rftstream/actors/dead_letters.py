@@ -37,7 +37,7 @@ import anyio
 
 from rftstream.bus.client import Bus
 from rftstream.errors import RftError
-from rftstream.messages import H_DLQ_REASON, H_DLQ_STAGE
+from rftstream.wire import H_DLQ_REASON, H_DLQ_STAGE
 
 POLL_S = 0.5  # how often the watcher counts the trainer's accepted groups and judges
 

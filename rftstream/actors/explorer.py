@@ -98,7 +98,6 @@ from rftstream.errors import (
     SchemaError,
 )
 from rftstream.experience import Experience
-from rftstream.messages import TaskMsg, TrainedUnacked, decode_json
 from rftstream.subjects import (
     KV_STATUS,
     KV_TRAINER_STARVING,
@@ -109,7 +108,15 @@ from rftstream.subjects import (
 )
 from rftstream.sync import SyncPolicy
 from rftstream.weights import load_weights
-from rftstream.wire import EXPLORER_DONE, EXPLORER_STEP, TRAINER_STARVING, ExplorerDone
+from rftstream.wire import (
+    EXPLORER_DONE,
+    EXPLORER_STEP,
+    TRAINER_STARVING,
+    ExplorerDone,
+    TaskMsg,
+    TrainedUnacked,
+    decode_json,
+)
 
 log = logging.getLogger(__name__)
 
@@ -728,7 +735,7 @@ class Explorer:
         Messages the trainer trained and holds unacked until its next checkpoint
         (``trainer.save_interval``) are not backlog: the ``trainer.trained_unacked``
         totals read before and after the queues bound them from below
-        (:class:`~rftstream.messages.TrainedUnacked`), so the count stays never too low.
+        (:class:`~rftstream.wire.TrainedUnacked`), so the count stays never too low.
         """
         batch_size = self.cfg.buffer.batch_size
         if self.policy.max_staleness is None:

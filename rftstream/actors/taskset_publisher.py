@@ -25,7 +25,6 @@ from rftstream.bus.client import Bus
 from rftstream.bus.state import RunState
 from rftstream.config.schema import Config, TasksetConfig
 from rftstream.errors import BusError
-from rftstream.messages import TaskMsg, encode_json
 from rftstream.taskset_claim import (
     Action,
     ClaimLost,
@@ -44,7 +43,14 @@ from rftstream.taskset_claim import (
     WriteFailed,
     Wrote,
 )
-from rftstream.wire import TASKSET_CLAIM, TASKSET_PUBLISHED, TasksetClaim, TasksetRecord
+from rftstream.wire import (
+    TASKSET_CLAIM,
+    TASKSET_PUBLISHED,
+    TaskMsg,
+    TasksetClaim,
+    TasksetRecord,
+    encode_json,
+)
 
 log = logging.getLogger(__name__)
 

@@ -26,7 +26,7 @@ steps it redoes are moved from ``metrics.jsonl`` (and ``trained_uids.jsonl``) to
 ``metrics.discarded.jsonl`` (``trained_uids.discarded.jsonl``), so both files describe
 the steps the final model contains, each once. Every start of a trainer in a run
 after the first publishes its weights with a higher ``incarnation``
-(:class:`~rftstream.messages.WeightsPointer`), which explorers take whatever its
+(:class:`~rftstream.wire.WeightsPointer`), which explorers take whatever its
 version. ``trained_uids.jsonl`` lists the experiences (``eid.uid``) of each step.
 
 Cancelling :meth:`Trainer.run` mid-step loses no data: the batch's messages
@@ -58,13 +58,12 @@ from rftstream.actors.common import (
 from rftstream.actors.dead_letters import DeadLetterWatcher
 from rftstream.actors.feed import ExperienceFeed
 from rftstream.actors.topology import TrainerTopology
-from rftstream.buffer import TrainerInputs, trainer_inputs
+from rftstream.buffer.readers import TrainerInputs, trainer_inputs
 from rftstream.bus.client import Bus
 from rftstream.bus.state import RunState
 from rftstream.config.schema import Config, StorageConfig
 from rftstream.errors import ConfigError
 from rftstream.experience import H_COUNT, H_REWARD_MEAN
-from rftstream.messages import CheckpointRecord, MetricsMsg, TrainedUnacked
 from rftstream.monitors import MonitorSet
 from rftstream.subjects import (
     KV_TRAINER_CHECKPOINT,
@@ -81,6 +80,9 @@ from rftstream.weights import checkpoint_dir, save_weights
 from rftstream.wire import (
     TRAINER_DONE,
     TRAINER_STARTED,
+    CheckpointRecord,
+    MetricsMsg,
+    TrainedUnacked,
     TrainerDone,
     TrainerStarted,
     TrainerStarving,

@@ -45,8 +45,8 @@ from rftstream.bus.state import RunState
 from rftstream.bus.transport import ConsumerState
 from rftstream.errors import BusError, SchemaError, StreamNotFound
 from rftstream.experience import H_COUNT, decode_group_msg
-from rftstream.messages import H_DLQ_REASON, H_DLQ_SEQ, H_DLQ_STAGE, H_DLQ_SUBJECT, MetricsMsg
 from rftstream.subjects import META_TO_STAGE, RAW_STAGE, TRAIN_STAGE
+from rftstream.wire import H_DLQ_REASON, H_DLQ_SEQ, H_DLQ_STAGE, H_DLQ_SUBJECT, MetricsMsg
 
 TRAINED_TOTAL = "experience/trained_total"
 log = logging.getLogger(__name__)

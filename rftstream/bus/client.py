@@ -55,7 +55,14 @@ from rftstream.errors import (
     StreamFullError,
 )
 from rftstream.experience import H_MSG_ID, EncodedMessage, Experience, headers_size, pack_group
-from rftstream.messages import (
+from rftstream.subjects import (
+    KV_TRAINER_INPUT,
+    META_TO_STAGE,
+    RAW_STAGE,
+    TRAIN_STAGE,
+    RunNames,
+)
+from rftstream.wire import (
     H_DLQ_ACTOR,
     H_DLQ_DELIVERIES,
     H_DLQ_REASON,
@@ -64,13 +71,6 @@ from rftstream.messages import (
     H_DLQ_SUBJECT,
     MetricsMsg,
     encode_json,
-)
-from rftstream.subjects import (
-    KV_TRAINER_INPUT,
-    META_TO_STAGE,
-    RAW_STAGE,
-    TRAIN_STAGE,
-    RunNames,
 )
 
 log = logging.getLogger(__name__)

@@ -15,9 +15,8 @@ import msgspec
 
 from rftstream.bus.transport import KeyValueStore
 from rftstream.errors import BusError, CasConflict, KeyNotFound, SchemaError
-from rftstream.messages import WeightsPointer, decode_json, encode_json
 from rftstream.subjects import KV_HEARTBEAT, KV_STATUS, KV_TASKSET, KV_TRAINER_STEP, KV_WEIGHTS
-from rftstream.wire import Heartbeat, Key, TasksetRecord
+from rftstream.wire import Heartbeat, Key, TasksetRecord, WeightsPointer, decode_json, encode_json
 
 T = TypeVar("T")
 

@@ -24,7 +24,7 @@ def _auxiliary_model_path(index: int, model_path: str) -> str:
     """The local directory of ``explorer.auxiliary_models[index]``; builds the tiny model for
     ``builtin:tiny``. Blocks. RftError naming the entry when the directory does not exist."""
     if model_path == "builtin:tiny":
-        from rftstream.engines.tiny import ensure_tiny_model
+        from rftstream.tiny_model import ensure_tiny_model
 
         return str(ensure_tiny_model())
     if not Path(model_path).is_dir():

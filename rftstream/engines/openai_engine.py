@@ -62,7 +62,7 @@ class OpenAIEngine(RolloutEngine):
         tokenizer_path: str | None = None,
         **ignored: Any,
     ) -> None:
-        from rftstream.hf import hf_classes
+        from rftstream.model_loading import hf_classes
 
         (AutoTokenizer,) = hf_classes("AutoTokenizer")
 
@@ -78,7 +78,7 @@ class OpenAIEngine(RolloutEngine):
         self.max_retries = int(max_retries)
         self.default_max_tokens = int(default_max_tokens)
         try:
-            from rftstream.hf import HF_LOAD_LOCK
+            from rftstream.model_loading import HF_LOAD_LOCK
 
             with HF_LOAD_LOCK:
                 self._tokenizer = AutoTokenizer.from_pretrained(tokenizer_path or self.model_path)

@@ -46,7 +46,7 @@ from rftstream.engines.base import (
 )
 from rftstream.engines.fast_decoder import FastDecoder, fast_decoder_for
 from rftstream.errors import RftError
-from rftstream.hf import forward_kwargs, output_cache, quiet_progress_bars
+from rftstream.model_loading import forward_kwargs, output_cache, quiet_progress_bars
 
 log = logging.getLogger(__name__)
 
@@ -324,7 +324,7 @@ class TransformersEngine(RolloutEngine):
         default_max_tokens: int = 512,
         fast_decoder: bool = True,
     ) -> None:
-        from rftstream.hf import hf_classes
+        from rftstream.model_loading import hf_classes
 
         AutoModelForCausalLM, AutoTokenizer = hf_classes("AutoModelForCausalLM", "AutoTokenizer")
 
@@ -343,7 +343,7 @@ class TransformersEngine(RolloutEngine):
         self.default_max_tokens = int(default_max_tokens)
         self.device = torch.device(device)
         try:
-            from rftstream.hf import HF_LOAD_LOCK  # concurrent loads in one process race
+            from rftstream.model_loading import HF_LOAD_LOCK  # concurrent loads in one process race
 
             with quiet_progress_bars(), HF_LOAD_LOCK:
                 self._tokenizer = AutoTokenizer.from_pretrained(self.model_path)

@@ -422,7 +422,7 @@ class VLLMEngine(RolloutEngine):
 
     def _load_hf_side(self, tokenizer_path: str, trust_remote_code: bool) -> None:
         """Tokenizer (the workflow-facing one), eos ids and vocabulary size, as the transformers engine reads them."""
-        from rftstream.hf import hf_classes, load_tokenizer
+        from rftstream.model_loading import hf_classes, load_tokenizer
 
         try:
             self._tokenizer = load_tokenizer(tokenizer_path, trust_remote_code=trust_remote_code)

@@ -2,9 +2,9 @@
 
 Reads only (no durable consumer is created, nothing is acked): the runs on the
 server (:func:`rftstream.clean.find_runs`), a run's streams with per-subject
-depths and each consumer's lag (:func:`rftstream.bus.inspect.streams_report`),
+depths and each consumer's lag (:func:`rftstream.bus.stream_view.streams_report`),
 its KV bucket (steps, staleness, heartbeats, the stage chain:
-:func:`rftstream.inspect.status_report`), the trainer's reward and staleness per
+:func:`rftstream.message_summaries.status_report`), the trainer's reward and staleness per
 step from the metrics stream, and the newest dead letters with their reasons.
 """
 
@@ -17,15 +17,15 @@ from typing import Any
 import msgspec
 
 from rftstream.bus.client import Bus
-from rftstream.bus.inspect import streams_report
 from rftstream.bus.state import RunState
+from rftstream.bus.stream_view import streams_report
 from rftstream.bus.transport import Transport
 from rftstream.clean import find_runs
 from rftstream.config.schema import NatsConfig
 from rftstream.errors import BucketNotFound, BusError, MessageNotFound, StreamNotFound
-from rftstream.inspect import status_report, summarize_message
-from rftstream.messages import MetricsMsg
+from rftstream.message_summaries import status_report, summarize_message
 from rftstream.subjects import RunNames
+from rftstream.wire import MetricsMsg
 
 __all__ = ["CURVE_KEYS", "MetricsReader", "list_runs", "run_snapshot"]
 

@@ -28,7 +28,7 @@ from rftstream.bus.server import free_port
 from rftstream.config.schema import Config
 from rftstream.errors import ConfigError
 from rftstream.experience import Experience
-from rftstream.hf import forward_kwargs, output_cache, quiet_progress_bars
+from rftstream.model_loading import forward_kwargs, output_cache, quiet_progress_bars
 from rftstream.training.batch import (
     TokenStats,
     TrainBatch,
@@ -102,7 +102,7 @@ class PolicyTrainer:
         ensure_dist_env()
         import deepspeed  # heavy import: only where training happens
 
-        from rftstream.hf import HF_LOAD_LOCK, load_causal_lm, load_tokenizer
+        from rftstream.model_loading import HF_LOAD_LOCK, load_causal_lm, load_tokenizer
 
         self.cfg = cfg
         self.algorithm = algorithm

@@ -76,7 +76,7 @@ def _build_model(out: Path) -> Path:
     """A random Qwen2 vLLM's GPU kernels support (head size 64), with peaky next-token distributions."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    from rftstream.engines.tiny import IM_START, SPECIAL_TOKENS, build_tokenizer
+    from rftstream.tiny_model import IM_START, SPECIAL_TOKENS, build_tokenizer
 
     tok = build_tokenizer()
     tok.model_max_length = 2048
@@ -147,7 +147,7 @@ def engine(portal: anyio.from_thread.BlockingPortal, model_dir: str) -> Iterator
 
 @pytest.fixture(scope="module")
 def reference(model_dir: str) -> Any:
-    from rftstream.hf import load_causal_lm
+    from rftstream.model_loading import load_causal_lm
 
     return load_causal_lm(model_dir, "float32").eval()
 

@@ -15,7 +15,7 @@ from nats.js import JetStreamContext
 from nats.js.errors import NotFoundError
 
 from rftstream.experience import EID, Experience
-from rftstream.messages import MetricsMsg
+from rftstream.wire import MetricsMsg
 
 
 def small_config(tmp_path: Path, tiny_model_path: str, **over: object) -> dict:

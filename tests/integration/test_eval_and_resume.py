@@ -24,14 +24,13 @@ from rftstream.actors.explorer import Explorer
 from rftstream.bus.client import Bus
 from rftstream.bus.state import RunState
 from rftstream.config import config_from_dict
-from rftstream.engines.tiny import arithmetic_problems
 from rftstream.experience import decode_group
-from rftstream.messages import TaskMsg, encode_json
-from rftstream.plugins import load_plugins
+from rftstream.plugin_loader import load_plugins
 from rftstream.runtime import PreparedRun, prepare_run, provision
 from rftstream.subjects import KV_TASKSET_CLAIM
 from rftstream.tasksets import TasksetPlan, plan_tasks
-from rftstream.wire import TasksetClaim
+from rftstream.tiny_model import arithmetic_problems
+from rftstream.wire import TaskMsg, TasksetClaim, encode_json
 from tests.integration._util import (
     read_metrics,
     read_stream,

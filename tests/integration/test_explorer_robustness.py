@@ -26,12 +26,12 @@ import msgspec
 import pytest
 
 from rftstream.config import config_from_dict
-from rftstream.messages import (
+from rftstream.runtime import prepare_run
+from rftstream.wire import (
     H_DLQ_REASON,
     H_DLQ_STAGE,
     TaskMsg,
 )
-from rftstream.runtime import prepare_run
 from tests.integration._util import read_metrics, read_stream, run_actors_to_end, small_config
 from workflows import WORKFLOWS, Experience, MathWorkflow, Task, Workflow
 

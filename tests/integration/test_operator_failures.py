@@ -22,8 +22,8 @@ from rftstream.bus.client import Bus
 from rftstream.config import config_from_dict
 from rftstream.errors import ConfigError
 from rftstream.experience import decode_group
-from rftstream.messages import H_DLQ_REASON, H_DLQ_STAGE, MetricsMsg
 from rftstream.runtime import prepare_run, provision, run_operator
+from rftstream.wire import H_DLQ_REASON, H_DLQ_STAGE, MetricsMsg
 from tests.integration._util import _group, read_metrics, read_stream, small_config, wait_drained
 
 pytestmark = pytest.mark.integration

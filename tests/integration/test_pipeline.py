@@ -13,8 +13,8 @@ from rftstream.bus.client import Bus
 from rftstream.bus.state import RunState
 from rftstream.config import config_from_dict
 from rftstream.experience import EID, Experience, decode_group
-from rftstream.messages import H_DLQ_REASON, H_DLQ_STAGE
 from rftstream.runtime import prepare_run, provision, run_operator, run_trainer
+from rftstream.wire import H_DLQ_REASON, H_DLQ_STAGE
 from tests.integration._util import (
     _group,
     read_kv,

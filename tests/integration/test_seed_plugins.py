@@ -12,7 +12,7 @@ import pytest
 
 from rftstream.config import config_from_dict
 from rftstream.experience import decode_group
-from rftstream.plugins import load_plugins
+from rftstream.plugin_loader import load_plugins
 from rftstream.runtime import prepare_run
 from tests.integration._util import read_stream, run_actors_to_end, small_config
 

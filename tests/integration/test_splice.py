@@ -26,7 +26,7 @@ from rftstream.bus.state import RunState
 from rftstream.config import config_from_dict
 from rftstream.errors import BucketNotFound
 from rftstream.experience import decode_group
-from rftstream.plugins import load_plugins
+from rftstream.plugin_loader import load_plugins
 from rftstream.runtime import prepare_run, run_actors, run_operator, splice_in
 from tests.integration._util import read_metrics, read_stream, small_config, user_env
 from tests.integration.test_seed_plugins import REWARD_FILTER

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from rftstream.hf import load_causal_lm
+from rftstream.model_loading import load_causal_lm
 from tests.integration._util import user_env
 
 pytestmark = pytest.mark.smoke

@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from algorithms import CustomField
-from rftstream.buffer import BufferReader, TrainerInputs, get_buffer_reader, trainer_inputs
+from rftstream.buffer import BufferReader, get_buffer_reader
+from rftstream.buffer.readers import TrainerInputs, trainer_inputs
 from rftstream.config.schema import BufferConfig, StorageConfig
 from rftstream.experience import EID, Experience, Experiences
 from rftstream.utils import Timer

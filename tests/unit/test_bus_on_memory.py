@@ -17,8 +17,8 @@ from rftstream.bus.state import RunState
 from rftstream.config.schema import ExperienceStreamConfig, NatsConfig
 from rftstream.errors import PayloadTooLargeError, StreamFullError
 from rftstream.experience import EID, Experience, decode_group
-from rftstream.messages import H_DLQ_REASON, H_DLQ_SEQ, H_DLQ_STAGE
 from rftstream.subjects import TRAIN_STAGE, RunNames
+from rftstream.wire import H_DLQ_REASON, H_DLQ_SEQ, H_DLQ_STAGE
 
 pytestmark = pytest.mark.anyio
 

@@ -153,7 +153,7 @@ def test_value_loss_gradient_matches_numpy() -> None:
 
 @pytest.fixture(scope="module")
 def backbone(tiny_model_path: str):
-    from rftstream.hf import load_causal_lm
+    from rftstream.model_loading import load_causal_lm
 
     torch.manual_seed(0)
     return load_causal_lm(tiny_model_path)

@@ -13,9 +13,9 @@ from typing import Any
 import pytest
 
 from rftstream.config.schema import FormatConfig, StorageConfig
-from rftstream.engines.tiny import build_tokenizer
 from rftstream.errors import ConfigError
 from rftstream.experience import EID, Experience
+from rftstream.tiny_model import build_tokenizer
 from rftstream.training.datasets import DatasetSource, load_dataset_experiences, read_rows
 
 KP = "buffer.trainer_input.experience_buffer"

@@ -16,9 +16,9 @@ import torch
 
 from rftstream.config.schema import Config
 from rftstream.errors import RftError
-from rftstream.messages import WeightsPointer
 from rftstream.subjects import RunNames
 from rftstream.weights import save_weights
+from rftstream.wire import WeightsPointer
 
 pytestmark = pytest.mark.anyio
 

@@ -25,7 +25,7 @@ from transformers import (
 
 from rftstream.engines.fast_decoder import FastDecoder, fast_decoder_for, unsupported_reason
 from rftstream.engines.transformers_engine import SequenceSpec, _draw, sample_sequences
-from rftstream.hf import forward_kwargs, output_cache
+from rftstream.model_loading import forward_kwargs, output_cache
 
 
 def _models(tiny_model_path: str) -> dict[str, torch.nn.Module]:

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from rftstream.errors import ConfigError
-from rftstream.hf import load_causal_lm
+from rftstream.model_loading import load_causal_lm
 from rftstream.training.engine import PolicyTrainer
 from tests.unit.test_trainer_steps import exp, trainer_for
 

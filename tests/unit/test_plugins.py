@@ -1,4 +1,4 @@
-"""rftstream.plugins.load_plugins: plugin dirs and entry points, with real files."""
+"""rftstream.plugin_loader.load_plugins: plugin dirs and entry points, with real files."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from rftstream.errors import PluginError
-from rftstream.plugins import load_plugins, plugin_module_name
+from rftstream.plugin_loader import load_plugins, plugin_module_name
 
 
 @pytest.fixture

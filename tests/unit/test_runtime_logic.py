@@ -12,10 +12,10 @@ from rftstream.actors.trainer import RawMonitor
 from rftstream.config.schema import SynchronizerConfig
 from rftstream.errors import ConfigError
 from rftstream.experience import Experience, pack_group
-from rftstream.messages import MetricsMsg, encode_json
 from rftstream.subjects import RunNames
 from rftstream.sync import SyncPolicy
 from rftstream.training.batch import collate, response_logprobs
+from rftstream.wire import MetricsMsg, encode_json
 
 
 def policy(**kw: object) -> SyncPolicy:

@@ -22,9 +22,8 @@ from rftstream.config.schema import (
     Config,
     SynchronizerConfig,
 )
-from rftstream.messages import TrainedUnacked, WeightsPointer
 from rftstream.subjects import KV_TRAINER_STARVING, KV_TRAINER_UNACKED, RunNames
-from rftstream.wire import TrainerStarving
+from rftstream.wire import TrainedUnacked, TrainerStarving, WeightsPointer
 
 pytestmark = pytest.mark.anyio
 

@@ -16,7 +16,6 @@ from rftstream.config.resolve import resolve_config
 from rftstream.config.schema import ExplorerInput, FormatConfig, TasksetConfig
 from rftstream.config.validate import eval_tasksets, training_tasksets, validate_config
 from rftstream.errors import ConfigError
-from rftstream.messages import TaskMsg, decode_json, encode_json
 from rftstream.tasksets import (
     TasksetPlan,
     builtin_arithmetic_tasks,
@@ -25,6 +24,7 @@ from rftstream.tasksets import (
     plan_tasks,
     taskset_files,
 )
+from rftstream.wire import TaskMsg, decode_json, encode_json
 
 ROWS = [{"question": f"{i}+1=", "answer": str(i + 1)} for i in range(5)]
 

@@ -8,13 +8,13 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from rftstream.engines.tiny import (
+from rftstream.tasksets import builtin_arithmetic_tasks
+from rftstream.tiny_model import (
     arithmetic_problems,
     ensure_tiny_model,
     evaluate_accuracy,
     tiny_model_version,
 )
-from rftstream.tasksets import builtin_arithmetic_tasks
 
 
 def test_build_is_deterministic_atomic_and_cached(tmp_path: Path, tiny_model_path: str) -> None:

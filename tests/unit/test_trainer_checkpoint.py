@@ -15,10 +15,10 @@ import torch
 
 from rftstream.config import config_from_dict
 from rftstream.experience import EID, Experience
-from rftstream.messages import WeightsPointer
 from rftstream.runtime import prepare_run
 from rftstream.training import checkpoint as ckpt
 from rftstream.weights import load_weights, save_weights
+from rftstream.wire import WeightsPointer
 from tests.integration._util import small_config
 
 

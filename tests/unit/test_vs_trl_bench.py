@@ -18,7 +18,7 @@ import anyio
 import numpy as np
 import pytest
 
-from rftstream.plugins import load_plugins
+from rftstream.plugin_loader import load_plugins
 from tests.unit._util import ScriptedModel, task_for
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -69,7 +69,7 @@ def test_rftstream_points_skip_steps_without_rollouts(bench: ModuleType) -> None
 
 @pytest.fixture(scope="module")
 def longtail() -> ModuleType:
-    from rftstream.plugins import plugin_module_name
+    from rftstream.plugin_loader import plugin_module_name
 
     load_plugins([ROOT / "benchmarks" / "plugins"])
     return sys.modules[plugin_module_name(ROOT / "benchmarks" / "plugins" / "longtail.py")]

@@ -14,8 +14,7 @@ import msgspec
 
 from rftstream.errors import SchemaError
 from rftstream.experience import SCHEMA_NAME, decode_group_msg, from_record
-from rftstream.messages import DLQ_HEADERS, METRICS_SCHEMA, TASK_SCHEMA
-from rftstream.wire import Heartbeat
+from rftstream.wire import DLQ_HEADERS, METRICS_SCHEMA, TASK_SCHEMA, Heartbeat
 
 
 def _mean(values: list[float]) -> float | None:

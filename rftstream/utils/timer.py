@@ -1,4 +1,4 @@
-"""Small helpers shared by actors and user code (Trinity-RFT's ``trinity.utils`` names)."""
+"""``Timer``: adds the wall time of a ``with`` block to a metrics dict (Trinity-RFT's ``trinity.utils.timer``)."""
 
 from __future__ import annotations
 
