@@ -1,5 +1,6 @@
-"""An operator that raises (or hangs) inside a real operator host, on the in-memory transport
-(every ``Bus.connect`` of :func:`run_operator` opens a connection to one in-memory server).
+"""An operator that raises (or hangs), or a publish that fails, inside a real operator host,
+on the in-memory transport (every ``Bus.connect`` of :func:`run_operator` opens a connection
+to one in-memory server).
 
 The failing message is retried ``max_retries`` times with backoff, then dead-lettered
 on ``rft.<run>.dlq.<stage>`` with the exception in ``Rft-Dlq-Reason`` and the stage in
@@ -11,14 +12,17 @@ failed-batch counts, the filtered counts by operator and the latencies.
 from __future__ import annotations
 
 import threading
+import time
 from collections import Counter
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import anyio
+import msgspec
 import pytest
 
 from operators import EXPERIENCE_OPERATORS, ExperienceOperator, ExperiencePipeline
+from rftstream.actors.operator_host import OperatorHost
 from rftstream.bus.client import Bus
 from rftstream.bus.memory import MemoryTransport
 from rftstream.bus.transport import Delivery
@@ -36,6 +40,7 @@ from tests.unit._memory_util import (
     serve_in_memory,
     wait_drained,
 )
+from tests.unit._publish_faults import FAILS, flaky_publish, stored_once
 
 pytestmark = pytest.mark.anyio
 
@@ -227,9 +232,6 @@ async def test_a_hanging_operator_is_timed_out_and_dead_lettered(
 
 
 def test_retry_settings_are_checked_with_their_key() -> None:
-    from rftstream.actors.operator_host import OperatorHost
-    from rftstream.subjects import RunNames
-
     class _NoBus:  # the constructor only checks its settings
         names = RunNames("itest")
 
@@ -276,3 +278,39 @@ async def test_an_operators_own_timeout_error_is_dead_lettered_as_itself(
     assert "process_timeout" not in reason
     expected = sorted(e.eid.uid for g in groups for e in g if e.eid.task != 1)
     assert sorted(await _train_uids(server, run.names)) == expected
+
+
+async def test_operator_gives_inputs_back_on_a_publish_failure(tmp_path: Path) -> None:
+    """A publish that fails for NATS reasons (after the bus's own retries) loses nothing and
+    dead-letters nothing: the host gives its inputs back and processes them again. Its output
+    is split in parts and the failure hits a part ``#1``, so part ``#0`` is stored already:
+    the retry's same ``Nats-Msg-Id`` s make every part land once."""
+    run = memory_run(tmp_path, nats__ack_wait=600.0)  # nothing in hand is redelivered
+    names = run.names
+    groups = [_group(t, 1.0, 12) for t in range(3)]  # reward_filter(0.5) keeps every one
+    # the transport's time runs 50 times faster: the host's 1 s nak delay passes in 20 ms
+    server = MemoryTransport(clock=lambda: 50 * time.monotonic())
+    producer = Bus(server.connection(), names, run.cfg.nats, "producer")
+    await producer.provision()
+    small = msgspec.structs.replace(run.cfg.nats, max_payload=1024)  # 12 exps: 4 parts
+    bus = Bus(server.connection(), names, small, "operator")
+    for g in groups:
+        await producer.publish_group("raw", g, msg_id=f"raw-{g[0].eid.task}")
+    failed = flaky_publish(bus, "train")
+    pipeline = ExperiencePipeline([EXPERIENCE_OPERATORS.get("reward_filter")(THRESHOLD)])
+    host = OperatorHost(
+        bus, pipeline, from_stage="raw", to_stage="train", retry_backoff=0.01, fetch_timeout=0.01
+    )
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(host.run)
+        await wait_drained(server, names.exp_stream, host.durable)
+        tg.cancel_scope.cancel()
+    assert len(failed) == FAILS * len(groups)
+    assert host.counters["publish_failures"] >= FAILS
+    assert host.counters["dead_lettered_messages"] == 0
+    assert await _dead_letters(server, names) == []
+    train = await read_subject(server, names.exp_stream, names.exp_subject("train"))
+    assert len(train) == 4 * len(groups)  # every part, once
+    assert sorted(stored_once(train)) == sorted(e.eid.uid for g in groups for e in g)
+    metrics = await read_metrics(server, names, "operator")
+    assert sum(r.values.get("operator/publish_failures", 0) for r in metrics) >= FAILS
