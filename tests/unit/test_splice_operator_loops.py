@@ -32,7 +32,7 @@ from rftstream.wire import SPLICE, SpliceCut, SpliceRequested
 pytestmark = pytest.mark.anyio
 
 STAGE = "filtered"
-FAST = Timing(check_every_s=0.02, owner_refresh_s=0.02)  # waiting parties look every 20 ms
+FAST = Timing(check_every_s=0.02)  # a waiting party reads status and heartbeat every 20 ms
 
 
 def _owner(*, alive: bool) -> dict[str, Any]:
