@@ -8,6 +8,9 @@ Expected outcome, computed from the cuts the KV ``topology`` records: a message 
 ``exp.train`` before a splice's cut or after its removal's cut is trained as it is; one in
 between went through the filter, so it is trained exactly when its reward passes. Nothing is
 trained twice and nothing is lost.
+
+The resumed unsplice and the trainer's KV hiccups run on the in-memory transport
+(tests/unit/test_spliced_unsplice_resume.py, tests/unit/test_trainer_topology_hiccups.py).
 """
 
 from __future__ import annotations
@@ -19,7 +22,6 @@ from pathlib import Path
 import anyio
 import pytest
 
-from operators import EXPERIENCE_OPERATORS, ExperiencePipeline
 from rftstream.actors.common import InProgressTicker, heartbeat_loop
 from rftstream.actors.feed import ExperienceFeed
 from rftstream.actors.spliced import run_spliced
@@ -28,18 +30,16 @@ from rftstream.actors.trainer import Trainer
 from rftstream.bus.client import Bus
 from rftstream.bus.state import RunState
 from rftstream.config import config_from_dict
-from rftstream.errors import BusTimeout
 from rftstream.experience import decode_group
 from rftstream.runtime import prepare_run, provision
 from rftstream.splice import operator_side
-from rftstream.splice.protocol import Claim, TrainerCut
 from rftstream.subjects import KV_TASKSET, KV_TOPOLOGY
-from rftstream.wire import SPLICE, STAGE, SpliceDone, SpliceDrained, SpliceRequested, TasksetRecord
-from tests.integration._util import _group, read_stream, small_config
+from rftstream.wire import STAGE, SpliceDone, SpliceDrained, TasksetRecord
+from tests.integration._util import read_stream, small_config
+from tests.unit._splice_util import THRESHOLD, filter_pipelines, mixed_groups
 
 pytestmark = pytest.mark.integration
 
-THRESHOLD = 0.5
 BATCH = 8
 
 
@@ -75,19 +75,6 @@ class FakeTrainer:
             tg.cancel_scope.cancel()
 
 
-def _groups(i: int) -> list:
-    # one group per task: rewards 0, 1, 0, 1 -> reward_filter(0.5) keeps two
-    return [e for k, e in enumerate(_group(i, 0.0, 4)) if k % 2 == 0] + [
-        e for k, e in enumerate(_group(i, 1.0, 4)) if k % 2 == 1
-    ]
-
-
-def _pipelines(n: int) -> list[ExperiencePipeline]:
-    return [
-        ExperiencePipeline([EXPERIENCE_OPERATORS.get("reward_filter")(THRESHOLD)]) for _ in range(n)
-    ]
-
-
 def test_splice_crash_resume_unsplice_twice_exactly_once(
     tmp_path: Path, tiny_model_path: str, nats_url: str
 ) -> None:
@@ -110,7 +97,7 @@ def test_splice_crash_resume_unsplice_twice_exactly_once(
                 async def produce() -> None:
                     i = 0
                     while not stop_producing.is_set():
-                        group = _groups(i)
+                        group = mixed_groups(i)
                         published.update({e.eid.uid: e.reward for e in group})
                         await bus.publish_group("train", group, msg_id=f"g{i}")
                         i += 1
@@ -163,7 +150,7 @@ def test_splice_crash_resume_unsplice_twice_exactly_once(
                     # 1. splice in (2 replicas), then "crash": cancel it mid-run
                     stop1 = anyio.Event()
                     async with anyio.create_task_group() as op:
-                        op.start_soon(operator(stop1, pipelines=_pipelines(2)))
+                        op.start_soon(operator(stop1, pipelines=filter_pipelines(2)))
                         await through_filter(3)
                         op.cancel_scope.cancel()
                     record = await state.get(STAGE.of(stage="filtered"))
@@ -171,7 +158,7 @@ def test_splice_crash_resume_unsplice_twice_exactly_once(
 
                     # 2. the same command resumes it; a graceful stop removes it
                     async def resumed_then_stopped() -> None:
-                        outcomes.append(await operator(stop1, pipelines=_pipelines(1))())
+                        outcomes.append(await operator(stop1, pipelines=filter_pipelines(1))())
 
                     async with anyio.create_task_group() as op:
                         op.start_soon(resumed_then_stopped)
@@ -183,7 +170,9 @@ def test_splice_crash_resume_unsplice_twice_exactly_once(
 
                     # 3. splice again under the same stage name; remove it with --unsplice
                     async def spliced_then_asked() -> None:
-                        outcomes.append(await operator(anyio.Event(), pipelines=_pipelines(2))())
+                        outcomes.append(
+                            await operator(anyio.Event(), pipelines=filter_pipelines(2))()
+                        )
 
                     async with anyio.create_task_group() as op:
                         op.start_soon(spliced_then_asked)
@@ -196,11 +185,13 @@ def test_splice_crash_resume_unsplice_twice_exactly_once(
 
                     # 4. splice, crash, then `rftstream operator NAME --unsplice`: resume to remove
                     async with anyio.create_task_group() as op:
-                        op.start_soon(operator(anyio.Event(), pipelines=_pipelines(1)))
+                        op.start_soon(operator(anyio.Event(), pipelines=filter_pipelines(1)))
                         await through_filter(5)
                         op.cancel_scope.cancel()
                     outcomes.append(
-                        await operator(anyio.Event(), pipelines=_pipelines(1), unsplice_now=True)()
+                        await operator(
+                            anyio.Event(), pipelines=filter_pipelines(1), unsplice_now=True
+                        )()
                     )
                     assert outcomes == ["removed"] * 3
                     await trained_more(16)
@@ -240,211 +231,3 @@ def test_splice_crash_resume_unsplice_twice_exactly_once(
     }
     assert any(published[u] < THRESHOLD for u in after & set(trainer.trained))
     assert filtered and all(published[u] < THRESHOLD for u in filtered)
-
-
-@pytest.mark.parametrize("crashed_in", ["requested", "cut"])
-def test_resumed_unsplice_never_processes_past_its_cut(
-    tmp_path: Path, tiny_model_path: str, nats_url: str, crashed_in: str
-) -> None:
-    """The owner died during an unsplice (``requested``: its durable acked up to the cut;
-    ``cut``: it had deleted its durable already). The resumed process must not process one
-    message after the cut: from there on the trainer reads exp.train itself."""
-    from rftstream.subjects import KV_SPLICE, KV_STAGE
-
-    run = prepare_run(config_from_dict(small_config(tmp_path, tiny_model_path)))
-    cut = 4
-    lines: list[str] = []
-
-    async def main() -> dict:
-        await provision(run, nats_url)
-        n = run.names
-        durable = n.stage_consumer("train", "filtered")
-        async with await Bus.connect(nats_url, n, run.cfg.nats, "test") as bus:
-            state = RunState(await bus.kv())
-            for i in range(10):
-                await bus.publish_group("train", _groups(i), msg_id=f"g{i}")
-            if crashed_in == "requested":  # the parked replicas acked everything up to the cut
-                await bus.ensure_consumer(
-                    n.exp_stream,
-                    durable,
-                    n.exp_subject("train"),
-                    description="test",
-                    role="operator",
-                    start_seq=1,
-                )
-                consumer = await bus.pull(n.exp_stream, durable)
-                for m in await consumer.fetch(cut, timeout=5.0):
-                    await m.ack()
-                await consumer.unsubscribe()
-            gone = {"actor": "filter", "pid": 0, "host": "elsewhere", "ts": 0}
-            await state.put_json(
-                KV_STAGE.format(stage="filtered"),
-                {
-                    "operator": "reward_filter",
-                    "args": {"threshold": THRESHOLD},
-                    "from_stage": "train",
-                    "to_stage": "filtered",
-                    "durable": durable,
-                    "start_seq": 1,
-                    "owner": gone,
-                },
-            )
-            await state.put_json(
-                KV_SPLICE,
-                {
-                    "id": "u1",
-                    "kind": "unsplice",
-                    "state": crashed_in,
-                    "operator": "reward_filter",
-                    "from_stage": "train",
-                    "to_stage": "filtered",
-                    "cut_seq": cut,
-                    "ts": time.time(),
-                },
-            )
-
-            async def trainer() -> None:  # answers the request (its KV side only)
-                while True:
-                    record, rev = await state.entry(SPLICE)
-                    if isinstance(record, SpliceRequested):
-                        claimed = await operator_side.apply(state, record, rev, Claim())
-                        assert claimed is not None
-                        claimed, rev = await state.entry(SPLICE)
-                        cut = TrainerCut(consumer="trainer")
-                        assert await operator_side.apply(state, claimed, rev, cut) is not None
-                    if isinstance(record, SpliceDrained):
-                        return
-                    await anyio.sleep(0.05)
-
-            with anyio.fail_after(120):
-                async with anyio.create_task_group() as tg:
-                    tg.start_soon(trainer)
-                    outcome = await run_spliced(
-                        run,
-                        nats_url,
-                        operator="reward_filter",
-                        args={"threshold": THRESHOLD},
-                        to_stage="filtered",
-                        pipelines=_pipelines(2),
-                        name="filter",
-                        stop=anyio.Event(),
-                        say=lines.append,
-                        unsplice_now=True,
-                    )
-            assert outcome == "removed", lines
-            assert await state.get(STAGE.of(stage="filtered")) is None
-            return await state.get_json(KV_SPLICE)
-
-    final = anyio.run(main, backend="asyncio")
-    assert final["state"] == "drained" and final["cut_seq"] == cut
-    processed = anyio.run(read_stream, nats_url, run.names.exp_subject("filtered"))
-    assert processed == [], [m.headers for m in processed]  # past the cut: the trainer's own
-    assert final["drain_until"] == 0
-
-
-class FlakyKV:
-    """A real KV bucket whose every kind of call (method and key) times out the first time
-    it is made while ``on``: each step of answering a request hits a hiccup once."""
-
-    CALLS = ("get", "put", "update", "create", "delete", "keys")
-
-    def __init__(self, kv) -> None:
-        self._kv = kv
-        self.on = False
-        self.failed: list[tuple[str, str | None]] = []
-
-    def __getattr__(self, name: str):
-        attr = getattr(self._kv, name)
-        if name not in self.CALLS:
-            return attr
-
-        async def call(*args, **kwargs):
-            what = (name, args[0] if args else None)
-            if self.on and what not in self.failed:
-                self.failed.append(what)
-                raise BusTimeout(f"KV {name}: timed out (injected)")
-            return await attr(*args, **kwargs)
-
-        return call
-
-
-def test_kv_hiccups_do_not_fail_the_trainer_while_it_answers_splices(
-    tmp_path: Path, tiny_model_path: str, nats_url: str
-) -> None:
-    """The trainer's KV calls time out (each kind once) while an operator splices in and out;
-    the trainer's reads go on, and each change is answered (and recorded) exactly once."""
-    from rftstream.subjects import KV_TRAINER_INPUT
-
-    run = prepare_run(config_from_dict(small_config(tmp_path, tiny_model_path)))
-
-    async def main() -> tuple[list, dict, list, int]:
-        await provision(run, nats_url)
-        n = run.names
-        async with (
-            await Bus.connect(nats_url, n, run.cfg.nats, "trainer") as tbus,
-            await Bus.connect(nats_url, n, run.cfg.nats, "operator") as obus,
-        ):
-            state = RunState(await obus.kv())
-            flaky = FlakyKV(await tbus.kv())
-            topology = TrainerTopology(tbus, RunState(flaky), "trainer")
-            consumer = await topology.open()
-            ticker = InProgressTicker(1.0)
-
-            async def never() -> bool:
-                return False
-
-            feed = ExperienceFeed(tbus, consumer, ticker, never, fetch_batch=4)
-            await topology.attach(feed)
-            for i in range(6):
-                await obus.publish_group("train", _groups(i), msg_id=f"g{i}")
-            read: list[str] = []
-
-            async def trainer() -> None:
-                while True:
-                    batch = await feed.read(4)
-                    read.extend(e.eid.uid for e in batch)
-                    await feed.commit()
-
-            async def read_at_least(k: int) -> None:
-                while len(read) < k:
-                    await anyio.sleep(0.05)
-
-            with anyio.fail_after(90):
-                async with anyio.create_task_group() as tg:
-                    tg.start_soon(ticker.run)
-                    tg.start_soon(heartbeat_loop, state, "trainer", "trainer", lambda: {}, 1.0)
-                    tg.start_soon(trainer)
-                    await read_at_least(8)
-                    flaky.on = True
-                    cut = await operator_side.request_splice(state, "reward_filter", "filtered")
-                    await obus.publish_group("filtered", _groups(100), msg_id="f100")
-                    await read_at_least(
-                        6 * 4 + 4
-                    )  # all of exp.train (4 a group), then exp.filtered
-                    await operator_side.request_unsplice(
-                        state,
-                        "u1",
-                        operator="reward_filter",
-                        from_stage="train",
-                        to_stage="filtered",
-                        cut_seq=int(cut.start_seq or 1) - 1,
-                    )
-                    end = int((await obus.transport.js.stream_info(n.exp_stream)).state.last_seq)
-                    await operator_side.finish_unsplice(state, "u1", "filtered", end)
-                    while not isinstance(await state.get(SPLICE), SpliceDone):
-                        await anyio.sleep(0.05)
-                    tg.cancel_scope.cancel()
-            return (
-                await state.get_json(KV_TOPOLOGY),
-                await state.get_json(KV_TRAINER_INPUT),
-                flaky.failed,
-                topology.poll_errors,
-            )
-
-    edges, trainer_input, failed, poll_errors = anyio.run(main, backend="asyncio")
-    # the hiccups happened inside poll, on every step of answering (claim, switch, answer)
-    assert ("update", "splice") in failed and ("put", "trainer.input") in failed, failed
-    assert ("put", "topology") in failed and ("get", "splice") in failed, failed
-    assert poll_errors == len(failed), (poll_errors, failed)  # every one inside poll
-    assert [e["op"] for e in edges] == ["splice", "unsplice"]  # each recorded once
-    assert trainer_input["stage"] == "train"

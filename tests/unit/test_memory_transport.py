@@ -296,3 +296,20 @@ async def test_kv_write_notifications() -> None:
     await sub.unsubscribe()
     await kv.put("watched", b"2")
     assert len(fired) == 2
+
+
+async def test_a_second_connection_shares_the_server_and_closes_alone() -> None:
+    t = await _transport()
+    other = t.connection()
+    await _durable(other)
+    await other.publish("s.a", b"1", None, 1.0)
+    (msg,) = await (await t.pull("S", "d")).fetch(1, 0.01)  # the durable made on `other`
+    assert msg.data == b"1"
+    kv = await other.kv("b", create=True)
+    await kv.put("k", b"v")
+    assert (await (await t.kv("b", create=False)).get("k")).value == b"v"
+    await other.close()
+    assert other.is_closed and not t.is_closed
+    with pytest.raises(BusError, match="connection closed"):
+        await other.publish("s.a", b"2", None, 1.0)
+    assert not (await t.publish("s.a", b"2", None, 1.0)).duplicate

@@ -33,7 +33,8 @@ class MemoryTransport:
     """Streams, consumers and KV buckets in this process (see the module docstring).
 
     Several :class:`~rftstream.bus.client.Bus` objects sharing one transport act as
-    actors on one server. Nothing blocks but fetches and reads waiting for messages.
+    actors on one server; :meth:`connection` gives each its own connection to close.
+    Nothing blocks but fetches and reads waiting for messages.
     """
 
     def __init__(
@@ -44,6 +45,15 @@ class MemoryTransport:
         self._streams: dict[str, Stream] = {}
         self._buckets: dict[str, MemoryKV] = {}
         self._closed = False
+
+    def connection(self) -> MemoryTransport:
+        """Another client of the same in-memory server (as a second ``nats.connect``):
+        it sees and changes the same streams, consumers and buckets, and closing it
+        closes only itself. Blocks never."""
+        other = MemoryTransport(max_payload=self._max_payload, clock=self.clock)
+        other._streams = self._streams
+        other._buckets = self._buckets
+        return other
 
     @property
     def max_payload(self) -> int:
