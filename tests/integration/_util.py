@@ -245,6 +245,24 @@ def start_nats_server(port: int, store: Path) -> subprocess.Popen[bytes]:
     raise RuntimeError(f"nats-server did not listen on port {port}")
 
 
+def wait_processes(
+    procs: dict[str, subprocess.Popen[bytes]], logs: dict[str, Path], *, timeout: float = 300
+) -> None:
+    """Block (polling every 0.5 s) until every process in ``procs`` has exited 0. Fails the
+    test as soon as one exits otherwise, rather than leaving the others waiting for it, and
+    when one still runs after ``timeout`` s; the message holds that process's ``logs`` tail.
+    Kills nothing: the caller's ``finally`` does."""
+    deadline = time.time() + timeout
+    while time.time() < deadline and any(p.poll() is None for p in procs.values()):
+        for role, p in procs.items():
+            assert p.poll() in (None, 0), (
+                f"{role} exited {p.returncode}:\n{logs[role].read_text()[-4000:]}"
+            )
+        time.sleep(0.5)
+    for role, p in procs.items():
+        assert p.poll() == 0, f"{role} did not finish:\n{logs[role].read_text()[-4000:]}"
+
+
 def user_env(tiny_model_path: str) -> dict[str, str]:
     """A user's shell for subprocesses: the shared tiny-model cache, and none of the
     torch.distributed variables this pytest process's own trainers set."""

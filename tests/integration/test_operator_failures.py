@@ -23,8 +23,16 @@ from rftstream.config import config_from_dict
 from rftstream.errors import ConfigError
 from rftstream.experience import decode_group
 from rftstream.messages import H_DLQ_REASON, H_DLQ_STAGE, MetricsMsg
-from rftstream.runtime import prepare_run, provision, run_operator
-from tests.integration._util import _group, read_metrics, read_stream, small_config, wait_drained
+from rftstream.runtime import PreparedRun, prepare_run, provision, run_operator
+from tests.integration._util import (
+    _group,
+    operate_until_drained,
+    read_experiences,
+    read_metrics,
+    read_stream,
+    small_config,
+    wait_drained,
+)
 
 pytestmark = pytest.mark.integration
 
@@ -93,11 +101,25 @@ async def _wait(cond: Callable[[], Awaitable[bool]], timeout: float = 90) -> Non
 
 
 async def _train_uids(url: str) -> list[str]:
-    return [
-        e.eid.uid
-        for m in await read_stream(url, "rft.itest.exp.train")
-        for e in decode_group(m.data)
-    ]
+    return [e.eid.uid for e in await read_experiences(url, "rft.itest.exp.train")]
+
+
+async def _publish_raw(bus: Bus, groups: list[list]) -> None:
+    for g in groups:
+        await bus.publish_group("raw", g, msg_id=f"raw-{g[0].eid.task}")
+
+
+def _operate(run: PreparedRun, url: str, groups: list[list], pipeline: ExperiencePipeline) -> None:
+    """Publish ``groups`` on exp.raw, then run an operator host on ``pipeline`` until every
+    one is acked (:func:`operate_until_drained`); blocks until then."""
+
+    async def main() -> None:
+        await provision(run, url)
+        async with await Bus.connect(url, run.names, run.cfg.nats, "producer") as bus:
+            await _publish_raw(bus, groups)
+            await operate_until_drained(run, url, bus, pipeline=pipeline)
+
+    anyio.run(main, backend="asyncio")
 
 
 def _total(records: list[MetricsMsg], key: str) -> float:
@@ -118,8 +140,7 @@ def test_poison_message_is_retried_then_dead_lettered_and_the_stage_goes_on(
     async def main() -> None:
         await provision(run, nats_url)
         async with await Bus.connect(nats_url, run.names, run.cfg.nats, "producer") as bus:
-            for g in first:
-                await bus.publish_group("raw", g, msg_id=f"raw-{g[0].eid.task}")
+            await _publish_raw(bus, first)
             async with anyio.create_task_group() as tg:
                 tg.start_soon(lambda: run_operator(run, nats_url, pipeline=pipeline))
 
@@ -129,8 +150,7 @@ def test_poison_message_is_retried_then_dead_lettered_and_the_stage_goes_on(
 
                 await _wait(dead_lettered)
                 # the host is still running: messages published now pass too
-                for g in later:
-                    await bus.publish_group("raw", g, msg_id=f"raw-{g[0].eid.task}")
+                await _publish_raw(bus, later)
                 await wait_drained(bus.transport.js, run.names.exp_stream, "op_raw_to_train")
                 tg.cancel_scope.cancel()
 
@@ -180,19 +200,7 @@ def test_an_operator_that_fails_for_a_while_then_recovers_loses_nothing(
     flaky = FlakyAtFirst(3)
     groups = _groups(range(0, 5))
 
-    async def main() -> None:
-        await provision(run, nats_url)
-        async with await Bus.connect(nats_url, run.names, run.cfg.nats, "producer") as bus:
-            for g in groups:
-                await bus.publish_group("raw", g, msg_id=f"raw-{g[0].eid.task}")
-            async with anyio.create_task_group() as tg:
-                tg.start_soon(
-                    lambda: run_operator(run, nats_url, pipeline=ExperiencePipeline([flaky]))
-                )
-                await wait_drained(bus.transport.js, run.names.exp_stream, "op_raw_to_train")
-                tg.cancel_scope.cancel()
-
-    anyio.run(main, backend="asyncio")
+    _operate(run, nats_url, groups, ExperiencePipeline([flaky]))
 
     async def check() -> None:
         assert await read_stream(nats_url, "rft.itest.dlq.>") == []
@@ -219,19 +227,8 @@ def test_a_hanging_operator_is_timed_out_and_dead_lettered(
     release = threading.Event()
     groups = _groups(range(0, 4))
 
-    async def main() -> None:
-        await provision(run, nats_url)
-        async with await Bus.connect(nats_url, run.names, run.cfg.nats, "producer") as bus:
-            for g in groups:
-                await bus.publish_group("raw", g, msg_id=f"raw-{g[0].eid.task}")
-            async with anyio.create_task_group() as tg:
-                pipeline = ExperiencePipeline([HangsOnTask(2, release)])
-                tg.start_soon(lambda: run_operator(run, nats_url, pipeline=pipeline))
-                await wait_drained(bus.transport.js, run.names.exp_stream, "op_raw_to_train")
-                tg.cancel_scope.cancel()
-
     try:
-        anyio.run(main, backend="asyncio")
+        _operate(run, nats_url, groups, ExperiencePipeline([HangsOnTask(2, release)]))
     finally:
         release.set()
 
@@ -290,18 +287,7 @@ def test_an_operators_own_timeout_error_is_dead_lettered_as_itself(
     run = _run(tmp_path, tiny_model_path, **cfg)
     groups = _groups(range(0, 3))
 
-    async def main() -> None:
-        await provision(run, nats_url)
-        async with await Bus.connect(nats_url, run.names, run.cfg.nats, "producer") as bus:
-            for g in groups:
-                await bus.publish_group("raw", g, msg_id=f"raw-{g[0].eid.task}")
-            async with anyio.create_task_group() as tg:
-                pipeline = ExperiencePipeline([RaisesItsOwnTimeout(1)])
-                tg.start_soon(lambda: run_operator(run, nats_url, pipeline=pipeline))
-                await wait_drained(bus.transport.js, run.names.exp_stream, "op_raw_to_train")
-                tg.cancel_scope.cancel()
-
-    anyio.run(main, backend="asyncio")
+    _operate(run, nats_url, groups, ExperiencePipeline([RaisesItsOwnTimeout(1)]))
 
     async def check() -> None:
         dead = await read_stream(nats_url, "rft.itest.dlq.>")

@@ -11,10 +11,9 @@ import anyio
 import pytest
 
 from rftstream.config import config_from_dict
-from rftstream.experience import decode_group
 from rftstream.plugins import load_plugins
 from rftstream.runtime import prepare_run
-from tests.integration._util import read_stream, run_actors_to_end, small_config
+from tests.integration._util import read_experiences, read_stream, run_actors_to_end, small_config
 
 pytestmark = pytest.mark.integration
 
@@ -127,16 +126,8 @@ def test_seed_workflow_and_filter_as_plugins(
     assert [r["step"] for r in steps] == [1, 2]
 
     async def check() -> None:
-        raw = [
-            e
-            for m in await read_stream(nats_url, "rft.itest.exp.raw")
-            for e in decode_group(m.data)
-        ]
-        train = [
-            e
-            for m in await read_stream(nats_url, "rft.itest.exp.train")
-            for e in decode_group(m.data)
-        ]
+        raw = await read_experiences(nats_url, "rft.itest.exp.raw")
+        train = await read_experiences(nats_url, "rft.itest.exp.train")
         assert raw and train
         # the ExampleWorkflow ran: its prompt format, exact-match rewards
         from transformers import AutoTokenizer

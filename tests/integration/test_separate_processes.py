@@ -20,6 +20,7 @@ from tests.integration._util import (
     sft_config,
     start_nats_server,
     user_env,
+    wait_processes,
     write_config,
 )
 
@@ -66,16 +67,7 @@ def test_three_actor_processes_against_a_hand_started_server(
             )
     logs = {role: tmp_path / f"{role}.log" for role in procs}
     try:
-        deadline = time.time() + 300
-        while time.time() < deadline and any(p.poll() is None for p in procs.values()):
-            for role, p in procs.items():
-                # one actor failing fails the test now, rather than leaving the others waiting for it
-                assert p.poll() in (None, 0), (
-                    f"{role} exited {p.returncode}:\n{logs[role].read_text()[-4000:]}"
-                )
-            time.sleep(0.5)
-        for role, p in procs.items():
-            assert p.poll() == 0, f"{role} did not finish:\n{logs[role].read_text()[-4000:]}"
+        wait_processes(procs, logs)
     finally:
         for p in procs.values():
             if p.poll() is None:

@@ -17,7 +17,13 @@ import nats
 import pytest
 
 from rftstream.experience import decode_group
-from tests.integration._util import actor_config, read_stream, user_env, write_config
+from tests.integration._util import (
+    actor_config,
+    read_stream,
+    user_env,
+    wait_processes,
+    write_config,
+)
 from tests.integration.test_separate_processes import CLI, hand_started_server  # noqa: F401
 
 pytestmark = pytest.mark.integration
@@ -82,13 +88,7 @@ def test_a_killed_trainer_resumes_and_trains_every_experience_once(
         assert killed_at < 2 * EVERY, "the kill came too late to land between two checkpoints"
         procs["trainer2"] = start("trainer", "trainer2")  # the same command again
         del procs["trainer"]
-        deadline = time.time() + 300
-        while time.time() < deadline and any(p.poll() is None for p in procs.values()):
-            for role, p in procs.items():
-                assert p.poll() in (None, 0), f"{role}: {logs[role].read_text()[-4000:]}"
-            time.sleep(0.5)
-        for role, p in procs.items():
-            assert p.poll() == 0, f"{role} did not finish:\n{logs[role].read_text()[-4000:]}"
+        wait_processes(procs, logs)
     finally:
         for p in procs.values():
             if p.poll() is None:
