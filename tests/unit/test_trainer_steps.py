@@ -27,6 +27,7 @@ from rftstream.experience import EID, Experience
 from rftstream.runtime import prepare_run
 from rftstream.training.engine import PolicyTrainer
 from tests.integration._util import small_config
+from tests.unit._trainer import capture_gradients
 
 SEEN: list[list[int]] = []  # per micro-batch: the response lengths of its rows, in order
 
@@ -161,24 +162,6 @@ def _expert_file(tmp_path: Path) -> str:
     return str(path)
 
 
-def _captured_gradient(trainer: PolicyTrainer) -> dict[str, torch.Tensor]:
-    """Wrap the engine's step: the accumulated gradients at the optimizer boundary."""
-    grads: dict[str, torch.Tensor] = {}
-    engine = trainer.engine
-    original = engine.step
-
-    def step(*args: Any, **kwargs: Any) -> Any:
-        # with use_dynamic_bsz every step() is the boundary (unmanaged accumulation)
-        if trainer.dynamic_bsz or engine.is_gradient_accumulation_boundary():
-            for name, p in engine.module.named_parameters():
-                if p.grad is not None:
-                    grads[name] = p.grad.detach().clone().cpu()
-        return original(*args, **kwargs)
-
-    engine.step = step  # type: ignore[method-assign]
-    return grads
-
-
 def _row_logprobs(model: torch.nn.Module, e: Experience) -> torch.Tensor:
     """log p(response token j) for one experience, one unpadded forward."""
     ids = e.tokens.to(torch.long).unsqueeze(0)
@@ -260,7 +243,7 @@ def test_mix_step_gradient_is_the_seed_objective(
     ]
     for i in expert_rows:
         exps[i].advantages = torch.zeros(lengths[i])
-    grads = _captured_gradient(trainer)
+    grads = capture_gradients(trainer)
     out = trainer.train_step(exps)
     assert grads
     if case.get("trainer_dynamic"):
