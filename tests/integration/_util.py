@@ -71,6 +71,28 @@ def small_config(tmp_path: Path, tiny_model_path: str, **over: object) -> dict:
     return _override(cfg, over)
 
 
+def kl_entropy_config(
+    tmp_path: Path, tiny_model_path: str, *, optimizer: dict[str, float], **algorithm: object
+) -> dict:
+    """:func:`small_config` for a trainer with a KL loss (``low_var_kl``, coefficient 0.5)
+    and an entropy bonus (0.01): responses of up to 16 tokens, batches of 8, ``optimizer``
+    the optimizer section; ``algorithm`` more (or other) algorithm keys."""
+    cfg = small_config(tmp_path, tiny_model_path)
+    cfg["model"]["max_response_tokens"] = 16
+    cfg["buffer"]["train_batch_size"] = 8
+    cfg["algorithm"].update(
+        {
+            "kl_loss_fn": "low_var_kl",
+            "kl_loss_fn_args": {"kl_coef": 0.5},
+            "entropy_loss_fn": "default",
+            "entropy_loss_fn_args": {"entropy_coef": 0.01},
+            "optimizer": optimizer,
+            **algorithm,
+        }
+    )
+    return cfg
+
+
 def actor_config(
     tmp_path: Path,
     tiny_model_path: str,
