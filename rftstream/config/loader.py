@@ -294,6 +294,22 @@ def _resolve_wildcards(data: Any, parts: list[PathPart]) -> list[PathPart]:
     return parts
 
 
+def _as_mapping(data: Any, what: str, source: str | None) -> dict[str, Any]:
+    """``data`` itself if a mapping, ``{}`` for ``None`` (an empty document); else a
+    :class:`ConfigError` at the root: "``what`` must be a mapping, not <type>"."""
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(
+            ROOT,
+            f"{what} must be a mapping, not {type(data).__name__}",
+            value=data,
+            has_value=True,
+            source=source,
+        )
+    return data
+
+
 def config_from_dict(
     data: dict[str, Any],
     source: str | None = None,
@@ -311,16 +327,7 @@ def config_from_dict(
     the key path, the offending value and ``source`` (the file it came from).
     Does not run :func:`~rftstream.config.validate.validate_config`.
     """
-    if data is None:
-        data = {}
-    if not isinstance(data, dict):
-        raise ConfigError(
-            ROOT,
-            f"the config must be a mapping, not {type(data).__name__}",
-            value=data,
-            has_value=True,
-            source=source,
-        )
+    data = _as_mapping(data, "the config", source)
     data = _without_stages(data, source)
     translation = translate_config(data, source, cuda_available=cuda_available)
     for note in translation.warnings:
@@ -437,16 +444,7 @@ def load_config(
     """
     source = os.fspath(path) if path is not None else None
     data: Any = {} if source is None else _read_yaml(source)
-    if data is None:
-        data = {}
-    if not isinstance(data, dict):
-        raise ConfigError(
-            ROOT,
-            f"the top level of a config file must be a mapping, not {type(data).__name__}",
-            value=data,
-            has_value=True,
-            source=source,
-        )
+    data = _as_mapping(data, "the top level of a config file", source)
     if overrides:
         data = apply_overrides(data, list(overrides))
     data = interpolate_env(data, source)

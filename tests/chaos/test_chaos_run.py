@@ -24,7 +24,6 @@ import os
 import random
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -38,15 +37,20 @@ import msgspec
 import nats
 import nats.errors
 import pytest
-import yaml
 
 from rftstream.bus.account import RunAccount, account_run
 from rftstream.bus.client import Bus
-from rftstream.bus.server import find_nats_server, free_port
+from rftstream.bus.server import free_port
 from rftstream.config import config_from_dict
 from rftstream.experience import EID, Experience, encode_group
 from rftstream.subjects import RunNames
-from tests.integration._util import read_stream, user_env
+from tests.integration._util import (
+    actor_config,
+    read_stream,
+    start_nats_server,
+    user_env,
+    write_config,
+)
 
 pytestmark = pytest.mark.integration
 
@@ -95,54 +99,24 @@ class ChaosRun:
         return path.read_text() if path.exists() else ""
 
 
-def _start_server(port: int, store: Path) -> subprocess.Popen[bytes]:
-    proc = subprocess.Popen(
-        [find_nats_server(), "-js", "-sd", str(store), "-a", "127.0.0.1", "-p", str(port)],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    deadline = time.time() + 10
-    while time.time() < deadline:
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
-            return proc
-        except OSError:
-            time.sleep(0.05)
-    raise RuntimeError(f"nats-server did not listen on port {port}")
-
-
 def _config(tmp: Path, tiny_model_path: str) -> Path:
-    cfg = {
-        "name": RUN,
-        "checkpoint_root_dir": str(tmp / "shared-ckpt"),
-        "model": {"model_path": tiny_model_path, "max_response_tokens": 6},
-        "buffer": {
-            "batch_size": 2,
-            "total_steps": STEPS,
-            "total_epochs": 20,
-            "explorer_input": {
-                "taskset": {"path": "builtin:arithmetic", "rollout_args": {"max_tokens": 6}}
-            },
-        },
-        "explorer": {"runner_num": 2},
+    cfg = actor_config(
+        tmp,
+        tiny_model_path,
+        RUN,
+        steps=STEPS,
         # max_staleness 1 paces the explorer by the trainer: the run lasts long enough for the kills
-        "synchronizer": {
-            "sync_method": "checkpoint",
-            "sync_style": "dynamic_by_explorer",
-            "max_staleness": 1,
-        },
-        "trainer": {"save_interval": EVERY},
+        max_staleness=1,
+        buffer__total_epochs=20,
+        trainer__save_interval=EVERY,
         # the 500 malformed groups would fill any dead-letter window: this run is meant to
         # survive them, so the watcher (monitor.dead_letter_window) is off
-        "monitor": {"dead_letter_window": 0, "plot": False},
-        "nats": {"ack_wait": 3.0},
-        "data_processor": {"experience_pipeline": {"batch_messages": 4}},
-        "algorithm": {"algorithm_type": "grpo", "repeat_times": 4, "optimizer": {"lr": 1e-4}},
-    }
+        monitor={"dead_letter_window": 0, "plot": False},
+        nats__ack_wait=3.0,
+        data_processor__experience_pipeline__batch_messages=4,
+    )
     config_from_dict(cfg)  # a typo here fails at once, not in five subprocesses
-    path = tmp / "chaos.yaml"
-    path.write_text(yaml.safe_dump(cfg))
-    return path
+    return write_config(cfg, tmp / "chaos.yaml")
 
 
 def _exp(kind: str, i: int, **over: object) -> Experience:
@@ -210,7 +184,7 @@ def chaos(tmp_path_factory: pytest.TempPathFactory, tiny_model_path: str) -> Ite
     port = free_port()
     url = f"nats://127.0.0.1:{port}"
     store = tmp / "nats-store"
-    server = _start_server(port, store)
+    server = start_nats_server(port, store)
     cfg = _config(tmp, tiny_model_path)
     env = user_env(tiny_model_path)
     names = RunNames(RUN)
@@ -270,7 +244,7 @@ def chaos(tmp_path_factory: pytest.TempPathFactory, tiny_model_path: str) -> Ite
         server.send_signal(signal.SIGKILL)
         server.wait(timeout=10)
         time.sleep(0.5)
-        server = _start_server(port, store)
+        server = start_nats_server(port, store)
         run.events.append("nats-server killed")
         deadline = time.time() + 240
         while any(p.poll() is None for p in procs.values()):

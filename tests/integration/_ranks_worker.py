@@ -20,7 +20,7 @@ from rftstream.config import config_from_dict
 from rftstream.experience import EID, Experience
 from rftstream.runtime import prepare_run
 from rftstream.training.engine import PolicyTrainer
-from tests.integration._util import small_config
+from tests.integration._util import kl_entropy_config
 
 STEPS = 2
 
@@ -70,18 +70,7 @@ def build(tmp_path: Path, model_path: str, case: str, zero_stage: int = 0) -> Po
     first steps move each weight by about ``lr * g / (|g| + 1)``: the weights depend on the
     gradients' scale, not only their sign, and no clipping hides a wrong scale."""
     _, micro = CASES[case]
-    data = small_config(tmp_path, model_path)
-    data["model"]["max_response_tokens"] = 16
-    data["buffer"]["train_batch_size"] = 8
-    data["algorithm"].update(
-        {
-            "kl_loss_fn": "low_var_kl",
-            "kl_loss_fn_args": {"kl_coef": 0.5},
-            "entropy_loss_fn": "default",
-            "entropy_loss_fn_args": {"entropy_coef": 0.01},
-            "optimizer": {"lr": 0.1, "eps": 1.0},
-        }
-    )
+    data = kl_entropy_config(tmp_path, model_path, optimizer={"lr": 0.1, "eps": 1.0})
     data["trainer"] = {
         "ppo_micro_batch_size_per_gpu": micro,
         "balance_batch": False,

@@ -9,9 +9,14 @@ import pytest
 
 from rftstream.bus.client import Bus
 from rftstream.config import config_from_dict
-from rftstream.experience import EID, Experience, decode_group
-from rftstream.runtime import prepare_run, provision, run_operator
-from tests.integration._util import read_stream, small_config, wait_drained
+from rftstream.experience import EID, Experience
+from rftstream.runtime import prepare_run, provision
+from tests.integration._util import (
+    operate_until_drained,
+    read_experiences,
+    read_stream,
+    small_config,
+)
 
 pytestmark = pytest.mark.integration
 
@@ -57,21 +62,12 @@ def test_data_juicer_stage_filters_by_text(
         async with await Bus.connect(nats_url, run.names, run.cfg.nats, "producer") as bus:
             await bus.publish_group("raw", group(1), msg_id="g1")
             await bus.publish_group("raw", group(2), msg_id="g2")
-            async with anyio.create_task_group() as tg:
-                tg.start_soon(run_operator, run, nats_url)
-                await wait_drained(
-                    bus.transport.js, run.names.exp_stream, "op_raw_to_train", timeout=90
-                )
-                tg.cancel_scope.cancel()
+            await operate_until_drained(run, nats_url, bus)
 
     anyio.run(main, backend="asyncio")
 
     async def check() -> None:
-        train = [
-            e
-            for m in await read_stream(nats_url, "rft.itest.exp.train")
-            for e in decode_group(m.data)
-        ]
+        train = await read_experiences(nats_url, "rft.itest.exp.train")
         kept = sorted((e.eid.task, e.response_text) for e in train)
         expected = sorted((t, r) for t in (1, 2) for r in RESPONSES if 5 <= len(r) <= 40)
         assert kept == expected

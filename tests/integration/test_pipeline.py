@@ -17,11 +17,12 @@ from rftstream.runtime import prepare_run, provision, run_operator, run_trainer
 from rftstream.wire import H_DLQ_REASON, H_DLQ_STAGE
 from tests.integration._util import (
     _group,
+    operate_until_drained,
+    read_experiences,
     read_kv,
     read_stream,
     run_actors_to_end,
     small_config,
-    wait_drained,
 )
 
 pytestmark = pytest.mark.integration
@@ -231,21 +232,12 @@ def test_group_split_into_parts_arrives_whole(
         async with await Bus.connect(nats_url, run.names, small, "producer") as bus:
             stored = await bus.publish_group("raw", group, msg_id="big")
             assert stored >= 4  # split into parts
-            async with anyio.create_task_group() as tg:
-                tg.start_soon(run_operator, run, nats_url)
-                await wait_drained(
-                    bus.transport.js, run.names.exp_stream, "op_raw_to_train", timeout=60
-                )
-                tg.cancel_scope.cancel()
+            await operate_until_drained(run, nats_url, bus, timeout=60)
 
     anyio.run(main, backend="asyncio")
 
     async def check() -> None:
-        train = [
-            e
-            for m in await read_stream(nats_url, "rft.itest.exp.train")
-            for e in decode_group(m.data)
-        ]
+        train = await read_experiences(nats_url, "rft.itest.exp.train")
         assert sorted(e.eid.uid for e in train) == sorted(e.eid.uid for e in group)
 
     anyio.run(check, backend="asyncio")

@@ -13,7 +13,13 @@ import pytest
 from rftstream.config import config_from_dict
 from rftstream.experience import decode_group
 from rftstream.runtime import prepare_run, provision
-from tests.integration._util import read_stream, run_actors_to_end, small_config, user_env
+from tests.integration._util import (
+    read_experiences,
+    read_stream,
+    run_actors_to_end,
+    small_config,
+    user_env,
+)
 
 pytestmark = pytest.mark.integration
 
@@ -49,11 +55,7 @@ def test_plain_nats_operator_feeds_the_trainer(
     async def check() -> None:
         raw = await read_stream(nats_url, "rft.itest.exp.raw")
         plain = await read_stream(nats_url, "rft.itest.exp.plain")
-        train = [
-            e
-            for m in await read_stream(nats_url, "rft.itest.exp.train")
-            for e in decode_group(m.data)
-        ]
+        train = await read_experiences(nats_url, "rft.itest.exp.train")
         assert counts["kept_groups"] == len(plain) and counts["kept_groups"] + counts[
             "dropped_groups"
         ] <= len(raw)

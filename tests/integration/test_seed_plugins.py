@@ -11,103 +11,24 @@ import anyio
 import pytest
 
 from rftstream.config import config_from_dict
-from rftstream.experience import decode_group
 from rftstream.plugin_loader import load_plugins
 from rftstream.runtime import prepare_run
-from tests.integration._util import read_stream, run_actors_to_end, small_config
+from tests.integration._util import read_experiences, read_stream, run_actors_to_end, small_config
 
 pytestmark = pytest.mark.integration
 
-# Seed 004, "Full Code Example", verbatim apart from the imports.
-EXAMPLE_WORKFLOW = """
-from typing import List
-
-from workflows import Workflow, Task, WORKFLOWS, ModelWrapper
-from rftstream import Experience
-
-
-@WORKFLOWS.register_module("example_workflow")
-class ExampleWorkflow(Workflow):
-
-    def __init__(self, model: ModelWrapper, task: Task, auxiliary_models: List):
-        super().__init__(model, task, auxiliary_models)
-        self.question = task.raw_task.get("question")
-        self.answer = task.raw_task.get("answer")
-        self.rollout_args = task.rollout_args
-
-    def calculate_reward(self, response: str, truth: str) -> float:
-        if response == truth:
-            return 1.0
-        else:
-            return 0.0
-
-    def run(self) -> List[Experience]:
-        # call the model to generate multiple responses
-        responses = self.model.chat(
-            [
-                {
-                    "role": "user",
-                    "content": f"Question:\\n{self.question}",
-                }
-            ],
-            n=self.rollout_args.n,
-            temperature=self.rollout_args.temperature,
-        )
-        experiences = []
-        for response in responses:
-            # calulcate reward
-            reward: float = self.calculate_reward(response.response_text, self.answer)
-            # construct Experience
-            experiences.append(
-                Experience(
-                    tokens=response.tokens,
-                    prompt_length=response.prompt_length,
-                    reward=reward,
-                    logprobs=response.logprobs,
-                )
-            )
-        return experiences
-
-    def resettable(self):
-        return True
-
-    def reset(self, task: Task):
-        self.question = task.raw_task.get("question")
-        self.answer = task.raw_task.get("answer")
-"""
-
-# Seed 003, operator section, verbatim apart from the imports.
-REWARD_FILTER = """
-from typing import Dict, List, Tuple
-
-from operators import EXPERIENCE_OPERATORS, ExperienceOperator
-from rftstream import Experience
-
-
-@EXPERIENCE_OPERATORS.register_module("reward_filter")
-class RewardFilter(ExperienceOperator):
-
-    def __init__(self, threshold: float = 0.0) -> None:
-        self.threshold = threshold
-
-    def process(self, exps: List[Experience]) -> Tuple[List[Experience], Dict]:
-        filtered_exps = [exp for exp in exps if exp.reward >= self.threshold]
-        metrics = {"filtered_count": len(exps) - len(filtered_exps)}
-        return filtered_exps, metrics
-"""
+# Seeds 004 (the "Full Code Example" workflow) and 003 (the operator section's
+# RewardFilter), verbatim apart from the imports.
+SEED_PLUGINS = Path(__file__).parents[1] / "seed_plugins"
 
 
 def test_seed_workflow_and_filter_as_plugins(
     tmp_path: Path, tiny_model_path: str, nats_url: str
 ) -> None:
-    plugin_dir = tmp_path / "plugins"
-    plugin_dir.mkdir()
-    (plugin_dir / "example_workflow.py").write_text(EXAMPLE_WORKFLOW)
-    (plugin_dir / "reward_filter.py").write_text(REWARD_FILTER)
     from workflows import WORKFLOWS
 
     WORKFLOWS.unregister("example_workflow")  # the unit tests register the same seed class
-    loaded = load_plugins([plugin_dir])
+    loaded = load_plugins([SEED_PLUGINS])
     assert len(loaded) == 2
     from operators import EXPERIENCE_OPERATORS
 
@@ -127,16 +48,8 @@ def test_seed_workflow_and_filter_as_plugins(
     assert [r["step"] for r in steps] == [1, 2]
 
     async def check() -> None:
-        raw = [
-            e
-            for m in await read_stream(nats_url, "rft.itest.exp.raw")
-            for e in decode_group(m.data)
-        ]
-        train = [
-            e
-            for m in await read_stream(nats_url, "rft.itest.exp.train")
-            for e in decode_group(m.data)
-        ]
+        raw = await read_experiences(nats_url, "rft.itest.exp.raw")
+        train = await read_experiences(nats_url, "rft.itest.exp.train")
         assert raw and train
         # the ExampleWorkflow ran: its prompt format, exact-match rewards
         from transformers import AutoTokenizer

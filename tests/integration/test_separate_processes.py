@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import json
-import socket
 import subprocess
 import sys
 import time
@@ -13,10 +12,17 @@ from pathlib import Path
 
 import anyio
 import pytest
-import yaml
 
-from rftstream.bus.server import find_nats_server, free_port
-from tests.integration._util import read_stream, user_env
+from rftstream.bus.server import free_port
+from tests.integration._util import (
+    actor_config,
+    read_stream,
+    sft_config,
+    start_nats_server,
+    user_env,
+    wait_processes,
+    write_config,
+)
 
 pytestmark = pytest.mark.integration
 
@@ -27,52 +33,13 @@ CLI = [sys.executable, "-m", "rftstream.cli"]
 def hand_started_server(tmp_path: Path) -> Iterator[str]:
     """`nats-server -js` started the way a user would, not through rftstream."""
     port = free_port()
-    store = tmp_path / "hand-nats"
-    proc = subprocess.Popen(
-        [find_nats_server(), "-js", "-sd", str(store), "-a", "127.0.0.1", "-p", str(port)],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    deadline = time.time() + 10
-    while time.time() < deadline:
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
-            break
-        except OSError:
-            time.sleep(0.05)
+    proc = start_nats_server(port, tmp_path / "hand-nats")
     time.sleep(0.3)
     try:
         yield f"nats://127.0.0.1:{port}"
     finally:
         proc.terminate()
         proc.wait(timeout=10)
-
-
-def _write_config(tmp_path: Path, tiny_model_path: str, name: str, steps: int) -> Path:
-    cfg = {
-        "name": name,
-        "checkpoint_root_dir": str(tmp_path / "shared-ckpt"),
-        "model": {"model_path": tiny_model_path, "max_response_tokens": 6},
-        "buffer": {
-            "batch_size": 2,
-            "total_steps": steps,
-            "total_epochs": 5,
-            "explorer_input": {
-                "taskset": {"path": "builtin:arithmetic", "rollout_args": {"max_tokens": 6}}
-            },
-        },
-        "explorer": {"runner_num": 2},
-        # max_staleness 0: the explorer must wait for, and load, each new checkpoint
-        "synchronizer": {
-            "sync_method": "checkpoint",
-            "sync_style": "dynamic_by_explorer",
-            "max_staleness": 0,
-        },
-        "algorithm": {"algorithm_type": "grpo", "repeat_times": 4, "optimizer": {"lr": 1e-4}},
-    }
-    path = tmp_path / f"{name}.yaml"
-    path.write_text(yaml.safe_dump(cfg))
-    return path
 
 
 # the trainer as one process, or as 2 ranks started by torchrun (rank 0 on the bus)
@@ -83,7 +50,9 @@ TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--np
 def test_three_actor_processes_against_a_hand_started_server(
     tmp_path: Path, tiny_model_path: str, hand_started_server: str, trainer_ranks: int
 ) -> None:
-    cfg = _write_config(tmp_path, tiny_model_path, "procs", steps=3)
+    # max_staleness 0: the explorer must wait for, and load, each new checkpoint
+    data = actor_config(tmp_path, tiny_model_path, "procs", steps=3, max_staleness=0)
+    cfg = write_config(data, tmp_path / "procs.yaml")
     env = user_env(tiny_model_path)
     procs = {}
     for role in ("trainer", "operator", "explorer"):
@@ -98,16 +67,7 @@ def test_three_actor_processes_against_a_hand_started_server(
             )
     logs = {role: tmp_path / f"{role}.log" for role in procs}
     try:
-        deadline = time.time() + 300
-        while time.time() < deadline and any(p.poll() is None for p in procs.values()):
-            for role, p in procs.items():
-                # one actor failing fails the test now, rather than leaving the others waiting for it
-                assert p.poll() in (None, 0), (
-                    f"{role} exited {p.returncode}:\n{logs[role].read_text()[-4000:]}"
-                )
-            time.sleep(0.5)
-        for role, p in procs.items():
-            assert p.poll() == 0, f"{role} did not finish:\n{logs[role].read_text()[-4000:]}"
+        wait_processes(procs, logs)
     finally:
         for p in procs.values():
             if p.poll() is None:
@@ -180,37 +140,8 @@ def test_sft_trainer_under_torchrun(
     the file and splits each batch of 8 rows between the ranks. ``nodes`` 2: each rank is
     its own torchrun "node" (``--nnodes 2 --node-rank N``, both on this host, so rank 1
     has ``LOCAL_RANK`` 0 as on a second machine)."""
-    rows = [
-        {
-            "messages": [
-                {"role": "user", "content": f"{i}+{i}?"},
-                {"role": "assistant", "content": str(2 * i)},
-            ]
-        }
-        for i in range(16)
-    ]
-    data = tmp_path / "sft.jsonl"
-    data.write_text("\n".join(json.dumps(r) for r in rows))
-    cfg = {
-        "mode": "train",
-        "name": "sft_ranks",
-        "checkpoint_root_dir": str(tmp_path / "ckpt"),
-        "algorithm": {"algorithm_type": "sft"},
-        "model": {"model_path": tiny_model_path, "max_prompt_tokens": 32, "max_response_tokens": 8},
-        "buffer": {
-            "total_epochs": 1,
-            "train_batch_size": 8,
-            "trainer_input": {
-                "experience_buffer": {
-                    "storage_type": "file",
-                    "path": str(data),
-                    "format": {"prompt_type": "messages", "messages_key": "messages"},
-                }
-            },
-        },
-    }
-    path = tmp_path / "sft.yaml"
-    path.write_text(yaml.safe_dump(cfg))
+    cfg = sft_config(tmp_path, tiny_model_path, "sft_ranks", rows=16, batch=8)
+    path = write_config(cfg, tmp_path / "sft.yaml")
     run_dir = tmp_path / "run"
     trainer = [*CLI[1:], "trainer", "--config", str(path), "--nats-url", hand_started_server]
     trainer += ["--run-dir", str(run_dir)]

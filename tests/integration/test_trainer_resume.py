@@ -15,10 +15,15 @@ from pathlib import Path
 import anyio
 import nats
 import pytest
-import yaml
 
 from rftstream.experience import decode_group
-from tests.integration._util import read_stream, user_env
+from tests.integration._util import (
+    actor_config,
+    read_stream,
+    user_env,
+    wait_processes,
+    write_config,
+)
 from tests.integration.test_separate_processes import CLI, hand_started_server  # noqa: F401
 
 pytestmark = pytest.mark.integration
@@ -28,33 +33,18 @@ EVERY = 4  # trainer.save_interval
 
 
 def _config(tmp_path: Path, tiny_model_path: str) -> Path:
-    cfg = {
-        "name": "resume",
-        "checkpoint_root_dir": str(tmp_path / "shared-ckpt"),
-        "model": {"model_path": tiny_model_path, "max_response_tokens": 6},
-        "buffer": {
-            "batch_size": 2,
-            "total_steps": STEPS,
-            "total_epochs": 5,
-            "explorer_input": {
-                "taskset": {"path": "builtin:arithmetic", "rollout_args": {"max_tokens": 6}}
-            },
-        },
-        "explorer": {"runner_num": 2},
-        # max_staleness 0 with save_interval 4: trained messages held for the checkpoint
-        # must not count as backlog, or the explorer waits forever
-        "synchronizer": {
-            "sync_method": "checkpoint",
-            "sync_style": "dynamic_by_explorer",
-            "max_staleness": 0,
-        },
-        "trainer": {"save_interval": EVERY},
-        "nats": {"ack_wait": 4.0},
-        "algorithm": {"algorithm_type": "grpo", "repeat_times": 4, "optimizer": {"lr": 1e-4}},
-    }
-    path = tmp_path / "resume.yaml"
-    path.write_text(yaml.safe_dump(cfg))
-    return path
+    # max_staleness 0 with save_interval 4: trained messages held for the checkpoint
+    # must not count as backlog, or the explorer waits forever
+    cfg = actor_config(
+        tmp_path,
+        tiny_model_path,
+        "resume",
+        steps=STEPS,
+        max_staleness=0,
+        trainer__save_interval=EVERY,
+        nats__ack_wait=4.0,
+    )
+    return write_config(cfg, tmp_path / "resume.yaml")
 
 
 def _lines(path: Path) -> list[dict]:
@@ -98,13 +88,7 @@ def test_a_killed_trainer_resumes_and_trains_every_experience_once(
         assert killed_at < 2 * EVERY, "the kill came too late to land between two checkpoints"
         procs["trainer2"] = start("trainer", "trainer2")  # the same command again
         del procs["trainer"]
-        deadline = time.time() + 300
-        while time.time() < deadline and any(p.poll() is None for p in procs.values()):
-            for role, p in procs.items():
-                assert p.poll() in (None, 0), f"{role}: {logs[role].read_text()[-4000:]}"
-            time.sleep(0.5)
-        for role, p in procs.items():
-            assert p.poll() == 0, f"{role} did not finish:\n{logs[role].read_text()[-4000:]}"
+        wait_processes(procs, logs)
     finally:
         for p in procs.values():
             if p.poll() is None:

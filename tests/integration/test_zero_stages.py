@@ -36,7 +36,7 @@ from rftstream.experience import EID, Experience
 from rftstream.runtime import prepare_run
 from rftstream.training.engine import PolicyTrainer
 from rftstream.weights import load_weights, save_weights
-from tests.integration._util import small_config
+from tests.integration._util import kl_entropy_config
 
 STAGES = (0, 1, 2, 3)
 
@@ -63,19 +63,7 @@ def batch() -> list[Experience]:
 
 
 def build(tmp_path: Path, model_path: str, stage: int, **algorithm: Any) -> PolicyTrainer:
-    data = small_config(tmp_path, model_path)
-    data["model"]["max_response_tokens"] = 16
-    data["buffer"]["train_batch_size"] = 8
-    data["algorithm"].update(
-        {
-            "kl_loss_fn": "low_var_kl",
-            "kl_loss_fn_args": {"kl_coef": 0.5},
-            "entropy_loss_fn": "default",
-            "entropy_loss_fn_args": {"entropy_coef": 0.01},
-            "optimizer": {"lr": 1e-2},
-            **algorithm,
-        }
-    )
+    data = kl_entropy_config(tmp_path, model_path, optimizer={"lr": 1e-2}, **algorithm)
     data["trainer"] = {
         "ppo_micro_batch_size_per_gpu": 4,
         "share_prompts": True,

@@ -10,9 +10,8 @@ import sys
 from pathlib import Path
 
 import pytest
-import yaml
 
-from tests.integration._util import user_env
+from tests.integration._util import sft_config, user_env, write_config
 
 pytestmark = pytest.mark.smoke
 
@@ -117,37 +116,8 @@ def test_trainer_console(
     tmp_path: Path, tiny_model_path: str, nats_url: str, noisy_plugins: Path
 ) -> None:
     """The terminal of ``rftstream trainer`` alone (SFT on a file, ``mode: train``) against a running server."""
-    data = tmp_path / "sft.jsonl"
-    rows = [
-        {
-            "messages": [
-                {"role": "user", "content": f"{i}+{i}?"},
-                {"role": "assistant", "content": str(2 * i)},
-            ]
-        }
-        for i in range(8)
-    ]
-    data.write_text("\n".join(json.dumps(r) for r in rows))
-    cfg = {
-        "mode": "train",
-        "name": "console_sft",
-        "checkpoint_root_dir": str(tmp_path / "ckpt"),
-        "algorithm": {"algorithm_type": "sft"},
-        "model": {"model_path": tiny_model_path, "max_prompt_tokens": 32, "max_response_tokens": 8},
-        "buffer": {
-            "total_epochs": 1,
-            "train_batch_size": 4,
-            "trainer_input": {
-                "experience_buffer": {
-                    "storage_type": "file",
-                    "path": str(data),
-                    "format": {"prompt_type": "messages", "messages_key": "messages"},
-                }
-            },
-        },
-    }
-    path = tmp_path / "sft.yaml"
-    path.write_text(yaml.safe_dump(cfg))
+    cfg = sft_config(tmp_path, tiny_model_path, "console_sft", rows=8, batch=4)
+    path = write_config(cfg, tmp_path / "sft.yaml")
     run_dir = tmp_path / "run"
     proc = subprocess.run(
         [*RFTSTREAM, "trainer", "--config", str(path), "--nats-url", nats_url]

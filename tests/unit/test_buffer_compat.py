@@ -15,24 +15,11 @@ from rftstream.buffer.readers import TrainerInputs, trainer_inputs
 from rftstream.config.schema import BufferConfig, StorageConfig
 from rftstream.experience import EID, Experience, Experiences
 from rftstream.utils import Timer
+from tests.unit._sources import ListSource
 
 
 def mk(i: int) -> Experience:
     return Experience(tokens=[1, 2, 3], prompt_length=1, reward=float(i), eid=EID(task=i))
-
-
-class MemorySource:
-    """An in-memory ExperienceSource: returns up to n, records what was asked."""
-
-    def __init__(self, exps: list[Experience]) -> None:
-        self.exps = list(exps)
-        self.asked: list[int] = []
-
-    async def read(self, n: int) -> list[Experience]:
-        await anyio.lowlevel.checkpoint()
-        self.asked.append(n)
-        out, self.exps = self.exps[:n], self.exps[n:]
-        return out
 
 
 class Opener:
@@ -40,11 +27,11 @@ class Opener:
 
     def __init__(self) -> None:
         self.opened: list[StorageConfig] = []
-        self.sources: list[MemorySource] = []
+        self.sources: list[ListSource] = []
 
-    def __call__(self, storage: StorageConfig) -> MemorySource:
+    def __call__(self, storage: StorageConfig) -> ListSource:
         self.opened.append(storage)
-        src = MemorySource([mk(100 + i) for i in range(10)])
+        src = ListSource([mk(100 + i) for i in range(10)])
         self.sources.append(src)
         return src
 
@@ -55,7 +42,7 @@ def test_get_buffer_reader_outside_a_trainer_raises() -> None:
 
 
 def test_none_and_own_experience_buffer_give_the_main_source() -> None:
-    main = MemorySource([])
+    main = ListSource([])
     own = StorageConfig(path="/data/sft.jsonl")
     opener = Opener()
     with trainer_inputs(TrainerInputs(own, main, opener)):
@@ -71,7 +58,7 @@ def test_none_and_own_experience_buffer_give_the_main_source() -> None:
 
 
 def test_other_storage_goes_through_open_dataset() -> None:
-    main = MemorySource([])
+    main = ListSource([])
     opener = Opener()
     aux = StorageConfig(name="sft_dataset", path="/data/expert.jsonl")
     with trainer_inputs(TrainerInputs(None, main, opener)):
@@ -84,7 +71,7 @@ def test_other_storage_goes_through_open_dataset() -> None:
 
 
 def test_nested_trainer_inputs_restore_the_outer_one() -> None:
-    outer, inner = MemorySource([]), MemorySource([])
+    outer, inner = ListSource([]), ListSource([])
     with trainer_inputs(TrainerInputs(None, outer, Opener())):
         with trainer_inputs(TrainerInputs(None, inner, Opener())):
             assert get_buffer_reader(None, BufferConfig()).source is inner
@@ -93,7 +80,7 @@ def test_nested_trainer_inputs_restore_the_outer_one() -> None:
 
 @pytest.mark.anyio
 async def test_read_async_returns_train_batch_size() -> None:
-    main = MemorySource([mk(i) for i in range(10)])
+    main = ListSource([mk(i) for i in range(10)])
     with trainer_inputs(TrainerInputs(None, main, Opener())):
         reader = get_buffer_reader(None, BufferConfig(batch_size=2, train_batch_size=4))
     got = await reader.read_async()
@@ -111,7 +98,7 @@ async def test_read_async_returns_train_batch_size() -> None:
 @pytest.mark.anyio
 async def test_reader_opened_inside_a_child_task() -> None:
     """The inputs are a context variable: tasks started inside the block see them."""
-    main = MemorySource([mk(i) for i in range(6)])
+    main = ListSource([mk(i) for i in range(6)])
     seen: list[list[Experience]] = []
 
     async def strategy() -> None:

@@ -382,7 +382,14 @@ def test_non_mapping_top_level(tmp_path: Path) -> None:
     path = write(tmp_path, "- a\n- b\n")
     err = raises_config_error(load_config, path)
     assert str(path) in str(err)
-    assert "mapping" in str(err)
+    assert "the top level of a config file must be a mapping, not list" in str(err)
+
+
+def test_config_from_dict_takes_none_as_empty_and_refuses_a_non_mapping() -> None:
+    assert config_from_dict(None, "x.yaml") == config_from_dict({})  # type: ignore[arg-type]
+    err = raises_config_error(config_from_dict, ["a"], "x.yaml")
+    assert "the config must be a mapping, not list" in str(err)
+    assert err.value == ["a"] and "x.yaml" in str(err)
 
 
 def test_non_mapping_section() -> None:

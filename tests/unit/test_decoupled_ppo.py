@@ -29,6 +29,7 @@ from rftstream.experience import EID, Experience
 from rftstream.runtime import prepare_run
 from rftstream.training.batch import collate, has_rollout_logprobs, trainer_tensors
 from tests.integration._util import small_config
+from tests.unit._trainer import assert_gradients_match, capture_gradients, row_logprobs
 
 MODES = ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"]
 LOW, HIGH, DUAL = 0.2, 0.2, 3.0
@@ -481,12 +482,6 @@ def test_trainer_step_gradient_and_metrics(tmp_path: Path, tiny_model_path: str)
     model = AutoModelForCausalLM.from_pretrained(tiny_model_path, torch_dtype=torch.float32)
     model.train()
 
-    def row_logprobs(e: Experience) -> torch.Tensor:
-        ids = e.tokens.to(torch.long).unsqueeze(0)
-        logp = torch.log_softmax(model(input_ids=ids).logits[0].float(), dim=-1)
-        p = e.prompt_length
-        return logp[p - 1 : ids.shape[1] - 1].gather(-1, ids[0, p:].unsqueeze(-1)).squeeze(-1)
-
     lengths, advs = [3, 5, 2, 4], [1.0, -0.5, 0.75, -1.25]
     row_w = [1.5, 0.5, 4.0, None]  # None: no rollout logprobs
     exps = []
@@ -500,38 +495,21 @@ def test_trainer_step_gradient_and_metrics(tmp_path: Path, tiny_model_path: str)
         )
         if row_w[i] is not None:
             with torch.no_grad():
-                e.logprobs = row_logprobs(e) - math.log(row_w[i])
+                e.logprobs = row_logprobs(model, e) - math.log(row_w[i])
         exps.append(e)
 
-    grads: dict[str, torch.Tensor] = {}
-    engine, original = trainer.engine, trainer.engine.step
-
-    def step(*args: Any, **kwargs: Any) -> Any:
-        if engine.is_gradient_accumulation_boundary():
-            for name, p in engine.module.named_parameters():
-                if p.grad is not None:
-                    grads[name] = p.grad.detach().clone().cpu()
-        return original(*args, **kwargs)
-
-    engine.step = step  # type: ignore[method-assign]
+    grads = capture_gradients(trainer)
     out = trainer.train_step(exps)
     assert grads
 
     n_tokens = sum(lengths)
     objective = torch.zeros(())
     for e, a, w in zip(exps, advs, row_w, strict=True):
-        lp = row_logprobs(e)
+        lp = row_logprobs(model, e)
         weight = 1.0 if w is None else min(w, 2.0)
         objective = objective + (-a * weight * torch.exp(lp - lp.detach())).sum()
     (objective / n_tokens).backward()
-    want = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
-    assert set(want) <= set(grads)
-    flat_want = torch.cat([want[n].reshape(-1) for n in sorted(want)])
-    flat_got = torch.cat([grads[n].reshape(-1) for n in sorted(want)])
-    assert float(flat_want.norm()) > 0
-    torch.testing.assert_close(
-        flat_got, flat_want, rtol=1e-3, atol=1e-5 * float(flat_want.abs().max())
-    )
+    assert_gradients_match(grads, model)
 
     counted = lengths[:3]
     raw_mean = (1.5 * counted[0] + 0.5 * counted[1] + 4.0 * counted[2]) / sum(counted)
@@ -565,7 +543,6 @@ def test_asynchronous_ppo_presets_train_with_the_correction(
 ) -> None:
     from rftstream.config import config_from_dict
     from rftstream.runtime import prepare_run
-    from tests.integration._util import small_config
 
     data = small_config(tmp_path, tiny_model_path)
     for key, value in over.items():
@@ -588,7 +565,6 @@ def test_asynchronous_ppo_presets_train_with_the_correction(
 def test_the_correction_keeps_a_presets_loss_arguments(tmp_path, tiny_model_path: str) -> None:
     from rftstream.config import config_from_dict
     from rftstream.runtime import prepare_run
-    from tests.integration._util import small_config
 
     data = small_config(tmp_path, tiny_model_path)
     data["algorithm"] = {"algorithm_type": "dapo", "repeat_times": 4}

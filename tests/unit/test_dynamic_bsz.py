@@ -31,6 +31,7 @@ from rftstream.runtime import prepare_run
 from rftstream.training.batch import collate, token_budget_partitions
 from rftstream.training.engine import PolicyTrainer
 from tests.integration._util import small_config
+from tests.unit._trainer import capture_gradients
 
 # ------------------------------------------------------------------ pure partitioning
 
@@ -198,23 +199,6 @@ def trainer_for(tmp_path: Path, tiny_model_path: str, **trainer: Any) -> PolicyT
     return PolicyTrainer(run.cfg, run.model_path, run.algorithm)
 
 
-def _capture_gradients(trainer: PolicyTrainer) -> dict[str, torch.Tensor]:
-    """The accumulated gradients whenever the engine steps at its accumulation boundary."""
-    grads: dict[str, torch.Tensor] = {}
-    engine = trainer.engine
-    original = engine.step
-
-    def step(*args: Any, **kwargs: Any) -> Any:
-        if trainer.dynamic_bsz or engine.is_gradient_accumulation_boundary():
-            for name, p in engine.module.named_parameters():
-                if p.grad is not None:
-                    grads[name] = p.grad.detach().clone().cpu()
-        return original(*args, **kwargs)
-
-    engine.step = step  # type: ignore[method-assign]
-    return grads
-
-
 # prompt and response lengths of 8 rows: 3 short, 5 of mixed length
 BATCH = [(2, 1), (4, 12), (3, 2), (1, 10), (2, 2), (4, 6), (3, 11), (1, 3)]
 
@@ -227,7 +211,7 @@ def test_dynamic_step_equals_the_fixed_step(
     fixed = trainer_for(
         tmp_path / "fixed", tiny_model_path, zero_stage=zero_stage, ppo_micro_batch_size_per_gpu=2
     )
-    grads_fixed = _capture_gradients(fixed) if zero_stage == 0 else {}
+    grads_fixed = capture_gradients(fixed) if zero_stage == 0 else {}
     out_fixed = fixed.train_step(exps)
     assert len(SEEN) == 4
     SEEN.clear()
@@ -238,7 +222,7 @@ def test_dynamic_step_equals_the_fixed_step(
         use_dynamic_bsz=True,
         max_token_len_per_gpu=32,
     )
-    grads_dyn = _capture_gradients(dynamic) if zero_stage == 0 else {}
+    grads_dyn = capture_gradients(dynamic) if zero_stage == 0 else {}
     out_dyn = dynamic.train_step(exps)
     # longest first (prompt + response): 4+12, 3+11 | 1+10, 4+6 | 3+2, 2+2, 1+3, 2+1
     assert sorted(SEEN) == [(2, 10), (2, 12), (4, 3)]

@@ -18,10 +18,10 @@ import pytest
 from rftstream.config import config_from_dict
 from rftstream.config.schema import OptimizerConfig
 from rftstream.errors import ConfigError
-from rftstream.experience import EID, Experience
 from rftstream.runtime import prepare_run
 from rftstream.training.schedule import lr_schedule
 from tests.integration._util import small_config
+from tests.unit._trainer import short_exp
 
 
 def verl_cosine(step: int, warmup: int, total: int, floor: float) -> float:
@@ -119,18 +119,6 @@ def test_prepare_run_refuses_a_cosine_without_total_steps(
 # ------------------------------------------------------------------ the real trainer
 
 
-def _exp(i: int) -> Experience:
-    tokens = [5 + i % 7, 6] + [7 + (i + j) % 9 for j in range(3)]
-    return Experience(
-        tokens=tokens,
-        prompt_length=2,
-        reward=float(i % 2),
-        logprobs=[0.0] * 3,
-        advantages=[1.0 - 0.5 * (i % 2)] * 3,
-        eid=EID(0, f"t{i}", 0),
-    )
-
-
 @pytest.mark.parametrize("ppo_epochs", [1, 2])
 def test_trainer_steps_follow_the_cosine(
     tmp_path: Path, tiny_model_path: str, ppo_epochs: int
@@ -152,7 +140,7 @@ def test_trainer_steps_follow_the_cosine(
     seen = []
     for _ in range(total):
         before = float(trainer.optimizer.param_groups[0]["lr"])
-        out = trainer.train_step([_exp(i) for i in range(4)])
+        out = trainer.train_step([short_exp(i) for i in range(4)])
         assert out["actor/lr"] == pytest.approx(before)
         seen.append(out["actor/lr"])
     expected = [lr * verl_cosine(s, warmup, total, floor) for s in range(total)]

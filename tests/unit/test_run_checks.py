@@ -12,32 +12,12 @@ import pytest
 from rftstream.config import config_from_dict
 from rftstream.errors import ConfigError
 from rftstream.runtime import prepare_run, roles_for
-
-
-def base(tmp_path: Path, tiny_model_path: str) -> dict[str, Any]:
-    """A minimal run config (as tests/integration/_util.small_config)."""
-    return {
-        "name": "checks",
-        "model": {"model_path": tiny_model_path, "max_response_tokens": 6},
-        "buffer": {
-            "batch_size": 2,
-            "total_steps": 2,
-            "total_epochs": 5,
-            "explorer_input": {
-                "taskset": {"path": "builtin:arithmetic", "rollout_args": {"max_tokens": 6}}
-            },
-        },
-        "explorer": {"runner_num": 2},
-        "synchronizer": {"sync_method": "checkpoint", "sync_style": "dynamic_by_explorer"},
-        "algorithm": {"algorithm_type": "grpo", "repeat_times": 4, "optimizer": {"lr": 1e-3}},
-        "trainer": {"ppo_micro_batch_size_per_gpu": 4},
-        "run_dir": str(tmp_path / "run"),
-    }
+from tests.integration._util import small_config
 
 
 @pytest.fixture
 def cfg(tmp_path: Path, tiny_model_path: str) -> dict[str, Any]:
-    return base(tmp_path, tiny_model_path)
+    return small_config(tmp_path, tiny_model_path, name="checks")
 
 
 @pytest.fixture

@@ -17,6 +17,7 @@ from algorithms.sample_strategy import (
 from rftstream.config.schema import BufferConfig, StorageConfig, TrainerInput
 from rftstream.errors import ConfigError
 from rftstream.experience import EID, Experience
+from tests.unit._sources import ListSource, StreamSource
 
 pytestmark = pytest.mark.anyio
 
@@ -31,35 +32,6 @@ def mk(reward, i=0, tag="u") -> Experience:
         response_text=f"{tag}-r{i}",
         eid=EID(task=f"{tag}{i}"),
     )
-
-
-class ListSource:
-    """Returns up to n experiences from a list; records the sizes asked for."""
-
-    def __init__(self, exps):
-        self.exps = list(exps)
-        self.asked: list[int] = []
-
-    async def read(self, n: int) -> list[Experience]:
-        await anyio.lowlevel.checkpoint()
-        self.asked.append(n)
-        out, self.exps = self.exps[:n], self.exps[n:]
-        return out
-
-
-class StreamSource:
-    """Blocks until n experiences arrived on a memory stream (or it closed)."""
-
-    def __init__(self, receive):
-        self.receive = receive
-
-    async def read(self, n: int) -> list[Experience]:
-        out: list[Experience] = []
-        async for exp in self.receive:
-            out.append(exp)
-            if len(out) == n:
-                break
-        return out
 
 
 def buf(train_batch_size=4, batch_size=2, aux=None) -> BufferConfig:

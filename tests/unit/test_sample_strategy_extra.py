@@ -14,7 +14,7 @@ from algorithms.sample_strategy import DefaultSampleStrategy, StalenessControlSa
 from rftstream.config.schema import BufferConfig
 from rftstream.errors import ConfigError
 from rftstream.experience import EID, Experience
-from tests.unit.test_sample_strategy import ListSource, StreamSource
+from tests.unit._sources import ListSource, StreamSource
 
 pytestmark = pytest.mark.anyio
 

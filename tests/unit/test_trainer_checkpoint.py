@@ -14,24 +14,12 @@ import pytest
 import torch
 
 from rftstream.config import config_from_dict
-from rftstream.experience import EID, Experience
 from rftstream.runtime import prepare_run
 from rftstream.training import checkpoint as ckpt
 from rftstream.weights import load_weights, save_weights
 from rftstream.wire import WeightsPointer
 from tests.integration._util import small_config
-
-
-def _exp(i: int) -> Experience:
-    tokens = [5 + i % 7, 6] + [7 + (i + j) % 9 for j in range(3)]
-    return Experience(
-        tokens=tokens,
-        prompt_length=2,
-        reward=float(i % 2),
-        logprobs=[0.0] * 3,
-        advantages=[1.0 - 0.5 * (i % 2)] * 3,
-        eid=EID(0, f"t{i}", 0),
-    )
+from tests.unit._trainer import short_exp
 
 
 def _params(trainer: object) -> dict[str, torch.Tensor]:
@@ -63,12 +51,12 @@ def test_a_loaded_checkpoint_trains_the_next_step_as_the_original(
     run = prepare_run(config_from_dict(data))
     original = PolicyTrainer(run.cfg, run.model_path, run.algorithm)
     for step in range(2):
-        original.train_step([_exp(4 * step + i) for i in range(4)])
+        original.train_step([short_exp(4 * step + i) for i in range(4)])
     directory = tmp_path / "ckpt"
     saved = ckpt.save_resumable(directory, 2, [original.engine], _state(original, 2))
     assert saved == directory / "resume" / "global_step_2"
     assert (directory / "resume" / "latest").read_text() == "global_step_2"
-    batch3 = [_exp(100 + i) for i in range(4)]
+    batch3 = [short_exp(100 + i) for i in range(4)]
     out_original = original.train_step(batch3)
     after_original = _params(original)
 

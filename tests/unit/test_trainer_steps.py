@@ -27,6 +27,7 @@ from rftstream.experience import EID, Experience
 from rftstream.runtime import prepare_run
 from rftstream.training.engine import PolicyTrainer
 from tests.integration._util import small_config
+from tests.unit._trainer import assert_gradients_match, capture_gradients, row_logprobs
 
 SEEN: list[list[int]] = []  # per micro-batch: the response lengths of its rows, in order
 
@@ -161,34 +162,6 @@ def _expert_file(tmp_path: Path) -> str:
     return str(path)
 
 
-def _captured_gradient(trainer: PolicyTrainer) -> dict[str, torch.Tensor]:
-    """Wrap the engine's step: the accumulated gradients at the optimizer boundary."""
-    grads: dict[str, torch.Tensor] = {}
-    engine = trainer.engine
-    original = engine.step
-
-    def step(*args: Any, **kwargs: Any) -> Any:
-        # with use_dynamic_bsz every step() is the boundary (unmanaged accumulation)
-        if trainer.dynamic_bsz or engine.is_gradient_accumulation_boundary():
-            for name, p in engine.module.named_parameters():
-                if p.grad is not None:
-                    grads[name] = p.grad.detach().clone().cpu()
-        return original(*args, **kwargs)
-
-    engine.step = step  # type: ignore[method-assign]
-    return grads
-
-
-def _row_logprobs(model: torch.nn.Module, e: Experience) -> torch.Tensor:
-    """log p(response token j) for one experience, one unpadded forward."""
-    ids = e.tokens.to(torch.long).unsqueeze(0)
-    logits = model(input_ids=ids).logits[0].float()
-    logp = torch.log_softmax(logits, dim=-1)
-    p = e.prompt_length
-    targets = ids[0, p:]
-    return logp[p - 1 : ids.shape[1] - 1].gather(-1, targets.unsqueeze(-1)).squeeze(-1)
-
-
 @pytest.mark.parametrize(
     "case",
     [
@@ -260,7 +233,7 @@ def test_mix_step_gradient_is_the_seed_objective(
     ]
     for i in expert_rows:
         exps[i].advantages = torch.zeros(lengths[i])
-    grads = _captured_gradient(trainer)
+    grads = capture_gradients(trainer)
     out = trainer.train_step(exps)
     assert grads
     if case.get("trainer_dynamic"):
@@ -273,7 +246,7 @@ def test_mix_step_gradient_is_the_seed_objective(
     usual_sum = torch.zeros(())
     expert_sum = torch.zeros(())
     for i, e in enumerate(exps):
-        lp = _row_logprobs(model, e)
+        lp = row_logprobs(model, e)
         if i in expert_rows:
             expert_sum = expert_sum + (-lp).mean()  # SFT, sequence level
         else:
@@ -282,14 +255,7 @@ def test_mix_step_gradient_is_the_seed_objective(
             usual_sum = usual_sum + (-adv * ratio).mean()  # PPO, seq-mean-token-mean
     objective = (1 - mu) * usual_sum / tbs_u + mu * expert_sum / tbs_e
     objective.backward()
-    want = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
-    assert set(want) <= set(grads)
-    flat_want = torch.cat([want[n].reshape(-1) for n in sorted(want)])
-    flat_got = torch.cat([grads[n].reshape(-1) for n in sorted(want)])
-    assert float(flat_want.norm()) > 0
-    torch.testing.assert_close(
-        flat_got, flat_want, rtol=1e-3, atol=1e-5 * float(flat_want.abs().max())
-    )
+    assert_gradients_match(grads, model)
 
 
 def test_mix_with_a_fixed_count_and_dynamic_micro_batches_is_refused(

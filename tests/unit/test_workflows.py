@@ -1,4 +1,3 @@
-# ruff: noqa: UP006  (the guide's ExampleWorkflow below is kept verbatim, typing.List included)
 """Workflows: the guides' ExampleWorkflow, math_workflow, rewards, runner retries / timeouts / reuse, tasksets."""
 
 from __future__ import annotations
@@ -6,20 +5,19 @@ from __future__ import annotations
 import json
 import time
 from pathlib import Path
-from typing import Any, List  # noqa: UP035 - the guide uses typing.List
+from typing import Any
 
 import anyio
 import pytest
 
 from rftstream.config.schema import FormatConfig, TasksetConfig
 from rftstream.errors import ConfigError, RftError, WorkflowError
+from tests.seed_plugins.example_workflow import ExampleWorkflow  # the guide's seed 004
 from tests.unit._util import ScriptedModel, task_for, wrapper
 from workflows import (
     REWARD_FUNCTIONS,
-    WORKFLOWS,
     Experience,
     MathWorkflow,
-    ModelWrapper,
     Task,
     Workflow,
     WorkflowRunner,
@@ -27,63 +25,6 @@ from workflows import (
     load_taskset,
 )
 from workflows.rewards import extract_answer
-
-# ---------------------------------------------------------------------------
-# The "Full Code Example" of the developer guide (seed 004), verbatim but for imports.
-# ---------------------------------------------------------------------------
-
-# fmt: off
-
-@WORKFLOWS.register_module("example_workflow")
-class ExampleWorkflow(Workflow):
-
-    def __init__(self, model: ModelWrapper, task: Task, auxiliary_models: List):
-        super().__init__(model, task, auxiliary_models)
-        self.question = task.raw_task.get("question")
-        self.answer = task.raw_task.get("answer")
-        self.rollout_args = task.rollout_args
-
-    def calculate_reward(self, response: str, truth: str) -> float:
-        if response == truth:
-            return 1.0
-        else:
-            return 0.0
-
-    def run(self) -> List[Experience]:
-        # call the model to generate multiple responses
-        responses = self.model.chat(
-            [
-                {
-                    "role": "user",
-                    "content": f"Question:\n{self.question}",
-                }
-            ],
-            n=self.rollout_args.n,
-            temperature=self.rollout_args.temperature,
-        )
-        experiences = []
-        for response in responses:
-            # calulcate reward
-            reward: float = self.calculate_reward(response.response_text, self.answer)
-            # construct Experience
-            experiences.append(
-                Experience(
-                    tokens=response.tokens,
-                    prompt_length=response.prompt_length,
-                    reward=reward,
-                    logprobs=response.logprobs,
-                )
-            )
-        return experiences
-
-    def resettable(self):
-        return True
-
-    def reset(self, task: Task):
-        self.question = task.raw_task.get("question")
-        self.answer = task.raw_task.get("answer")
-# fmt: on
-
 
 # ---------------------------------------------------------------------------
 # workflows on the tiny model
