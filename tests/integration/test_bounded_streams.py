@@ -207,7 +207,8 @@ async def test_long_run_stays_under_its_bound_and_trains_everything(tmp_path: Pa
     assert peak["bytes"] <= bound
     assert peak["bytes"] >= 0.5 * bound  # the bound was approached: producers were held back
     assert room.lost == 0
-    # only the window of acked messages stays at the end
-    assert final.state.messages == 5
+    # only the window of acked messages stays at the end (keep_acked_msgs 5), and less
+    # than one more purge batch (purges come in batches of keep_acked_msgs far from the bound)
+    assert 5 <= final.state.messages < 2 * 5
     # the server's store on disk stays bounded too: a few of the bound, not the 0.8 MB published
     assert peak["disk"] < published / 4, (peak["disk"], published)
