@@ -29,7 +29,9 @@ from rftstream.experience import decode_group
 from rftstream.plugin_loader import load_plugins
 from rftstream.runtime import prepare_run, run_actors, run_operator, splice_in
 from tests.integration._util import read_metrics, read_stream, small_config, user_env
-from tests.integration.test_seed_plugins import REWARD_FILTER
+
+# the seeds' RewardFilter operator, loaded as a user's plugin file
+REWARD_FILTER = Path(__file__).parents[1] / "seed_plugins" / "reward_filter.py"
 
 pytestmark = pytest.mark.integration
 
@@ -75,7 +77,7 @@ def test_spliced_reward_filter_gates_the_trainer_and_counts_add_up(
 ) -> None:
     plugin_dir = tmp_path / "plugins"
     plugin_dir.mkdir()
-    (plugin_dir / "reward_filter.py").write_text(REWARD_FILTER)
+    (plugin_dir / "reward_filter.py").write_text(REWARD_FILTER.read_text())
     load_plugins([plugin_dir])
     from operators import EXPERIENCE_OPERATORS, ExperiencePipeline
 
@@ -163,7 +165,7 @@ def test_rftstream_operator_splice_against_a_running_up(
     """The acceptance as a user runs it: `rftstream up`, then `rftstream operator --splice`."""
     plugin_dir = tmp_path / "plugins"
     plugin_dir.mkdir()
-    (plugin_dir / "reward_filter.py").write_text(REWARD_FILTER)
+    (plugin_dir / "reward_filter.py").write_text(REWARD_FILTER.read_text())
     data = _config(tmp_path, tiny_model_path)
     data["name"] = "splicecli"
     # long enough for the operator process to start mid-run
