@@ -19,6 +19,7 @@ import msgspec
 from rftstream.bus.state import END_STATUSES
 from rftstream.bus.transport import Transport
 from rftstream.errors import BucketNotFound, BusError, KeyNotFound, RftError, StreamNotFound
+from rftstream.subjects import KV_HEARTBEAT_PREFIX
 
 #: a run whose newest heartbeat is younger than this is live (the actors beat every few seconds)
 LIVE_HEARTBEAT_S = 30.0
@@ -99,7 +100,7 @@ async def _kv_state(transport: Transport, run: str, res: RunResources) -> None:
     except KeyNotFound:
         pass
     beats: list[float] = []
-    for key in await kv.keys("heartbeat."):
+    for key in await kv.keys(KV_HEARTBEAT_PREFIX):
         try:
             value = msgspec.json.decode((await kv.get(key)).value or b"null")
         except KeyNotFound:

@@ -106,13 +106,13 @@ def status_report(
     stages from ``exp.<input_stage>`` to the trainer, spliced operators named.
     """
     from rftstream.splice.protocol import in_flight, stage_chain
-    from rftstream.subjects import KV_WEIGHTS
+    from rftstream.subjects import KV_HEARTBEAT_PREFIX, KV_TRAINER_STEP, KV_WEIGHTS
     from rftstream.wire import SPLICE, STAGE, TRAINER_DONE, TRAINER_INPUT, TRAINER_WAITING
 
     heartbeats: list[dict[str, Any]] = []
     for key, value in values.items():
-        if key.startswith("heartbeat.") and isinstance(value, dict):
-            beat = Heartbeat.from_value(value, actor=key[len("heartbeat.") :])
+        if key.startswith(KV_HEARTBEAT_PREFIX) and isinstance(value, dict):
+            beat = Heartbeat.from_value(value, actor=key[len(KV_HEARTBEAT_PREFIX) :])
             heartbeats.append(
                 {
                     "actor": beat.actor,
@@ -127,13 +127,13 @@ def status_report(
     # the trainer's version is its step (trainer.step is written every step; a heartbeat
     # or the published weights may lag behind it)
     known = [
-        _int(values.get("trainer.step")),
+        _int(values.get(KV_TRAINER_STEP)),
         _int((trainer_hb or {}).get("info", {}).get("version")),
         _int(weights.get("version")),
     ]
     version = max((v for v in known if v is not None), default=None)
     trainer = {
-        "step": _int(values.get("trainer.step")),
+        "step": _int(values.get(KV_TRAINER_STEP)),
         "version": version,
         "heartbeat_age": trainer_hb["age"] if trainer_hb else None,
         "done": values.get(TRAINER_DONE.name),

@@ -34,7 +34,7 @@ from rftstream.errors import ConfigError, RegistryError
 from rftstream.experience_pipeline import EXPERIENCE_OPERATORS, ExperiencePipeline, create_operators
 from rftstream.monitors import check_monitor_packages
 from rftstream.plugin_registries import ALGORITHM_RESOLVERS, ALGORITHM_TYPE, REWARD_FUNCTIONS
-from rftstream.subjects import RunNames
+from rftstream.subjects import KV_HEARTBEAT_PREFIX, RunNames
 from rftstream.training.schedule import lr_schedule
 from rftstream.workflow import WORKFLOWS
 
@@ -384,7 +384,7 @@ async def start_fresh(run: PreparedRun, url: str) -> str | None:
             beats = [
                 v.get("ts", 0)
                 for k, v in values.items()
-                if k.startswith("heartbeat.") and isinstance(v, dict)
+                if k.startswith(KV_HEARTBEAT_PREFIX) and isinstance(v, dict)
             ]
             age = time.time() - max(beats) if beats else None
             if status == "running" and age is not None and age < ACTIVE_HEARTBEAT_S:

@@ -131,7 +131,7 @@ def _token(name: str) -> str:
 # KV keys (dots are allowed in KV keys; `nats kv get rft_<run>_state status`)
 #: consumer metadata of an operator durable: the stage it writes (names lose ``-``)
 META_TO_STAGE = "rft.to_stage"
-KV_STATUS = "status"  # running | finished | failed
+KV_STATUS = "status"  # running | finished | failed | stopped
 KV_TASKSET = "taskset.published"  # JSON: {"count": N, "epochs": E}
 KV_TASKSET_CLAIM = "taskset.published.claim"  # JSON: {"by", "ts", "seq"} (publishing progress)
 KV_EVAL_STEP = "eval.step.{step}"  # claimed by the explorer that evaluates after that step
@@ -148,6 +148,7 @@ KV_TRAINER_CHECKPOINT = "trainer.checkpoint"  # CheckpointRecord: where a restar
 KV_TRAINER_UNACKED = "trainer.trained_unacked"  # TrainedUnacked: trained, held until a checkpoint
 KV_WEIGHTS = "weights.latest"  # JSON: {"version", "method", "uri", "sha256"}
 KV_HEARTBEAT = "heartbeat.{actor}"
+KV_HEARTBEAT_PREFIX = KV_HEARTBEAT.format(actor="")  # every actor's heartbeat key starts so
 # the trainer's input and the spliced stages (protocol: rftstream.splice). Their records'
 # shapes are the structs of rftstream.wire; read and write them through its typed handles
 # (wire.SPLICE, wire.TRAINER_INPUT, wire.STAGE.of(stage=...), ...), not these names.

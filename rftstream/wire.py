@@ -31,14 +31,19 @@ from rftstream.subjects import (
     KV_HEARTBEAT,
     KV_SPLICE,
     KV_STAGE,
+    KV_STATUS,
     KV_TASKSET,
     KV_TASKSET_CLAIM,
     KV_TOPOLOGY,
+    KV_TRAINER_CHECKPOINT,
     KV_TRAINER_DONE,
     KV_TRAINER_INPUT,
     KV_TRAINER_STARTED,
     KV_TRAINER_STARVING,
+    KV_TRAINER_STEP,
+    KV_TRAINER_UNACKED,
     KV_TRAINER_WAITING,
+    KV_WEIGHTS,
 )
 
 # --- JSON codec
@@ -462,3 +467,10 @@ TRAINER_STARVING: Key[TrainerStarving] = Key(KV_TRAINER_STARVING, TrainerStarvin
 EXPLORER_STEP: Key[int] = Key(KV_EXPLORER_STEP, int)  # the explorer's last step, a JSON int
 EXPLORER_DONE: Key[ExplorerDone] = Key(KV_EXPLORER_DONE, ExplorerDone)
 HEARTBEAT: Key[Heartbeat] = Key(KV_HEARTBEAT, Heartbeat)  # read with Heartbeat.from_value
+
+# --- the run's status and the trainer's progress records
+STATUS: Key[str] = Key(KV_STATUS, str)  # running | finished | failed | stopped
+TRAINER_STEP: Key[int] = Key(KV_TRAINER_STEP, int)  # the trainer's last finished step
+WEIGHTS_LATEST: Key[WeightsPointer] = Key(KV_WEIGHTS, WeightsPointer)
+TRAINER_CHECKPOINT: Key[CheckpointRecord] = Key(KV_TRAINER_CHECKPOINT, CheckpointRecord)
+TRAINER_UNACKED: Key[TrainedUnacked] = Key(KV_TRAINER_UNACKED, TrainedUnacked)

@@ -102,7 +102,6 @@ from rftstream.subjects import (
     KV_STATUS,
     KV_TRAINER_STARVING,
     KV_TRAINER_STEP,
-    KV_TRAINER_UNACKED,
     KV_WEIGHTS,
     RAW_STAGE,
 )
@@ -112,9 +111,9 @@ from rftstream.wire import (
     EXPLORER_DONE,
     EXPLORER_STEP,
     TRAINER_STARVING,
+    TRAINER_UNACKED,
     ExplorerDone,
     TaskMsg,
-    TrainedUnacked,
     decode_json,
 )
 
@@ -750,12 +749,12 @@ class Explorer:
             # our tasks in flight are read before the queues: one published while these are
             # read is then counted twice, never missed (read after, it could be in neither)
             in_flight = self._in_flight
-            before = await state.get_json(KV_TRAINER_UNACKED, TrainedUnacked)
+            before = await state.get(TRAINER_UNACKED)
             queued = await experience_backlog(self.bus, self.names.exp_stream)
             if before is not None and before.trained > before.acked:
                 # the trainer holds trained messages unacked until its next checkpoint: they
                 # are in its consumer's counts but no longer ahead of anything we start
-                after = await state.get_json(KV_TRAINER_UNACKED, TrainedUnacked)
+                after = await state.get(TRAINER_UNACKED)
                 if after is not None:
                     queued = queued.without_trained(before.trained - after.acked)
             backlog = queued.total + in_flight

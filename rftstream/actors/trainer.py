@@ -66,10 +66,7 @@ from rftstream.errors import ConfigError
 from rftstream.experience import H_COUNT, H_REWARD_MEAN
 from rftstream.monitors import MonitorSet
 from rftstream.subjects import (
-    KV_TRAINER_CHECKPOINT,
     KV_TRAINER_STARVING,
-    KV_TRAINER_STEP,
-    KV_TRAINER_UNACKED,
     RAW_STAGE,
 )
 from rftstream.sync import SyncPolicy
@@ -78,8 +75,11 @@ from rftstream.training.datasets import DatasetSource, load_dataset_experiences
 from rftstream.training.ranks import RankLeader
 from rftstream.weights import checkpoint_dir, save_weights
 from rftstream.wire import (
+    TRAINER_CHECKPOINT,
     TRAINER_DONE,
     TRAINER_STARTED,
+    TRAINER_STEP,
+    TRAINER_UNACKED,
     CheckpointRecord,
     MetricsMsg,
     TrainedUnacked,
@@ -329,8 +329,8 @@ class Trainer:
         await watcher.start()  # before the model loads: the explorers may fail tasks already
 
         async def trained_counts(trained: int, acked: int) -> None:
-            await state.put_json(
-                KV_TRAINER_UNACKED, TrainedUnacked(trained=trained, acked=acked, ts=time.time())
+            await state.put(
+                TRAINER_UNACKED, TrainedUnacked(trained=trained, acked=acked, ts=time.time())
             )
 
         feed = ExperienceFeed(
@@ -602,7 +602,7 @@ class Trainer:
         Raises:
             CheckpointError: the checkpoint the record names cannot be loaded.
         """
-        record = await state.get_json(KV_TRAINER_CHECKPOINT, CheckpointRecord)
+        record = await state.get(TRAINER_CHECKPOINT)
         previous = await state.latest_weights()
         earlier = [r.incarnation for r in (record, previous) if r is not None]
         self.incarnation = max(earlier) + 1 if earlier else 0
@@ -654,7 +654,7 @@ class Trainer:
                 self.incarnation,
                 moved[0],
             )
-            await state.put_json(KV_TRAINER_STEP, self.step)
+            await state.put(TRAINER_STEP, self.step)
         if previous is not None:  # explorers leave the weights of the trainer that is gone
             await self._publish_weights(state, trainer, self.step)
 
@@ -691,8 +691,8 @@ class Trainer:
         path = await anyio.to_thread.run_sync(
             ckpt.save_resumable, self.checkpoint_dir, step, engines, resume_state
         )
-        await state.put_json(
-            KV_TRAINER_CHECKPOINT,
+        await state.put(
+            TRAINER_CHECKPOINT,
             CheckpointRecord(
                 step=step,
                 version=self.version,
@@ -771,7 +771,7 @@ class Trainer:
         by ``max_staleness``), then the metrics stream, ``metrics.jsonl``, the monitors
         (``monitor.monitor_type``) and ``on_step``."""
         uids = record.pop(_UIDS, [])
-        await state.put_json(KV_TRAINER_STEP, record["step"])
+        await state.put(TRAINER_STEP, record["step"])
         values = {
             k: float(v) for k, v in record.items() if isinstance(v, (int, float)) and k != "step"
         }

@@ -15,8 +15,19 @@ import msgspec
 
 from rftstream.bus.transport import KeyValueStore
 from rftstream.errors import BusError, CasConflict, KeyNotFound, SchemaError
-from rftstream.subjects import KV_HEARTBEAT, KV_STATUS, KV_TASKSET, KV_TRAINER_STEP, KV_WEIGHTS
-from rftstream.wire import Heartbeat, Key, TasksetRecord, WeightsPointer, decode_json, encode_json
+from rftstream.subjects import KV_HEARTBEAT, KV_HEARTBEAT_PREFIX
+from rftstream.wire import (
+    STATUS,
+    TASKSET_PUBLISHED,
+    TRAINER_STEP,
+    WEIGHTS_LATEST,
+    Heartbeat,
+    Key,
+    TasksetRecord,
+    WeightsPointer,
+    decode_json,
+    encode_json,
+)
 
 T = TypeVar("T")
 
@@ -92,7 +103,7 @@ class RunState:
 
     async def heartbeats(self) -> dict[str, dict[str, Any]]:
         """Every ``heartbeat.<actor>`` record, by actor."""
-        prefix = "heartbeat."
+        prefix = KV_HEARTBEAT_PREFIX
         records = await self.all(prefix)
         return {k[len(prefix) :]: v for k, v in records.items() if isinstance(v, dict)}
 
@@ -109,22 +120,24 @@ class RunState:
 
     # -- typed helpers -------------------------------------------------------
     async def status(self) -> str:
-        return str(await self.get_json(KV_STATUS) or "")
+        """The run's status (``running``, ``finished``, ...); "" before it is set."""
+        return await self.get(STATUS) or ""
 
     async def set_status(self, status: str) -> None:
-        await self.put_json(KV_STATUS, status)
+        await self.put(STATUS, status)
 
     async def taskset(self) -> TasksetRecord | None:
-        return await self.get_json(KV_TASKSET, TasksetRecord)
+        return await self.get(TASKSET_PUBLISHED)
 
     async def latest_weights(self) -> WeightsPointer | None:
-        return await self.get_json(KV_WEIGHTS, WeightsPointer)
+        return await self.get(WEIGHTS_LATEST)
 
     async def set_latest_weights(self, ptr: WeightsPointer) -> None:
-        await self.put_json(KV_WEIGHTS, ptr)
+        await self.put(WEIGHTS_LATEST, ptr)
 
     async def trainer_step(self) -> int:
-        return int(await self.get_json(KV_TRAINER_STEP) or 0)
+        """The trainer's last finished step (0 before the first)."""
+        return await self.get(TRAINER_STEP) or 0
 
     async def heartbeat(self, actor: str, role: str, **info: Any) -> None:
         await self.put_json(

@@ -86,6 +86,9 @@ class World:
         assert key == KV_TRAINER_STARVING
         return self.starving
 
+    async def get(self, key: Any) -> Any:  # a typed wire.Key handle
+        return await self.get_json(key.name)
+
     async def status(self) -> str:
         return "running"
 
