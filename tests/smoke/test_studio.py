@@ -168,15 +168,20 @@ def test_config_page_shows_the_schema_and_field_errors(
     _screenshot(browser, tmp_path / "config.png")
 
     _set(browser, "buffer.batch_size", "0")
-    _set(browser, "trainer.zero_stage", "x")
+    _set(browser, "explorer.runner_num", "x")
     browser.find_element(By.ID, "check").click()
     _wait(browser, lambda d: "error" in d.find_element(By.ID, "status").text, what="checked")
     batch = _field(browser, "buffer.batch_size")
     assert "has-error" in batch.get_attribute("class")
     # the loader's message, next to the field
     assert "must be >= 1 (got 0)" in batch.find_element(By.CLASS_NAME, "error").text
-    zero = _field(browser, "trainer.zero_stage").find_element(By.CLASS_NAME, "error").text
-    assert zero == "must be an integer"
+    runners = _field(browser, "explorer.runner_num").find_element(By.CLASS_NAME, "error").text
+    assert runners == "must be an integer"
+    # a key with a closed set of values (a Literal in the schema) is a select of exactly those
+    from selenium.webdriver.support.ui import Select
+
+    zero = Select(_field(browser, "trainer.zero_stage").find_element(By.TAG_NAME, "select"))
+    assert [o.get_attribute("value") for o in zero.options] == ["0", "1", "2", "3"]
     assert not browser.find_element(By.ID, "download").is_displayed()
     _screenshot(browser, tmp_path / "config-errors.png")
 
