@@ -81,21 +81,26 @@ async def retry_transient(
         pause = min(pause * 2, _MAX_PAUSE)
 
 
-class _ResilientManager(JetStreamManager):
-    """The plain ``JetStreamManager`` (what ``js._jsm`` gives) with retried API requests."""
+class _RetriedApiRequests:
+    """Mixin: a JetStream manager's API requests retried for ``retry_window`` s
+    (:func:`retry_transient`); put it before the nats-py class it wraps."""
 
     retry_window: float = DEFAULT_RETRY_WINDOW
 
     async def _api_request(
         self, req_subject: str, req: bytes = b"", timeout: float = 5
     ) -> dict[str, Any]:
-        parent = super()._api_request
+        parent = super()._api_request  # type: ignore[misc]
         return await retry_transient(
             req_subject, lambda: parent(req_subject, req, timeout=timeout), window=self.retry_window
         )
 
 
-class ResilientJetStream(JetStreamContext):
+class _ResilientManager(_RetriedApiRequests, JetStreamManager):
+    """The plain ``JetStreamManager`` (what ``js._jsm`` gives) with retried API requests."""
+
+
+class ResilientJetStream(_RetriedApiRequests, JetStreamContext):
     """A ``JetStreamContext`` whose API requests, message gets and publishes retry
     transient failures for up to ``retry_window`` s (see the module docstring)."""
 
@@ -110,14 +115,6 @@ class ResilientJetStream(JetStreamContext):
         jsm = _ResilientManager(conn=self._nc, prefix=self._prefix, timeout=self._timeout)
         jsm.retry_window = self.retry_window
         return jsm
-
-    async def _api_request(
-        self, req_subject: str, req: bytes = b"", timeout: float = 5
-    ) -> dict[str, Any]:
-        parent = super()._api_request
-        return await retry_transient(
-            req_subject, lambda: parent(req_subject, req, timeout=timeout), window=self.retry_window
-        )
 
     async def consumers_info(
         self, stream: str, offset: int | None = None
