@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 from pathlib import Path
 
 import anyio
@@ -28,7 +29,13 @@ def test_seed_workflow_and_filter_as_plugins(
     from workflows import WORKFLOWS
 
     WORKFLOWS.unregister("example_workflow")  # the unit tests register the same seed class
-    loaded = load_plugins([SEED_PLUGINS])
+    # a fresh directory: the loader executes a directory's files once per process, and the
+    # registries are restored after every test
+    plugin_dir = tmp_path / "plugins"
+    plugin_dir.mkdir()
+    for seed in SEED_PLUGINS.glob("[!_]*.py"):
+        shutil.copy(seed, plugin_dir / seed.name)
+    loaded = load_plugins([plugin_dir])
     assert len(loaded) == 2
     from operators import EXPERIENCE_OPERATORS
 
