@@ -644,4 +644,11 @@ async def account_run(bus: Bus) -> RunAccount:
                 experiences=int(count) if count.isdigit() else None,
             )
         )
-    return reconcile(names.run, messages, dead, durables, trained, purged, await _tasks(bus))
+    account = reconcile(names.run, messages, dead, durables, trained, purged, await _tasks(bus))
+    unreachable = bus.transport.unreachable_consumers(names.exp_stream)
+    if unreachable:  # their stages are missing from the account, not lost
+        account.problems.append(
+            f"consumers {', '.join(sorted(unreachable))} of {names.exp_stream} did not answer "
+            "(a cluster node down?): their stages are not counted"
+        )
+    return account
