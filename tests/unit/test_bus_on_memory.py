@@ -4,6 +4,7 @@ trained, the backlog count and the purge of acked experience."""
 
 from __future__ import annotations
 
+import anyio
 import msgspec
 import pytest
 
@@ -59,10 +60,28 @@ async def test_publish_group_is_stored_once_per_msg_id_with_its_headers() -> Non
 
 
 async def test_a_full_stream_raises_stream_full_naming_the_config_key() -> None:
-    bus = await _bus(streams={"experience": {"max_msgs": 1}})
+    # a full stream is retried for nats.retry_window (consumers make room), then refused
+    bus = await _bus(streams={"experience": {"max_msgs": 1}}, retry_window=0.0)
     await bus.publish(NAMES.exp_subject("raw"), b"a")
     with pytest.raises(StreamFullError, match="max_bytes / max_msgs"):
         await bus.publish(NAMES.exp_subject("raw"), b"b", retries=0)
+
+
+async def test_a_publish_to_a_full_stream_waits_until_consumers_make_room() -> None:
+    cfg = {"experience": {"max_msgs": 1, "purge_acked": False}}
+    bus = await _bus(streams=cfg, retry_window=5.0)
+    raw = NAMES.exp_subject("raw")
+    await bus.publish(raw, b"a")
+
+    async def make_room() -> None:
+        await anyio.sleep(0.3)
+        await bus.transport.purge(NAMES.exp_stream, raw, 2)  # what purge_acked does
+
+    with anyio.fail_after(5):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(make_room)
+            await bus.publish(raw, b"b", retries=0)  # no StreamFullError: it waited
+    assert (await bus.transport.last_msg(NAMES.exp_stream, raw)).data == b"b"
 
 
 async def test_a_dead_letter_carries_the_reason_and_is_never_redelivered() -> None:
