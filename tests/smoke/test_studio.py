@@ -105,9 +105,14 @@ def studio(nats_url: str, tmp_path: Path) -> Iterator[str]:
 
 
 def _wait(driver: Any, condition: Any, timeout: float = 20, what: str = "") -> Any:
+    from selenium.common.exceptions import NoSuchElementException, StaleElementReferenceException
     from selenium.webdriver.support.ui import WebDriverWait
 
-    return WebDriverWait(driver, timeout, poll_frequency=0.2).until(condition, message=what)
+    # the live view re-renders its tables on every poll: an element found a moment ago
+    # may be gone, which is not a failed condition (it is asked again)
+    ignored = (NoSuchElementException, StaleElementReferenceException)
+    wait = WebDriverWait(driver, timeout, poll_frequency=0.2, ignored_exceptions=ignored)
+    return wait.until(condition, message=what)
 
 
 def _screenshot(driver: Any, path: Path) -> None:
@@ -263,9 +268,12 @@ def test_a_form_config_runs_two_steps_and_the_live_view_shows_it(
         def actors_beating(d: Any) -> bool:
             if up.poll() not in (None, 0):
                 raise AssertionError(log.read_text()[-3000:])
-            rows = d.find_elements(By.CSS_SELECTOR, "#heartbeats tbody tr")
-            roles = {r.find_elements(By.TAG_NAME, "td")[1].text for r in rows}
-            return {"explorer", "trainer"} <= roles
+            # read in one script: the rows are replaced on every poll of the live view
+            roles = d.execute_script(
+                "return [...document.querySelectorAll('#heartbeats tbody tr')]"
+                ".map((r) => r.cells[1] ? r.cells[1].textContent : '')"
+            )
+            return {"explorer", "trainer"} <= set(roles)
 
         # heartbeats stay in the KV bucket after the run: seen while it runs or after it
         _wait(browser, actors_beating, timeout=120, what="explorer and trainer heartbeats")
