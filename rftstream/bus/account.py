@@ -645,7 +645,7 @@ async def account_run(bus: Bus) -> RunAccount:
             )
         )
     account = reconcile(names.run, messages, dead, durables, trained, purged, await _tasks(bus))
-    unreachable = bus.transport.unreachable_consumers(names.exp_stream)
+    unreachable = bus.transport.unreachable_durables(names.exp_stream)
     if unreachable:  # their stages are missing from the account, not lost
         account.problems.append(
             f"consumers {', '.join(sorted(unreachable))} of {names.exp_stream} did not answer "

@@ -254,7 +254,7 @@ async def purge_acked(
     result = PurgeResult(first, last, st.messages, st.bytes, 0, floors)
     if not cfg.purge_acked or not st.messages:
         return result
-    unreachable = transport.unreachable_consumers(stream)
+    unreachable = transport.unreachable_durables(stream)
     if unreachable:  # one of them may be a durable whose floor is lower: purge nothing
         log.warning("stream %s: not purging while consumers %s do not answer", stream, unreachable)
         return result

@@ -380,12 +380,14 @@ class Transport(Protocol):
 
     async def consumers(self, stream: str) -> list[ConsumerState]:
         """Every consumer of ``stream`` that answers (durable and ephemeral). Raises
-        ``StreamNotFound``; see :meth:`unreachable_consumers` for the ones left out."""
+        ``StreamNotFound``; see :meth:`unreachable_durables` for the ones left out."""
         ...
 
-    def unreachable_consumers(self, stream: str) -> list[str]:
+    def unreachable_durables(self, stream: str) -> list[str]:
         """Consumers the last :meth:`consumers` of ``stream`` left out because they did not
-        answer (a cluster node down), by name; none on a single server."""
+        answer (a cluster node down), by name, less those known to be ephemeral readers
+        (they hold no ack floor; an R1 reader on a node that stays down never answers);
+        none on a single server."""
         ...
 
     async def delete_consumer(self, stream: str, durable: str) -> None:

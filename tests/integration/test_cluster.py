@@ -29,6 +29,7 @@ from rftstream.runtime import (
     run_operator,
     run_trainer,
 )
+from rftstream.subjects import RAW_STAGE, TRAIN_STAGE
 from tests.integration._util import small_config
 
 pytestmark = pytest.mark.integration
@@ -105,7 +106,7 @@ async def check_every_experience_once(run: PreparedRun, url: str, steps: int) ->
         with anyio.fail_after(60):
             while True:
                 await bus.transport.consumers(run.names.exp_stream)
-                if not bus.transport.unreachable_consumers(run.names.exp_stream):
+                if not bus.transport.unreachable_durables(run.names.exp_stream):
                     break
                 await anyio.sleep(0.5)
         account = await account_run(bus)
@@ -211,3 +212,46 @@ def test_run_survives_a_killed_node(
     anyio.run(caught_up, backend="asyncio")
     # after the restarted node caught up: a read it serves is not stale
     anyio.run(check_every_experience_once, run, survivor, steps, backend="asyncio")
+
+
+def test_a_reader_on_a_node_that_stays_down_does_not_hold_back_the_durables(
+    tmp_path: Path, tiny_model_path: str, nats_cluster: LocalNatsCluster
+) -> None:
+    """nats-py makes every ordered reader an R1 consumer: on a node that stays down it never
+    answers a listing again. The connection that opened it (or saw it listed) knows it is a
+    reader, so the purge of acked experience, which needs only the durables' floors, goes
+    on; a connection that never saw it counts it as a durable that did not answer."""
+    run = _run_config(tmp_path, tiny_model_path, 2)
+    anyio.run(provision, run, nats_cluster.urls[0], backend="asyncio")
+    n = run.names
+    connected = next(node.name for node in nats_cluster.nodes if node.url == nats_cluster.urls[0])
+
+    async def unreachable_settled(bus: Bus) -> list[str]:
+        """What stays unreachable once the durables on the dead node have new leaders."""
+        with anyio.fail_after(30):
+            while True:
+                infos = await bus.transport.consumers(n.exp_stream)
+                durables = {c.name for c in infos if c.durable}
+                if {n.trainer_consumer, n.stage_consumer(RAW_STAGE, TRAIN_STAGE)} <= durables:
+                    return bus.transport.unreachable_durables(n.exp_stream)
+                await anyio.sleep(0.5)
+
+    async def check() -> None:
+        url = nats_cluster.urls[0]
+        async with await Bus.connect(url, n, run.cfg.nats, "reader") as bus:
+            await wait_replicas_current(bus, [n.exp_stream])
+            with anyio.fail_after(30):  # readers until one lives on another node
+                while True:
+                    reader = await bus.transport.read(n.exp_stream, n.exp_wildcard)
+                    info = await reader._sub.consumer_info()
+                    if info.cluster.leader != connected:
+                        break
+            name, node = info.name, info.cluster.leader
+            nats_cluster.kill(node)
+            assert await unreachable_settled(bus) == []
+            assert name in bus.transport.js.missing_consumers[n.exp_stream]
+            async with await Bus.connect(url, n, run.cfg.nats, "newcomer") as other:
+                assert await unreachable_settled(other) == [name]
+            await reader.close()
+
+    anyio.run(check, backend="asyncio")

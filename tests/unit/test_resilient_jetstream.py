@@ -87,7 +87,10 @@ async def test_the_last_transient_failure_is_raised_after_the_window() -> None:
     assert calls >= 3
 
 
-def _listing(names: list[str], total: int, missing: list[str] = ()) -> dict:
+def _listing(
+    names: list[str], total: int, missing: list[str] = (), readers: list[str] = ()
+) -> dict:
+    """A CONSUMER.LIST answer: durables ``names``, ephemeral ``readers`` (no durable name)."""
     return {
         "total": total,
         "consumers": [
@@ -95,9 +98,9 @@ def _listing(names: list[str], total: int, missing: list[str] = ()) -> dict:
                 "stream_name": "S",
                 "name": n,
                 "created": "2026-11-25T12:00:00Z",
-                "config": {"durable_name": n},
+                "config": {"durable_name": n} if n in names else {},
             }
-            for n in names
+            for n in [*names, *readers]
         ],
         "missing": list(missing),
     }
@@ -111,6 +114,7 @@ class _ListingJetStream(resilient.ResilientJetStream):
         self.requests: list[bytes] = []
         self._prefix, self._timeout, self.retry_window = "$JS.API", 1.0, window
         self.missing_consumers = {}
+        self.ephemeral_consumers = {}
 
     async def _api_request(self, subject: str, req: bytes = b"", timeout: float = 5) -> dict:
         assert subject == "$JS.API.CONSUMER.LIST.S"
@@ -144,3 +148,39 @@ async def test_consumers_still_missing_after_the_settle_time_are_left_out_and_na
     js = _ListingJetStream([_listing(["a"], total=1, missing=["b"])] * 500, window=0.05)
     assert [c.name for c in await js.consumers_info("S")] == ["a"]
     assert js.missing_consumers == {"S": ["b"]}
+
+
+async def test_a_missing_reader_known_as_ephemeral_does_not_hold_back_the_durables() -> None:
+    """An R1 ordered reader on a node that stays down never answers again: once it was
+    listed as ephemeral (or opened through this connection), the listing does not wait for
+    it and the purge goes on; a missing name never seen stays unreachable."""
+    js = _ListingJetStream(
+        [
+            _listing(["a"], total=2, readers=["r"]),
+            # r's node died: `total` still counts it, so a second page is asked for
+            _listing(["a"], total=2, missing=["r"]),
+            _listing([], total=2, missing=["r"]),
+        ]
+        # x: never seen, so perhaps a durable; asked again until the settle time ends
+        + [_listing(["a"], total=3, missing=["r", "x"]), _listing([], total=3)] * 500,
+        window=0.05,
+    )
+    assert [c.name for c in await js.consumers_info("S")] == ["a", "r"]
+    assert js.unreachable_durables("S") == []
+    assert [c.name for c in await js.consumers_info("S")] == ["a"]
+    assert len(js.requests) == 3, "a known reader missing is not asked again"
+    assert js.missing_consumers == {"S": ["r"]} and js.unreachable_durables("S") == []
+    await js.consumers_info("S")
+    assert js.unreachable_durables("S") == ["x"]
+    js.note_ephemeral("S", "x")  # opened through this connection
+    assert js.unreachable_durables("S") == []
+
+
+async def test_the_known_readers_are_only_those_listed_or_still_missing() -> None:
+    js = _ListingJetStream(
+        [_listing(["a"], total=2, readers=["r"]), _listing(["a"], total=1)], window=0.0
+    )
+    await js.consumers_info("S")
+    assert js.ephemeral_consumers == {"S": {"r"}}
+    await js.consumers_info("S")  # r closed and deleted by the server
+    assert js.ephemeral_consumers == {"S": set()}

@@ -109,12 +109,36 @@ class ResilientJetStream(_RetriedApiRequests, JetStreamContext):
         self.retry_window = retry_window
         # per stream: consumers the last listing could not reach (see consumers_info)
         self.missing_consumers: dict[str, list[str]] = {}
+        # per stream: names known to be ephemeral readers (listed without a durable name,
+        # or opened through this connection); they hold no ack floor anyone waits for
+        self.ephemeral_consumers: dict[str, set[str]] = {}
+
+    def note_ephemeral(self, stream: str, name: str) -> None:
+        """Remember that consumer ``name`` of ``stream`` is an ephemeral reader."""
+        self.ephemeral_consumers.setdefault(stream, set()).add(name)
+
+    def unreachable_durables(self, stream: str) -> list[str]:
+        """The consumers the last listing of ``stream`` could not reach, less those known
+        to be ephemeral readers: an R1 ordered reader on a node that stays down never
+        answers again, and must not stop what needs only the durables' floors."""
+        known = self.ephemeral_consumers.get(stream, set())
+        return [name for name in self.missing_consumers.get(stream, []) if name not in known]
 
     @property
     def _jsm(self) -> JetStreamManager:
         jsm = _ResilientManager(conn=self._nc, prefix=self._prefix, timeout=self._timeout)
         jsm.retry_window = self.retry_window
         return jsm
+
+    def _remember_ephemeral(
+        self, stream: str, found: list[api.ConsumerInfo], missing: list[str]
+    ) -> None:
+        """Known ephemeral readers after a listing: those it lists without a durable name,
+        and those known before that it could not reach (kept while they are missing, so
+        the set stays as small as the listing)."""
+        before = self.ephemeral_consumers.get(stream, set())
+        listed = {c.name for c in found if not (c.config and c.config.durable_name)}
+        self.ephemeral_consumers[stream] = listed | (before & set(missing))
 
     async def consumers_info(
         self, stream: str, offset: int | None = None
@@ -125,7 +149,8 @@ class ResilientJetStream(_RetriedApiRequests, JetStreamContext):
         (a replicated durable has a new leader by then); consumers still missing after
         that (an R1 ephemeral watch on a dead node) are left out, logged, and kept in
         :attr:`missing_consumers` for callers that must not act on a partial list (the
-        purge of acked experience)."""
+        purge of acked experience; see :meth:`unreachable_durables`). Consumers known to
+        be ephemeral readers are not waited for."""
         deadline = time.monotonic() + min(self.retry_window, LISTING_SETTLE_S)
         pause = _PAUSE
         while True:
@@ -148,7 +173,8 @@ class ResilientJetStream(_RetriedApiRequests, JetStreamContext):
             found = list({c.name: c for c in found}.values())
             missing = sorted(set(missing) - {c.name for c in found})
             self.missing_consumers[stream] = missing
-            if not missing:
+            self._remember_ephemeral(stream, found, missing)
+            if not self.unreachable_durables(stream):  # none, or only known readers
                 return found
             if time.monotonic() + pause >= deadline:
                 log.warning(

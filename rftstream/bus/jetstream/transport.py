@@ -377,6 +377,7 @@ class JetStreamTransport:
                 headers_only=headers_only or None,
                 config=_start(start_seq, None),
             )
+        self._note_reader(stream, sub)
         return _OrderedRead(sub)
 
     async def watch(
@@ -399,7 +400,15 @@ class JetStreamTransport:
                 headers_only=headers_only or None,
                 config=_start(start_seq, start_time),
             )
+        self._note_reader(stream, sub)
         return _OrderedWatch(sub, what)
+
+    def _note_reader(self, stream: str | None, sub: Any) -> None:
+        """Remember the ordered consumer just made as an ephemeral reader of ``stream``
+        (see :meth:`unreachable_durables`); nats-py keeps its name on the subscription."""
+        name = getattr(sub, "_consumer", None)
+        if stream and isinstance(name, str) and name:
+            self.js.note_ephemeral(stream, name)
 
     # ------------------------------------------------------------ provisioning
     async def ensure_stream(self, spec: StreamSpec, key: str) -> None:
@@ -495,8 +504,8 @@ class JetStreamTransport:
         with self._api(f"consumers of stream {stream}", StreamNotFound):
             return [consumer_state(i) for i in await self.js.consumers_info(stream)]
 
-    def unreachable_consumers(self, stream: str) -> list[str]:
-        return list(self.js.missing_consumers.get(stream) or [])
+    def unreachable_durables(self, stream: str) -> list[str]:
+        return self.js.unreachable_durables(stream)
 
     async def delete_consumer(self, stream: str, durable: str) -> None:
         with self._api(f"deleting consumer {stream}/{durable}", ConsumerNotFound):

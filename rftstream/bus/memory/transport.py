@@ -197,7 +197,7 @@ class MemoryTransport:
         ]
         return durables + ephemeral
 
-    def unreachable_consumers(self, stream: str) -> list[str]:
+    def unreachable_durables(self, stream: str) -> list[str]:
         return []
 
     async def delete_consumer(self, stream: str, durable: str) -> None:
