@@ -11,7 +11,7 @@ trainer is measured on that clock, so tests use a fake one.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, Literal, Self
 
 from rftstream.splice.ownership import owner_alive, restart_hint
 from rftstream.splice.protocol import DEFAULT_TIMING, Timing, state_of
@@ -98,8 +98,35 @@ class OwnerGone:
 Verdict = KeepWaiting | Answered | Failed | NoTrainer | OwnerGone
 
 
-@dataclass(frozen=True)
-class AnswerWatch:
+@dataclass(frozen=True, kw_only=True)
+class TrainerPatience:
+    """The clock both waits share: when the run's health was last read (``checked``) and
+    when a trainer was last seen alive (``last_alive``), on the caller's clock ``now``."""
+
+    patience: float
+    timing: Timing
+    last_alive: float
+    checked: float | None = None
+
+    def health_due(self, now: float) -> bool:
+        """Whether the next ``step`` wants a :class:`Health` reading."""
+        return self.checked is None or now - self.checked > self.timing.check_every_s
+
+    def _read_health(
+        self, now: float, health: Health, needs_trainer: bool
+    ) -> tuple[Self, Literal["ended", "no trainer"] | None]:
+        """The wait after a :class:`Health` reading, and why to give up (None: keep waiting):
+        the run ended, or ``needs_trainer`` and none was alive for :attr:`patience` s."""
+        waited = replace(self, checked=now)
+        if health.ended:
+            return waited, "ended"
+        if health.trainer_alive or not needs_trainer:
+            return replace(waited, last_alive=now), None
+        return waited, "no trainer" if now - self.last_alive > self.patience else None
+
+
+@dataclass(frozen=True, kw_only=True)
+class AnswerWatch(TrainerPatience):
     """A requester's wait for the trainer's answer to request ``splice_id``: done in one
     of the ``answers`` states; gives up when the record is replaced, abandoned or
     refused, when the run ends, or (:class:`NoTrainer`) when no trainer was alive for
@@ -108,10 +135,6 @@ class AnswerWatch:
     what: str
     splice_id: str
     answers: tuple[type, ...]
-    patience: float
-    timing: Timing
-    last_alive: float
-    checked: float | None = None
 
     @classmethod
     def start(
@@ -124,17 +147,13 @@ class AnswerWatch:
         patience: float | None = None,
     ) -> AnswerWatch:
         return cls(
-            what,
-            splice_id,
-            answers,
-            timing.trainer_patience_s if patience is None else patience,
-            timing,
-            now,
+            what=what,
+            splice_id=splice_id,
+            answers=answers,
+            patience=timing.trainer_patience_s if patience is None else patience,
+            timing=timing,
+            last_alive=now,
         )
-
-    def health_due(self, now: float) -> bool:
-        """Whether the next :meth:`step` wants a :class:`Health` reading."""
-        return self.checked is None or now - self.checked > self.timing.check_every_s
 
     def step(
         self, record: SpliceRecord | None, now: float, health: Health | None = None
@@ -147,12 +166,10 @@ class AnswerWatch:
             return self, Failed(f"{self.what}: {record.reason or state_of(record)}")
         if health is None:
             return self, KeepWaiting()
-        watch = replace(self, checked=now)
-        if health.ended:
+        watch, why = self._read_health(now, health, needs_trainer=True)
+        if why == "ended":
             return watch, Failed(f"{self.what}: the run is {health.status}")
-        if health.trainer_alive:
-            return replace(watch, last_alive=now), KeepWaiting()
-        if now - self.last_alive > self.patience:
+        if why == "no trainer":
             return watch, NoTrainer(
                 f"{self.what}: no trainer has been running for {self.patience:.0f}s "
                 f"(no fresh trainer heartbeat; run status {health.status!r})"
@@ -160,8 +177,8 @@ class AnswerWatch:
         return watch, KeepWaiting()
 
 
-@dataclass(frozen=True)
-class UnspliceWatch:
+@dataclass(frozen=True, kw_only=True)
+class UnspliceWatch(TrainerPatience):
     """``--unsplice``'s wait until the owner has drained (``drained`` or ``done``).
 
     Gives up when the stage's owner is not running (whatever the state: before it took
@@ -171,10 +188,6 @@ class UnspliceWatch:
 
     stage: str
     splice_id: str
-    patience: float
-    timing: Timing
-    last_alive: float
-    checked: float | None = None
 
     @classmethod
     def start(
@@ -186,16 +199,12 @@ class UnspliceWatch:
         patience: float | None = None,
     ) -> UnspliceWatch:
         return cls(
-            stage,
-            splice_id,
-            timing.trainer_patience_s if patience is None else patience,
-            timing,
-            now,
+            stage=stage,
+            splice_id=splice_id,
+            patience=timing.trainer_patience_s if patience is None else patience,
+            timing=timing,
+            last_alive=now,
         )
-
-    def health_due(self, now: float) -> bool:
-        """Whether the next :meth:`step` wants a :class:`Health` reading."""
-        return self.checked is None or now - self.checked > self.timing.check_every_s
 
     def step(
         self,
@@ -219,12 +228,12 @@ class UnspliceWatch:
             return self, OwnerGone(what, self.splice_id, st, restart_hint(stage))
         if health is None:
             return self, KeepWaiting()
-        watch = replace(self, checked=now)
-        if health.ended:
+        # only a request still waiting for the trainer needs one alive
+        waits_for_trainer = isinstance(record, SpliceRequested | SpliceClaimed)
+        watch, why = self._read_health(now, health, needs_trainer=waits_for_trainer)
+        if why == "ended":
             return watch, Failed(f"{what}: the run is {health.status}; the stage was not removed")
-        if not isinstance(record, SpliceRequested | SpliceClaimed) or health.trainer_alive:
-            return replace(watch, last_alive=now), KeepWaiting()
-        if now - self.last_alive > self.patience:
+        if why == "no trainer":
             return watch, NoTrainer(
                 f"{what}: no trainer has been running for {self.patience:.0f}s (request "
                 f"{self.splice_id} is {st!r}); the operator keeps the request, and a restarted "
