@@ -148,7 +148,7 @@ class Explorer:
         self.name = name
         # purges acked experience and holds raw publishes while the stream is near its limits
         self.room = ExperienceRoom(
-            getattr(bus, "transport", None),
+            bus.transport,
             bus.names.exp_stream,
             cfg.nats.streams.experience,
             name,

@@ -7,13 +7,13 @@ the weights themselves travel through the real ``memory`` store.
 
 from __future__ import annotations
 
-from types import SimpleNamespace
 from typing import Any
 
 import anyio
 import pytest
 import torch
 
+from rftstream.bus.client import Bus
 from rftstream.config.schema import Config
 from rftstream.errors import RftError
 from rftstream.subjects import RunNames
@@ -52,9 +52,9 @@ def _explorer(
     from rftstream.actors.explorer import Explorer
     from rftstream.config.schema import SynchronizerConfig
 
-    bus = SimpleNamespace(names=RunNames(run))
+    bus = Bus.in_memory(RunNames(run))
     cfg = Config(mode=mode, synchronizer=SynchronizerConfig(sync_method=sync_method, **sync))
-    explorer = Explorer(cfg, bus, model_path="unused")  # type: ignore[arg-type]
+    explorer = Explorer(cfg, bus, model_path="unused")
     explorer.engine = engine
     return explorer
 

@@ -115,7 +115,9 @@ def _explorer(max_staleness: int) -> Any:
             sync_method="checkpoint", sync_style="dynamic_by_explorer", max_staleness=max_staleness
         ),
     )
-    explorer = Explorer(cfg, SimpleNamespace(names=RunNames("t")), model_path="unused")  # type: ignore[arg-type]
+    # no transport: the experience stream is unbounded here (the World counts what it holds)
+    bus = SimpleNamespace(names=RunNames("t"), transport=None)
+    explorer = Explorer(cfg, bus, model_path="unused")  # type: ignore[arg-type]
     explorer.engine = SimpleNamespace(model_version=0)
     return explorer
 
