@@ -112,10 +112,13 @@ def literal_choices(parts: tuple[PathPart, ...] | list[PathPart]) -> tuple[Any, 
     if not keys or not isinstance(keys[-1], str):
         return ()
     parent = type_at(config_info(), tuple(keys[:-1])) if len(keys) > 1 else config_info()
-    cls = getattr(parent, "cls", None)
-    if cls is None or not isinstance(cls, type):
-        return ()
-    return _field_literals(cls).get(keys[-1], ())
+    # an optional section (``experience_buffer: StorageConfig | None``): its Struct
+    options = parent.types if isinstance(parent, msgspec.inspect.UnionType) else (parent,)
+    for option in options:
+        cls = getattr(option, "cls", None)
+        if isinstance(cls, type) and keys[-1] in _field_literals(cls):
+            return _field_literals(cls)[keys[-1]]
+    return ()
 
 
 @functools.cache
@@ -143,4 +146,6 @@ def choice_message(value: Any, choices: tuple[Any, ...]) -> str:
     """``must be one of a, b, c`` and, for a near miss, `` (did you mean 'b'?)``."""
     close = difflib.get_close_matches(str(value), [str(c) for c in choices], n=1, cutoff=0.6)
     hint = f" (did you mean {close[0]!r}?)" if close else ""
-    return f"must be one of {', '.join(str(c) for c in choices)}{hint}"
+    # the empty string (a default meaning "decide for me") is shown as ""
+    shown = ", ".join('""' if c == "" else str(c) for c in choices)
+    return f"must be one of {shown}{hint}"

@@ -39,6 +39,16 @@ SYNC_METHODS: tuple[SyncMethod, ...] = get_args(SyncMethod)
 
 EngineType = Literal["transformers", "vllm", "openai"]
 ENGINE_TYPES: tuple[EngineType, ...] = get_args(EngineType)
+# an auxiliary model this process serves (one behind an external server: its base_url)
+AuxiliaryEngineType = Literal["transformers", "vllm"]
+
+LogprobsMode = Literal["processed_logprobs", "raw_logprobs"]  # vLLM's AsyncEngineArgs
+
+# chatpair: Trinity-RFT's DPO rows of chat lists (read as any DPO row: see FormatConfig)
+PromptType = Literal["", "messages", "plaintext", "chatpair"]
+
+# queue: Trinity-RFT's experience queue, the experience stream here
+StorageType = Literal["file", "queue"]
 
 LossAggMode = Literal[
     "token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"
@@ -121,10 +131,11 @@ class FormatConfig(_Base):
     under ``messages_key``; the last assistant turn is the response),
     ``plaintext`` (``prompt_key`` / ``response_key``), or ``""``: ``messages``
     when the row has ``messages_key`` (default ``messages``), else plaintext.
-    DPO rows carry ``chosen_key`` and ``rejected_key`` (strings or chat lists).
+    DPO rows carry ``chosen_key`` and ``rejected_key`` (strings or chat lists,
+    whatever ``prompt_type`` says; Trinity-RFT's ``chatpair`` names the latter).
     """
 
-    prompt_type: str = ""
+    prompt_type: PromptType = ""
     prompt_key: str = "question"
     response_key: str = "answer"
     chosen_key: str = "chosen"
@@ -183,7 +194,7 @@ class StorageConfig(_Base):
     """
 
     name: str = ""
-    storage_type: str = "file"
+    storage_type: StorageType = "file"
     schema_type: str | None = None
     path: str = ""
     split: str = "train"
@@ -257,7 +268,7 @@ class RolloutModelConfig(_Base):
     gpu_memory_utilization: float = 0.9
     enforce_eager: bool = False
     enable_prefix_caching: bool = True
-    logprobs_mode: str = "processed_logprobs"
+    logprobs_mode: LogprobsMode = "processed_logprobs"
     engine_kwargs: dict[str, Any] = msgspec.field(default_factory=dict)  # other vLLM engine args
 
 
@@ -272,7 +283,7 @@ class AuxiliaryModelConfig(_Base):
     model_path: str = ""
     base_url: str = ""
     api_key: str = "EMPTY"
-    engine_type: str = "transformers"
+    engine_type: AuxiliaryEngineType = "transformers"
     max_response_tokens: int = 256
     temperature: float = 1.0
 

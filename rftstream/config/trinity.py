@@ -468,6 +468,7 @@ def _inference_model_rules(prefix: str, *, rollout: bool) -> dict[str, Rule]:
     ):
         rules[f"{prefix}.{k}"] = Ignored(_NOT_HERE)
     rules[f"{prefix}.external_model_config"] = Ignored("use engine_type: openai with base_url here")
+    rules[f"{prefix}.engine_type"] = Mapped("vllm_async -> vllm", _engine_type)
     if rollout:
         rules[f"{prefix}.model_path"] = Ignored("the rollout model is model.model_path here")
         rules[f"{prefix}.name"] = Ignored(_AUTO)
@@ -685,7 +686,6 @@ def _build_table() -> dict[str, Rule]:
         "explorer.max_inflight_batches": Ignored(
             "in-flight experience is bounded by synchronizer.max_staleness here"
         ),
-        "explorer.rollout_model.engine_type": Mapped("vllm_async -> vllm", _engine_type),
         # data processor
         "data_processor.task_pipeline": Ignored(
             "task pipelines are not run; prepare the taskset file beforehand"

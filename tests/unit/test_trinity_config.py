@@ -77,6 +77,21 @@ def test_nccl_kept_with_cuda() -> None:
     assert messages == []
 
 
+def test_vllm_async_engines_are_the_vllm_engine_for_rollout_and_auxiliary_models() -> None:
+    cfg, messages = load_warned(
+        {
+            "explorer": {
+                "rollout_model": {"engine_type": "vllm_async"},
+                "auxiliary_models": [{"model_path": "/judge", "engine_type": "vllm_async"}],
+            }
+        },
+        cuda=True,
+    )
+    assert cfg.explorer.rollout_model.engine_type == "vllm"
+    assert cfg.explorer.auxiliary_models[0].engine_type == "vllm"
+    assert messages == []  # a value we map, not a key we drop: nothing to warn about
+
+
 @pytest.mark.parametrize("kind", ["wandb", "tensorboard", "mlflow"])
 def test_monitor_backends_pass_through_with_their_args(kind: str) -> None:
     data = {"group": "g1", "monitor": {"monitor_type": kind, "monitor_args": {}}}
