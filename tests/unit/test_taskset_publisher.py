@@ -1,189 +1,262 @@
-"""The taskset publisher's I/O loop (:class:`TasksetPublisher`) above a fake KV and task stream.
+"""The taskset publisher's I/O loop (:class:`TasksetPublisher`) on the in-memory transport.
 
-Logic above the bus: the KV stand-in keeps revisions and answers conditional
-writes as JetStream KV does (create-if-absent, compare-and-set on the revision);
-the task stream drops a message whose ``Nats-Msg-Id`` it already holds. The
-real-server behaviour is proved by ``tests/integration/test_eval_and_resume.py``
-and ``tests/integration/test_explorer_pipeline.py``.
+Each explorer has its own connection (:meth:`MemoryTransport.connection`) to one
+in-memory server, a run provisioned as the runtime does it, and the
+:class:`RunState` over its own bus's KV bucket, as the explorer passes it. The
+task stream drops a task whose ``Nats-Msg-Id`` it already stored; the explorers
+take tasks from their durable and ack them, which removes them from the work
+queue. The real-server behaviour is proved by
+``tests/integration/test_eval_and_resume.py`` and
+``tests/integration/test_explorer_pipeline.py``.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
+from collections import Counter
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 import anyio
-import anyio.lowlevel
-import msgspec
 import pytest
 
 from rftstream.actors.taskset_publisher import PUBLISH_CHUNK, TasksetPublisher
+from rftstream.bus.client import Bus
+from rftstream.bus.memory import MemoryTransport
+from rftstream.bus.state import RunState
+from rftstream.bus.transport import PubAck
 from rftstream.config.schema import BufferConfig, Config, TasksetConfig
+from rftstream.experience import H_MSG_ID
+from rftstream.runtime import task_ack_wait
 from rftstream.subjects import RunNames
 from rftstream.taskset_claim import Seeking
+from rftstream.tasksets import TasksetPlan, plan_tasks
 from rftstream.wire import TASKSET_CLAIM, TASKSET_PUBLISHED, TasksetClaim, TasksetRecord
+from tests.unit._memory_util import read_subject
 
 pytestmark = pytest.mark.anyio
 
+NAMES = RunNames("t")
 ROWS = 100
 EPOCHS = 2  # 200 tasks: 4 chunks of 64 (the last one short)
+CFG = Config(buffer=BufferConfig(total_epochs=EPOCHS))
+# every task's Nats-Msg-Id, in publishing order
+PLAN = [
+    f"task:{p.taskset}:{p.epoch}:{p.index}"
+    for p in plan_tasks([TasksetPlan(name="t", rows=ROWS, epochs=EPOCHS)])
+]
 
 
-class FakeKV:
-    """The part of RunState the publisher uses, with JetStream KV revisions."""
+class CountingBus(Bus):
+    """An explorer's bus that counts its publish calls per subject, duplicates included."""
 
-    def __init__(self) -> None:
-        self.entries: dict[str, tuple[bytes, int]] = {}
-        self.revision = 0
+    def __init__(self, transport: MemoryTransport, actor: str) -> None:
+        super().__init__(transport, NAMES, CFG.nats, actor)
+        self.publish_calls: Counter[str] = Counter()
 
-    def _put(self, key: str, value: Any) -> int:
-        self.revision += 1
-        self.entries[key] = (msgspec.json.encode(value), self.revision)
-        return self.revision
-
-    async def put_json(self, key: str, value: Any) -> None:
-        self._put(key, value)
-
-    async def get_json(self, key: str, typ: Any = None) -> Any:
-        if key not in self.entries:
-            return None
-        raw = self.entries[key][0]
-        return msgspec.json.decode(raw, type=typ) if typ else msgspec.json.decode(raw)
-
-    async def get_entry(self, key: str) -> tuple[Any, int | None]:
-        if key not in self.entries:
-            return None, None
-        raw, rev = self.entries[key]
-        return msgspec.json.decode(raw), rev
-
-    async def compare_and_put(self, key: str, value: Any, revision: int | None) -> int | None:
-        current = self.entries.get(key)
-        if (current is None) != (revision is None) or (current and current[1] != revision):
-            return None  # someone else wrote it first
-        return self._put(key, value)
-
-    def claim(self) -> TasksetClaim:
-        return msgspec.json.decode(self.entries[TASKSET_CLAIM.name][0], type=TasksetClaim)
+    async def publish(self, subject: str, data: bytes, **kwargs: Any) -> PubAck:
+        self.publish_calls[subject] += 1
+        return await super().publish(subject, data, **kwargs)
 
 
-class FakeTasks:
-    """The task stream (deduplicated by message id) and the explorers' consumer of it."""
+@dataclass
+class Explorer:
+    """One explorer's taskset publisher, on its own connection, run as the explorer runs it."""
 
-    def __init__(self) -> None:
-        self.stored: dict[str, str] = {}  # msg id -> the actor that stored it
-        self.published_by: dict[str, int] = {}  # publish calls per actor, duplicates too
-        self.taken = 0  # tasks the explorers took (acked) so far
-        self.keeping_up = False  # the explorers take every task as soon as it is stored
-        self.transport = SimpleNamespace(consumer_state=self.consumer_state)
+    bus: CountingBus
+    publisher: TasksetPublisher
+    state: RunState  # over this explorer's own bus
 
-    def bus(self) -> Any:
-        return SimpleNamespace(names=RunNames("t"), publish=self.publish, transport=self.transport)
+    async def publish_taskset(self) -> None:
+        """:meth:`TasksetPublisher.run` with the explorer's RunState. Blocks as it does."""
+        await self.publisher.run(self.state)
 
-    async def publish(self, subject: str, data: bytes, *, headers: dict[str, str], msg_id: str):
-        actor = headers["Rft-Actor"]
-        self.published_by[actor] = self.published_by.get(actor, 0) + 1
-        self.stored.setdefault(msg_id, actor)
-        await anyio.lowlevel.checkpoint()
-
-    async def consumer_state(self, stream: str, consumer: str) -> Any:
-        taken = len(self.stored) if self.keeping_up else self.taken
-        return SimpleNamespace(num_pending=len(self.stored) - taken)
+    @property
+    def publish_calls(self) -> int:
+        """Tasks it published (or tried to), duplicates included."""
+        return self.bus.publish_calls[NAMES.tasks_subject]
 
 
-async def _until(condition: Callable[[], object], timeout: float = 10.0) -> None:
+class TaskTaker:
+    """The explorers taking tasks: pulls from their durable and acks each task at once,
+    recording which explorer stored it (``Rft-Actor``)."""
+
+    def __init__(self, bus: Bus) -> None:
+        self._bus = bus
+        self.taken: list[tuple[str, str]] = []  # (Nats-Msg-Id, Rft-Actor) in delivery order
+
+    async def take(self, count: int | None) -> None:
+        """Take ``count`` tasks (None: every task as soon as it is stored, until cancelled),
+        acking each as soon as it is fetched. Blocks until they were there."""
+        sub = await self._bus.pull(NAMES.tasks_stream, NAMES.explorer_consumer)
+        try:
+            while count is None or count > 0:
+                for msg in await sub.fetch(count or PUBLISH_CHUNK, timeout=1.0):
+                    headers = msg.headers or {}
+                    self.taken.append((headers[H_MSG_ID], headers["Rft-Actor"]))
+                    await msg.ack()
+                    count = None if count is None else count - 1
+        finally:
+            await sub.unsubscribe()
+
+
+class Run:
+    """A provisioned run on one in-memory server: its explorers and their task queue."""
+
+    def __init__(self, tmp_path: Path) -> None:
+        self.server = MemoryTransport()
+        self.path = tmp_path / "t.jsonl"
+        lines = (json.dumps({"question": f"{i}+1", "answer": str(i + 1)}) for i in range(ROWS))
+        self.path.write_text("\n".join(lines) + "\n")
+        self.tasks = TaskTaker(self.bus("taker"))
+
+    def bus(self, actor: str) -> CountingBus:
+        """A bus on a new connection to this run's server."""
+        return CountingBus(self.server.connection(), actor)
+
+    async def provision(self) -> RunState:
+        """Streams, durables and bucket as ``rftstream.runtime.provision`` makes them;
+        the run's state (a provisioner's)."""
+        bus = self.bus("provisioner")
+        await bus.provision(task_ack_wait=task_ack_wait(CFG))
+        state = RunState(await bus.kv())
+        await state.set_status("running")
+        return state
+
+    async def explorer(self, name: str, **timing: float) -> Explorer:
+        """Explorer ``name``'s publisher; ``timing`` overrides its claim and lead settings."""
+        bus = self.bus(name)
+        ts = TasksetConfig(name="t", path=str(self.path))
+        publisher = TasksetPublisher(CFG, bus, name, [("buffer.explorer_input.taskset", ts)])
+        for attr, value in timing.items():
+            setattr(publisher, attr, value)
+        return Explorer(bus, publisher, RunState(await bus.kv()))
+
+    async def stored(self) -> dict[str, str]:
+        """Every task the task stream stored (Nats-Msg-Id -> the explorer that published it):
+        those taken (acked, so gone from the work queue) and those still in it. Fails when
+        one was stored twice."""
+        msgs = await read_subject(self.server, NAMES.tasks_stream, NAMES.tasks_subject)
+        queued = [((m.headers or {})[H_MSG_ID], (m.headers or {})["Rft-Actor"]) for m in msgs]
+        tasks = self.tasks.taken + queued
+        stored = dict(tasks)
+        assert len(stored) == len(tasks), "a task stored twice"
+        return stored
+
+
+async def _claim(state: RunState) -> TasksetClaim | None:
+    return await state.get_json(TASKSET_CLAIM.name, TasksetClaim)
+
+
+async def _until(condition: Callable[[], Awaitable[object]], timeout: float = 10.0) -> None:
     with anyio.fail_after(timeout):
-        while not condition():
+        while not await condition():
             await anyio.sleep(0.01)
 
 
-def _publisher(tmp_path: Path, tasks: FakeTasks, name: str, **timing: float) -> TasksetPublisher:
-    path = tmp_path / "t.jsonl"
-    if not path.exists():
-        lines = (json.dumps({"question": f"{i}+1", "answer": str(i + 1)}) for i in range(ROWS))
-        path.write_text("\n".join(lines) + "\n")
-    cfg = Config(buffer=BufferConfig(total_epochs=EPOCHS))
-    ts = TasksetConfig(name="t", path=str(path))
-    publisher = TasksetPublisher(cfg, tasks.bus(), name, [("buffer.explorer_input.taskset", ts)])
-    for attr, value in timing.items():
-        setattr(publisher, attr, value)
-    return publisher
+async def _claimed_through(state: RunState, seq: int) -> bool:
+    claim = await _claim(state)
+    return claim is not None and claim.seq == seq
+
+
+async def _seeking(publisher: TasksetPublisher) -> bool:
+    return isinstance(publisher._claim, Seeking)
+
+
+def _by(stored: dict[str, str], actor: str) -> set[str]:
+    return {msg_id for msg_id, by in stored.items() if by == actor}
 
 
 async def test_one_of_two_explorers_publishes_every_task_once(tmp_path: Path) -> None:
-    kv, tasks = FakeKV(), FakeTasks()
-    a, b = _publisher(tmp_path, tasks, "a"), _publisher(tmp_path, tasks, "b")
+    run = Run(tmp_path)
+    state = await run.provision()
+    a, b = await run.explorer("a"), await run.explorer("b")
     with anyio.fail_after(10):
         async with anyio.create_task_group() as tg:
-            tg.start_soon(a.run, kv)
-            tg.start_soon(b.run, kv)
-    record = await kv.get_json(TASKSET_PUBLISHED.name, TasksetRecord)
-    assert record is not None and record.count == ROWS * EPOCHS
-    assert len(tasks.published_by) == 1  # the other one only watched
-    (winner,) = tasks.published_by
-    assert record.by == winner and tasks.published_by[winner] == ROWS * EPOCHS
-    assert len(tasks.stored) == ROWS * EPOCHS
-    assert kv.claim().by == winner and kv.claim().seq == ROWS * EPOCHS
+            tg.start_soon(a.publish_taskset)
+            tg.start_soon(b.publish_taskset)
+    record = await state.get_json(TASKSET_PUBLISHED.name, TasksetRecord)
+    assert record is not None and record.count == len(PLAN)
+    calls = {e.publisher.name: e.publish_calls for e in (a, b) if e.publish_calls}
+    assert len(calls) == 1  # the other one only watched
+    (winner,) = calls
+    assert record.by == winner and calls[winner] == len(PLAN)
+    stored = await run.stored()
+    assert stored == dict.fromkeys(PLAN, winner)
+    claim = await _claim(state)
+    assert claim is not None and (claim.by, claim.seq) == (winner, len(PLAN))
 
 
 async def test_a_publisher_that_dies_mid_taskset_is_taken_over_where_it_stopped(
     tmp_path: Path,
 ) -> None:
-    kv, tasks = FakeKV(), FakeTasks()
-    ghost = _publisher(tmp_path, tasks, "ghost", publish_lead=10, claim_keepalive_s=0.05)
+    run = Run(tmp_path)
+    state = await run.provision()
+    ghost = await run.explorer("ghost", publish_lead=10, claim_keepalive_s=0.05)
     async with anyio.create_task_group() as tg:  # one chunk, then it waits: it dies there
-        tg.start_soon(ghost.run, kv)
-        await _until(lambda: kv.entries and kv.claim().seq == PUBLISH_CHUNK)
+        tg.start_soon(ghost.publish_taskset)
+        await _until(lambda: _claimed_through(state, PUBLISH_CHUNK))
         await anyio.sleep(0.1)  # it keeps the claim alive meanwhile, publishing nothing
         tg.cancel_scope.cancel()
-    assert len(tasks.stored) == PUBLISH_CHUNK
-    assert kv.claim() == TasksetClaim(by="ghost", ts=kv.claim().ts, seq=PUBLISH_CHUNK)
-    tasks.taken = PUBLISH_CHUNK  # the explorers took them: nothing holds the heir back
-    heir = _publisher(tmp_path, tasks, "heir", claim_stale_s=0.3)
+    assert await run.stored() == dict.fromkeys(PLAN[:PUBLISH_CHUNK], "ghost")
+    claim = await _claim(state)
+    assert claim == TasksetClaim(by="ghost", ts=claim.ts if claim else 0.0, seq=PUBLISH_CHUNK)
+    with anyio.fail_after(5):  # the explorers take them: nothing holds the heir back
+        await run.tasks.take(PUBLISH_CHUNK)
+    heir = await run.explorer("heir", claim_stale_s=0.3)
     t0 = anyio.current_time()
     with anyio.fail_after(10):
-        await heir.run(kv)
+        await heir.publish_taskset()
     assert anyio.current_time() - t0 >= 0.3  # it waited for the claim to go stale
-    assert tasks.published_by["heir"] == ROWS * EPOCHS - PUBLISH_CHUNK  # from the ghost's seq
-    assert len(tasks.stored) == ROWS * EPOCHS
-    record = await kv.get_json(TASKSET_PUBLISHED.name, TasksetRecord)
-    assert record is not None and record.by == "heir" and record.tasksets == {"t": 200}
-    claim = kv.claim()
-    assert (claim.by, claim.seq) == ("heir", ROWS * EPOCHS)
+    assert heir.publish_calls == len(PLAN) - PUBLISH_CHUNK  # from the ghost's seq
+    stored = await run.stored()
+    assert _by(stored, "ghost") == set(PLAN[:PUBLISH_CHUNK])
+    assert _by(stored, "heir") == set(PLAN[PUBLISH_CHUNK:])
+    record = await state.get_json(TASKSET_PUBLISHED.name, TasksetRecord)
+    assert record is not None and record.by == "heir" and record.tasksets == {"t": len(PLAN)}
+    claim = await _claim(state)
+    assert claim is not None and (claim.by, claim.seq) == ("heir", len(PLAN))
 
 
 async def test_a_publisher_whose_claim_was_taken_over_stops_and_watches(tmp_path: Path) -> None:
-    kv, tasks = FakeKV(), FakeTasks()
-    slow = _publisher(tmp_path, tasks, "slow", publish_lead=10, claim_keepalive_s=0.05)
-    slow.claim_stale_s = 0.8  # well past the checks below, even on a loaded machine
+    run = Run(tmp_path)
+    state = await run.provision()
+    slow = await run.explorer("slow", publish_lead=10, claim_keepalive_s=0.05)
+    slow.publisher.claim_stale_s = 0.8  # well past the checks below, even on a loaded machine
     async with anyio.create_task_group() as tg:
-        tg.start_soon(slow.run, kv)
-        await _until(lambda: kv.entries and kv.claim().seq == PUBLISH_CHUNK)
+        tg.start_soon(slow.publish_taskset)
+        await _until(lambda: _claimed_through(state, PUBLISH_CHUNK))
         # another explorer takes the claim over (it thought "slow" had died)
-        _, rev = await kv.get_entry(TASKSET_CLAIM.name)
+        _, rev = await state.get_entry(TASKSET_CLAIM.name)
         other = TasksetClaim(by="other", ts=0.0, seq=PUBLISH_CHUNK, taken_over_from="slow")
-        assert await kv.compare_and_put(TASKSET_CLAIM.name, other, rev) is not None
+        assert await state.compare_and_put(TASKSET_CLAIM.name, other, rev) is not None
         # "slow" loses its next keep-alive and stops publishing
-        await _until(lambda: isinstance(slow._claim, Seeking))
-        tasks.keeping_up = True
+        await _until(lambda: _seeking(slow.publisher))
+        tg.start_soon(run.tasks.take, None)
         await anyio.sleep(0.2)
-        assert tasks.published_by["slow"] == PUBLISH_CHUNK
-        assert kv.claim().by == "other"
+        assert slow.publish_calls == PUBLISH_CHUNK
+        assert await _claim(state) == other
         # "other" never writes again: its claim goes stale and "slow" takes the rest
         with anyio.fail_after(5):
-            while await kv.get_json(TASKSET_PUBLISHED.name) is None:
+            while await state.get_json(TASKSET_PUBLISHED.name) is None:
                 await anyio.sleep(0.05)
-    assert tasks.published_by["slow"] == ROWS * EPOCHS
-    assert len(tasks.stored) == ROWS * EPOCHS
-    assert kv.claim().by == "slow"
+        tg.cancel_scope.cancel()
+    assert slow.publish_calls == len(PLAN)  # the first chunk once, then the rest
+    assert await run.stored() == dict.fromkeys(PLAN, "slow")
+    claim = await _claim(state)
+    assert claim is not None and (claim.by, claim.seq) == ("slow", len(PLAN))
 
 
 async def test_nothing_is_published_once_the_taskset_is_there(tmp_path: Path) -> None:
-    kv, tasks = FakeKV(), FakeTasks()
-    done = TasksetRecord(count=200, epochs=2, rows=100, by="earlier", ts=0.0)
-    await kv.put_json(TASKSET_PUBLISHED.name, done)
+    run = Run(tmp_path)
+    state = await run.provision()
+    done = TasksetRecord(count=len(PLAN), epochs=EPOCHS, rows=ROWS, by="earlier", ts=0.0)
+    await state.put_json(TASKSET_PUBLISHED.name, done)
+    late = await run.explorer("late")
     with anyio.fail_after(2):
-        await _publisher(tmp_path, tasks, "late").run(kv)
-    assert tasks.published_by == {} and TASKSET_CLAIM.name not in kv.entries
+        await late.publish_taskset()
+    assert late.publish_calls == 0
+    assert (await run.server.stream_state(NAMES.tasks_stream)).last_seq == 0
+    assert await state.get_entry(TASKSET_CLAIM.name) == (None, None)
