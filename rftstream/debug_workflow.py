@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any
 import anyio
 import anyio.to_thread
 
+from rftstream.config.resolve import taskset_repeat_times
 from rftstream.engines.rollout import rollout_model
 from rftstream.errors import ConfigError, RftError, WorkflowError
 from rftstream.tasksets import load_taskset
@@ -104,7 +105,7 @@ def make_debug_task(
             f"{len(rows)} rows, so the task index must be 0..{len(rows) - 1}"
         )
     mixed = len(sets) > 1
-    repeat = int(ts.repeat_times or cfg.algorithm.repeat_times or 1)
+    repeat = taskset_repeat_times(cfg, ts)
     task = make_task(
         rows[task_index],
         ts,

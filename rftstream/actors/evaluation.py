@@ -25,6 +25,7 @@ import anyio.to_thread
 from rftstream.actors.common import append_line, nan_to_none
 from rftstream.bus.client import Bus
 from rftstream.bus.state import RunState
+from rftstream.config.resolve import taskset_repeat_times
 from rftstream.config.schema import Config, TasksetConfig
 from rftstream.errors import RftError
 from rftstream.subjects import KV_EVAL_FINAL, KV_EVAL_STEP
@@ -156,7 +157,7 @@ class Evaluator:
         from rftstream.workflow import make_task
 
         name = ts_cfg.name
-        repeat = int(ts_cfg.repeat_times or 1)
+        repeat = taskset_repeat_times(self.cfg, ts_cfg, eval_set=True)
         limiter = anyio.CapacityLimiter(self.cfg.explorer.runner_num)
         summaries: list[tuple[list[float], list[float], list[int]] | None] = [None] * len(rows)
 

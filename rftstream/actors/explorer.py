@@ -89,6 +89,7 @@ from rftstream.bus.client import Bus
 from rftstream.bus.limits import ExperienceRoom
 from rftstream.bus.state import END_STATUSES, RunState
 from rftstream.bus.transport import Delivery
+from rftstream.config.resolve import taskset_repeat_times
 from rftstream.config.schema import TRAINER_MODES, Config, TasksetConfig
 from rftstream.config.validate import eval_tasksets, training_tasksets
 from rftstream.errors import (
@@ -563,7 +564,7 @@ class Explorer:
                 stats,
             )
             return
-        repeat = int(ts_cfg.repeat_times or self.repeat_times)
+        repeat = taskset_repeat_times(self.cfg, ts_cfg)
         try:
             task = make_task(
                 tmsg.raw_task,

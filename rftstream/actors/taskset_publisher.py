@@ -23,6 +23,7 @@ import msgspec
 
 from rftstream.bus.client import Bus
 from rftstream.bus.state import RunState
+from rftstream.config.resolve import dataset_epochs
 from rftstream.config.schema import Config, TasksetConfig
 from rftstream.errors import BusError
 from rftstream.taskset_claim import (
@@ -226,12 +227,11 @@ class TasksetPublisher:
             tg.cancel_scope.cancel()
         if lost:
             raise _ClaimTakenOver
-        default_epochs = self.cfg.buffer.total_epochs
         plans = [
             TasksetPlan(
                 name=ts.name,
                 rows=len(rows),
-                epochs=int(ts.total_epochs or default_epochs),
+                epochs=dataset_epochs(self.cfg, ts),
                 shuffle=ts.shuffle,
                 seed=ts.seed,
             )

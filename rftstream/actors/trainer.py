@@ -61,6 +61,7 @@ from rftstream.actors.topology import TrainerTopology
 from rftstream.buffer.readers import TrainerInputs, trainer_inputs
 from rftstream.bus.client import Bus
 from rftstream.bus.state import RunState
+from rftstream.config.resolve import dataset_epochs
 from rftstream.config.schema import Config, StorageConfig
 from rftstream.errors import ConfigError
 from rftstream.experience import H_COUNT, H_REWARD_MEAN
@@ -552,7 +553,7 @@ class Trainer:
                     "buffer.trainer_input.experience_buffer", "is required in mode: train"
                 )
             # the dataset's own total_epochs, else buffer.total_epochs (as Trinity-RFT)
-            epochs = tin.experience_buffer.total_epochs or cfg.buffer.total_epochs
+            epochs = dataset_epochs(cfg, tin.experience_buffer)
             source = await self._open_dataset(
                 trainer,
                 tin.experience_buffer,

@@ -13,6 +13,8 @@ meets them:
 * :func:`resolve_run` (``rftstream.runtime.prepare_run``): the command line's
   ``--steps``, ``--run-dir`` and ``--nats-url`` and the default ``run_dir``
   (``runs/<name>``).
+* Where a taskset or dataset is used: :func:`taskset_repeat_times` and
+  :func:`dataset_epochs` (its own value, else the run's).
 * Once the algorithm preset is known (the caller looks the preset up in the
   plugin registries and passes what it found): :func:`prefer_decoupled_ppo`
   (the off-policy correction of a stale run), :func:`fill_loss_batch_args`
@@ -43,7 +45,9 @@ from rftstream.config.schema import (
     Config,
     ExplorerInput,
     MonitorConfig,
+    StorageConfig,
     SyncStyle,
+    TasksetConfig,
 )
 from rftstream.errors import ConfigError
 
@@ -51,12 +55,14 @@ __all__ = [
     "VerlBatchShape",
     "can_be_stale",
     "canonical_sync_style",
+    "dataset_epochs",
     "default_run_dir",
     "fill_loss_batch_args",
     "loss_batch_args",
     "prefer_decoupled_ppo",
     "resolve_config",
     "resolve_run",
+    "taskset_repeat_times",
     "train_batch_size",
     "with_train_batch_size",
 ]
@@ -150,6 +156,28 @@ def resolve_run(
     if nats_url is not None:
         cfg = replace(cfg, nats=replace(cfg.nats, url=nats_url, servers=[]))
     return replace(cfg, run_dir=str(PurePath(run_dir or default_run_dir(cfg))))
+
+
+# ----------------------------------------------------------------- per taskset and dataset
+# Left unset in the config (a taskset that says nothing follows the run's keys, and
+# training_tasksets compares tasksets with those defaults): worked out here, where used.
+
+
+def taskset_repeat_times(cfg: Config, ts: TasksetConfig, *, eval_set: bool = False) -> int:
+    """Runs per task of ``ts``: its own ``repeat_times``; unset, 1 for an eval taskset
+    (``eval_set`` or ``ts.is_eval``) and ``algorithm.repeat_times`` for a training one,
+    as in Trinity-RFT."""
+    if ts.repeat_times:
+        return int(ts.repeat_times)
+    if eval_set or ts.is_eval:
+        return 1
+    return int(cfg.algorithm.repeat_times or 1)
+
+
+def dataset_epochs(cfg: Config, source: TasksetConfig | StorageConfig) -> int:
+    """Passes over a training taskset or a trainer's dataset: its own ``total_epochs``,
+    else ``buffer.total_epochs`` (as in Trinity-RFT)."""
+    return int(source.total_epochs or cfg.buffer.total_epochs)
 
 
 # ----------------------------------------------------------------- stage 3: the algorithm

@@ -10,11 +10,13 @@ from rftstream.config import config_from_dict
 from rftstream.config.resolve import (
     can_be_stale,
     canonical_sync_style,
+    dataset_epochs,
     default_run_dir,
     fill_loss_batch_args,
     prefer_decoupled_ppo,
     resolve_config,
     resolve_run,
+    taskset_repeat_times,
     train_batch_size,
     with_train_batch_size,
 )
@@ -280,3 +282,26 @@ def test_fill_loss_batch_args_leaves_a_loss_without_batch_arguments() -> None:
     cfg = config_from_dict({})
     out, shape = fill_loss_batch_args(cfg, _PlainLoss, repeat_times=8, expert_ratio=0.5)
     assert out is cfg and shape is None
+
+
+def test_a_taskset_repeats_and_passes_as_it_says_else_as_the_run_says() -> None:
+    cfg = resolve_config(
+        config_from_dict(
+            {
+                "algorithm": {"repeat_times": 8},
+                "buffer": {
+                    "total_epochs": 3,
+                    "explorer_input": {
+                        "taskset": {"path": "a.jsonl"},
+                        "eval_tasksets": [{"name": "e", "path": "e.jsonl"}],
+                    },
+                },
+            }
+        )
+    )
+    train, (evals,) = cfg.buffer.explorer_input.taskset, cfg.buffer.explorer_input.eval_tasksets
+    assert taskset_repeat_times(cfg, train) == 8 and dataset_epochs(cfg, train) == 3
+    assert taskset_repeat_times(cfg, evals) == 1  # marked is_eval when loaded
+    assert taskset_repeat_times(cfg, train, eval_set=True) == 1
+    own = msgspec.structs.replace(train, repeat_times=2, total_epochs=5)
+    assert taskset_repeat_times(cfg, own) == 2 and dataset_epochs(cfg, own) == 5
