@@ -262,19 +262,23 @@ class RankLeader:
         if not self.stopped:
             self._broadcast(_STOP)
             self.stopped = True
-            leave_ranks()
+            leave_ranks(self.group)
 
 
-def leave_ranks() -> None:
+def leave_ranks(group: Any = None) -> None:
     """Destroy this process's torch.distributed groups (the control group and the
-    default one), once no collective is left to run.
+    default one), once no collective is left to run. Every rank calls it with the
+    control ``group``: a barrier over it comes first. Blocks until every rank is there.
 
     A process that exits with its gloo groups alive can abort in C++ at exit
     ("terminate called without an active exception": their threads are still
-    joinable); destroying them first joins those threads. No-op without groups.
+    joinable); destroying them first joins those threads. The barrier keeps a rank
+    from closing its connections while another still reads the stop command from
+    them (rank 0 aborted that way, rarely, under load). No-op without groups.
     """
     dist = torch.distributed
     if dist.is_available() and dist.is_initialized():
+        dist.barrier(group=group)
         dist.destroy_process_group()  # every group, the control group included
 
 
@@ -296,7 +300,7 @@ def follow_leader(policy: PolicyTrainer) -> int:
         command, argument = mine[0]
         if command == _STOP:
             log.info("trainer rank %d: stopped by rank %d after %d steps", rank, LEADER, steps)
-            leave_ranks()
+            leave_ranks(group)
             return steps
         if command == _TRAIN:
             shard, scale = argument
