@@ -250,6 +250,8 @@ class Explorer:
                     async with anyio.create_task_group() as tg:
                         tg.start_soon(ticker.run)
                         tg.start_soon(heartbeat_loop, state, self.name, self.role, self._info)
+                        # reads and purges the experience stream off the publish path
+                        tg.start_soon(self.room.keep)
                         await self._loop(state, consumer, runner, ticker)
                         tg.cancel_scope.cancel()
         finally:

@@ -236,7 +236,9 @@ async def purge_acked(
     The stream is read before its consumers: a consumer that has nothing
     outstanding then has acked every message up to the last sequence read (a
     message stored after that read is above it, so never purged), and floors
-    only grow. With ``state`` (the run's KV), each subject's purge is first
+    only grow. While the stream is far from its limits, purges are batched: a
+    subject is purged once ``keep_acked_msgs`` sequences can go and it holds at
+    least that many messages itself; near them, whatever can go. With ``state`` (the run's KV), each subject's purge is first
     recorded under ``purged.<stage>`` (``<stage>``: the subject less
     ``subject_prefix``; :mod:`rftstream.bus.purged`) so the run's account can
     count what it no longer finds. Blocks for two JetStream API round trips,
@@ -244,9 +246,7 @@ async def purge_acked(
     a KV write more). Raises :class:`BusError` naming the stream on failure.
     """
     try:
-        st = await transport.stream_state(
-            stream, subjects_filter=f"{subject_prefix}>" if state is not None else None
-        )
+        st = await transport.stream_state(stream, subjects_filter=f"{subject_prefix}>")
         floors = await consumer_floors(transport, stream)
     except BusError as exc:
         raise BusError(f"stream {stream}: reading its state failed: {exc}") from exc
@@ -260,10 +260,16 @@ async def purge_acked(
         return result
     # Batched while far from the limits, at once when room is getting short: each purge
     # costs a headers-only read, a KV write and the purge, and purging a few messages
-    # twice a second made a default run's explorer half as fast.
+    # twice a second made a default run's explorer half as fast. The batch counts the
+    # subject's own messages: the stream's first sequence belongs to the slowest subject,
+    # so a subject read ahead of it (exp.raw) was otherwise purged at every check.
     far = fill_ratio(result.bytes, result.messages, cfg) < HIGH_WATER / 2
     batch = max(1, cfg.keep_acked_msgs) if far else 1
-    points = purge_points(first, last, floors, cfg.keep_acked_msgs, batch)
+    points = {  # a subject holding less than a batch has less than a batch to purge
+        subject: point
+        for subject, point in purge_points(first, last, floors, cfg.keep_acked_msgs, batch).items()
+        if st.subjects.get(subject, 0) >= batch
+    }
     if not points:
         return result
     try:
@@ -286,10 +292,18 @@ class ExperienceRoom:
     """An explorer's gate to ``exp.raw``: purges acked experience and waits while the
     experience stream is above :data:`HIGH_WATER` of its limits.
 
-    :meth:`wait` returns at once (no round trip) while a check younger than
-    :data:`CHECK_TTL_S` found the stream under half of :data:`HIGH_WATER`; else it reads the stream (and purges), and
-    while full waits :data:`RECHECK_S` between checks, warning once per wait
-    (naming the stream and the config key). Cancelling it leaves nothing behind.
+    Two ways to drive it. With :meth:`keep` running beside the publishes (the
+    explorer does so), the stream is read and purged in that task, every
+    :data:`CHECK_TTL_S` (every :data:`RECHECK_S` once it is half way to
+    :data:`HIGH_WATER`), and :meth:`wait` costs no round trip while the last check
+    found room: a purge (a headers-only read of up to ``keep_acked_msgs`` messages,
+    a KV write and the purge itself) never delays a publish. Without it, :meth:`wait`
+    checks inline when its last check is older than :data:`CHECK_TTL_S` or found the
+    stream past half of :data:`HIGH_WATER`. Either way a full stream makes
+    :meth:`wait` block, warning once per wait (naming the stream and the config
+    key), until a check finds room. The server's own limit (``discard: new``) stays
+    the hard bound: a check a fraction of a second old only decides whether to wait
+    first. Cancelling either leaves nothing behind.
     """
 
     def __init__(
@@ -316,7 +330,11 @@ class ExperienceRoom:
         self.limit_hits = 0  # checks that found a discard-old stream at its limit with work left
         self._checked_at = -1e9
         self._fill = 1.0  # share of the tightest limit in use at the last check
+        self._room = False  # whether the last check found room
         self._reported_head = 0
+        self._keeping = False  # a keep() loop is running: wait() reads its results
+        self._keep_error: BusError | None = None  # the keep() loop's last check failed so
+        self._checked: anyio.Event | None = None  # set after each check of the keep() loop
 
     @property
     def bounded(self) -> bool:
@@ -335,7 +353,53 @@ class ExperienceRoom:
         self._fill = fill_ratio(res.bytes, res.messages, self.cfg)
         self.purged += res.purged
         self._report_loss(res)
-        return not experience_full(res.bytes, res.messages, self.cfg)
+        self._room = not experience_full(res.bytes, res.messages, self.cfg)
+        return self._room
+
+    async def keep(self) -> None:
+        """Check (and purge) the stream in the background until cancelled, so that
+        :meth:`wait` never reads the stream itself: every :data:`CHECK_TTL_S` while it is
+        far from its limits, every :data:`RECHECK_S` from half of :data:`HIGH_WATER` on.
+        A failed check is logged and kept for :meth:`wait` to raise; the next one is tried
+        after :data:`RECHECK_S`. Returns at once when there is nothing to bound. Blocks;
+        cancel to stop (a check cut short purges a prefix or not: either is recorded)."""
+        if not self.bounded:
+            return
+        self._keeping = True
+        self._checked = anyio.Event()
+        try:
+            while True:
+                try:
+                    await self.check()
+                    self._keep_error = None
+                except BusError as exc:
+                    if self._keep_error is None:
+                        log.warning("%s: %s", self.actor, exc)
+                    self._keep_error = exc
+                self._checked.set()
+                self._checked = anyio.Event()
+                far = self._keep_error is None and self._fill < HIGH_WATER / 2
+                await anyio.sleep(CHECK_TTL_S if far else RECHECK_S)
+        finally:
+            self._keeping = False
+
+    async def _next_check(self) -> bool:
+        """True if there is room: the next check's answer (the keep() loop's, or one made
+        now). Raises the keep() loop's :class:`BusError` when its check failed."""
+        if not self._keeping or self._checked is None:
+            return await self.check()
+        await self._checked.wait()
+        if self._keep_error is not None:
+            raise self._keep_error
+        return self._room
+
+    def _room_known(self) -> bool:
+        """Whether the last check answers for a publish now, without a round trip."""
+        if self._keeping:
+            if self._keep_error is not None:
+                raise self._keep_error
+            return self._room and self._checked_at > 0
+        return self._fill < HIGH_WATER / 2 and time.monotonic() - self._checked_at < CHECK_TTL_S
 
     def _report_loss(self, res: PurgeResult) -> None:
         """Warn (naming the stream and key) when its limits may have removed unread experience."""
@@ -375,11 +439,9 @@ class ExperienceRoom:
 
         Raises :class:`BusError` when the stream cannot be read.
         """
-        if not self.bounded or (
-            self._fill < HIGH_WATER / 2 and time.monotonic() - self._checked_at < CHECK_TTL_S
-        ):
-            return True  # far from full when last seen: no round trip
-        if await self.check():
+        if not self.bounded or self._room_known():
+            return True  # room when last seen: no round trip
+        if await self._next_check():
             return True
         started = time.monotonic()
         log.warning(
@@ -393,8 +455,9 @@ class ExperienceRoom:
         )
         try:
             while True:
-                await anyio.sleep(RECHECK_S)
-                if await self.check():
+                if not self._keeping:
+                    await anyio.sleep(RECHECK_S)
+                if await self._next_check():
                     return True
                 if ended is not None and await ended():
                     return False
