@@ -50,6 +50,7 @@ from rftstream.console import (
     show_warning_via,
 )
 from rftstream.errors import RftError
+from rftstream.signals import run_with_signals
 
 log = logging.getLogger(__name__)
 
@@ -353,7 +354,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         from rftstream.config import load_config
         from rftstream.plugin_loader import load_plugins
         from rftstream.runtime import prepare_run, run_actors
-        from rftstream.signals import run_with_signals
 
         load_plugins(args.plugin_dir)
         cfg = load_config(args.config, validate=False)

@@ -38,7 +38,9 @@ import anyio
 from rich.console import Console
 from rich.markup import escape
 
+from rftstream.bus.state import RunState
 from rftstream.config.secrets import redact_url
+from rftstream.config.validate import run_id_from_name
 from rftstream.console import (
     LOG_FORMAT,
     ChildConsole,
@@ -47,8 +49,11 @@ from rftstream.console import (
     print_warning_on,
     show_warning_via,
 )
-from rftstream.errors import RftError
+from rftstream.errors import BusError, RftError, SchemaError
+from rftstream.signals import run_with_signals
 from rftstream.step_lines import format_number, step_line
+from rftstream.subjects import RunNames
+from rftstream.wire import SpliceDone, SpliceDrained
 
 if TYPE_CHECKING:
     from rftstream.config.schema import Config
@@ -506,7 +511,6 @@ def cmd_actor(args: argparse.Namespace) -> int:
 
     from rftstream import runtime
     from rftstream.bus.jetstream.connect import server_urls
-    from rftstream.signals import run_with_signals
 
     terminal.start()
     if args.command == "trainer":
@@ -614,9 +618,7 @@ def cmd_actor(args: argparse.Namespace) -> int:
 def cmd_unsplice(args: argparse.Namespace) -> int:
     """``rftstream operator --unsplice STAGE`` (no NAME): ask the stage's operator to leave."""
     from rftstream.bus.client import Bus
-    from rftstream.bus.state import RunState
     from rftstream.splice import operator_side
-    from rftstream.wire import SpliceDone, SpliceDrained
 
     cfg, names = _names(args)
     stage = args.unsplice
@@ -643,7 +645,6 @@ def cmd_status(args: argparse.Namespace) -> int:
     import time
 
     from rftstream.bus.client import Bus
-    from rftstream.bus.state import RunState
     from rftstream.message_summaries import status_report
 
     cfg, names = _names(args)
@@ -712,8 +713,6 @@ def _print_status(r: dict[str, Any]) -> None:
 
 
 def _names(args: argparse.Namespace) -> tuple[Any, Any]:
-    from rftstream.config.validate import run_id_from_name
-    from rftstream.subjects import RunNames
 
     cfg, _ = load_run_config(args)
     return cfg, RunNames(run_id_from_name(cfg.name), name=cfg.name)
@@ -741,7 +740,6 @@ def cmd_clean(args: argparse.Namespace) -> int:
 
     async def main() -> tuple[list[Any], list[tuple[Any, str]]]:
         from rftstream.bus.jetstream import connect_transport
-        from rftstream.errors import BusError
 
         try:
             transport = await connect_transport(
@@ -842,7 +840,6 @@ def cmd_streams(args: argparse.Namespace) -> int:
 def cmd_tail(args: argparse.Namespace) -> int:
     from rftstream.bus.client import Bus
     from rftstream.bus.stream_view import tail
-    from rftstream.signals import run_with_signals
 
     cfg, names = _names(args)
     subject = names.dlq_subject(args.stage) if args.dlq else names.exp_subject(args.stage)
@@ -895,7 +892,6 @@ def cmd_report(args: argparse.Namespace) -> int:
 
 
 def cmd_decode() -> int:
-    from rftstream.errors import SchemaError
     from rftstream.message_summaries import summarize_body
 
     body = sys.stdin.buffer.read()

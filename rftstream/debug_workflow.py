@@ -30,6 +30,7 @@ import anyio
 import anyio.to_thread
 
 from rftstream.config.resolve import taskset_repeat_times
+from rftstream.config.validate import training_tasksets
 from rftstream.engines.rollout import rollout_model
 from rftstream.errors import ConfigError, RftError, WorkflowError
 from rftstream.tasksets import load_taskset
@@ -78,7 +79,6 @@ def make_debug_task(
     Blocks (reads the taskset). Raises :class:`RftError` for ``mode: train``,
     an unknown ``taskset`` name or an index outside the taskset.
     """
-    from rftstream.config.validate import training_tasksets
 
     cfg = run.cfg
     if cfg.mode == "train":

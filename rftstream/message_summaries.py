@@ -14,7 +14,19 @@ import msgspec
 
 from rftstream.errors import SchemaError
 from rftstream.experience import SCHEMA_NAME, decode_group_msg, from_record
-from rftstream.wire import DLQ_HEADERS, METRICS_SCHEMA, TASK_SCHEMA, Heartbeat
+from rftstream.splice.protocol import in_flight, stage_chain
+from rftstream.subjects import KV_HEARTBEAT_PREFIX, KV_TRAINER_STEP, KV_WEIGHTS
+from rftstream.wire import (
+    DLQ_HEADERS,
+    METRICS_SCHEMA,
+    SPLICE,
+    STAGE,
+    TASK_SCHEMA,
+    TRAINER_DONE,
+    TRAINER_INPUT,
+    TRAINER_WAITING,
+    Heartbeat,
+)
 
 
 def _mean(values: list[float]) -> float | None:
@@ -105,9 +117,6 @@ def status_report(
     actor's role, age in seconds and the rest of its record. ``chain``: the
     stages from ``exp.<input_stage>`` to the trainer, spliced operators named.
     """
-    from rftstream.splice.protocol import in_flight, stage_chain
-    from rftstream.subjects import KV_HEARTBEAT_PREFIX, KV_TRAINER_STEP, KV_WEIGHTS
-    from rftstream.wire import SPLICE, STAGE, TRAINER_DONE, TRAINER_INPUT, TRAINER_WAITING
 
     heartbeats: list[dict[str, Any]] = []
     for key, value in values.items():

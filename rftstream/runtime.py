@@ -21,6 +21,7 @@ import anyio
 import msgspec
 
 from rftstream.bus.client import Bus
+from rftstream.bus.state import END_STATUSES, RunState
 from rftstream.config.resolve import (
     fill_loss_batch_args,
     prefer_decoupled_ppo,
@@ -29,8 +30,13 @@ from rftstream.config.resolve import (
 )
 from rftstream.config.schema import TRAINER_MODES, AlgorithmConfig, BufferConfig, Config
 from rftstream.config.secrets import redact_url
-from rftstream.config.validate import run_id_from_name, validate_config
-from rftstream.errors import ConfigError, RegistryError
+from rftstream.config.validate import (
+    eval_tasksets,
+    run_id_from_name,
+    training_tasksets,
+    validate_config,
+)
+from rftstream.errors import BucketNotFound, ConfigError, RegistryError, RftError, StreamNotFound
 from rftstream.experience_pipeline import EXPERIENCE_OPERATORS, ExperiencePipeline, create_operators
 from rftstream.monitors import check_monitor_packages
 from rftstream.plugin_registries import ALGORITHM_RESOLVERS, ALGORITHM_TYPE, REWARD_FUNCTIONS
@@ -80,7 +86,6 @@ def _resolve_algorithm(algorithm: AlgorithmConfig, buffer: BufferConfig) -> Any:
 
 def _check_components(cfg: Config) -> None:
     """Names that only resolve at run time, checked now so the error names the key."""
-    from rftstream.config.validate import eval_tasksets, training_tasksets
 
     inp = cfg.buffer.explorer_input
     for key, ts in [*training_tasksets(inp), *eval_tasksets(inp)]:
@@ -325,8 +330,6 @@ FINAL_EVAL_GRACE_S = 300.0  # how long `up` waits for the final evaluation after
 
 async def _run_status(bus: Bus) -> str:
     """The run's status in its KV bucket ("" when there is no bucket or no status)."""
-    from rftstream.bus.state import RunState
-    from rftstream.errors import BucketNotFound
 
     try:
         kv = await bus.transport.kv(bus.names.kv_bucket, create=False)
@@ -349,11 +352,7 @@ async def start_fresh(run: PreparedRun, url: str) -> str | None:
     """
     import time
 
-    from rftstream.bus.state import RunState
-    from rftstream.errors import BucketNotFound, RftError, StreamNotFound
-
     names = run.names
-    from rftstream.bus.state import END_STATUSES
 
     half_of_a_pair = run.cfg.mode == "explore" or (
         run.cfg.mode == "train" and not run.cfg.trainer_reads_dataset
@@ -416,7 +415,6 @@ async def provision(run: PreparedRun, url: str) -> None:
     """Create the run's streams, consumers and KV bucket (idempotent)."""
     async with await Bus.connect(url, run.names, run.cfg.nats, "provisioner") as bus:
         await bus.provision(stages=run.stages, task_ack_wait=task_ack_wait(run.cfg))
-        from rftstream.bus.state import RunState
 
         state = RunState(await bus.kv())
         if not await state.status():
@@ -511,7 +509,6 @@ async def splice_in(run: PreparedRun, url: str, operator: str, to_stage: str) ->
     ``cut.from_stage`` to ``cut.to_stage`` with ``start_seq=cut.start_seq``.
     Blocks until the trainer answered; raises :class:`RftError` if none does.
     """
-    from rftstream.bus.state import RunState
     from rftstream.splice.operator_side import request_splice
 
     async with await Bus.connect(url, run.names, run.cfg.nats, f"splice-{operator}") as bus:

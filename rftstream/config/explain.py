@@ -28,6 +28,7 @@ from rftstream.config.stages import (
     stage_data,
 )
 from rftstream.config.trinity import KeyNote
+from rftstream.config.validate import validate_config
 from rftstream.errors import ConfigError
 
 __all__ = ["explain_file", "explain_lines"]
@@ -89,8 +90,6 @@ def explain_file(path: str, overrides: list[str] | None = None) -> tuple[list[st
     :class:`ConfigError` (its message is one of the errors)."""
     import warnings
 
-    from rftstream.config.validate import validate_config
-
     try:
         data = _read_yaml(path) or {}
         if not isinstance(data, dict):
@@ -122,8 +121,6 @@ def _explain_stages(
     errors of every stage's config. Raises :class:`ConfigError` for a malformed
     ``stages`` list (the caller reports it)."""
     import warnings
-
-    from rftstream.config.validate import validate_config
 
     base, stages, others = split_with_overrides(data, overrides, path)
     base = interpolate_env(base, path)

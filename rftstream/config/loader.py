@@ -38,8 +38,10 @@ from rftstream.config.paths import (
     lookup,
     type_at,
 )
+from rftstream.config.resolve import resolve_config
 from rftstream.config.schema import Config
 from rftstream.config.trinity import Translation, TrinityConfigWarning, translate_trinity
+from rftstream.config.validate import validate_config
 from rftstream.errors import ConfigError
 
 __all__ = [
@@ -451,8 +453,6 @@ def load_config(
     cfg = config_from_dict(data, source)
     if not validate:
         return cfg
-    from rftstream.config.resolve import resolve_config
-    from rftstream.config.validate import validate_config
 
     validate_config(cfg, source)
     return resolve_config(cfg)

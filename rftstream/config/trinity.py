@@ -32,6 +32,7 @@ import msgspec
 
 from rftstream.config.paths import PathPart, config_info, fmt_path, lookup, type_at
 from rftstream.config.schema import MONITOR_TYPES
+from rftstream.errors import ConfigError
 
 __all__ = [
     "TRINITY_KEYS",
@@ -258,7 +259,6 @@ def _taskset_storage(source: str, value: Any, ctx: _Ctx) -> None:
             )
         )
         return
-    from rftstream.errors import ConfigError
 
     raise ConfigError(
         source,

@@ -28,6 +28,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
+from rftstream.config.masking import masked_config
 from rftstream.config.schema import MONITOR_TYPES
 from rftstream.errors import ConfigError
 from rftstream.monitors.base import Monitor, RunInfo, scalar_metrics
@@ -152,7 +153,6 @@ class MonitorSet:
         Blocks (wandb starts its service process, MLflow creates its run). Raises
         :class:`ConfigError` for a missing package or bad ``monitor_args``; a backend
         opened before the failing one is closed again."""
-        from rftstream.config.masking import masked_config
 
         names = [n for n in monitor_types(cfg.monitor.monitor_type) if n in BACKENDS]
         if not names:
