@@ -711,7 +711,10 @@ class Explorer:
                         break
                     if await state.status() in END_STATUSES:
                         return
-                    await anyio.sleep(0.1)
+                    if self._trainer_changes is None:
+                        await anyio.sleep(0.1)
+                    else:  # woken by the trainer's weights (or status) write, not a poll
+                        await self._trainer_changes.wait(1.0)
             await self._load(state, need)
         elif self.policy.explorer_checks_before(step):
             await self._load(state, 0)

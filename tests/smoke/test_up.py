@@ -121,6 +121,24 @@ def test_the_staleness_bound_holds_from_the_first_step(
         assert len(staleness) == 12 and max(staleness) <= bound, staleness
 
 
+def test_a_fixed_style_run_is_on_policy_at_every_step(tmp_path: Path, tiny_model_path: str) -> None:
+    """``sync_style: fixed`` with interval 1: the explorer waits for each step's weights (woken
+    by the trainer's write), so every step trains on experience of the newest weights."""
+    run_dir = tmp_path / "run"
+    proc = subprocess.run(
+        [*RFTSTREAM, "up", "--steps", "6", "--run-dir", str(run_dir)]
+        + ["--set", "synchronizer.sync_style=fixed", "--set", "synchronizer.sync_interval=1"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=user_env(tiny_model_path),
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    records = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [1, 2, 3, 4, 5, 6]
+    assert [r["staleness/max"] for r in records] == [0] * 6
+
+
 def test_a_dead_rollout_process_fails_the_run_clearly(tmp_path: Path, tiny_model_path: str) -> None:
     proc, log = _up_until_the_first_step(tmp_path, tiny_model_path)
     try:

@@ -114,3 +114,44 @@ async def test_an_explore_half_takes_a_separate_trainers_checkpoint_without_wait
     with anyio.fail_after(5):  # before step 5 the fixed style would wait for version 4
         await explorer._sync_weights(state, 5)
     assert engine.model_version == 2 and torch.equal(engine.loaded[0][0]["w"], weights["w"])
+
+
+async def test_a_fixed_style_explorer_wakes_on_the_trainers_weights_write() -> None:
+    # sync_style fixed, interval 1: before step 2 the explorer needs version 1. It waits on
+    # the run's KV write notification, not a poll: one read before the write, one after it,
+    # one by the load.
+    from rftstream.actors.common import KeyChanges
+    from rftstream.bus.state import RunState
+    from rftstream.subjects import KV_STATUS, KV_WEIGHTS
+
+    ptr, weights = _published("guard_fixed", 1)
+    engine = Engine()
+    explorer = _explorer("both", engine, "guard_fixed", sync_style="fixed", sync_interval=1)
+    await explorer.bus.provision()
+    state = RunState(await explorer.bus.kv())
+    reads: list[float] = []
+    real_latest = state.latest_weights
+
+    async def latest_weights() -> WeightsPointer | None:
+        reads.append(anyio.current_time())
+        return await real_latest()
+
+    state.latest_weights = latest_weights  # type: ignore[method-assign]
+    explorer._trainer_changes = KeyChanges(explorer.bus, (KV_WEIGHTS, KV_STATUS))
+    await explorer._trainer_changes.start()
+    synced_at: list[float] = []
+
+    async def sync() -> None:
+        await explorer._sync_weights(state, 2)
+        synced_at.append(anyio.current_time())
+
+    with anyio.fail_after(5):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(sync)
+            await anyio.sleep(0.6)  # a poll every 0.1 s would read six times meanwhile
+            published_at = anyio.current_time()
+            await state.set_latest_weights(ptr)
+    await explorer._trainer_changes.stop()
+    assert len(reads) == 3, reads
+    assert synced_at[0] - published_at < 0.2
+    assert engine.model_version == 1 and torch.equal(engine.loaded[0][0]["w"], weights["w"])
