@@ -11,8 +11,8 @@ torch_spec := env_var_or_default("RFTSTREAM_TORCH", "torch==2.13.0")
 # create .venv and install rftstream with its test tools
 setup:
     test -x {{py}} || python3 -m venv {{venv}}
-    {{py}} -m pip install -q --disable-pip-version-check '{{torch_spec}}'
-    {{py}} -m pip install -q --disable-pip-version-check -e '.[test]'
+    {{py}} -m pip install -qq --disable-pip-version-check '{{torch_spec}}'
+    {{py}} -m pip install -qq --disable-pip-version-check -e '.[test]'
 
 # headless Chromium for tests/smoke/test_studio.py (Debian packages; as root with apt only,
 # elsewhere those tests skip and say why)
@@ -38,7 +38,7 @@ lint: setup
 # (codec; the bus against raw nats-py; MIX vs GRPO reward per step; `just bench --quick`),
 # then rftstream against TRL's GRPOTrainer on the same workload (about 10 minutes on CPU)
 bench *ARGS: setup
-    {{py}} -m pip install -q --disable-pip-version-check -e '.[bench]'
+    {{py}} -m pip install -qq --disable-pip-version-check -e '.[bench]'
     {{py}} benchmarks/run.py {{ARGS}}
     {{py}} benchmarks/bus.py {{ARGS}}
     {{py}} benchmarks/mix_vs_grpo.py {{ARGS}}
@@ -46,7 +46,7 @@ bench *ARGS: setup
 
 # rftstream against TRL's GRPOTrainer only (ARGS: --variant default|longtail, --no-fixed, ...)
 bench-trl *ARGS: setup
-    {{py}} -m pip install -q --disable-pip-version-check -e '.[bench]'
+    {{py}} -m pip install -qq --disable-pip-version-check -e '.[bench]'
     {{py}} benchmarks/vs_trl.py {{ARGS}}
 
 # the import graph: core -> plugin imports, imports inside functions, import cycles
