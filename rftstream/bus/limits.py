@@ -238,10 +238,11 @@ async def purge_acked(
     message stored after that read is above it, so never purged), and floors
     only grow. While the stream is far from its limits, purges are batched: a
     subject is purged once ``keep_acked_msgs`` sequences can go and it holds at
-    least that many messages itself; near them, whatever can go. With ``state`` (the run's KV), each subject's purge is first
-    recorded under ``purged.<stage>`` (``<stage>``: the subject less
-    ``subject_prefix``; :mod:`rftstream.bus.purged`) so the run's account can
-    count what it no longer finds. Blocks for two JetStream API round trips,
+    least that many messages itself; near them, whatever can go. With ``state``
+    (the run's KV), each subject's purge is first recorded under
+    ``purged.<stage>`` (``<stage>``: the subject less ``subject_prefix``;
+    :mod:`rftstream.bus.purged`) so the run's account can count what it no
+    longer finds. Blocks for two JetStream API round trips,
     and two more per purged subject (with ``state``: a headers-only read and
     a KV write more). Raises :class:`BusError` naming the stream on failure.
     """
