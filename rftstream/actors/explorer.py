@@ -479,6 +479,8 @@ class Explorer:
             "explorer/model_version": float(self._version()),
             "explorer/stream_full_wait_seconds_total": self.room.waited_s,
             "explorer/exp_removed_unacked": float(self.room.lost),
+            "explorer/exp_purged_total": float(self.room.purged),
+            "explorer/stream_check_seconds_total": self.room.check_s,
             "explorer/idle_share": self._idle_share(),
             "explorer/idle_seconds_total": self.idle_seconds(),
             "explorer/seconds_total": time.monotonic() - self._loop_start,

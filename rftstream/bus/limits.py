@@ -328,6 +328,7 @@ class ExperienceRoom:
         self.waited_s = 0.0  # total time spent waiting for room (a metric)
         self.lost = 0  # sequences removed under a consumer before it acked them (reported)
         self.purged = 0  # messages purged by this explorer's checks
+        self.check_s = 0.0  # total time spent reading and purging the stream (a metric)
         self.limit_hits = 0  # checks that found a discard-old stream at its limit with work left
         self._checked_at = -1e9
         self._fill = 1.0  # share of the tightest limit in use at the last check
@@ -347,9 +348,13 @@ class ExperienceRoom:
     async def check(self) -> bool:
         """Read the stream (purging what every consumer acked); True if there is room."""
         assert self.transport is not None
-        res = await purge_acked(
-            self.transport, self.stream, self.cfg, self.state, self.subject_prefix
-        )
+        started = time.monotonic()
+        try:
+            res = await purge_acked(
+                self.transport, self.stream, self.cfg, self.state, self.subject_prefix
+            )
+        finally:
+            self.check_s += time.monotonic() - started
         self._checked_at = time.monotonic()
         self._fill = fill_ratio(res.bytes, res.messages, self.cfg)
         self.purged += res.purged

@@ -100,6 +100,10 @@ def test_steps_overlap_and_every_task_is_published_once(
     for m in steps:
         assert 0.0 <= m.values["explorer/idle_share"] <= 1.0
         assert m.values["explorer/idle_seconds_total"] <= m.values["explorer/seconds_total"]
+    # the keep loop's reads of the stream (beside the publishes): a running total, reported
+    checks = [m.values["explorer/stream_check_seconds_total"] for m in steps]
+    assert checks == sorted(checks) and checks[-1] > 0, checks
+    assert all(m.values["explorer/exp_purged_total"] >= 0 for m in steps)
 
 
 async def _key_changes(url: str) -> None:

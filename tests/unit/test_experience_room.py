@@ -74,6 +74,7 @@ async def test_keep_purges_acked_experience_in_the_background_while_publishes_go
             tg.cancel_scope.cancel()
     record = (await read_purged(room.state))[TRAIN_STAGE]  # the account's ledger
     assert (record.below_seq, record.messages, record.experiences) == (3, 2, 4)
+    assert room.check_s >= 1.0  # the slow purge counts in the loop's time (a metric)
 
 
 async def test_a_full_stream_holds_the_publish_until_consumers_make_room() -> None:
