@@ -121,8 +121,10 @@ async def test_a_full_stream_at_the_end_of_the_run_lets_the_publisher_go() -> No
 async def test_a_stream_that_cannot_be_read_fails_the_wait(keeping: bool) -> None:
     bus = await _bus()
     room = _room(bus, purge_acked=True)
+    reads: list[float] = []
 
     async def broken(*args: object, **kwargs: object) -> object:
+        reads.append(anyio.current_time())
         raise BusError("no responders")
 
     bus.transport.stream_state = broken  # type: ignore[method-assign]
@@ -130,6 +132,9 @@ async def test_a_stream_that_cannot_be_read_fails_the_wait(keeping: bool) -> Non
         async with anyio.create_task_group() as tg:
             if keeping:
                 tg.start_soon(room.keep)
+                while not reads:  # the loop's first check failed (its next one is 0.25 s away)
+                    await anyio.sleep(0.01)
             with pytest.raises(BusError, match=f"stream {NAMES.exp_stream}.*no responders"):
                 await room.wait()
+            assert len(reads) == 1  # keep loop: its failure, raised without a read of our own
             tg.cancel_scope.cancel()
