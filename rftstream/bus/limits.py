@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -124,6 +124,7 @@ def purge_points(
     consumers: Sequence[ConsumerFloor],
     keep: int,
     min_batch: int = 1,
+    stored: Mapping[str, int] | None = None,
 ) -> dict[str, int]:
     """Per subject, the stream sequence below which its messages may be purged.
 
@@ -135,7 +136,10 @@ def purge_points(
     yet keeps everything. The newest ``keep`` sequences of the stream stay.
     Subjects with nothing to purge (point <= ``first_seq``) are left out, and
     so are those whose point is less than ``min_batch`` sequences above
-    ``first_seq`` (purges are batched).
+    ``first_seq`` (purges are batched). With ``stored`` (messages per subject), so are
+    subjects holding fewer than ``min_batch`` messages: ``first_seq`` is the slowest
+    subject's, so a subject read ahead of it (``exp.raw``) would otherwise pass the
+    batch test at every call with only a few messages to purge.
     """
     if last_seq < first_seq:
         return {}
@@ -151,7 +155,9 @@ def purge_points(
             default=last_seq,
         )
         point = min(min(floor, shared) + 1, cap)
-        if point > first_seq and point - first_seq >= min_batch:
+        if point <= first_seq or point - first_seq < min_batch:
+            continue
+        if stored is None or stored.get(subject, 0) >= min_batch:
             points[subject] = point
     return points
 
@@ -261,16 +267,10 @@ async def purge_acked(
         return result
     # Batched while far from the limits, at once when room is getting short: each purge
     # costs a headers-only read, a KV write and the purge, and purging a few messages
-    # twice a second made a default run's explorer half as fast. The batch counts the
-    # subject's own messages: the stream's first sequence belongs to the slowest subject,
-    # so a subject read ahead of it (exp.raw) was otherwise purged at every check.
+    # twice a second made a default run's explorer half as fast.
     far = fill_ratio(result.bytes, result.messages, cfg) < HIGH_WATER / 2
     batch = max(1, cfg.keep_acked_msgs) if far else 1
-    points = {  # a subject holding less than a batch has less than a batch to purge
-        subject: point
-        for subject, point in purge_points(first, last, floors, cfg.keep_acked_msgs, batch).items()
-        if st.subjects.get(subject, 0) >= batch
-    }
+    points = purge_points(first, last, floors, cfg.keep_acked_msgs, batch, st.subjects)
     if not points:
         return result
     try:

@@ -80,6 +80,15 @@ def test_purges_are_batched() -> None:
     assert purge_points(1, 20, consumers, 0, min_batch=16) == {}
 
 
+def test_a_subject_read_ahead_of_the_head_waits_for_a_batch_of_its_own() -> None:
+    # the head (1) is train's, which the trainer holds back; the operator read all of raw,
+    # which holds 3 messages: far above the head, but 3 messages are no batch of 8
+    consumers = [ConsumerFloor("trainer", TRAIN, 0, 5), ConsumerFloor("op", RAW, 20, 0)]
+    assert purge_points(1, 20, consumers, 0, min_batch=8) == {RAW: 21}  # stream-wide
+    assert purge_points(1, 20, consumers, 0, 8, stored={RAW: 3, TRAIN: 17}) == {}
+    assert purge_points(1, 20, consumers, 0, 8, stored={RAW: 8, TRAIN: 12}) == {RAW: 21}
+
+
 def test_loss_and_removed_counts() -> None:
     floors = [
         ConsumerFloor("op", RAW, 3, 5),
