@@ -273,8 +273,9 @@ def leave_ranks(group: Any = None) -> None:
     A process that exits with its gloo groups alive can abort in C++ at exit
     ("terminate called without an active exception": their threads are still
     joinable); destroying them first joins those threads. The barrier keeps a rank
-    from closing its connections while another still reads the stop command from
-    them (rank 0 aborted that way, rarely, under load). No-op without groups.
+    from closing its connections while another may still be reading the stop
+    command from them (the suspected cause of a rare abort of rank 0 under load;
+    not reproduced in isolation). No-op without groups.
     """
     dist = torch.distributed
     if dist.is_available() and dist.is_initialized():
