@@ -713,7 +713,6 @@ def _print_status(r: dict[str, Any]) -> None:
 
 
 def _names(args: argparse.Namespace) -> tuple[Any, Any]:
-
     cfg, _ = load_run_config(args)
     return cfg, RunNames(run_id_from_name(cfg.name), name=cfg.name)
 

@@ -79,7 +79,6 @@ def make_debug_task(
     Blocks (reads the taskset). Raises :class:`RftError` for ``mode: train``,
     an unknown ``taskset`` name or an index outside the taskset.
     """
-
     cfg = run.cfg
     if cfg.mode == "train":
         raise ConfigError(

@@ -117,7 +117,6 @@ def status_report(
     actor's role, age in seconds and the rest of its record. ``chain``: the
     stages from ``exp.<input_stage>`` to the trainer, spliced operators named.
     """
-
     heartbeats: list[dict[str, Any]] = []
     for key, value in values.items():
         if key.startswith(KV_HEARTBEAT_PREFIX) and isinstance(value, dict):

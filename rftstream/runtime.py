@@ -86,7 +86,6 @@ def _resolve_algorithm(algorithm: AlgorithmConfig, buffer: BufferConfig) -> Any:
 
 def _check_components(cfg: Config) -> None:
     """Names that only resolve at run time, checked now so the error names the key."""
-
     inp = cfg.buffer.explorer_input
     for key, ts in [*training_tasksets(inp), *eval_tasksets(inp)]:
         try:
@@ -330,7 +329,6 @@ FINAL_EVAL_GRACE_S = 300.0  # how long `up` waits for the final evaluation after
 
 async def _run_status(bus: Bus) -> str:
     """The run's status in its KV bucket ("" when there is no bucket or no status)."""
-
     try:
         kv = await bus.transport.kv(bus.names.kv_bucket, create=False)
     except BucketNotFound:
@@ -415,7 +413,6 @@ async def provision(run: PreparedRun, url: str) -> None:
     """Create the run's streams, consumers and KV bucket (idempotent)."""
     async with await Bus.connect(url, run.names, run.cfg.nats, "provisioner") as bus:
         await bus.provision(stages=run.stages, task_ack_wait=task_ack_wait(run.cfg))
-
         state = RunState(await bus.kv())
         if not await state.status():
             await state.set_status("running")

@@ -453,6 +453,5 @@ def load_config(
     cfg = config_from_dict(data, source)
     if not validate:
         return cfg
-
     validate_config(cfg, source)
     return resolve_config(cfg)

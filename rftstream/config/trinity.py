@@ -259,7 +259,6 @@ def _taskset_storage(source: str, value: Any, ctx: _Ctx) -> None:
             )
         )
         return
-
     raise ConfigError(
         source,
         "only `file` tasksets exist here: tasks are read from `path` (a local jsonl/json/parquet "

@@ -153,7 +153,6 @@ class MonitorSet:
         Blocks (wandb starts its service process, MLflow creates its run). Raises
         :class:`ConfigError` for a missing package or bad ``monitor_args``; a backend
         opened before the failing one is closed again."""
-
         names = [n for n in monitor_types(cfg.monitor.monitor_type) if n in BACKENDS]
         if not names:
             return cls([])
