@@ -7,6 +7,7 @@ import json
 import os
 import socket
 import subprocess
+import sys
 import time
 from collections.abc import Callable
 from functools import partial
@@ -293,6 +294,27 @@ def user_env(tiny_model_path: str) -> dict[str, str]:
     env["RFTSTREAM_CACHE"] = str(Path(tiny_model_path).parent)
     env["PYTHONUNBUFFERED"] = "1"
     return env
+
+
+RFTSTREAM = [sys.executable, "-m", "rftstream.cli"]
+
+
+def run_up(
+    run_dir: Path, tiny_model_path: str, *args: str, timeout: float = 300
+) -> tuple[str, list[dict[str, Any]]]:
+    """``rftstream up --run-dir RUN_DIR ARGS`` in a user's shell (:func:`user_env`), as a
+    subprocess. Asserts it exited 0 (the message holds the tails of its output); returns
+    its stdout and the trainer's ``metrics.jsonl`` records (one per step). Blocks."""
+    proc = subprocess.run(
+        [*RFTSTREAM, "up", "--run-dir", str(run_dir), *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=user_env(tiny_model_path),
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    return proc.stdout, [json.loads(x) for x in lines]
 
 
 def run_actors_to_end(run: Any, url: str, *, timeout: float) -> list[dict[str, Any]]:

@@ -13,7 +13,7 @@ from typing import Any
 import psutil
 import pytest
 
-from tests.integration._util import user_env
+from tests.integration._util import run_up, user_env
 
 pytestmark = pytest.mark.smoke
 
@@ -106,35 +106,20 @@ def test_the_staleness_bound_holds_from_the_first_step(
     starving flag must not let the explorer run past ``max_staleness`` (it did: staleness 3
     at step 4 under a bound of 2)."""
     for bound in (1, 2):
-        run_dir = tmp_path / f"run{bound}"
-        proc = subprocess.run(
-            [*RFTSTREAM, "up", "--steps", "12", "--run-dir", str(run_dir)]
-            + ["--set", f"synchronizer.max_staleness={bound}"],
-            capture_output=True,
-            text=True,
-            timeout=300,
-            env=user_env(tiny_model_path),
+        _, records = run_up(
+            tmp_path / f"run{bound}",
+            tiny_model_path,
+            *("--steps", "12", "--set", f"synchronizer.max_staleness={bound}"),
         )
-        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-        lines = (run_dir / "metrics.jsonl").read_text().splitlines()
-        staleness = [json.loads(x)["staleness/max"] for x in lines]
+        staleness = [r["staleness/max"] for r in records]
         assert len(staleness) == 12 and max(staleness) <= bound, staleness
 
 
 def test_a_fixed_style_run_is_on_policy_at_every_step(tmp_path: Path, tiny_model_path: str) -> None:
     """``sync_style: fixed`` with interval 1: the explorer waits for each step's weights (woken
     by the trainer's write), so every step trains on experience of the newest weights."""
-    run_dir = tmp_path / "run"
-    proc = subprocess.run(
-        [*RFTSTREAM, "up", "--steps", "6", "--run-dir", str(run_dir)]
-        + ["--set", "synchronizer.sync_style=fixed", "--set", "synchronizer.sync_interval=1"],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env=user_env(tiny_model_path),
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    records = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    sync = ("--set", "synchronizer.sync_style=fixed", "--set", "synchronizer.sync_interval=1")
+    _, records = run_up(tmp_path / "run", tiny_model_path, "--steps", "6", *sync)
     assert [r["step"] for r in records] == [1, 2, 3, 4, 5, 6]
     assert [r["staleness/max"] for r in records] == [0] * 6
 

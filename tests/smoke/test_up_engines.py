@@ -3,9 +3,6 @@ engines, as two explorer processes (``explorer``, ``explorer-2``) sharing the ta
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
 from collections import Counter
 from pathlib import Path
 
@@ -14,26 +11,20 @@ import pytest
 
 from rftstream.bus.server import EmbeddedNatsServer
 from rftstream.experience import H_ACTOR
-from tests.integration._util import read_stream, user_env
+from tests.integration._util import read_stream, run_up
 
 pytestmark = pytest.mark.smoke
-
-RFTSTREAM = [sys.executable, "-m", "rftstream.cli"]
 
 
 def test_up_runs_engine_num_explorers(tmp_path: Path, tiny_model_path: str) -> None:
     run_dir = tmp_path / "run"
-    proc = subprocess.run(
-        [*RFTSTREAM, "up", "--steps", "10", "--run-dir", str(run_dir)]
-        + ["--set", "explorer.rollout_model.engine_num=2"],
-        capture_output=True,
-        text=True,
+    stdout, records = run_up(
+        run_dir,
+        tiny_model_path,
+        *("--steps", "10", "--set", "explorer.rollout_model.engine_num=2"),
         timeout=420,
-        env=user_env(tiny_model_path),
     )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert "2 explorers and operator host run in processes" in " ".join(proc.stdout.split())
-    records = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert "2 explorers and operator host run in processes" in " ".join(stdout.split())
     assert [r["step"] for r in records] == list(range(1, 11))  # the run finished
     for name in ("explorer", "explorer-2"):  # two processes, each ran its own explorer
         log = (run_dir / "logs" / f"{name}.log").read_text()

@@ -4,9 +4,7 @@ holds the merged weights and the adapter."""
 
 from __future__ import annotations
 
-import json
 import re
-import subprocess
 import sys
 from pathlib import Path
 
@@ -14,7 +12,7 @@ import pytest
 import torch
 
 from rftstream.model_loading import load_causal_lm
-from tests.integration._util import user_env
+from tests.integration._util import run_up
 
 pytestmark = pytest.mark.smoke
 
@@ -43,15 +41,7 @@ def test_up_trains_a_lora_adapter(tmp_path: Path, tiny_model_path: str) -> None:
     config = tmp_path / "lora.yaml"
     config.write_text(CONFIG)
     run_dir = tmp_path / "run"
-    proc = subprocess.run(
-        [*RFTSTREAM, "up", "--config", str(config), "--run-dir", str(run_dir)],
-        capture_output=True,
-        text=True,
-        timeout=420,
-        env=user_env(tiny_model_path),
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    records = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    _, records = run_up(run_dir, tiny_model_path, "--config", str(config), timeout=420)
     assert [r["step"] for r in records] == [1, 2, 3]
     # the explorer's plain transformers engine loaded the trainer's merged weights
     explorer_log = (run_dir / "logs" / "explorer.log").read_text()

@@ -2,40 +2,23 @@
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from tests.integration._util import user_env
+from tests.integration._util import run_up
 
 pytestmark = pytest.mark.smoke
-
-RFTSTREAM = [sys.executable, "-m", "rftstream.cli"]
 
 
 def test_up_with_two_trainer_ranks(tmp_path: Path, tiny_model_path: str) -> None:
     run_dir = tmp_path / "run"
-    proc = subprocess.run(
-        [
-            *RFTSTREAM,
-            "up",
-            "--steps",
-            "3",
-            "--run-dir",
-            str(run_dir),
-            "--set",
-            "trainer.n_gpus_per_node=2",
-        ],
-        capture_output=True,
-        text=True,
+    _, records = run_up(
+        run_dir,
+        tiny_model_path,
+        *("--steps", "3", "--set", "trainer.n_gpus_per_node=2"),
         timeout=480,
-        env=user_env(tiny_model_path),
     )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    records = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == [1, 2, 3]
     total = 0
     for r in records:
