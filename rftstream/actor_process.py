@@ -65,7 +65,7 @@ def split_roles(cfg: Any) -> bool:
 
     Only with a trainer and explorers that must load its weights (``mode:
     both``) and only when weights can leave the process (``sync_method``
-    ``checkpoint``); ``memory`` keeps every actor in one process.
+    ``jetstream`` or ``checkpoint``); ``memory`` keeps every actor in one process.
     """
     return cfg.mode == "both" and cfg.synchronizer.sync_method != "memory"
 

@@ -1,8 +1,8 @@
 """``rftstream clean``: remove the NATS resources of finished runs.
 
-A run's resources are its streams (``RFT_<RUN>_TASKS|EXP|DLQ|METRICS``, with
-their consumers), its KV bucket ``rft_<run>_state`` and its object store
-``rft_<run>_weights``. :func:`find_runs` lists every run on a server (by those
+A run's resources are its streams (``RFT_<RUN>_TASKS|EXP|DLQ|METRICS|WEIGHTS``,
+with their consumers), its KV bucket ``rft_<run>_state`` and, left by earlier
+releases, an object store ``rft_<run>_weights``. :func:`find_runs` lists every run on a server (by those
 names) with its status, newest heartbeat and size; :func:`refusal` says why a
 run must not go (not finished, or live) and :func:`remove_run` deletes it.
 Parsing ages (``7d``) and the refusal rules are pure.
@@ -24,7 +24,7 @@ from rftstream.subjects import KV_HEARTBEAT_PREFIX
 #: a run whose newest heartbeat is younger than this is live (the actors beat every few seconds)
 LIVE_HEARTBEAT_S = 30.0
 
-_STREAM_RE = re.compile(r"^RFT_([A-Z0-9_]{1,16})_(TASKS|EXP|DLQ|METRICS)$")
+_STREAM_RE = re.compile(r"^RFT_([A-Z0-9_]{1,16})_(TASKS|EXP|DLQ|METRICS|WEIGHTS)$")
 _KV_RE = re.compile(r"^KV_rft_([a-z0-9_]{1,16})_state$")
 _OBJ_RE = re.compile(r"^OBJ_rft_([a-z0-9_]{1,16})_weights$")
 _AGE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smhdw]?)\s*$")

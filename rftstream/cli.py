@@ -470,7 +470,7 @@ def check_standalone_sync(cfg: Config, command: str) -> None:
     if cfg.synchronizer.sync_method == "memory" and weights_travel:
         raise RftError(
             "config key `synchronizer.sync_method`: `memory` needs all actors in one process; "
-            "use `checkpoint` when running actors separately"
+            "use `jetstream` (or `checkpoint`) when running actors separately"
         )
 
 

@@ -4,7 +4,9 @@ A tiny Qwen2 model (built locally, briefly trained so that it answers the
 built-in arithmetic tasks in the right format but mostly wrongly) learns
 single-digit addition with GRPO on CPU, in about a minute. The explorer and the
 operator host run in processes of their own (``rftstream up`` does so whenever
-weights travel as checkpoint files, ``sync_method: checkpoint``); the explorer
+weights can leave the process: here they travel on the run's weights stream,
+``sync_method: jetstream``, fetched in the background and swapped in between
+requests); the explorer
 never waits for the trainer (``dynamic_by_explorer``), keeps up to 16 tasks in
 flight, and pauses rather than let trained experience be more than two versions
 stale (``max_staleness: 2``); the policy loss corrects for that staleness with
@@ -38,7 +40,7 @@ DEFAULT_CONFIG: dict[str, Any] = {
         "rollout_model": {"engine_type": "transformers", "max_batch_size": 128},
     },
     "synchronizer": {
-        "sync_method": "checkpoint",
+        "sync_method": "jetstream",
         "sync_style": "dynamic_by_explorer",
         "sync_interval": 1,
         "max_staleness": 2,

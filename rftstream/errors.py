@@ -38,6 +38,11 @@ class ConfigError(RftError):
         super().__init__(f"{where}config key `{key_path}`: {message}{shown}")
 
 
+class WeightSyncError(RftError):
+    """Weights could not be published, fetched or loaded; names the version (and the
+    tensor or chunk at fault)."""
+
+
 class RegistryError(RftError):
     """A name is not registered (or registered twice) in a registry."""
 

@@ -61,6 +61,54 @@ def idle_shares(records: list[dict[str, Any]]) -> tuple[float | None, float | No
     return min(1.0, waits / span), explorer
 
 
+def sync_summary(records: list[dict[str, Any]], method: str = "") -> str | None:
+    """One line on the run's weight syncs after step 1 (``sync/*`` of the trainer's
+    records): versions sent, bytes each, the trainer's wait per step and its share of
+    the step, the explorers' longest pause and their typical fetch; None without syncs."""
+    steady = records[1:] or records
+
+    def col(key: str, rows: list[dict[str, Any]] = steady) -> list[float]:
+        return [float(r[key]) for r in rows if isinstance(r.get(key), (int, float))]
+
+    sizes = col("sync/bytes", records)
+    blocking = col("sync/trainer_blocking_seconds")
+    if not sizes and not any(blocking):
+        return None
+    handed = sum(1 for v in col("sync/trainer_blocking_seconds", records) if v > 0)
+    versions = handed or len(sizes)  # the last may go out after the last record
+    totals = col("sync/versions_total", records)
+    each = None
+    if totals and max(totals) > 0:  # jetstream: what went out, over the versions it was
+        each = max(col("sync/bytes_total", records) or [0.0]) / max(totals)
+    elif sizes:
+        each = sorted(sizes)[len(sizes) // 2]
+    shares = [
+        float(r["sync/trainer_blocking_seconds"]) / float(r["time/trainer_step_period"])
+        for r in steady
+        if r.get("time/trainer_step_period") and "sync/trainer_blocking_seconds" in r
+    ]
+    parts = [f"{method + ': ' if method else ''}{versions} versions"]
+    if each:
+        parts[0] += f", {each / 1e6:.2f} MB each"
+        raw = col("sync/raw_bytes", records)
+        if raw:
+            parts[0] += f" ({each / max(raw):.0%} of their raw bytes)"
+    if blocking:
+        wait = sorted(blocking)[len(blocking) // 2]
+        share = sorted(shares)[len(shares) // 2] if shares else None
+        parts.append(
+            f"trainer blocked {wait * 1000:.0f} ms a step"
+            + (f" ({share:.0%} of it)" if share is not None else "")
+        )
+    pauses = col("sync/explorer_pause_seconds", records)
+    if pauses:
+        parts.append(f"explorers paused at most {max(pauses) * 1000:.2f} ms")
+    fetches = col("sync/explorer_fetch_seconds", records)
+    if fetches:
+        parts.append(f"fetched in {sorted(fetches)[len(fetches) // 2] * 1000:.0f} ms")
+    return "; ".join(parts)
+
+
 # ------------------------------------------------------------------ series (pure)
 
 

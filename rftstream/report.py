@@ -25,6 +25,7 @@ from rftstream.plot import (
     metrics_png,
     read_metrics,
     staleness_counts,
+    sync_summary,
     throughput,
     window_mean,
 )
@@ -79,6 +80,9 @@ def summary_rows(records: list[dict[str, Any]], config: dict[str, Any]) -> list[
         rows.append(("trainer idle after step 1", f"{trainer_idle:.0%}"))
     if explorer_idle is not None:
         rows.append(("explorers idle after step 1", f"{explorer_idle:.0%}"))
+    sync = sync_summary(records, str((config.get("synchronizer") or {}).get("sync_method", "")))
+    if sync is not None:
+        rows.append(("weights sync after step 1", sync))
     _, rates = throughput(records[1:])
     if rates:
         rows.append(("experiences/s after step 1 (mean)", f"{sum(rates) / len(rates):.1f}"))

@@ -104,7 +104,8 @@ def _check_components(cfg: Config) -> None:
     if cfg.synchronizer.sync_method == "nccl":
         raise ConfigError(
             "synchronizer.sync_method",
-            "`nccl` (GPU broadcast to vLLM engines) is not available yet; use `checkpoint` or `memory`",
+            "`nccl` (GPU broadcast to vLLM engines) is not available yet; use `jetstream` "
+            "(weights over NATS), `checkpoint` or `memory`",
             value="nccl",
         )
 
@@ -256,12 +257,15 @@ def roles_for(cfg: Config) -> tuple[str, ...]:
 
 
 def resolve_model_path(cfg: Config, progress: Callable[[str], None] | None = None) -> str:
-    """``model.model_path``, or the embedded tiny model (built and cached on first use)."""
-    path = cfg.model.model_path
-    if not path or path == "builtin:tiny":
-        from rftstream.tiny_model import ensure_tiny_model
+    """``model.model_path``, or a builtin model: the embedded tiny model (empty or
+    ``builtin:tiny``) or a shaped one (``builtin:qwen2.5-0.5b-shape``: see
+    :mod:`rftstream.shaped_models`), built and cached on first use."""
+    from rftstream.shaped_models import resolve_builtin
 
-        return str(ensure_tiny_model(progress=progress))
+    path = cfg.model.model_path
+    built = resolve_builtin(path, "model.model_path", progress)
+    if built is not None:
+        return built
     if not Path(path).exists():
         raise ConfigError(
             "model.model_path",
@@ -581,7 +585,8 @@ async def run_actors(
     ):
         raise ConfigError(
             "synchronizer.sync_method",
-            "`memory` moves weights inside one process; actors started separately need `checkpoint`",
+            "`memory` moves weights inside one process; actors started separately need "
+            "`jetstream` (or `checkpoint`)",
             value="memory",
         )
     explorers_done = [anyio.Event() for _ in names]

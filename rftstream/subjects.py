@@ -6,6 +6,8 @@ One run id scopes everything, so many runs share one NATS deployment::
     RFT_<RUN>_EXP      rft.<run>.exp.<stage>       raw, <stage>..., train
     RFT_<RUN>_DLQ      rft.<run>.dlq.<stage>       what an actor could not process
     RFT_<RUN>_METRICS  rft.<run>.metrics.<actor>   metrics of every actor
+    RFT_<RUN>_WEIGHTS  rft.<run>.weights.<incarnation>.<version>.data|manifest
+                                                   the policy's versions (sync_method jetstream)
     KV rft_<run>_state                             status, steps, weights, heartbeats
 """
 
@@ -71,8 +73,18 @@ class RunNames:
         return f"RFT_{self.upper}_METRICS"
 
     @property
-    def streams(self) -> tuple[str, str, str, str]:
-        return (self.tasks_stream, self.exp_stream, self.dlq_stream, self.metrics_stream)
+    def weights_stream(self) -> str:
+        return f"RFT_{self.upper}_WEIGHTS"
+
+    @property
+    def streams(self) -> tuple[str, ...]:
+        return (
+            self.tasks_stream,
+            self.exp_stream,
+            self.dlq_stream,
+            self.metrics_stream,
+            self.weights_stream,
+        )
 
     # subjects --------------------------------------------------------------
     @property
@@ -100,6 +112,18 @@ class RunNames:
     def metrics_wildcard(self) -> str:
         return f"rft.{self.run}.metrics.>"
 
+    @property
+    def weights_wildcard(self) -> str:
+        return f"rft.{self.run}.weights.>"
+
+    def weights_data_subject(self, incarnation: int, version: int) -> str:
+        """The payload chunks of weights ``version`` of trainer start ``incarnation``."""
+        return f"rft.{self.run}.weights.{int(incarnation)}.{int(version)}.data"
+
+    def weights_manifest_subject(self, incarnation: int, version: int) -> str:
+        """The manifest of weights ``version`` (published after its chunks)."""
+        return f"rft.{self.run}.weights.{int(incarnation)}.{int(version)}.manifest"
+
     # consumers & buckets ---------------------------------------------------
     @property
     def explorer_consumer(self) -> str:
@@ -116,10 +140,6 @@ class RunNames:
     @property
     def kv_bucket(self) -> str:
         return f"rft_{self.run}_state"
-
-    @property
-    def object_bucket(self) -> str:
-        return f"rft_{self.run}_weights"
 
 
 def _token(name: str) -> str:
@@ -146,7 +166,10 @@ KV_TRAINER_STARVING = (
 )
 KV_TRAINER_CHECKPOINT = "trainer.checkpoint"  # CheckpointRecord: where a restart resumes
 KV_TRAINER_UNACKED = "trainer.trained_unacked"  # TrainedUnacked: trained, held until a checkpoint
-KV_WEIGHTS = "weights.latest"  # JSON: {"version", "method", "uri", "sha256"}
+KV_WEIGHTS = "weights.latest"  # wire.WeightsPointer: where the newest published version is
+# wire.WeightsPending: the trainer's newest version, written before it acks the step's batch
+# (it may still be on its way to the weights stream: sync_method jetstream publishes it after)
+KV_WEIGHTS_PENDING = "weights.pending"
 KV_HEARTBEAT = "heartbeat.{actor}"
 KV_HEARTBEAT_PREFIX = KV_HEARTBEAT.format(actor="")  # every actor's heartbeat key starts so
 # the trainer's input and the spliced stages (protocol: rftstream.splice). Their records'

@@ -25,7 +25,7 @@ from rftstream.actor_process import split_roles
 from rftstream.bus.server import EmbeddedNatsServer
 from rftstream.config.secrets import redact_url
 from rftstream.console import ChildConsole
-from rftstream.plot import idle_shares, plot_metrics, read_metrics, window_mean
+from rftstream.plot import idle_shares, plot_metrics, read_metrics, sync_summary, window_mean
 from rftstream.report import REPORT_FILE, save_run_config, write_report
 from rftstream.runtime import PreparedRun, run_actors, start_fresh
 from rftstream.signals import run_with_signals
@@ -206,7 +206,12 @@ def run_up(run: PreparedRun, *, console: Console, child_console: ChildConsole | 
     server: EmbeddedNatsServer | None = None
     url = cfg.nats.url or ",".join(cfg.nats.servers)  # Bus.connect splits a comma list
     if not url:
-        server = EmbeddedNatsServer(run.run_dir / "nats", max_payload=cfg.nats.max_payload)
+        server = EmbeddedNatsServer(
+            run.run_dir / "nats",
+            max_payload=cfg.nats.max_payload,
+            # weights kept in memory need room for about two keyframes: the server's default
+            max_memory_store=None if cfg.nats.streams.weights.storage == "memory" else 256 << 20,
+        )
         with console.status("starting the embedded nats-server…"):
             url = server.start()
         console.print(
@@ -267,6 +272,9 @@ def run_up(run: PreparedRun, *, console: Console, child_console: ChildConsole | 
             if explorer_idle is not None:
                 idle += f", explorers {explorer_idle:.0%} (no task running)"
             rows.append(("idle after step 1:", idle))
+        sync = sync_summary(records, cfg.synchronizer.sync_method)
+        if sync is not None:
+            rows.append(("weights sync:", sync))
         if cfg.monitor.plot and records:
             rows.append(("curves:", str(plot_metrics(metrics_path))))
         if records:

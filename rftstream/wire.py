@@ -10,7 +10,9 @@ append-only. In order:
 * the data plane: tasks (:class:`TaskMsg`), metrics (:class:`MetricsMsg`) and
   the headers of dead letters (``H_DLQ_*``);
 * the trainer's records in the run's KV bucket (``rft_<run>_state``):
-  ``weights.latest``, ``trainer.checkpoint``, ``trainer.trained_unacked``;
+  ``weights.latest``, ``weights.pending``, ``trainer.checkpoint``,
+  ``trainer.trained_unacked`` (the weights themselves, on the weights stream:
+  :mod:`rftstream.weights.codec`);
 * the control plane: what actors write to that bucket and read back, with
   typed key handles (:class:`Key`): the splice protocol's records, then the
   explorer side's (taskset claim, heartbeat, ``trainer.starving``).
@@ -44,6 +46,7 @@ from rftstream.subjects import (
     KV_TRAINER_UNACKED,
     KV_TRAINER_WAITING,
     KV_WEIGHTS,
+    KV_WEIGHTS_PENDING,
 )
 
 # --- JSON codec
@@ -68,6 +71,9 @@ def decode_json(data: bytes, typ: type[Any], what: str) -> Any:
 
 TASK_SCHEMA = "rft.task.v1"
 METRICS_SCHEMA = "rft.metrics.v1"
+# the weights stream (rftstream.weights.codec): binary payload chunks, then a JSON manifest
+WEIGHTS_SCHEMA = "rft.weights.v1"
+WEIGHTS_MANIFEST_SCHEMA = "rft.weights.manifest.v1"
 
 # DLQ headers
 H_DLQ_REASON = "Rft-Dlq-Reason"
@@ -112,8 +118,10 @@ class WeightsPointer(msgspec.Struct, kw_only=True):
     """KV record ``weights.latest``: where version N of the policy lives."""
 
     version: int
-    method: str  # checkpoint | memory
-    uri: str  # file path for checkpoint, "memory://<run>/<version>" for memory
+    method: str  # jetstream | checkpoint | memory
+    # jetstream: "nats:<stream>/<manifest sequence>"; checkpoint: the file's path;
+    # memory: "memory://<run>/<version>"
+    uri: str
     sha256: str = ""
     step: int = 0
     ts: float = 0.0
@@ -121,10 +129,29 @@ class WeightsPointer(msgspec.Struct, kw_only=True):
     # explorer takes a pointer of a newer incarnation whatever its version: a trainer that
     # resumed from an earlier checkpoint publishes versions lower than its predecessor's
     incarnation: int = 0
+    # appended (jetstream): the stream sequence of the version's manifest, the bytes it
+    # travels as (payload) and would without deltas or compression (raw), the keyframe its
+    # delta chain starts from, and its digest (xxh3-128 over the tensors' hashes)
+    manifest_seq: int = 0
+    payload_bytes: int = 0
+    raw_bytes: int = 0
+    keyframe: int = 0
+    digest: str = ""
 
     def newer_than(self, incarnation: int, version: int) -> bool:
         """Whether these weights replace weights ``version`` of trainer ``incarnation``."""
         return (self.incarnation, self.version) > (incarnation, version)
+
+
+class WeightsPending(msgspec.Struct, kw_only=True):
+    """KV record ``weights.pending``: the trainer's newest weights version, written after
+    its step and before it acks the step's batch, while the version may still be on its
+    way to the weights stream (``sync_method: jetstream`` publishes in the background).
+    ``max_staleness`` counts versions from it, not from ``weights.latest``."""
+
+    version: int
+    incarnation: int
+    ts: float
 
 
 class CheckpointRecord(msgspec.Struct, kw_only=True):
@@ -472,5 +499,6 @@ HEARTBEAT: Key[Heartbeat] = Key(KV_HEARTBEAT, Heartbeat)  # read with Heartbeat.
 STATUS: Key[str] = Key(KV_STATUS, str)  # running | finished | failed | stopped
 TRAINER_STEP: Key[int] = Key(KV_TRAINER_STEP, int)  # the trainer's last finished step
 WEIGHTS_LATEST: Key[WeightsPointer] = Key(KV_WEIGHTS, WeightsPointer)
+WEIGHTS_PENDING: Key[WeightsPending] = Key(KV_WEIGHTS_PENDING, WeightsPending)
 TRAINER_CHECKPOINT: Key[CheckpointRecord] = Key(KV_TRAINER_CHECKPOINT, CheckpointRecord)
 TRAINER_UNACKED: Key[TrainedUnacked] = Key(KV_TRAINER_UNACKED, TrainedUnacked)

@@ -104,15 +104,18 @@ from rftstream.subjects import (
     KV_TRAINER_STARVING,
     KV_TRAINER_STEP,
     KV_WEIGHTS,
+    KV_WEIGHTS_PENDING,
     RAW_STAGE,
 )
 from rftstream.sync import SyncPolicy
 from rftstream.weights import load_weights
+from rftstream.weights.fetcher import WeightFetcher
 from rftstream.wire import (
     EXPLORER_DONE,
     EXPLORER_STEP,
     TRAINER_STARVING,
     TRAINER_UNACKED,
+    WEIGHTS_PENDING,
     ExplorerDone,
     TaskMsg,
     decode_json,
@@ -180,6 +183,11 @@ class Explorer:
         self._trainer_changes: KeyChanges | None = None
         # the trainer start (WeightsPointer.incarnation) whose weights the engine holds
         self._weights_incarnation = 0
+        # sync_method jetstream: fetches and stages versions in the background (made with the
+        # engine); checkpoint / memory: each load since the last step's metrics, as (seconds
+        # generation paused for the copy, seconds from reading the pointer to loaded)
+        self.fetcher: WeightFetcher | None = None
+        self._load_pauses: list[tuple[float, float]] = []
 
     # ------------------------------------------------------------ run
     @property
@@ -190,10 +198,14 @@ class Explorer:
 
     def _syncs_weights(self) -> bool:
         """Whether weights published by a trainer are loaded into the engine: with a
-        trainer in the run, and in ``mode: explore`` with ``sync_method: checkpoint``
-        (the explorer half of an explorer/trainer pair: it takes the newest checkpoint a
-        separate ``mode: train`` trainer published, at its sync interval, never waiting)."""
-        follows = self.explore_only and self.cfg.synchronizer.sync_method == "checkpoint"
+        trainer in the run, and in ``mode: explore`` with ``sync_method: jetstream`` or
+        ``checkpoint`` (the explorer half of an explorer/trainer pair: it takes the newest
+        version a separate ``mode: train`` trainer published, at its sync interval, never
+        waiting)."""
+        follows = self.explore_only and self.cfg.synchronizer.sync_method in (
+            "checkpoint",
+            "jetstream",
+        )
         return (self.cfg.mode in TRAINER_MODES or follows) and bool(
             getattr(self.engine, "can_load_weights", True)
         )
@@ -234,7 +246,8 @@ class Explorer:
         ticker = InProgressTicker(self.cfg.nats.ack_wait / 3)
         # what the trainer writes after a step: a paused explorer wakes at once (see _respect_staleness)
         self._trainer_changes = KeyChanges(
-            self.bus, (KV_TRAINER_STEP, KV_WEIGHTS, KV_TRAINER_STARVING, KV_STATUS)
+            self.bus,
+            (KV_TRAINER_STEP, KV_WEIGHTS, KV_WEIGHTS_PENDING, KV_TRAINER_STARVING, KV_STATUS),
         )
         await self._trainer_changes.start()
         try:
@@ -250,6 +263,19 @@ class Explorer:
                     async with anyio.create_task_group() as tg:
                         tg.start_soon(ticker.run)
                         tg.start_soon(heartbeat_loop, state, self.name, self.role, self._info)
+                        if (
+                            self.cfg.synchronizer.sync_method == "jetstream"
+                            and self._syncs_weights()
+                        ):
+                            # versions are fetched and staged beside exploration
+                            self.fetcher = WeightFetcher(
+                                self.bus,
+                                state,
+                                self.engine,
+                                name=self.name,
+                                model_path=self.model_path,
+                            )
+                            tg.start_soon(self.fetcher.run)
                         # reads and purges the experience stream off the publish path
                         tg.start_soon(self.room.keep)
                         await self._loop(state, consumer, runner, ticker)
@@ -418,6 +444,19 @@ class Explorer:
         while self._in_flight > limit:
             await self._flight_changed.wait()
 
+    def _sync_metrics(self) -> dict[str, float]:
+        """The weight syncs since the last step's metrics (``sync/*``): swaps, the longest
+        pause of generation they caused and the longest fetch (from reading the pointer
+        to ready to swap: ``checkpoint`` reads the file, checks it and loads it)."""
+        if self.fetcher is not None:
+            return self.fetcher.take_metrics()
+        loads, self._load_pauses = self._load_pauses, []
+        out = {"sync/swaps": float(len(loads))}
+        if loads:
+            out["sync/explorer_pause_seconds"] = max(pause for pause, _ in loads)
+            out["sync/fetch_seconds"] = max(whole for _, whole in loads)
+        return out
+
     def idle_seconds(self) -> float:
         """Seconds since the loop started during which no task of this explorer was running."""
         idle = self._idle_total
@@ -487,6 +526,7 @@ class Explorer:
             "explorer/tasks_in_flight": float(self._in_flight),
             "time/explore_step": dt,
             "time/explorer_wait_sync": wait_sync,
+            **self._sync_metrics(),
         }
         await self.bus.publish_metrics(self.role, step, values)
         if step > self._step_recorded:
@@ -512,7 +552,7 @@ class Explorer:
         stopped (or there is nothing to evaluate). Blocks."""
         if not self.evaluator.has_tasksets or why in ("failed", "stopped"):
             return
-        await self._load(state, 0)
+        await self._load(state, 0, wait=True)
         await self.evaluator.evaluate(
             state, runner, step=self.step, version=self._version(), final=True
         )
@@ -663,10 +703,17 @@ class Explorer:
             return False
 
     # ------------------------------------------------------------ sync
-    async def _load(self, state: RunState, min_version: int) -> None:
+    async def _load(self, state: RunState, min_version: int, *, wait: bool = False) -> None:
         """Load the newest published weights if newer than ours (never into an engine that
-        cannot load weights, nor without a trainer); a failure keeps the current ones."""
+        cannot load weights, nor without a trainer); a failure keeps the current ones.
+
+        ``jetstream``: swap in the version the fetcher staged, if newer; ``wait``: first
+        wait (at most ``synchronizer.sync_timeout``) until the newest published one (and
+        at least ``min_version``) is staged."""
         if not self._syncs_weights():
+            return
+        if self.fetcher is not None:
+            await self._swap_fetched(state, min_version, wait=wait)
             return
         ptr = await state.latest_weights()
         current = self._version()
@@ -675,8 +722,12 @@ class Explorer:
         if ptr.version < min_version and ptr.incarnation == self._weights_incarnation:
             return
         try:
+            t_read = time.perf_counter()
             sd = await anyio.to_thread.run_sync(load_weights, ptr, self.names.run)
+            t0 = time.perf_counter()
             await self.engine.load_weights(sd, ptr.version)
+            t1 = time.perf_counter()
+            self._load_pauses.append((t1 - t0, t1 - t_read))
             self._weights_incarnation = ptr.incarnation
         except (
             RftError,
@@ -701,6 +752,40 @@ class Explorer:
         else:
             log.info("%s: loaded weights v%d", self.name, ptr.version)
 
+    async def _swap_fetched(self, state: RunState, min_version: int, *, wait: bool) -> None:
+        """``jetstream``: swap the fetcher's staged version in (see :meth:`_load`)."""
+        fetcher = self.fetcher
+        assert fetcher is not None
+        if wait:
+            ptr = await state.latest_weights()
+            want = max(fetcher.active, (fetcher.active[0], min_version))
+            if ptr is not None and ptr.method == "jetstream":
+                want = max(want, (ptr.incarnation, ptr.version))
+            if want > fetcher.held and not await fetcher.wait_staged(
+                want, self.cfg.synchronizer.sync_timeout
+            ):
+                log.warning(
+                    "%s: weights v%d were not fetched within synchronizer.sync_timeout "
+                    "(%gs) or were refused; going on with v%d",
+                    self.name,
+                    want[1],
+                    self.cfg.synchronizer.sync_timeout,
+                    self._version(),
+                )
+        before = self._version()
+        pause = await fetcher.swap(wait=wait)
+        if pause is None:
+            return
+        self._weights_incarnation = fetcher.active[0]
+        log.info(
+            "%s: loaded weights v%d (had v%d; fetched in the background, swapped in: "
+            "generation paused %.2f ms)",
+            self.name,
+            fetcher.active[1],
+            before,
+            pause * 1000,
+        )
+
     async def _sync_weights(self, state: RunState, step: int) -> None:
         if not self._syncs_weights():
             return
@@ -717,9 +802,20 @@ class Explorer:
                         await anyio.sleep(0.1)
                     else:  # woken by the trainer's weights (or status) write, not a poll
                         await self._trainer_changes.wait(1.0)
-            await self._load(state, need)
+            await self._load(state, need, wait=True)
         elif self.policy.explorer_checks_before(step):
             await self._load(state, 0)
+
+    async def _trainer_version(self, state: RunState) -> tuple[int, int]:
+        """The trainer's newest weights (incarnation, version): ``weights.pending`` (written
+        before it acks the step's batch) or, when newer, ``weights.latest``; (0, 0)
+        before the first."""
+        ptr = await state.latest_weights()
+        pending = await state.get(WEIGHTS_PENDING)
+        newest = (ptr.incarnation, ptr.version) if ptr is not None else (0, 0)
+        if pending is not None:
+            newest = max(newest, (pending.incarnation, pending.version))
+        return newest
 
     async def _respect_staleness(self, state: RunState, step: int) -> int:
         """How many tasks step ``step`` may take within ``max_staleness``: ``buffer.batch_size``,
@@ -766,9 +862,19 @@ class Explorer:
                 if after is not None:
                     queued = queued.without_trained(before.trained - after.acked)
             backlog = queued.total + in_flight
-            ptr = await state.latest_weights()  # after the queues: the trainer acks after it
-            newest = ptr.version if ptr is not None else 0
-            mine = newest if will_sync else self._version()
+            trainer_key = await self._trainer_version(state)  # after the queues: it acks after
+            newest = trainer_key[1]
+            if not will_sync:
+                mine = self._version()
+            elif self.fetcher is not None:  # what the swap at this step will bring
+                mine = self.fetcher.held[1]
+                if newest - mine > self.policy.max_staleness and self.fetcher.coming(trainer_key):
+                    # experience from our weights would break the bound whatever the backlog,
+                    # and the newest version is being fetched in the background: wait for it
+                    await self.fetcher.wait_staged(trainer_key, 1.0)
+                    continue
+            else:
+                mine = newest
             # what starts now lands behind all of that: tasks in flight with older weights
             # publish first (_after_older_tasks), so a slow one is not pushed back by it
             room = self.policy.explorer_room(

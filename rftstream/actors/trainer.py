@@ -61,7 +61,7 @@ from rftstream.actors.topology import TrainerTopology
 from rftstream.buffer.readers import TrainerInputs, trainer_inputs
 from rftstream.bus.client import Bus
 from rftstream.bus.state import RunState
-from rftstream.config.resolve import dataset_epochs
+from rftstream.config.resolve import dataset_epochs, weights_wire_dtype
 from rftstream.config.schema import Config, StorageConfig
 from rftstream.errors import ConfigError
 from rftstream.experience import H_COUNT, H_REWARD_MEAN
@@ -75,18 +75,22 @@ from rftstream.training import checkpoint as ckpt
 from rftstream.training.datasets import DatasetSource, load_dataset_experiences
 from rftstream.training.ranks import RankLeader
 from rftstream.weights import checkpoint_dir, save_weights
+from rftstream.weights.codec import WIRE_DTYPES
+from rftstream.weights.publisher import WeightPublisher
 from rftstream.wire import (
     TRAINER_CHECKPOINT,
     TRAINER_DONE,
     TRAINER_STARTED,
     TRAINER_STEP,
     TRAINER_UNACKED,
+    WEIGHTS_PENDING,
     CheckpointRecord,
     MetricsMsg,
     TrainedUnacked,
     TrainerDone,
     TrainerStarted,
     TrainerStarving,
+    WeightsPending,
 )
 
 log = logging.getLogger(__name__)
@@ -109,7 +113,8 @@ class RawMonitor:
     Raw rewards come from the summary headers of ``exp.raw`` (a headers-only
     ordered consumer from the stream's start: every raw group stored, counted
     once, nothing missed if the trainer starts late); operator and explorer
-    figures (experiences filtered, failed tasks) from the metrics stream.
+    figures (experiences filtered, failed tasks, the explorers' weight swaps: their
+    count, longest pause and longest fetch) from the metrics stream.
     """
 
     def __init__(self) -> None:
@@ -120,6 +125,11 @@ class RawMonitor:
         self.failed_tasks = 0.0
         self.advantage: dict[str, list[float]] = {}
         self.evals: dict[str, float] = {}  # the latest eval/* results, reported once
+        # the explorers' weight syncs since the last take(): swaps, the longest pause, the
+        # longest fetch (sync/* of their step metrics)
+        self.sync_swaps = 0.0
+        self.sync_pause: float | None = None
+        self.sync_fetch: float | None = None
         # per explorer: its cumulative (idle seconds, seconds) now and at the last take()
         self._explorer_time: dict[str, tuple[float, float]] = {}
         self._explorer_time_taken: dict[str, tuple[float, float]] = {}
@@ -152,6 +162,13 @@ class RawMonitor:
             if idle is not None and total is not None:
                 self._explorer_time[m.actor] = (idle, total)
             self.evals.update({k: v for k, v in m.values.items() if k.startswith("eval/")})
+            self.sync_swaps += m.values.get("sync/swaps", 0.0)
+            pause = m.values.get("sync/explorer_pause_seconds")
+            if pause is not None:
+                self.sync_pause = max(self.sync_pause or 0.0, pause)
+            fetch = m.values.get("sync/fetch_seconds")
+            if fetch is not None:
+                self.sync_fetch = max(self.sync_fetch or 0.0, fetch)
         elif m.role == "operator":
             self.filtered += m.values.get("operator/experiences_filtered", 0.0)
             for key, value in m.values.items():
@@ -224,6 +241,13 @@ class RawMonitor:
         self.advantage = {}
         out.update(self.evals)
         self.evals = {}
+        if self.sync_swaps:
+            out["sync/explorer_swaps"] = self.sync_swaps
+        if self.sync_pause is not None:
+            out["sync/explorer_pause_seconds"] = self.sync_pause
+        if self.sync_fetch is not None:
+            out["sync/explorer_fetch_seconds"] = self.sync_fetch
+        self.sync_swaps, self.sync_pause, self.sync_fetch = 0.0, None, None
         self.reward_sum = self.reward_count = self.raw_groups = self.filtered = (
             self.failed_tasks
         ) = 0.0
@@ -279,6 +303,10 @@ class Trainer:
         self._emitted_step = 0  # the last step whose record the emitter wrote
         self._emit_event: anyio.Event | None = None  # set by the emitter after each record
         self.monitors = MonitorSet([])  # monitor.monitor_type's backends, opened in run()
+        # sync_method jetstream: publishes versions in the background (made at the first one)
+        self.publisher: WeightPublisher | None = None
+        self._sync_blocking = 0.0  # seconds this step spent handing its weights over
+        self._sync_bytes: float | None = None  # checkpoint / memory: what this step's sync wrote
 
     async def _exhausted(self) -> bool:
         """Every task done, every stage before the trainer drained, nothing left on exp.train.
@@ -388,6 +416,8 @@ class Trainer:
                     tg.start_soon(emitter)
                     tg.start_soon(ticker.run)
                     tg.start_soon(watcher.watch)  # raises when dead letters pass the threshold
+                    if self.cfg.synchronizer.sync_method == "jetstream":
+                        tg.start_soon(self._publisher(state, trainer).run)
                     tg.start_soon(
                         heartbeat_loop,
                         state,
@@ -465,6 +495,8 @@ class Trainer:
                             await self._emitted_through(step)
                             await self._save_resumable(state, trainer, feed)
                         del batch, _samples  # freed now: not counted as waiting for the next one
+                    if self.publisher is not None:  # the last version reaches the explorers
+                        await self.publisher.flush()
                     records.close()
                     await emitted.wait()
                     if self.cfg.trainer.save_interval and self.saved_step != self.step:
@@ -657,7 +689,7 @@ class Trainer:
             )
             await state.put(TRAINER_STEP, self.step)
         if previous is not None:  # explorers leave the weights of the trainer that is gone
-            await self._publish_weights(state, trainer, self.step)
+            await self._publish_weights(state, trainer, self.step, inline=True)
 
     async def _emitted_through(self, step: int) -> None:
         """Block until the emitter has written the record of ``step``."""
@@ -707,12 +739,53 @@ class Trainer:
         keep = {step} | ({previous} if previous is not None else set())
         await anyio.to_thread.run_sync(ckpt.prune, self.checkpoint_dir, keep)
 
-    async def _publish_weights(self, state: RunState, trainer: Any, step: int) -> None:
+    def _publisher(self, state: RunState, trainer: Any) -> WeightPublisher:
+        """The jetstream publisher of this trainer start (made on first use)."""
+        if self.publisher is None:
+            sync = self.cfg.synchronizer
+            self.publisher = WeightPublisher(
+                self.bus,
+                state,
+                incarnation=self.incarnation,
+                delta=sync.weights_delta,
+                keyframe_ratio=sync.weights_keyframe_ratio,
+                lora=trainer.lora_wire(),
+            )
+        return self.publisher
+
+    async def _publish_weights(
+        self, state: RunState, trainer: Any, step: int, *, inline: bool = False
+    ) -> None:
+        """Make version ``step`` available by ``synchronizer.sync_method``; what the trainer
+        waits for is counted in ``sync/trainer_blocking_seconds``.
+
+        ``jetstream``: a snapshot in the wire dtype (blocks for the copy; a collective
+        under ZeRO-3), KV ``weights.pending``, then the publisher sends it in the
+        background (``inline``: now, before returning: a resumed trainer's first
+        version, before the publisher runs). ``checkpoint`` / ``memory``: the file or the
+        store, then the pointer, before returning.
+        """
         method = self.cfg.synchronizer.sync_method
+        t0 = time.perf_counter()
+        await state.put(
+            WEIGHTS_PENDING,
+            WeightsPending(version=step, incarnation=self.incarnation, ts=time.time()),
+        )
+        if method == "jetstream":
+            dtype = WIRE_DTYPES[weights_wire_dtype(self.cfg)]
+            snapshot = await anyio.to_thread.run_sync(trainer.wire_state_dict, dtype)
+            publisher = self._publisher(state, trainer)
+            blocking = time.perf_counter() - t0
+            if inline:
+                await publisher.publish_now(step, step, snapshot, blocking)
+            else:
+                publisher.submit(step, step, snapshot, blocking)
+            self._sync_blocking += time.perf_counter() - t0
+            return
         weights_dir = self.checkpoint_dir / "weights"
 
-        def _save() -> Any:
-            return save_weights(
+        def _save() -> tuple[Any, int]:
+            ptr = save_weights(
                 method,
                 self.names.run,
                 step,
@@ -721,9 +794,42 @@ class Trainer:
                 step=step,
                 incarnation=self.incarnation,
             )
+            return ptr, Path(ptr.uri).stat().st_size if method == "checkpoint" else 0
 
-        ptr = await anyio.to_thread.run_sync(_save)
+        ptr, size = await anyio.to_thread.run_sync(_save)
         await state.set_latest_weights(ptr)
+        self._sync_blocking += time.perf_counter() - t0
+        if size:
+            self._sync_bytes = float(size)
+
+    def _sync_metrics(self) -> dict[str, float]:
+        """This step's ``sync/*`` figures: the trainer's blocking time, and what the
+        versions that went out since the previous step cost."""
+        out = {"sync/trainer_blocking_seconds": self._sync_blocking}
+        self._sync_blocking = 0.0
+        if self._sync_bytes is not None:
+            out["sync/bytes"] = self._sync_bytes
+            self._sync_bytes = None
+        pub = self.publisher
+        if pub is None:
+            return out
+        done = pub.take_published()
+        if done:
+            last = done[-1]
+            out.update(
+                {
+                    "sync/published_version": float(last.version),
+                    "sync/bytes": float(sum(r.payload_bytes for r in done)),
+                    "sync/raw_bytes": float(last.raw_bytes),
+                    "sync/keyframes": float(sum(r.keyframe for r in done)),
+                    "sync/encode_seconds": last.encode_s,
+                    "sync/publish_seconds": last.publish_s,
+                }
+            )
+        out["sync/versions_total"] = float(pub.versions_total)
+        out["sync/bytes_total"] = float(pub.bytes_total)
+        out["sync/skipped_versions_total"] = float(pub.skipped)
+        return out
 
     def _record(
         self,
@@ -763,6 +869,7 @@ class Trainer:
                 "weights/version": self.version,
             }
         )
+        record.update(self._sync_metrics())
         record.update({k: v for k, v in sample_metrics.items() if isinstance(v, (int, float))})
         record.update(train_metrics)
         return record

@@ -69,6 +69,8 @@ from rftstream.wire import (
     H_DLQ_SEQ,
     H_DLQ_STAGE,
     H_DLQ_SUBJECT,
+    WEIGHTS_MANIFEST_SCHEMA,
+    WEIGHTS_SCHEMA,
     MetricsMsg,
     encode_json,
 )
@@ -244,6 +246,25 @@ class Bus:
                 **stream_limits(limits.metrics),
             ),
             "nats.streams.metrics",
+        )
+        weights = limits.weights
+        await self.transport.ensure_stream(
+            StreamSpec(
+                name=n.weights_stream,
+                description=(
+                    f"rftstream run {n.run}: the policy's weights versions "
+                    "(<incarnation>.<version>.data chunks, then .manifest; JSON manifests "
+                    f"{WEIGHTS_MANIFEST_SCHEMA}); explorers read them by sequence"
+                ),
+                subjects=(n.weights_wildcard,),
+                retention="limits",
+                metadata=self._meta("weights", WEIGHTS_SCHEMA),
+                storage=weights.storage,
+                allow_direct=True,
+                **common,
+                **stream_limits(weights),
+            ),
+            "nats.streams.weights",
         )
         await self.ensure_consumer(
             n.tasks_stream,

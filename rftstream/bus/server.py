@@ -72,11 +72,18 @@ class EmbeddedNatsServer:
         port: int | None = None,
         max_payload: int = 8 * 1024 * 1024,
         start_timeout: float = 15.0,
+        monitor_port: int | None = None,
+        max_memory_store: int | None = 256 * 1024**2,
     ) -> None:
         self.store_dir = Path(store_dir)
         self.port = port
         self.max_payload = max_payload
         self.start_timeout = start_timeout
+        # the HTTP monitoring endpoint (/varz, /connz, /jsz) on loopback; None: off
+        self.monitor_port = monitor_port
+        # JetStream's memory for streams with storage: memory (nats.streams.weights.storage);
+        # None: the server's default, 75% of the machine's memory
+        self.max_memory_store = max_memory_store
         self._proc: subprocess.Popen[bytes] | None = None
         self._log_path = self.store_dir / "nats-server.log"
 
@@ -100,10 +107,15 @@ class EmbeddedNatsServer:
             f"max_payload: {self.max_payload}\n"
             "max_pending: 67108864\n"
             f'server_name: "rftstream_{port}"\n'
-            "jetstream {\n"
+            + (f"http: 127.0.0.1:{self.monitor_port}\n" if self.monitor_port else "")
+            + "jetstream {\n"
             f'  store_dir: "{js_dir}"\n'
-            "  max_memory_store: 268435456\n"
-            "}\n"
+            + (
+                f"  max_memory_store: {int(self.max_memory_store)}\n"
+                if self.max_memory_store is not None
+                else ""
+            )
+            + "}\n"
         )
         return conf
 

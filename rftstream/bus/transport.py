@@ -25,6 +25,7 @@ from typing import Literal, Protocol
 
 Retention = Literal["limits", "work_queue", "interest"]
 Discard = Literal["old", "new"]
+Storage = Literal["file", "memory"]
 
 
 # -------------------------------------------------------------- messages
@@ -140,6 +141,9 @@ class StreamSpec:
     max_msgs: int = -1
     max_age: float = 0.0
     discard: Discard = "new"
+    storage: Storage = "file"
+    # reads by sequence may use the direct-get API (any replica answers; no JSON wrapping)
+    allow_direct: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -370,8 +374,12 @@ class Transport(Protocol):
         """The newest message on ``subject``. Raises ``MessageNotFound`` (or ``StreamNotFound``)."""
         ...
 
-    async def get_msg(self, stream: str, seq: int) -> StoredMsg:
-        """The message at ``seq``. Raises ``MessageNotFound`` (or ``StreamNotFound``)."""
+    async def get_msg(self, stream: str, seq: int, *, direct: bool = False) -> StoredMsg:
+        """The message at ``seq``. Raises ``MessageNotFound`` (or ``StreamNotFound``).
+
+        ``direct``: through the direct-get API (the stream must allow it: its spec's
+        ``allow_direct``): the bytes as stored, without the API's base64 JSON, which
+        costs far more for large messages."""
         ...
 
     async def consumer_state(self, stream: str, durable: str) -> ConsumerState:

@@ -41,6 +41,7 @@ from msgspec.structs import replace
 from rftstream.config.schema import (
     SYNC_STYLE_ALIASES,
     SYNC_STYLES,
+    WEIGHTS_DTYPES,
     BufferConfig,
     Config,
     ExplorerInput,
@@ -178,6 +179,28 @@ def dataset_epochs(cfg: Config, source: TasksetConfig | StorageConfig) -> int:
     """Passes over a training taskset or a trainer's dataset: its own ``total_epochs``,
     else ``buffer.total_epochs`` (as in Trinity-RFT)."""
     return int(source.total_epochs or cfg.buffer.total_epochs)
+
+
+def weights_wire_dtype(cfg: Config, *, source: str | None = None) -> str:
+    """The dtype weights travel in with ``sync_method: jetstream``: ``synchronizer.weights_dtype``,
+    or (``auto``) the rollout engine's ``model.dtype``.
+
+    Raises :class:`ConfigError` (key ``synchronizer.weights_dtype``) when ``auto`` meets a
+    ``model.dtype`` that cannot travel.
+    """
+    wanted = cfg.synchronizer.weights_dtype
+    if wanted != "auto":
+        return wanted
+    dtype = str(cfg.model.dtype).removeprefix("torch.")
+    if dtype not in WEIGHTS_DTYPES:
+        raise ConfigError(
+            "synchronizer.weights_dtype",
+            f"is auto, which means model.dtype ({dtype!r}), and weights travel only as "
+            f"{', '.join(d for d in WEIGHTS_DTYPES if d != 'auto')}: set one",
+            value=wanted,
+            source=source,
+        )
+    return dtype
 
 
 # ----------------------------------------------------------------- stage 3: the algorithm

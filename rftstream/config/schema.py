@@ -34,7 +34,15 @@ SYNC_STYLE_ALIASES: dict[SyncStyleAlias, SyncStyle] = {
 }
 SyncStyleName = Literal[SyncStyle, SyncStyleAlias]  # what a config may say; resolved: SyncStyle
 
-SyncMethod = Literal["checkpoint", "memory", "nccl"]
+# the dtype weights travel in with sync_method jetstream; auto: the rollout engine's (model.dtype)
+WeightsDtype = Literal["auto", "float32", "bfloat16", "float16"]
+WEIGHTS_DTYPES: tuple[WeightsDtype, ...] = get_args(WeightsDtype)
+
+StorageKind = Literal["file", "memory"]  # a stream's storage on the server
+
+# jetstream: weights travel on the run's weights stream (nothing shared but NATS);
+# checkpoint: safetensors files on a path every actor reads; memory: one process
+SyncMethod = Literal["jetstream", "checkpoint", "memory", "nccl"]
 SYNC_METHODS: tuple[SyncMethod, ...] = get_args(SyncMethod)
 
 EngineType = Literal["transformers", "vllm", "openai"]
@@ -107,7 +115,9 @@ class ModelConfig(_Base):
     """``model``: the policy being trained.
 
     ``model_path`` empty (or ``"builtin:tiny"``) means the embedded tiny model,
-    built and cached locally (no hub access). ``lora_configs``: at most one
+    built and cached locally (no hub access); ``"builtin:qwen2.5-0.5b-shape"`` a
+    model of Qwen2.5-0.5B's shape with random weights, built locally, for measuring
+    at a realistic size (:mod:`rftstream.shaped_models`). ``lora_configs``: at most one
     :class:`LoRAConfig`; with one, the trainer trains that adapter only (the
     base weights stay frozen) and explorers get merged weights.
     """
@@ -305,15 +315,36 @@ class ExplorerConfig(_Base):
 
 
 class SynchronizerConfig(_Base):
-    """``synchronizer``: when and how weights travel from trainer to explorers."""
+    """``synchronizer``: when and how weights travel from trainer to explorers.
 
-    sync_method: SyncMethod = "checkpoint"
+    ``sync_method``: ``jetstream`` (the default) publishes each version on the run's
+    weights stream, ``RFT_<RUN>_WEIGHTS``, in the background while the trainer goes
+    on; explorers anywhere fetch it in the background while they generate and swap
+    it in between requests (:mod:`rftstream.weights`): nothing is shared between
+    machines but NATS. ``checkpoint``: safetensors files on a path every actor can
+    read. ``memory``: all actors in one process.
+
+    With ``jetstream``: ``weights_dtype`` is the dtype on the wire (``auto``: the
+    rollout engine's, ``model.dtype``); ``weights_delta`` sends each version as a
+    compressed byte delta against the previous one, and a whole version (a
+    keyframe) again once the deltas since the last one add up to
+    ``weights_keyframe_ratio`` of it; ``double_buffer`` lets the transformers engine
+    copy a fetched version into a second copy of the model while it generates, so
+    the swap pauses generation for microseconds (false: loaded in place at the swap,
+    half the memory).
+    """
+
+    sync_method: SyncMethod = "jetstream"
     # explorer_driven / trainer_driven are read as dynamic_by_explorer / dynamic_by_trainer
     sync_style: SyncStyleName = "dynamic_by_explorer"
     sync_interval: int = 1
     sync_offset: int = 0
     sync_timeout: float = 3600.0
     max_staleness: int | None = None
+    weights_dtype: WeightsDtype = "auto"
+    weights_delta: bool = True
+    weights_keyframe_ratio: float = 1.0
+    double_buffer: bool = True
 
 
 # ----------------------------------------------------------------- algorithm
@@ -512,15 +543,29 @@ class MetricsStreamConfig(StreamLimitsConfig):
     discard: DiscardPolicy = "old"
 
 
+class WeightsStreamConfig(StreamLimitsConfig):
+    """``nats.streams.weights``: ``RFT_<RUN>_WEIGHTS``, the policy's versions with
+    ``synchronizer.sync_method: jetstream``. The trainer removes the versions before
+    the newest keyframe itself (a run keeps about two keyframes' bytes), so no limit
+    is set by default; ``storage: memory`` keeps them in the server's memory instead
+    of its store (faster on slow disks; lost when the server restarts, when the
+    trainer publishes a whole version again).
+    """
+
+    storage: StorageKind = "file"
+
+
 class StreamsConfig(_Base):
-    """``nats.streams``: limits of the run's four streams (``rftstream`` defaults bound
+    """``nats.streams``: limits of the run's streams (``rftstream`` defaults bound
     a long run's disk: acked tasks and experience are removed, dead letters and
-    metrics roll over). A table given in part keeps that stream's other defaults."""
+    metrics roll over, old weights are removed). A table given in part keeps that
+    stream's other defaults."""
 
     tasks: TasksStreamConfig = msgspec.field(default_factory=TasksStreamConfig)
     experience: ExperienceStreamConfig = msgspec.field(default_factory=ExperienceStreamConfig)
     dead_letter: DeadLetterStreamConfig = msgspec.field(default_factory=DeadLetterStreamConfig)
     metrics: MetricsStreamConfig = msgspec.field(default_factory=MetricsStreamConfig)
+    weights: WeightsStreamConfig = msgspec.field(default_factory=WeightsStreamConfig)
 
 
 class NatsTlsConfig(_Base):

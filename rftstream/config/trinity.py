@@ -964,12 +964,13 @@ def _sync_method(source: str, value: Any, ctx: _Ctx) -> Any:
                 source,
                 "replaced",
                 "`nccl` broadcasts weights between GPUs and this machine has no CUDA device; "
-                "`checkpoint` (safetensors on a shared path) is the best method available",
+                "`jetstream` (weights over NATS, nothing shared between machines) is the best method "
+                "available",
                 value,
-                ((source, "checkpoint"),),
+                ((source, "jetstream"),),
             )
         )
-        return "checkpoint"
+        return "jetstream"
     return value
 
 

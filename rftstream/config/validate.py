@@ -19,6 +19,7 @@ from typing import Any
 
 from rftstream import monitors  # a module, not its names: rftstream.monitors imports the schema
 from rftstream.config.paths import choice_message
+from rftstream.config.resolve import weights_wire_dtype
 from rftstream.config.schema import (
     DISCARD_POLICIES,
     ENGINE_TYPES,
@@ -147,6 +148,9 @@ def validate_config(cfg: Config, source: str | None = None) -> None:
     c.choice("synchronizer.sync_style", sync.sync_style, SYNC_STYLES + tuple(SYNC_STYLE_ALIASES))
     c.choice("synchronizer.sync_method", sync.sync_method, SYNC_METHODS)
     c.at_least("synchronizer.sync_interval", sync.sync_interval, 1)
+    c.positive("synchronizer.weights_keyframe_ratio", sync.weights_keyframe_ratio)
+    if sync.sync_method == "jetstream":
+        weights_wire_dtype(cfg, source=source)
     c.at_least("synchronizer.sync_offset", sync.sync_offset, 0)
     c.at_least("synchronizer.max_staleness", sync.max_staleness, 0, optional=True)
 
@@ -209,7 +213,7 @@ def validate_config(cfg: Config, source: str | None = None) -> None:
         c.fail(
             "trainer.n_gpus_per_node",
             "several trainer ranks run in separate processes, so the weights must leave the "
-            "trainer: set synchronizer.sync_method to checkpoint (or nccl on GPUs)",
+            "trainer: set synchronizer.sync_method to jetstream (or checkpoint)",
             cfg.trainer.n_gpus_per_node,
         )
     c.choice("trainer.mixed_precision", cfg.trainer.mixed_precision, MIXED_PRECISIONS)

@@ -23,10 +23,12 @@ from rftstream.errors import RftError
 def _auxiliary_model_path(index: int, model_path: str) -> str:
     """The local directory of ``explorer.auxiliary_models[index]``; builds the tiny model for
     ``builtin:tiny``. Blocks. RftError naming the entry when the directory does not exist."""
-    if model_path == "builtin:tiny":
-        from rftstream.tiny_model import ensure_tiny_model
+    from rftstream.shaped_models import resolve_builtin
 
-        return str(ensure_tiny_model())
+    if model_path.startswith("builtin:"):
+        built = resolve_builtin(model_path, f"explorer.auxiliary_models[{index}].model_path")
+        assert built is not None
+        return built
     if not Path(model_path).is_dir():
         raise RftError(
             f"explorer.auxiliary_models[{index}].model_path: no such directory {model_path!r} "

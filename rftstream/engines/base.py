@@ -16,6 +16,7 @@ given sequence) follows the same convention.
 
 from __future__ import annotations
 
+import time
 from abc import ABC, abstractmethod
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -141,8 +142,47 @@ class RolloutEngine(ABC):
         raise RftError(f"rollout engine {type(self).__name__} cannot score given token sequences")
 
     @abstractmethod
-    async def load_weights(self, state_dict: dict[str, torch.Tensor], version: int) -> None:
-        """Replace the weights between batches and set :attr:`model_version` to ``version``."""
+    async def load_weights(
+        self, state_dict: dict[str, torch.Tensor], version: int, *, partial: bool = False
+    ) -> None:
+        """Replace the weights between batches and set :attr:`model_version` to ``version``.
+
+        ``partial``: ``state_dict`` holds only the tensors that changed (a LoRA run's
+        adapted layers); the others keep their values."""
+
+    # -- double-buffered sync: stage in the background, swap between requests
+    @property
+    def staged_version(self) -> int | None:
+        """The version :meth:`stage_weights` prepared and :meth:`swap_staged` has not
+        swapped in yet (None: nothing staged)."""
+        staged = self.__dict__.get("_rft_staged")
+        return None if staged is None else int(staged[1])
+
+    async def stage_weights(
+        self, state_dict: dict[str, torch.Tensor], version: int, *, partial: bool = False
+    ) -> None:
+        """Prepare ``version`` while requests are being served; :meth:`swap_staged` makes it
+        current. A later stage replaces one not swapped in yet.
+
+        This default keeps the tensors (they must not change meanwhile) and loads
+        them in place at the swap, so the swap pauses generation for the load; an
+        engine with a second copy of the model copies them there now (blocks in a
+        worker thread; requests are served meanwhile) and swaps in microseconds.
+        """
+        self.__dict__["_rft_staged"] = (state_dict, int(version), partial)
+
+    async def swap_staged(self, *, wait: bool = True) -> float | None:
+        """Make the staged version current between two batches; returns how long
+        generation paused for it (seconds), or None when nothing was staged (or, with
+        ``wait`` False, a stage is still being copied). Blocks until the batch in
+        flight is done. A failed load keeps the current weights and raises."""
+        staged = self.__dict__.pop("_rft_staged", None)
+        if staged is None:
+            return None
+        state_dict, version, partial = staged
+        t0 = time.perf_counter()
+        await self.load_weights(state_dict, version, partial=partial)
+        return time.perf_counter() - t0
 
     @abstractmethod
     async def run(self) -> None:

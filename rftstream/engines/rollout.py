@@ -47,6 +47,8 @@ async def rollout_model(
             "default_max_tokens": cfg.model.max_response_tokens,
         }
         kind = (rm.engine_type or "").lower()
+        if kind == "transformers":  # a second copy of the model, made at the first staged sync
+            kwargs["double_buffer"] = cfg.synchronizer.double_buffer
         if kind == "openai":
             kwargs.update(base_url=rm.base_url, api_key=rm.api_key)
         elif kind == "vllm":

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import logging
 import math
+import time
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
@@ -302,6 +303,39 @@ class _Request:
             self.done.set()
 
 
+def _copy_state(
+    model: Any,
+    decoder: FastDecoder | None,
+    state_dict: dict[str, torch.Tensor],
+    partial: bool,
+    model_path: str,
+) -> None:
+    """Copy ``state_dict`` into ``model`` (converting dtype and device), then refresh
+    ``decoder``'s fused weights. Checks every key and shape first: raises
+    :class:`RftError` naming the offending tensors, with nothing copied."""
+    cleaned = {strip_module_prefix(k): v for k, v in state_dict.items()}
+    own = model.state_dict()
+    unexpected = sorted(set(cleaned) - set(own))
+    missing = [] if partial else sorted(set(own) - set(cleaned))
+    tied = bool(getattr(model.config, "tie_word_embeddings", False))
+    missing = [k for k in missing if not (tied and k == "lm_head.weight")]
+    if unexpected or missing:
+        raise RftError(
+            f"load_weights: state dict does not match the model at {model_path!r}: "
+            f"missing {missing[:5]}, unexpected {unexpected[:5]}"
+        )
+    for k, v in cleaned.items():
+        if own[k].shape != v.shape:
+            raise RftError(
+                f"load_weights: {k} has shape {tuple(v.shape)}, expected {tuple(own[k].shape)}"
+            )
+    with torch.no_grad():
+        for k, v in cleaned.items():
+            own[k].copy_(v)
+        if decoder is not None:
+            decoder.refresh()
+
+
 class TransformersEngine(RolloutEngine):
     """Batched sampling with a ``transformers`` causal LM (see the module docstring).
 
@@ -323,6 +357,7 @@ class TransformersEngine(RolloutEngine):
         torch_threads: int | None = None,
         default_max_tokens: int = 512,
         fast_decoder: bool = True,
+        double_buffer: bool = True,
     ) -> None:
         from rftstream.model_loading import hf_classes
 
@@ -372,6 +407,12 @@ class TransformersEngine(RolloutEngine):
             max_buffer_size=math.inf
         )
         self._lock = anyio.Lock()
+        # double-buffered weight sync (stage_weights / swap_staged): the second copy
+        self.double_buffer = bool(double_buffer)
+        self._spare: Any = None
+        self._spare_decoder: FastDecoder | None = None
+        self._staged_version: int | None = None
+        self._stage_lock = anyio.Lock()
         self._limiter: anyio.CapacityLimiter | None = None
         self._closed = False
         self._running = False
@@ -484,39 +525,77 @@ class TransformersEngine(RolloutEngine):
             self._limiter = anyio.CapacityLimiter(1)
         return self._limiter
 
-    async def load_weights(self, state_dict: dict[str, torch.Tensor], version: int) -> None:
+    async def load_weights(
+        self, state_dict: dict[str, torch.Tensor], version: int, *, partial: bool = False
+    ) -> None:
         """Copy ``state_dict`` into the model between batches, then set the version.
 
         Waits for the batch in flight (the batcher holds the same lock); the
         copy runs in a worker thread. Accepts DeepSpeed/DDP ``module.`` prefixes
-        and a missing ``lm_head.weight`` with tied embeddings; other missing or
-        unexpected keys raise :class:`RftError` and leave the version unchanged.
+        and a missing ``lm_head.weight`` with tied embeddings; other missing
+        (unless ``partial``) or unexpected keys, and tensors of another shape, raise
+        :class:`RftError` naming them and leave the version unchanged. Drops a
+        staged version (:meth:`stage_weights`): these weights are newer.
         """
         async with self._lock:
-            await anyio.to_thread.run_sync(self._load_state_dict, state_dict)
-            self._version = int(version)
-
-    def _load_state_dict(self, state_dict: dict[str, torch.Tensor]) -> None:
-        cleaned = {strip_module_prefix(k): v for k, v in state_dict.items()}
-        own = self._model.state_dict()
-        unexpected = sorted(set(cleaned) - set(own))
-        missing = sorted(set(own) - set(cleaned))
-        tied = bool(getattr(self._model.config, "tie_word_embeddings", False))
-        missing = [k for k in missing if not (tied and k == "lm_head.weight")]
-        if unexpected or missing:
-            raise RftError(
-                f"load_weights: state dict does not match the model at {self.model_path!r}: "
-                f"missing {missing[:5]}, unexpected {unexpected[:5]}"
+            await anyio.to_thread.run_sync(
+                _copy_state, self._model, self._decoder, state_dict, partial, self.model_path
             )
-        with torch.no_grad():
-            for k, v in cleaned.items():
-                if own[k].shape != v.shape:
-                    raise RftError(
-                        f"load_weights: {k} has shape {tuple(v.shape)}, expected {tuple(own[k].shape)}"
-                    )
-            self._model.load_state_dict(cleaned, strict=False)
-            if self._decoder is not None:
-                self._decoder.refresh()
+            self._version = int(version)
+            self._staged_version = None
+
+    # ------------------------------------------------------------ double buffer
+    @property
+    def staged_version(self) -> int | None:
+        if not self.double_buffer:
+            return super().staged_version
+        return self._staged_version
+
+    async def stage_weights(
+        self, state_dict: dict[str, torch.Tensor], version: int, *, partial: bool = False
+    ) -> None:
+        """Copy ``version`` into the second copy of the model (made on first use) while
+        batches go on with the current one; :meth:`swap_staged` then swaps the two.
+
+        Blocks (a worker thread of the default pool, not the batcher's) for the copy and
+        the fast decoder's fused weights. Raises :class:`RftError` naming a tensor that
+        does not fit the model; nothing is staged then. Without ``double_buffer`` the
+        tensors are kept and loaded in place at the swap (:class:`RolloutEngine`).
+        """
+        if not self.double_buffer:
+            await super().stage_weights(state_dict, version, partial=partial)
+            return
+        async with self._stage_lock:
+            self._staged_version = None
+            await anyio.to_thread.run_sync(self._stage_copy, state_dict, partial)
+            self._staged_version = int(version)
+
+    def _stage_copy(self, state_dict: dict[str, torch.Tensor], partial: bool) -> None:
+        if self._spare is None:
+            import copy
+
+            self._spare = copy.deepcopy(self._model).eval()
+            self._spare_decoder = fast_decoder_for(self._spare) if self._decoder else None
+        _copy_state(self._spare, self._spare_decoder, state_dict, partial, self.model_path)
+
+    async def swap_staged(self, *, wait: bool = True) -> float | None:
+        """Swap the staged copy in between two batches (a pointer swap under the batcher's
+        lock: generation pauses for microseconds). Returns that pause, or None when
+        nothing is staged, or a stage is being copied and ``wait`` is False. Blocks for
+        the batch in flight (and, with ``wait``, for a stage being copied)."""
+        if not self.double_buffer:
+            return await super().swap_staged(wait=wait)
+        if self._stage_lock.locked() and not wait:
+            return None
+        async with self._stage_lock:
+            if self._staged_version is None:
+                return None
+            async with self._lock:
+                t0 = time.perf_counter()
+                self._model, self._spare = self._spare, self._model
+                self._decoder, self._spare_decoder = self._spare_decoder, self._decoder
+                self._version, self._staged_version = self._staged_version, None
+                return time.perf_counter() - t0
 
     async def run(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
         """Batch and serve requests until cancelled or :meth:`aclose` is called.

@@ -32,6 +32,7 @@ from rftstream.plugin_registries import (
     POLICY_LOSS_FN,
     REWARD_FUNCTIONS,
 )
+from rftstream.shaped_models import builtin_names
 from rftstream.workflow import WORKFLOWS
 
 __all__ = [
@@ -181,7 +182,7 @@ def _suggestions() -> dict[str, tuple[str, ...]]:
         taskset + "default_workflow_type": tuple(WORKFLOWS.names()),
         taskset + "default_reward_fn_type": tuple(REWARD_FUNCTIONS.names()),
         taskset + "path": ("builtin:arithmetic",),
-        "model.model_path": ("builtin:tiny",),
+        "model.model_path": tuple(builtin_names()),
         "monitor.monitor_type": tuple(MONITOR_TYPES),
     }
 

@@ -20,7 +20,7 @@ import time
 from collections import defaultdict
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -51,6 +51,9 @@ from rftstream.training.memory import (
 from rftstream.training.schedule import lr_schedule
 from rftstream.training.world import env_world_size, per_rank_batch_size
 from rftstream.training.zero import embedding_rows, full_state_dict, tied_aliases
+
+if TYPE_CHECKING:
+    from rftstream.weights.codec import LoraWire
 
 log = logging.getLogger(__name__)
 
@@ -879,6 +882,28 @@ class PolicyTrainer:
         peft). Blocks; under ZeRO-3 a collective: every rank must call it."""
         state = full_state_dict(self.engine.module)
         return self.lora.merged(state) if self.lora is not None else state
+
+    def wire_state_dict(self, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+        """What ``sync_method: jetstream`` sends explorers: the policy's whole weights as
+        ``dtype`` CPU copies (converted in the one copy), tied aliases left out (engines
+        tie them again); with LoRA the adapter alone, in float32, named
+        ``<layer>.lora_A.weight`` / ``<layer>.lora_B.weight`` (see :meth:`lora_wire`).
+        Blocks; under ZeRO-3 a collective: every rank must call it."""
+        if self.lora is not None:
+            adapter = full_state_dict(self.engine.module, include=lambda k: ".lora_" in k)
+            return self.lora.adapter_state(adapter)
+        state = full_state_dict(self.engine.module, dtype=dtype)
+        for key in tied_aliases(self.engine.module):
+            state.pop(key, None)
+        return state
+
+    def lora_wire(self) -> LoraWire | None:
+        """With LoRA, the adapted layers and their scalings explorers merge with; else None."""
+        if self.lora is None:
+            return None
+        from rftstream.weights.codec import LoraWire
+
+        return LoraWire(layers=dict(self.lora.layers))
 
     def critic_state_dict(self) -> dict[str, torch.Tensor] | None:
         """The critic's weights (backbone and ``value_head``), whole, as detached CPU copies;

@@ -179,6 +179,22 @@ class LoraPolicy:
             out[f"{layer}.weight"] = merged.to(weight.dtype)
         return out
 
+    def adapter_state(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The adapter of the peft model's ``state`` as explorers receive it: for every
+        adapted layer, ``<layer>.lora_A.weight`` and ``<layer>.lora_B.weight`` in float32
+        (peft's and a wrapper's prefixes and the adapter's name dropped).
+
+        Raises:
+            KeyError: ``state`` lacks a tensor of an adapted layer.
+        """
+        plain = {_strip(k): v for k, v in state.items()}
+        out: dict[str, torch.Tensor] = {}
+        for layer in self.layers:
+            for part in ("lora_A", "lora_B"):
+                tensor = plain[f"{layer}.{part}.{self.adapter}.weight"]
+                out[f"{layer}.{part}.weight"] = tensor.to(torch.float32).contiguous()
+        return out
+
     def save(self, path: Path, state: dict[str, torch.Tensor]) -> None:
         """Write the merged weights of ``state`` (the peft model's state dict) as an HF
         checkpoint at ``path`` (safetensors, the base model's config), and the adapter

@@ -75,6 +75,7 @@ LEADER = 0
 _TRAIN = "train"
 _STATE_DICT = "state_dict"
 _CRITIC_STATE_DICT = "critic_state_dict"
+_WIRE_STATE_DICT = "wire_state_dict"
 _SAVE = "save_hf_checkpoint"
 _STOP = "stop"
 
@@ -246,6 +247,12 @@ class RankLeader:
         self._broadcast(_STATE_DICT)
         return self.policy.state_dict()
 
+    def wire_state_dict(self, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+        """The weights explorers receive (:meth:`PolicyTrainer.wire_state_dict`; every rank
+        joins the ZeRO-3 gather). Blocks."""
+        self._broadcast(_WIRE_STATE_DICT, str(dtype).removeprefix("torch."))
+        return self.policy.wire_state_dict(dtype)
+
     def critic_state_dict(self) -> dict[str, torch.Tensor] | None:
         """The critic's whole weights, or None without a critic. Blocks."""
         self._broadcast(_CRITIC_STATE_DICT)
@@ -318,6 +325,8 @@ def follow_leader(policy: PolicyTrainer) -> int:
             steps += 1
         elif command == _STATE_DICT:
             policy.state_dict()
+        elif command == _WIRE_STATE_DICT:
+            policy.wire_state_dict(getattr(torch, argument))
         elif command == _CRITIC_STATE_DICT:
             policy.critic_state_dict()
         elif command == _SAVE:

@@ -15,6 +15,8 @@ Stages 0 to 2 keep whole parameters on every rank: nothing is gathered.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 
@@ -23,8 +25,14 @@ def is_partitioned(param: torch.nn.Parameter) -> bool:
     return hasattr(param, "ds_id")
 
 
-def full_state_dict(module: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """``module.state_dict()`` with every tensor whole, detached, contiguous and on the CPU.
+def full_state_dict(
+    module: torch.nn.Module,
+    dtype: torch.dtype | None = None,
+    include: Callable[[str], bool] | None = None,
+) -> dict[str, torch.Tensor]:
+    """``module.state_dict()`` with every tensor whole, detached, contiguous and on the CPU
+    (and of ``dtype``, when given: floating-point tensors are converted in the same copy;
+    only the keys ``include`` accepts, when given).
 
     ZeRO-3 parameters are gathered with ``deepspeed.zero.GatheredParameters``
     (every rank receives the whole tensor). Keys that name the same parameter
@@ -39,8 +47,16 @@ def full_state_dict(module: torch.nn.Module) -> dict[str, torch.Tensor]:
     """
     params = dict(module.named_parameters(remove_duplicate=False))
     state = module.state_dict()
+    if include is not None:
+        state = {k: v for k, v in state.items() if include(k)}
+
+    def cpu(t: torch.Tensor) -> torch.Tensor:
+        if dtype is not None and t.is_floating_point():
+            return t.detach().to("cpu", dtype=dtype, copy=True).contiguous()
+        return t.detach().to("cpu", copy=True).contiguous()
+
     if not any(is_partitioned(p) for p in params.values()):
-        return {k: v.detach().to("cpu", copy=True).contiguous() for k, v in state.items()}
+        return {k: cpu(v) for k, v in state.items()}
     import deepspeed
 
     out: dict[str, torch.Tensor] = {}
@@ -48,12 +64,12 @@ def full_state_dict(module: torch.nn.Module) -> dict[str, torch.Tensor]:
     for key, value in state.items():
         param = params.get(key)  # None: a buffer
         if param is None or not is_partitioned(param):
-            out[key] = value.detach().to("cpu", copy=True).contiguous()
+            out[key] = cpu(value)
             continue
         whole = gathered.get(id(param))
         if whole is None:
             with deepspeed.zero.GatheredParameters([param], modifier_rank=None):
-                whole = param.data.detach().to("cpu", copy=True).contiguous()
+                whole = cpu(param.data)
             expected = tuple(param.ds_shape)
             if tuple(whole.shape) != expected:
                 raise RuntimeError(

@@ -47,7 +47,7 @@ async def test_limits_from_config_reach_every_stream(nats_url: str) -> None:
     async with await Bus.connect(nats_url, names, cfg, "t") as bus:
         await bus.provision()
         seen = {s: (await bus.transport.js.stream_info(s)).config for s in names.streams}
-    tasks, exp, dlq, metrics = (seen[s] for s in names.streams)
+    tasks, exp, dlq, metrics, weights = (seen[s] for s in names.streams)
     assert (tasks.max_bytes, tasks.max_msgs, tasks.discard) == (
         1_000_000,
         500,
@@ -64,11 +64,17 @@ async def test_limits_from_config_reach_every_stream(nats_url: str) -> None:
 
 
 async def test_defaults_bound_every_stream(nats_url: str) -> None:
+    """Every stream has a byte limit, but the weights stream: the trainer bounds it by
+    removing what came before the newest keyframe (test_weights_bus)."""
     names = RunNames("deflim")
     async with await Bus.connect(nats_url, names, NatsConfig(), "t") as bus:
         await bus.provision()
         for s in names.streams:
-            assert (await bus.transport.js.stream_info(s)).config.max_bytes > 0, s
+            limit = (await bus.transport.js.stream_info(s)).config.max_bytes
+            if s == names.weights_stream:
+                assert limit == -1
+            else:
+                assert limit > 0, s
 
 
 async def test_changed_limits_update_an_existing_stream(nats_url: str) -> None:

@@ -54,7 +54,7 @@ def test_clean_removes_a_finished_run_and_refuses_live_and_unfinished_ones(
 ) -> None:
     _setup(nats_url)
     before = anyio.run(_streams, nats_url, backend="asyncio")
-    assert len(_of("done", before)) == 6  # 4 streams, KV bucket, object store
+    assert len(_of("done", before)) == 7  # 5 streams, KV bucket, object store
 
     assert cli.main(["clean", "--nats-url", nats_url, "--all", "--dry-run"]) == 0
     out = capsys.readouterr().out

@@ -104,7 +104,13 @@ def test_operator_name_from_to_then_streams_tail_decode(
     )
     assert streams.returncode == 0, streams.stderr
     report = {r["name"]: r for r in json.loads(streams.stdout)["streams"]}
-    assert set(report) == {"RFT_ITEST_TASKS", "RFT_ITEST_EXP", "RFT_ITEST_DLQ", "RFT_ITEST_METRICS"}
+    assert set(report) == {
+        "RFT_ITEST_TASKS",
+        "RFT_ITEST_EXP",
+        "RFT_ITEST_DLQ",
+        "RFT_ITEST_METRICS",
+        "RFT_ITEST_WEIGHTS",
+    }
     exp = report["RFT_ITEST_EXP"]
     assert exp["subjects"] == {"rft.itest.exp.raw": 3, "rft.itest.exp.filtered": 2}
     consumers = {c["name"]: c for c in exp["consumers"]}

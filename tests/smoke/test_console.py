@@ -36,7 +36,15 @@ FORBIDDEN = ("Warning", "warn(", "DeepSpeed", "[WARNING]", "ld:", "%|", "noisy-l
 
 RICH_LOG = r"(\[\d\d/\d\d/\d\d \d\d:\d\d:\d\d\]| {19}) (INFO|WARNING) +\S.*"  # RichHandler
 STEP = r"step +\d+  reward +\S+  filtered +\d+  staleness +\S+  wait +\S+s  loss \S+"
-SUMMARY_LABELS = ("done in", "reward/mean:", "idle after step 1:", "curves:", "report:", "logs:")
+SUMMARY_LABELS = (
+    "done in",
+    "reward/mean:",
+    "idle after step 1:",
+    "weights sync:",
+    "curves:",
+    "report:",
+    "logs:",
+)
 UP_LINES = [
     r"NATS listening on nats://127\.0\.0\.1:\d+ \(JetStream store .*\)",
     r"run \S+  algorithm \S+  model \S+",
@@ -47,7 +55,8 @@ UP_LINES = [
     STEP,
     RICH_LOG,
     r" {29}\S.*",  # a wrapped log message
-    r"(done in \d+s:|reward/mean:|idle after step 1:|curves:|report:|logs:)( +\S.*)?",
+    r"(done in \d+s:|reward/mean:|idle after step 1:|weights sync:|curves:|report:|logs:)"
+    r"( +\S.*)?",
     r" {19}\S.*",  # a wrapped summary value
     r"/\S+",  # a path too long for the value column, on a line of its own
 ]

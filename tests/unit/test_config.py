@@ -503,7 +503,7 @@ NOT_A_CHOICE = [
         {"synchronizer": {"sync_method": "carrier_pigeon"}},
         "synchronizer.sync_method",
         "carrier_pigeon",
-        "checkpoint, memory, nccl",
+        "jetstream, checkpoint, memory, nccl",
     ),
     (
         {"explorer": {"rollout_model": {"engine_type": "sglang"}}},

@@ -67,6 +67,7 @@ def test_run_names() -> None:
         "RFT_MY_RUN_EXP",
         "RFT_MY_RUN_DLQ",
         "RFT_MY_RUN_METRICS",
+        "RFT_MY_RUN_WEIGHTS",
     )
     assert all(len(s) < 32 for s in RunNames("a" * 16).streams)
     assert n.exp_subject("train") == "rft.my_run.exp.train"

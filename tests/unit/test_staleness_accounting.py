@@ -22,7 +22,12 @@ from rftstream.config.schema import (
     Config,
     SynchronizerConfig,
 )
-from rftstream.subjects import KV_TRAINER_STARVING, KV_TRAINER_UNACKED, RunNames
+from rftstream.subjects import (
+    KV_TRAINER_STARVING,
+    KV_TRAINER_UNACKED,
+    KV_WEIGHTS_PENDING,
+    RunNames,
+)
 from rftstream.wire import TrainedUnacked, TrainerStarving, WeightsPointer
 
 pytestmark = pytest.mark.anyio
@@ -83,6 +88,8 @@ class World:
     async def get_json(self, key: str, typ: Any = None) -> Any:
         if key == KV_TRAINER_UNACKED:
             return self.trained_unacked
+        if key == KV_WEIGHTS_PENDING:  # memory sync: the pointer is written before the acks
+            return None
         assert key == KV_TRAINER_STARVING
         return self.starving
 

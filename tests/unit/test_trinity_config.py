@@ -43,8 +43,8 @@ def test_gsm8k_example_maps_and_warns_once_per_key(monkeypatch: pytest.MonkeyPat
         ]
     )
     sync_warning = next(m for m in messages if "synchronizer.sync_method" in m)
-    assert "CUDA" in sync_warning and "checkpoint" in sync_warning
-    assert cfg.synchronizer.sync_method == "checkpoint"
+    assert "CUDA" in sync_warning and "jetstream" in sync_warning
+    assert cfg.synchronizer.sync_method == "jetstream"
     assert cfg.name == "qwen2.5-1.5B-gsm8k"
     # runner_per_model 8 x engine_num 2
     assert cfg.explorer.runner_num == 8 * 2
@@ -306,7 +306,7 @@ def test_config_explain_prints_each_key_and_errors(
     assert "trainer.use_dynamic_bsz = True: micro-batches formed per step" in out
     assert "trainer.max_token_len_per_gpu = 16384: the micro-batch token budget" in out
     assert (
-        "synchronizer.sync_method = 'nccl': REPLACED by synchronizer.sync_method = 'checkpoint'"
+        "synchronizer.sync_method = 'nccl': REPLACED by synchronizer.sync_method = 'jetstream'"
         in out
     )
     assert "model.max_model_len = 2048" in out

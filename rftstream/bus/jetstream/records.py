@@ -45,14 +45,14 @@ def stream_state(info: api.StreamInfo) -> StreamState:
 
 
 def stream_config(spec: StreamSpec) -> api.StreamConfig:
-    """A :class:`StreamSpec` as the ``StreamConfig`` to create or update (file storage)."""
+    """A :class:`StreamSpec` as the ``StreamConfig`` to create or update."""
     return api.StreamConfig(
         name=spec.name,
         description=spec.description,
         subjects=list(spec.subjects),
         retention=_RETENTION[spec.retention],
         metadata=dict(spec.metadata),
-        storage=api.StorageType.FILE,
+        storage=api.StorageType.MEMORY if spec.storage == "memory" else api.StorageType.FILE,
         num_replicas=spec.num_replicas,
         max_msg_size=spec.max_msg_size,
         duplicate_window=spec.duplicate_window,
@@ -60,6 +60,7 @@ def stream_config(spec: StreamSpec) -> api.StreamConfig:
         max_msgs=spec.max_msgs,
         max_age=spec.max_age,
         discard=api.DiscardPolicy.OLD if spec.discard == "old" else api.DiscardPolicy.NEW,
+        allow_direct=spec.allow_direct or None,
     )
 
 

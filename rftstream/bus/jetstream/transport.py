@@ -490,9 +490,9 @@ class JetStreamTransport:
             raw = await self.js.get_last_msg(stream, subject)
         return StoredMsg(raw.subject or subject, int(raw.seq or 0), raw.data or b"", raw.headers)
 
-    async def get_msg(self, stream: str, seq: int) -> StoredMsg:
+    async def get_msg(self, stream: str, seq: int, *, direct: bool = False) -> StoredMsg:
         with self._api(f"message {seq} of stream {stream}", MessageNotFound):
-            raw = await self.js.get_msg(stream, seq)
+            raw = await self.js.get_msg(stream, seq, direct=direct)
         return StoredMsg(raw.subject or "", int(raw.seq or seq), raw.data or b"", raw.headers)
 
     # ------------------------------------------------------------ consumers

@@ -178,7 +178,7 @@ class MemoryTransport:
                 return StoredMsg(m.subject, seq, m.data, m.headers)
         raise MessageNotFound(f"stream {stream}: no message on {subject}")
 
-    async def get_msg(self, stream: str, seq: int) -> StoredMsg:
+    async def get_msg(self, stream: str, seq: int, *, direct: bool = False) -> StoredMsg:
         m = self._stream(stream).msgs.get(seq)
         if m is None:
             raise MessageNotFound(f"stream {stream}: no message {seq}")

@@ -1,4 +1,4 @@
-"""Moving policy weights from the trainer to explorers.
+"""Weights as files (``checkpoint``) or in one process's memory (``memory``).
 
 ``checkpoint``: the trainer writes ``<dir>/v<N>.safetensors`` (atomically:
 temp file + rename), and puts a :class:`WeightsPointer` (uri, sha256, version)
@@ -24,12 +24,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from rftstream.config import Config
-from rftstream.errors import RftError
+from rftstream.errors import WeightSyncError
 from rftstream.wire import WeightsPointer
-
-
-class WeightSyncError(RftError):
-    """Weights could not be published or loaded."""
 
 
 class _MemoryStore:
