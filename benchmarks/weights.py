@@ -337,10 +337,7 @@ def _targets(ours: list[RunResult]) -> list[str]:
             if not ok:
                 misses.append(f"{name} {fmt(value)} > {fmt(limit)} (seed {r.seed})")
         once = (
-            sent_sets is not None
-            and sent_sets <= LEAVE_ONCE
-            and len(got) == 2
-            and min(got) >= 0.8
+            sent_sets is not None and sent_sets <= LEAVE_ONCE and len(got) == 2 and min(got) >= 0.8
         )
         console.print(
             f"  target each version leaves the trainer once: the trainer sent "
@@ -373,7 +370,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--models", default="0.5b,tiny")
     ap.add_argument("--methods", default="checkpoint,jetstream")
     ap.add_argument("--seeds", type=int, default=1, help="runs of each model and method")
-    ap.add_argument("--quick", action="store_true", help="the tiny model only (`just bench --quick`)")
+    ap.add_argument(
+        "--quick", action="store_true", help="the tiny model only (`just bench --quick`)"
+    )
     args = ap.parse_args(argv)
     models = ["tiny"] if args.quick else [m.strip() for m in args.models.split(",") if m.strip()]
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
