@@ -35,14 +35,21 @@ lint: setup
     {{venv}}/bin/ruff format --check .
 
 # benchmarks: print figures and ratios against a baseline measured in the same run
-# (codec; the bus against raw nats-py; MIX vs GRPO reward per step; `just bench --quick`),
+# (codec; the bus against raw nats-py; MIX vs GRPO reward per step; weight sync, bus against
+# files; `just bench --quick`),
 # then rftstream against TRL's GRPOTrainer on the same workload (about 10 minutes on CPU)
 bench *ARGS: setup
     {{py}} -m pip install -qq --disable-pip-version-check -e '.[bench]'
     {{py}} benchmarks/run.py {{ARGS}}
     {{py}} benchmarks/bus.py {{ARGS}}
     {{py}} benchmarks/mix_vs_grpo.py {{ARGS}}
+    {{py}} benchmarks/weights.py {{ARGS}}
     {{py}} benchmarks/vs_trl.py
+
+# weight sync over the bus against checkpoint files, on a 0.5B-shaped model and the tiny one
+# (ARGS: --steps N, --models 0.5b,tiny, --seeds N; about 15 minutes on 2 cores)
+bench-weights *ARGS: setup
+    {{py}} benchmarks/weights.py {{ARGS}}
 
 # rftstream against TRL's GRPOTrainer only (ARGS: --variant default|longtail, --no-fixed, ...)
 bench-trl *ARGS: setup

@@ -8,7 +8,10 @@ received can be read afterwards), with two explorer processes
 * ``0.5B``: ``builtin:qwen2.5-0.5b-shape`` (Qwen2.5-0.5B's 24 blocks, 358M
   parameters, random weights; :mod:`rftstream.shaped_models`), explorers in bf16
   (``model.dtype: bfloat16``; the trainer in DeepSpeed bf16 with fp32 master
-  weights), batches of 2 tasks x 4 rollouts of 16 tokens, lr 1e-6;
+  weights), batches of 2 tasks x 4 rollouts of 16 tokens, lr 1e-6, rewarded by
+  the share of digits in the response (``plugins/digits.py``: random weights
+  never answer right, and a reward that is always 0 gives no gradient, no
+  update and an empty delta);
 * ``tiny``: the embedded default model (fp32), batches of 8 x 8, lr 2e-4.
 
 Both models are built before anything is timed. Per run, from the trainer's
@@ -60,7 +63,8 @@ from rich.table import Table
 
 from rftstream.bus.server import EmbeddedNatsServer, free_port
 
-console = Console()
+PLUGINS = Path(__file__).resolve().parent / "plugins"
+console = Console(width=150)  # the tables stay whole in logs and pipes
 RUN = "wbench"
 
 TARGET_SHARE = 0.05
@@ -115,6 +119,9 @@ def model_config(model: str, path: str, method: str, steps: int, seed: int) -> d
                 "taskset": {
                     "path": "builtin:arithmetic",
                     "default_workflow_type": "math_workflow",
+                    # random weights never answer right: a reward they earn some of, so the
+                    # trainer's updates (and the deltas) are a real run's (plugins/digits.py)
+                    "default_reward_fn_type": "digit_share_reward" if big else "math_reward",
                     "rollout_args": {"temperature": 1.0, "max_tokens": 16 if big else 6},
                 }
             },
@@ -167,7 +174,8 @@ def run_one(model: str, path: str, method: str, steps: int, seed: int, work: Pat
         with open(run_dir / "up.log", "w") as log:
             proc = subprocess.run(
                 [sys.executable, "-m", "rftstream.cli", "up", "--config", str(cfg_path)]
-                + ["--nats-url", url, "--run-dir", str(run_dir / "run")],
+                + ["--nats-url", url, "--run-dir", str(run_dir / "run")]
+                + ["--plugin-dir", str(PLUGINS)],
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 env={**os.environ, "PYTHONUNBUFFERED": "1"},
@@ -274,6 +282,7 @@ def report(results: list[RunResult]) -> list[str]:
             "trainer blocked",
             "share of step",
             "train step",
+            "step period",
             "trainer sent",
             "explorers got",
         ):
@@ -292,6 +301,7 @@ def report(results: list[RunResult]) -> list[str]:
                 _s(r.blocking_s),
                 _pct(r.share),
                 _s(r.train_s),
+                _s(r.period_s),
                 _mb(r.trainer_sent),
                 " / ".join(_mb(x) for x in r.explorers_received),
             )
@@ -373,12 +383,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--quick", action="store_true", help="the tiny model only (`just bench --quick`)"
     )
+    ap.add_argument("--keep", default="", help="keep the runs' directories here (else a temp dir)")
     args = ap.parse_args(argv)
     models = ["tiny"] if args.quick else [m.strip() for m in args.models.split(",") if m.strip()]
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     paths = build_models(models)
     results: list[RunResult] = []
-    with tempfile.TemporaryDirectory(prefix="rft-weights-bench-") as tmp:
+    with tempfile.TemporaryDirectory(prefix="rft-weights-bench-") as scratch:
+        tmp = args.keep or scratch
         for model in models:
             steps = args.steps if model == "0.5b" else args.tiny_steps
             for seed in range(args.seeds):

@@ -170,6 +170,8 @@ KV_WEIGHTS = "weights.latest"  # wire.WeightsPointer: where the newest published
 # wire.WeightsPending: the trainer's newest version, written before it acks the step's batch
 # (it may still be on its way to the weights stream: sync_method jetstream publishes it after)
 KV_WEIGHTS_PENDING = "weights.pending"
+# wire.KeyframeRequest: an explorer that cannot rebuild the delta chain asks for a keyframe
+KV_WEIGHTS_KEYFRAME = "weights.keyframe_request"
 KV_HEARTBEAT = "heartbeat.{actor}"
 KV_HEARTBEAT_PREFIX = KV_HEARTBEAT.format(actor="")  # every actor's heartbeat key starts so
 # the trainer's input and the spliced stages (protocol: rftstream.splice). Their records'

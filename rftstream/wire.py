@@ -10,7 +10,8 @@ append-only. In order:
 * the data plane: tasks (:class:`TaskMsg`), metrics (:class:`MetricsMsg`) and
   the headers of dead letters (``H_DLQ_*``);
 * the trainer's records in the run's KV bucket (``rft_<run>_state``):
-  ``weights.latest``, ``weights.pending``, ``trainer.checkpoint``,
+  ``weights.latest``, ``weights.pending``, ``weights.keyframe_request``,
+  ``trainer.checkpoint``,
   ``trainer.trained_unacked`` (the weights themselves, on the weights stream:
   :mod:`rftstream.weights.codec`);
 * the control plane: what actors write to that bucket and read back, with
@@ -46,6 +47,7 @@ from rftstream.subjects import (
     KV_TRAINER_UNACKED,
     KV_TRAINER_WAITING,
     KV_WEIGHTS,
+    KV_WEIGHTS_KEYFRAME,
     KV_WEIGHTS_PENDING,
 )
 
@@ -151,6 +153,18 @@ class WeightsPending(msgspec.Struct, kw_only=True):
 
     version: int
     incarnation: int
+    ts: float
+
+
+class KeyframeRequest(msgspec.Struct, kw_only=True):
+    """KV record ``weights.keyframe_request``: explorer ``actor`` refused weights ``version``
+    of trainer ``incarnation`` (a corrupt or lost part of its delta chain) and cannot
+    rebuild the deltas after it; the trainer's next version is a keyframe."""
+
+    actor: str
+    incarnation: int
+    version: int
+    reason: str
     ts: float
 
 
@@ -500,5 +514,6 @@ STATUS: Key[str] = Key(KV_STATUS, str)  # running | finished | failed | stopped
 TRAINER_STEP: Key[int] = Key(KV_TRAINER_STEP, int)  # the trainer's last finished step
 WEIGHTS_LATEST: Key[WeightsPointer] = Key(KV_WEIGHTS, WeightsPointer)
 WEIGHTS_PENDING: Key[WeightsPending] = Key(KV_WEIGHTS_PENDING, WeightsPending)
+WEIGHTS_KEYFRAME: Key[KeyframeRequest] = Key(KV_WEIGHTS_KEYFRAME, KeyframeRequest)
 TRAINER_CHECKPOINT: Key[CheckpointRecord] = Key(KV_TRAINER_CHECKPOINT, CheckpointRecord)
 TRAINER_UNACKED: Key[TrainedUnacked] = Key(KV_TRAINER_UNACKED, TrainedUnacked)

@@ -126,6 +126,9 @@ log = logging.getLogger(__name__)
 TASKS_DLQ_STAGE = "tasks"
 RETRY_MAX_S = 30.0  # the longest wait between two attempts to publish a group
 RECOUNT_S = 0.01  # a max_staleness pause taken while counts moved is re-checked this soon
+# max_staleness with jetstream: how long the trainer's newest version is awaited at most
+# before the explorer goes on with older weights (it never came: the trainer failed)
+COMING_WAIT_S = 60.0
 
 
 class Explorer:
@@ -188,6 +191,9 @@ class Explorer:
         # generation paused for the copy, seconds from reading the pointer to loaded)
         self.fetcher: WeightFetcher | None = None
         self._load_pauses: list[tuple[float, float]] = []
+        # max_staleness with jetstream: since when each trainer version has been awaited
+        self._coming_since: dict[tuple[int, int], float] = {}
+        self._coming_warned = False
 
     # ------------------------------------------------------------ run
     @property
@@ -806,16 +812,43 @@ class Explorer:
         elif self.policy.explorer_checks_before(step):
             await self._load(state, 0)
 
-    async def _trainer_version(self, state: RunState) -> tuple[int, int]:
-        """The trainer's newest weights (incarnation, version): ``weights.pending`` (written
-        before it acks the step's batch) or, when newer, ``weights.latest``; (0, 0)
-        before the first."""
+    async def _trainer_version(self, state: RunState) -> tuple[tuple[int, int], int]:
+        """The trainer's newest weights as (incarnation, version): ``weights.pending``
+        (written before it acks the step's batch) or, when newer, ``weights.latest``;
+        and the version ``weights.latest`` names (0 before the first of each)."""
         ptr = await state.latest_weights()
         pending = await state.get(WEIGHTS_PENDING)
-        newest = (ptr.incarnation, ptr.version) if ptr is not None else (0, 0)
+        published = (ptr.incarnation, ptr.version) if ptr is not None else (0, 0)
+        newest = published
         if pending is not None:
             newest = max(newest, (pending.incarnation, pending.version))
-        return newest
+        return newest, published[1]
+
+    async def _await_coming(self, state: RunState, key: tuple[int, int]) -> bool:
+        """``max_staleness`` with ``jetstream``: the trainer's version ``key`` is newer than
+        the bound allows generating with ours; wait up to a second for the fetcher to
+        stage it. Returns whether the caller should count again: False once the version
+        cannot come (refused), the run ended, or it has been awaited for
+        :data:`COMING_WAIT_S` (it never went out: the trainer failed or restarted), so
+        the explorer goes on rather than stall the run."""
+        assert self.fetcher is not None
+        if not self.fetcher.coming(key) or await state.status() in END_STATUSES:
+            return False
+        since = self._coming_since.setdefault(key, time.monotonic())
+        if time.monotonic() - since > COMING_WAIT_S:
+            if not self._coming_warned:
+                self._coming_warned = True
+                log.warning(
+                    "%s: the trainer's weights v%d have not reached this explorer in %.0fs; "
+                    "generating with v%d past max_staleness",
+                    self.name,
+                    key[1],
+                    COMING_WAIT_S,
+                    self._version(),
+                )
+            return False
+        await self.fetcher.wait_staged(key, 1.0)
+        return True
 
     async def _respect_staleness(self, state: RunState, step: int) -> int:
         """How many tasks step ``step`` may take within ``max_staleness``: ``buffer.batch_size``,
@@ -862,19 +895,19 @@ class Explorer:
                 if after is not None:
                     queued = queued.without_trained(before.trained - after.acked)
             backlog = queued.total + in_flight
-            trainer_key = await self._trainer_version(state)  # after the queues: it acks after
+            # after the queues: the trainer writes weights.pending before it acks
+            trainer_key, published = await self._trainer_version(state)
             newest = trainer_key[1]
             if not will_sync:
                 mine = self._version()
             elif self.fetcher is not None:  # what the swap at this step will bring
                 mine = self.fetcher.held[1]
-                if newest - mine > self.policy.max_staleness and self.fetcher.coming(trainer_key):
-                    # experience from our weights would break the bound whatever the backlog,
-                    # and the newest version is being fetched in the background: wait for it
-                    await self.fetcher.wait_staged(trainer_key, 1.0)
+                if newest - mine > self.policy.max_staleness and await self._await_coming(
+                    state, trainer_key
+                ):
                     continue
-            else:
-                mine = newest
+            else:  # the sync at this step loads weights.latest
+                mine = published
             # what starts now lands behind all of that: tasks in flight with older weights
             # publish first (_after_older_tasks), so a slow one is not pushed back by it
             room = self.policy.explorer_room(

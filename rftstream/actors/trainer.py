@@ -75,7 +75,7 @@ from rftstream.training import checkpoint as ckpt
 from rftstream.training.datasets import DatasetSource, load_dataset_experiences
 from rftstream.training.ranks import RankLeader
 from rftstream.weights import checkpoint_dir, save_weights
-from rftstream.weights.codec import WIRE_DTYPES
+from rftstream.weights.codec import SMALL_VERSION_BYTES, WIRE_DTYPES
 from rftstream.weights.publisher import WeightPublisher
 from rftstream.wire import (
     TRAINER_CHECKPOINT,
@@ -637,8 +637,11 @@ class Trainer:
         """
         record = await state.get(TRAINER_CHECKPOINT)
         previous = await state.latest_weights()
-        earlier = [r.incarnation for r in (record, previous) if r is not None]
+        pending = await state.get(WEIGHTS_PENDING)
+        earlier = [r.incarnation for r in (record, previous, pending) if r is not None]
         self.incarnation = max(earlier) + 1 if earlier else 0
+        if pending is not None:  # an earlier trainer's version that may never go out
+            await state.delete(WEIGHTS_PENDING.name)
         if record is None:
             return
         if not self.cfg.continue_from_checkpoint:
@@ -759,11 +762,13 @@ class Trainer:
         """Make version ``step`` available by ``synchronizer.sync_method``; what the trainer
         waits for is counted in ``sync/trainer_blocking_seconds``.
 
-        ``jetstream``: a snapshot in the wire dtype (blocks for the copy; a collective
-        under ZeRO-3), KV ``weights.pending``, then the publisher sends it in the
-        background (``inline``: now, before returning: a resumed trainer's first
-        version, before the publisher runs). ``checkpoint`` / ``memory``: the file or the
-        store, then the pointer, before returning.
+        First KV ``weights.pending`` (every method: explorers count ``max_staleness``
+        from it). ``jetstream``: then a snapshot in the wire dtype (blocks for the
+        copy; a collective under ZeRO-3), which the publisher sends in the background
+        (``inline``, or a version of at most ``SMALL_VERSION_BYTES``: now, before
+        returning: a resumed trainer's first version, before the publisher runs; a
+        small model's, whose publish takes milliseconds). ``checkpoint`` / ``memory``: the file or the store, then
+        the pointer, before returning.
         """
         method = self.cfg.synchronizer.sync_method
         t0 = time.perf_counter()
@@ -776,7 +781,10 @@ class Trainer:
             snapshot = await anyio.to_thread.run_sync(trainer.wire_state_dict, dtype)
             publisher = self._publisher(state, trainer)
             blocking = time.perf_counter() - t0
-            if inline:
+            small = sum(t.numel() * t.element_size() for t in snapshot.values())
+            if inline or small <= SMALL_VERSION_BYTES:
+                # a small version goes out before the batch is acked, as fast as in the
+                # background (the next step would hold the GIL) and sooner for explorers
                 await publisher.publish_now(step, step, snapshot, blocking)
             else:
                 publisher.submit(step, step, snapshot, blocking)

@@ -181,7 +181,10 @@ class RolloutEngine(ABC):
             return None
         state_dict, version, partial = staged
         t0 = time.perf_counter()
-        await self.load_weights(state_dict, version, partial=partial)
+        if partial:
+            await self.load_weights(state_dict, version, partial=True)
+        else:  # engines written before `partial` existed take two arguments
+            await self.load_weights(state_dict, version)
         return time.perf_counter() - t0
 
     @abstractmethod

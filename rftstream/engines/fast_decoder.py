@@ -92,6 +92,21 @@ class _Layer:
         self.o_b = attn.o_proj.bias
         self.down_w = mlp.down_proj.weight
 
+    def refill(self, layer: Any) -> None:
+        """Copy ``layer``'s current q/k/v and gate/up weights into the fused tensors made
+        from it (no new memory: a weight sync refills them every version)."""
+        attn, mlp = layer.self_attn, layer.mlp
+        with torch.no_grad():
+            torch.cat(
+                [attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight], 0, out=self.qkv_w
+            )
+            if self.qkv_b is not None:
+                torch.cat([attn.q_proj.bias, attn.k_proj.bias, attn.v_proj.bias], 0, out=self.qkv_b)
+            torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight], 0, out=self.gate_up_w)
+        self.o_w = attn.o_proj.weight
+        self.o_b = attn.o_proj.bias
+        self.down_w = mlp.down_proj.weight
+
 
 class FastDecoder:
     """The inference forward of a covered model (see :func:`unsupported_reason`).
@@ -124,8 +139,14 @@ class FastDecoder:
         self.refresh()
 
     def refresh(self) -> None:
-        """Rebuild the fused weights from the model's current parameters."""
-        self.layers = [_Layer(layer) for layer in self.model.model.layers]
+        """Bring the fused weights up to the model's current parameters (copied into the
+        ones made before, when there are)."""
+        blocks = list(self.model.model.layers)
+        if len(self.layers) == len(blocks):
+            for fused, layer in zip(self.layers, blocks, strict=True):
+                fused.refill(layer)
+        else:
+            self.layers = [_Layer(layer) for layer in blocks]
 
     # ------------------------------------------------------------ pieces
     def _rms(self, x: torch.Tensor, norm: Any) -> torch.Tensor:

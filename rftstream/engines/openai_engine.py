@@ -256,7 +256,9 @@ class OpenAIEngine(RolloutEngine):
                 alts.append([(t, v) for t, v in pairs if t is not None])
         return TokenScores(chosen, alts)
 
-    async def load_weights(self, state_dict: dict[str, torch.Tensor], version: int) -> None:
+    async def load_weights(
+        self, state_dict: dict[str, torch.Tensor], version: int, *, partial: bool = False
+    ) -> None:
         """Not possible for an external server: raises :class:`RftError`."""
         raise RftError(
             "explorer.rollout_model.engine_type 'openai' cannot load new weights (the model is "

@@ -51,6 +51,9 @@ from rftstream.model_loading import forward_kwargs, output_cache, quiet_progress
 
 log = logging.getLogger(__name__)
 
+# a staged version this small is copied on the event loop (well under a millisecond)
+STAGE_INLINE_BYTES = 1 << 20
+
 __all__ = ["SequenceSpec", "TransformersEngine", "quiet_progress_bars", "sample_sequences"]
 
 
@@ -567,16 +570,36 @@ class TransformersEngine(RolloutEngine):
             return
         async with self._stage_lock:
             self._staged_version = None
-            await anyio.to_thread.run_sync(self._stage_copy, state_dict, partial)
+            size = sum(t.numel() * t.element_size() for t in state_dict.values())
+            if size <= STAGE_INLINE_BYTES and self._spare is not None:  # no thread hop
+                copied = self._stage_copy(state_dict, partial)
+            else:
+                copied = await anyio.to_thread.run_sync(self._stage_copy, state_dict, partial)
+            if not copied:
+                self.double_buffer = False
+                await super().stage_weights(state_dict, version, partial=partial)
+                return
             self._staged_version = int(version)
 
-    def _stage_copy(self, state_dict: dict[str, torch.Tensor], partial: bool) -> None:
+    def _stage_copy(self, state_dict: dict[str, torch.Tensor], partial: bool) -> bool:
+        """Worker thread: copy into the second model (made here the first time). Returns
+        False when there is no memory for a second copy (nothing staged)."""
         if self._spare is None:
             import copy
 
-            self._spare = copy.deepcopy(self._model).eval()
+            try:
+                self._spare = copy.deepcopy(self._model).eval()
+            except (MemoryError, RuntimeError) as exc:  # torch's out-of-memory included
+                log.warning(
+                    "no memory for a second copy of the model (%s): weights are loaded in "
+                    "place from now on (synchronizer.double_buffer: false), pausing "
+                    "generation for the copy",
+                    exc,
+                )
+                return False
             self._spare_decoder = fast_decoder_for(self._spare) if self._decoder else None
         _copy_state(self._spare, self._spare_decoder, state_dict, partial, self.model_path)
+        return True
 
     async def swap_staged(self, *, wait: bool = True) -> float | None:
         """Swap the staged copy in between two batches (a pointer swap under the batcher's

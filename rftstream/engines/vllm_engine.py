@@ -705,8 +705,14 @@ class VLLMEngine(RolloutEngine):
         self,
         state_dict: Mapping[str, torch.Tensor] | str | os.PathLike[str],
         version: int,
+        *,
+        partial: bool = False,
     ) -> None:
         """Update the weights in place between requests, then set :attr:`model_version`.
+
+        ``partial``: the tensors are only the ones that changed (a LoRA run's merged
+        layers; ``sync_method: jetstream``): parameters they leave out keep their values
+        instead of failing the coverage check.
 
         ``state_dict``: tensors by Hugging Face name (written to one temporary
         safetensors file the workers read), or the path of a safetensors file
@@ -730,7 +736,7 @@ class VLLMEngine(RolloutEngine):
             async with self._gate.write():
                 if self._closed or self._engine is None:
                     raise RftError("rollout engine is closed")
-                await self._load_files(files)
+                await self._load_files(files, partial=partial)
                 self._version = int(version)
                 self.stats["weight_loads"] += 1
         finally:
@@ -738,7 +744,7 @@ class VLLMEngine(RolloutEngine):
                 with anyio.CancelScope(shield=True):
                     await anyio.to_thread.run_sync(_unlink, tmp)
 
-    async def _load_files(self, files: list[str]) -> None:
+    async def _load_files(self, files: list[str], *, partial: bool = False) -> None:
         try:
             results = await self._engine.collective_rpc(_RPC_LOAD, args=(files,))
         except Exception as exc:  # noqa: BLE001 - whatever the workers raised
@@ -748,7 +754,7 @@ class VLLMEngine(RolloutEngine):
             ) from exc
         for res in results or []:
             missing = (res or {}).get("missing") or []
-            if missing:
+            if missing and not partial:
                 raise RftError(
                     f"load_weights: the weights do not cover {len(missing)} parameter(s) of the "
                     f"vLLM model at {self.model_path!r}, e.g. {missing[:5]}"

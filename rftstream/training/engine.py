@@ -903,7 +903,10 @@ class PolicyTrainer:
             return None
         from rftstream.weights.codec import LoraWire
 
-        return LoraWire(layers=dict(self.lora.layers))
+        base = next(p for p in self.engine.module.parameters() if not p.requires_grad)
+        return LoraWire(
+            layers=dict(self.lora.layers), base_dtype=str(base.dtype).removeprefix("torch.")
+        )
 
     def critic_state_dict(self) -> dict[str, torch.Tensor] | None:
         """The critic's weights (backbone and ``value_head``), whole, as detached CPU copies;

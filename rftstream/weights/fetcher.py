@@ -19,13 +19,17 @@ Generation never waits for any of it: the explorer calls :meth:`swap` at its syn
 points (the sync policy decides when), which swaps the staged version in between
 two batches.
 
-A version that cannot be rebuilt or staged (a chunk missing or corrupt, a hash
-mismatch, a tensor of the wrong shape) is refused with one warning naming the
-version and the tensor (:class:`~rftstream.errors.WeightSyncError`): the engine
-keeps its weights, and the fetcher waits for the next version (from a keyframe:
-its delta base is gone). It never retries the same broken version, and every
-read is bounded, so nothing hangs. Cancelling :meth:`run` drops a fetch in
-progress (nothing staged from it).
+A version that cannot be rebuilt (a chunk or manifest missing or corrupt, a hash
+or digest mismatch) or staged (a tensor of the wrong shape) is refused with one
+warning naming the version and the tensor (:class:`~rftstream.errors.WeightSyncError`):
+the engine keeps its weights. When the delta chain cannot be rebuilt, the fetcher
+asks the trainer for a keyframe (KV ``weights.keyframe_request``: the trainer's
+next version is one) and skips the deltas built on the refused version meanwhile;
+it never fetches the same broken version twice. A read that fails for NATS
+reasons (a timeout, a lost connection) is not a broken version: the same one is
+tried again a second later. :meth:`wait_staged` returns as soon as the version it
+waits for is refused. Cancelling :meth:`run` drops a fetch in progress (nothing
+staged from it).
 """
 
 from __future__ import annotations
@@ -44,6 +48,8 @@ from rftstream.bus.state import RunState
 from rftstream.errors import BusError, MessageNotFound, RftError, WeightSyncError
 from rftstream.subjects import KV_WEIGHTS
 from rftstream.weights.codec import (
+    SMALL_VERSION_BYTES,
+    TENSOR_DTYPES,
     ChainLink,
     Decoder,
     LoraWire,
@@ -52,12 +58,21 @@ from rftstream.weights.codec import (
     tensors_in,
     to_tensor,
 )
-from rftstream.wire import WeightsPointer
+from rftstream.wire import WEIGHTS_KEYFRAME, KeyframeRequest, WeightsPointer
 
 log = logging.getLogger(__name__)
 
 WINDOW = 3  # chunk reads in flight
 REREAD_S = 2.0  # the pointer is re-read at least this often
+RETRY_S = 1.0  # after a read failed for NATS reasons
+
+
+class _Missing(WeightSyncError):
+    """A manifest or chunk is not in the stream (removed after a newer keyframe, or lost)."""
+
+
+class _Unreadable(WeightSyncError):
+    """A read failed for NATS reasons (timeout, connection): worth trying again."""
 
 
 @dataclass(frozen=True)
@@ -125,9 +140,12 @@ class WeightFetcher:
             return None
         try:
             pause = await self.engine.swap_staged(wait=wait)
-        except RftError as exc:
-            self._refuse(staged, f"weights v{staged[1]}: could not be swapped in: {exc}")
+        except Exception as exc:  # noqa: BLE001 - whatever the engine raised: keep ours
             self.staged = None
+            self._refuse(
+                staged,
+                f"weights v{staged[1]}: could not be swapped in: {type(exc).__name__}: {exc}",
+            )
             return None
         if pause is None:
             return None
@@ -137,19 +155,17 @@ class WeightFetcher:
 
     def coming(self, key: tuple[int, int]) -> bool:
         """Whether (incarnation, version) ``key`` will be held once fetched: newer than
-        what is held and not refused (then only a later version comes)."""
-        return key > self.held and key not in self._failed and not self._failed_since(key)
-
-    def _failed_since(self, key: tuple[int, int]) -> bool:
-        """A version at or before ``key`` of its incarnation, newer than ours, was refused:
-        ``key`` builds on it (until a keyframe) or is not announced yet."""
-        return any(self.held < f <= key for f in self._failed)
+        what is held, and neither it nor a version of its incarnation between ours and it
+        was refused (``key`` builds on that one, until a keyframe)."""
+        if key <= self.held or key in self._failed:
+            return False
+        return not any(f[0] == key[0] and self.held < f <= key for f in self._failed)
 
     async def wait_staged(self, want: tuple[int, int], timeout: float) -> bool:
         """Block until (incarnation, version) ``want`` or a newer one is held, at most
-        ``timeout`` s; returns whether it is (False at once when ``want`` was refused)."""
+        ``timeout`` s; returns whether it is (False as soon as it cannot come: refused)."""
         with anyio.move_on_after(timeout):
-            while self.held < want and want not in self._failed:
+            while self.held < want and self.coming(want):
                 await self._staged_event.wait()
         return self.held >= want
 
@@ -218,6 +234,23 @@ class WeightFetcher:
             "%s: %s; keeping weights v%d", self.name, message, self.engine.model_version or 0
         )
 
+    async def _ask_keyframe(self, key: tuple[int, int], reason: str) -> None:
+        """Ask the trainer for a keyframe (KV ``weights.keyframe_request``): the deltas after
+        ``key`` cannot be rebuilt here. Best effort: the trainer's own keyframes come anyway."""
+        try:
+            await self.state.put(
+                WEIGHTS_KEYFRAME,
+                KeyframeRequest(
+                    actor=self.name,
+                    incarnation=key[0],
+                    version=key[1],
+                    reason=reason[:300],
+                    ts=time.time(),
+                ),
+            )
+        except BusError as exc:
+            log.warning("%s: could not ask for a keyframe: %s", self.name, exc)
+
     async def _fetch(self, ptr: WeightsPointer) -> None:
         key = (ptr.incarnation, ptr.version)
         t0 = time.perf_counter()
@@ -229,12 +262,18 @@ class WeightFetcher:
                     f"{ptr.manifest_seq}) is v{top.version} of incarnation {top.incarnation}, "
                     f"run {top.run!r}"
                 )
+            if ptr.digest and top.digest != ptr.digest:
+                raise WeightSyncError(
+                    f"weights v{ptr.version}: the manifest at stream sequence "
+                    f"{ptr.manifest_seq} has digest {top.digest}, the pointer says {ptr.digest}"
+                )
             links = [*top.chain, ChainLink(top.version, ptr.manifest_seq)]
             broken = [
                 link.version for link in links if (top.incarnation, link.version) in self._failed
             ]
-            if broken:
-                self._failed.add(key)  # built on a version refused before: wait for a keyframe
+            if broken:  # built on a version refused before: a keyframe was asked for
+                self._failed.add(key)
+                self._changed()
                 log.info(
                     "%s: weights v%d build on v%d, which was refused; waiting for a keyframe",
                     self.name,
@@ -258,18 +297,26 @@ class WeightFetcher:
                 )
                 payload += await self._rebuild(manifest)
             fetch_s = time.perf_counter() - t0
-            t1 = time.perf_counter()
-            self.staged = None  # the engine's staged copy is being overwritten
-            await self._stage(top)
-            stage_s = time.perf_counter() - t1
-        except WeightSyncError as exc:
+        except _Unreadable as exc:  # NATS trouble: the same version again, a little later
+            log.warning("%s: %s; trying again", self.name, exc)
+            await anyio.sleep(RETRY_S)
+            return
+        except WeightSyncError as exc:  # missing or corrupt: the chain cannot be rebuilt
             self.decoder.reset()
-            newer = await self._newer_than(key)
-            if newer and "is missing" in str(exc):  # replaced while we read it: not broken
+            if isinstance(exc, _Missing) and await self._newer_than(key):
                 log.info("%s: %s; taking the newer version", self.name, exc)
-                return
+                return  # replaced while we read it: not broken
+            self._refuse(key, str(exc))
+            await self._ask_keyframe(key, str(exc))
+            return
+        t1 = time.perf_counter()
+        self.staged = None  # the engine's staged copy is being overwritten
+        try:
+            await self._stage(top)
+        except WeightSyncError as exc:  # the bytes are the trainer's; the engine refused them
             self._refuse(key, str(exc))
             return
+        stage_s = time.perf_counter() - t1
         self.staged = key
         self._changed()
         self.versions_total += 1
@@ -310,11 +357,11 @@ class WeightFetcher:
         try:
             return await self.bus.transport.get_msg(stream, seq, direct=True)
         except MessageNotFound as exc:
-            raise WeightSyncError(
+            raise _Missing(
                 f"{what} is missing from {stream} (removed after a newer keyframe, or lost)"
             ) from exc
         except BusError as exc:
-            raise WeightSyncError(f"{what}: cannot be read: {exc}") from exc
+            raise _Unreadable(f"{what}: cannot be read: {exc}") from exc
 
     async def _rebuild(self, manifest: Manifest) -> int:
         """Read ``manifest``'s chunks and rebuild the version into the decoder; returns the
@@ -342,8 +389,10 @@ class WeightFetcher:
                 read += len(msg.data)
             last = indices[-1] == n - 1
             datas = [got[i].data for i in indices]
-            # one worker-thread call per window: decoding, and at the end the checks
-            done = await anyio.to_thread.run_sync(_feed, assembly, datas, last)
+            if manifest.raw_bytes <= SMALL_VERSION_BYTES:  # a millisecond: no thread hop
+                done = _feed(assembly, datas, last)
+            else:  # one worker-thread call per window: decoding, at the end the checks
+                done = await anyio.to_thread.run_sync(_feed, assembly, datas, last)
         tensors = done if n else await anyio.to_thread.run_sync(assembly.finish)
         self.decoder.commit(manifest, tensors)
         return read
@@ -378,16 +427,25 @@ class WeightFetcher:
             if manifest.lora is not None:
                 state = await anyio.to_thread.run_sync(self._merge_lora, manifest.lora, state)
             await self.engine.stage_weights(state, manifest.version, partial=partial)
-        except RftError as exc:
-            raise WeightSyncError(f"weights v{manifest.version}: {exc}") from exc
+        except WeightSyncError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - the engine's own errors: named, weights kept
+            detail = str(exc) if isinstance(exc, RftError) else f"{type(exc).__name__}: {exc}"
+            raise WeightSyncError(f"weights v{manifest.version}: {detail}") from exc
 
     def _merge_lora(
         self, lora: LoraWire, adapter: dict[str, torch.Tensor]
     ) -> dict[str, torch.Tensor]:
         if self._lora_base is None:
-            self._lora_base = read_base_weights(
-                self.model_path, [f"{layer}.weight" for layer in lora.layers]
-            )
+            names = [f"{layer}.weight" for layer in lora.layers]
+            try:
+                self._lora_base = read_base_weights(self.model_path, names)
+            except WeightSyncError:
+                model = getattr(self.engine, "model", None)  # no safetensors: the engine's own
+                if model is None:
+                    raise
+                own = model.state_dict()
+                self._lora_base = {k: own[k].detach().clone() for k in names if k in own}
         return merge_lora(self._lora_base, lora, adapter)
 
 
@@ -430,8 +488,9 @@ def read_base_weights(model_path: str, names: list[str]) -> dict[str, torch.Tens
 def merge_lora(
     base: dict[str, torch.Tensor], lora: LoraWire, adapter: dict[str, torch.Tensor]
 ) -> dict[str, torch.Tensor]:
-    """``<layer>.weight = W + scaling * B @ A`` for every adapted layer (float32 product,
-    cast to ``W``'s dtype), as the trainer's merged checkpoints are. Raises
+    """``<layer>.weight = W + scaling * B @ A`` for every adapted layer (``W`` in the
+    trainer's ``base_dtype``; float32 product, cast to that dtype), as the trainer's
+    merged checkpoints are. Raises
     :class:`WeightSyncError` naming a tensor that is missing or does not fit."""
     out: dict[str, torch.Tensor] = {}
     for layer, scaling in lora.layers.items():
@@ -447,5 +506,6 @@ def merge_lora(
                 f"LoRA weights: {layer}: B {tuple(b.shape)} @ A {tuple(a.shape)} does not fit "
                 f"W {tuple(w.shape)}"
             )
+        w = w.to(TENSOR_DTYPES.get(lora.base_dtype, w.dtype))  # as the trainer holds it
         out[key] = (w.float() + scaling * (b @ a)).to(w.dtype)
     return out

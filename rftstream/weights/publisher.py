@@ -51,6 +51,7 @@ from rftstream.errors import BusError, WeightSyncError
 from rftstream.experience import H_ACTOR, H_SCHEMA
 from rftstream.weights.codec import (
     MANIFEST_SCHEMA,
+    SMALL_VERSION_BYTES,
     WEIGHTS_SCHEMA,
     EncodedTensor,
     Encoder,
@@ -61,7 +62,7 @@ from rftstream.weights.codec import (
     version_digest,
     wire_dtype_name,
 )
-from rftstream.wire import WeightsPointer
+from rftstream.wire import WEIGHTS_KEYFRAME, WeightsPointer
 
 log = logging.getLogger(__name__)
 
@@ -73,6 +74,8 @@ H_WEIGHTS_BYTES = "Rft-Weights-Bytes"  # the version's payload bytes (on the man
 _HEADROOM = 4096  # bytes of a chunk's max_payload left for its headers
 BATCH_BYTES = 8 * 1024 * 1024  # raw bytes of tensors one worker-thread call encodes
 CHAIN_CHECK_S = 2.0  # how often a delta's chain is checked to be still in the stream
+
+KEEP_REPLACED_S = 30.0  # what a keyframe replaced stays this long for readers still on it
 
 
 def _next_batch(tensors: Iterator[EncodedTensor]) -> list[EncodedTensor]:
@@ -147,7 +150,9 @@ class WeightPublisher:
         self._attempts: dict[int, int] = {}
         self._keyframe_first_seq = 0  # the newest keyframe's first chunk
         self._last_manifest_seq = 0
-        self._purge_below = 0  # after the next publish: what the newest keyframe replaced
+        # (first stream sequence, when) of each keyframe whose predecessors are still stored
+        self._purge_pending: list[tuple[int, float]] = []
+        self._keyframe_ts = 0.0  # wall clock of the newest keyframe (keyframe requests)
         self._chain_checked = 0.0
         self.versions_total = 0
         self.bytes_total = 0
@@ -218,18 +223,16 @@ class WeightPublisher:
     async def _publish_locked(self, job: _Job) -> SyncRecord:
         names = self.bus.names
         plan = self.encoder.begin(job.version, job.snapshot)  # sizes only: no thread needed
-        if plan.base is not None and not await self._chain_intact():
-            log.info(
-                "weights v%d: the delta chain from v%d is gone from %s; sending a keyframe",
-                job.version,
-                plan.keyframe,
-                names.weights_stream,
-            )
-            self.encoder.forget()
-            plan = self.encoder.begin(job.version, job.snapshot)
+        if plan.base is not None:
+            why = await self._keyframe_needed()
+            if why:
+                log.info("weights v%d: sending a keyframe: %s", job.version, why)
+                self.encoder.forget()
+                plan = self.encoder.begin(job.version, job.snapshot)
         attempt = self._attempts.get(job.version, 0)
         self._attempts = {job.version: attempt + 1}  # only the newest version matters
-        chunk_bytes = max(64 * 1024, self.bus.max_payload - _HEADROOM)
+        # a chunk and its headers (a few hundred bytes) fit max_payload
+        chunk_bytes = max(1024, self.bus.max_payload - min(_HEADROOM, self.bus.max_payload // 4))
         entries, seqs = await self._publish_payload(job, plan, chunk_bytes, attempt)
         dtype = entries[0].dtype if entries else wire_dtype_name(torch.float32)
         manifest = Manifest(
@@ -281,8 +284,10 @@ class WeightPublisher:
         )
         self._last_manifest_seq = ack.seq
         await self._purge_replaced()
-        if plan.base is None:  # what came before it goes at the next publish
-            self._keyframe_first_seq = self._purge_below = seqs[0]
+        if plan.base is None:  # what came before it goes once readers had time to finish
+            self._keyframe_first_seq = seqs[0]
+            self._keyframe_ts = time.time()
+            self._purge_pending.append((seqs[0], time.monotonic()))
         return SyncRecord(
             version=job.version,
             keyframe=plan.base is None,
@@ -319,17 +324,31 @@ class WeightPublisher:
             )
             seqs.append(ack.seq)
 
+        if plan.raw_bytes <= SMALL_VERSION_BYTES:  # a millisecond of CPU: no thread hops
+            for enc in self.encoder.tensors(plan, job.snapshot):
+                entries.append(enc.entry)
+                buf += memoryview(enc.data).cast("B")
+            for start in range(0, max(len(buf), 1), chunk_bytes):
+                await send_chunk(bytes(buf[start : start + chunk_bytes]))
+            return entries, seqs
         send, receive = anyio.create_memory_object_stream[list[EncodedTensor]](2)
         tensors = self.encoder.tensors(plan, job.snapshot)
+        failed: list[BaseException] = []
 
         async def encode() -> None:
             async with send:
                 while True:  # a worker thread per batch of tensors, not per tensor
-                    batch = await anyio.to_thread.run_sync(_next_batch, tensors)
+                    try:
+                        batch = await anyio.to_thread.run_sync(_next_batch, tensors)
+                    except WeightSyncError as exc:  # a tensor that cannot travel
+                        failed.append(exc)
+                        return
                     if not batch:
                         return
                     await send.send(batch)
 
+        # a chunk's publish or an encoding that fails ends the task group; its error is
+        # raised after it, as itself (not inside an exception group)
         async with anyio.create_task_group() as tg:
             tg.start_soon(encode)
             async with receive:
@@ -337,40 +356,57 @@ class WeightPublisher:
                     for enc in batch:
                         entries.append(enc.entry)
                         view = memoryview(enc.data).cast("B")
-                        while len(view):
+                        while len(view) and not failed:
                             take = chunk_bytes - len(buf)
                             buf += view[:take]
                             view = view[take:]
                             if len(buf) >= chunk_bytes:
-                                await send_chunk(bytes(buf))
+                                try:
+                                    await send_chunk(bytes(buf))
+                                except BusError as exc:
+                                    failed.append(exc)
+                                    tg.cancel_scope.cancel()
                                 buf = bytearray()
+        if failed:
+            raise failed[0]
         if buf or not seqs:
             await send_chunk(bytes(buf))
         return entries, seqs
 
-    async def _chain_intact(self) -> bool:
-        """Whether the stream still holds the newest keyframe and the last manifest (asked
-        at most every :data:`CHAIN_CHECK_S`: a chain lost meanwhile costs the explorers
-        the versions until the next check, which then sends a keyframe)."""
+    async def _keyframe_needed(self) -> str:
+        """Why the next version must be a keyframe, or "" for a delta: an explorer asked for
+        one (KV ``weights.keyframe_request``, newer than our last keyframe), or the chain
+        is gone from the stream (a server restart of a ``storage: memory`` stream, a
+        user's purge). The stream is asked at most every :data:`CHAIN_CHECK_S`."""
+        try:
+            request = await self.state.get(WEIGHTS_KEYFRAME)
+        except BusError:
+            request = None
+        if request is not None and request.ts > self._keyframe_ts:
+            return f"{request.actor} asked for one ({request.reason})"
         now = time.monotonic()
         if now - self._chain_checked < CHAIN_CHECK_S:
-            return True
+            return ""
         self._chain_checked = now
         try:
             st = await self.bus.transport.stream_state(self.bus.names.weights_stream)
-        except BusError:
-            return False
-        return (
-            0 < st.first_seq <= self._keyframe_first_seq and st.last_seq >= self._last_manifest_seq
-        )
+        except BusError as exc:
+            return f"the stream's state could not be read ({exc})"
+        if 0 < st.first_seq <= self._keyframe_first_seq and st.last_seq >= self._last_manifest_seq:
+            return ""
+        return f"the delta chain is gone from {self.bus.names.weights_stream}"
 
     async def _purge_replaced(self) -> None:
-        """Remove what came before the newest keyframe (best effort), one publish after it."""
-        below, self._purge_below = self._purge_below, 0
-        if below <= 0:
+        """Remove what came before a keyframe once it is :data:`KEEP_REPLACED_S` old and a
+        later version is out (best effort): an explorer still reading the older chain
+        had that long to finish."""
+        now = time.monotonic()
+        due = [seq for seq, at in self._purge_pending if now - at >= KEEP_REPLACED_S]
+        if not due:
             return
+        self._purge_pending = [(s, at) for s, at in self._purge_pending if s > max(due)]
         names = self.bus.names
         try:
-            await self.bus.transport.purge(names.weights_stream, names.weights_wildcard, below)
+            await self.bus.transport.purge(names.weights_stream, names.weights_wildcard, max(due))
         except BusError as exc:
             log.warning("could not remove old weights from %s: %s", names.weights_stream, exc)

@@ -21,6 +21,7 @@ from rftstream.subjects import RunNames
 from rftstream.weights.codec import LoraWire, decode_manifest, encode_manifest
 from rftstream.weights.fetcher import WeightFetcher
 from rftstream.weights.publisher import WeightPublisher
+from rftstream.wire import WEIGHTS_KEYFRAME
 
 pytestmark = [pytest.mark.integration, pytest.mark.anyio]
 
@@ -270,9 +271,15 @@ async def test_a_chain_removed_from_the_stream_makes_the_next_version_a_keyframe
         assert third.keyframe
 
 
-async def test_the_stream_keeps_only_the_newest_chain(nats_url: str, tiny_model_path: str) -> None:
-    """Each keyframe replaces what came before it, one publish later: a run that publishes
-    many versions holds about two keyframes' bytes, never more."""
+async def test_the_stream_keeps_only_the_newest_chain(
+    nats_url: str, tiny_model_path: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each keyframe replaces what came before it, at the first publish once it is
+    KEEP_REPLACED_S old (0 here): a run that publishes many versions holds about two
+    keyframes' bytes, never more."""
+    import rftstream.weights.publisher as pub
+
+    monkeypatch.setattr(pub, "KEEP_REPLACED_S", 0.0)
     engine = _engine(tiny_model_path)
     async with _bus(nats_url, "trainer") as tbus:
         publisher = WeightPublisher(tbus, RunState(await tbus.kv()), delta=False)
@@ -284,3 +291,90 @@ async def test_the_stream_keeps_only_the_newest_chain(nats_url: str, tiny_model_
             versions = {int(s.split(".")[-2]) for s in state.subjects}
             assert versions == ({v} if v == 1 else {v - 1, v}), versions
             assert state.bytes < 2.1 * max(sizes)
+
+
+async def test_replaced_versions_stay_a_while_for_slow_readers(
+    nats_url: str, tiny_model_path: str
+) -> None:
+    """An explorer still reading the chain a new keyframe replaced finds it for
+    KEEP_REPLACED_S (30 s) more."""
+    engine = _engine(tiny_model_path)
+    async with _bus(nats_url, "trainer") as tbus:
+        publisher = WeightPublisher(tbus, RunState(await tbus.kv()), delta=False)
+        for v in (1, 2, 3):
+            await publisher.publish_now(v, v, _trained(engine, v))
+        state = await tbus.transport.stream_state(NAMES.weights_stream, subjects_filter=">")
+        assert {int(s.split(".")[-2]) for s in state.subjects} == {1, 2, 3}
+
+
+async def test_an_explorer_that_lost_the_chain_gets_a_keyframe(
+    nats_url: str, tiny_model_path: str
+) -> None:
+    """A refused delta makes the fetcher ask for a keyframe (KV weights.keyframe_request);
+    the trainer's next version is one, and the explorer is back on the newest weights."""
+    engine = _engine(tiny_model_path)
+    async with _bus(nats_url, "trainer") as tbus, _bus(nats_url, "explorer") as ebus:
+        publisher = WeightPublisher(tbus, RunState(await tbus.kv()), keyframe_ratio=100.0)
+        fetcher = WeightFetcher(ebus, RunState(await ebus.kv()), engine, name="explorer")
+        await publisher.publish_now(1, 1, _trained(engine, 1))
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(fetcher.run)
+            await _until(lambda: fetcher.held == (0, 1))
+            tg.cancel_scope.cancel()
+        await _publish_broken(tbus, publisher, 2, _trained(engine, 2), "corrupt chunk")
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(fetcher.run)
+            await _until(lambda: fetcher.failures == 1)
+            assert not fetcher.coming((0, 2)) and not fetcher.coming((0, 3))
+            third = await publisher.publish_now(3, 3, _trained(engine, 3))
+            assert third.keyframe  # asked for: the deltas after v2 could not be rebuilt
+            await _until(lambda: fetcher.held == (0, 3))
+            tg.cancel_scope.cancel()
+        assert fetcher.failures == 1
+
+
+async def test_a_read_that_fails_for_nats_reasons_is_tried_again(
+    nats_url: str, tiny_model_path: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A timeout reading a chunk is NATS trouble, not a broken version: no refusal, no
+    keyframe request; the same version is fetched again and staged."""
+    import rftstream.weights.fetcher as fetch_module
+    from rftstream.errors import BusTimeout
+
+    monkeypatch.setattr(fetch_module, "RETRY_S", 0.05)
+    engine = _engine(tiny_model_path)
+    async with _bus(nats_url, "trainer") as tbus, _bus(nats_url, "explorer") as ebus:
+        publisher = WeightPublisher(tbus, RunState(await tbus.kv()))
+        await publisher.publish_now(1, 1, _trained(engine, 1))
+        real_get = ebus.transport.get_msg
+        failures = [2]
+
+        async def flaky(stream: str, seq: int, *, direct: bool = False) -> Any:
+            if failures[0] > 0:
+                failures[0] -= 1
+                raise BusTimeout(f"message {seq} of stream {stream}: timed out")
+            return await real_get(stream, seq, direct=direct)
+
+        monkeypatch.setattr(ebus.transport, "get_msg", flaky)
+        fetcher = WeightFetcher(ebus, RunState(await ebus.kv()), engine, name="explorer")
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(fetcher.run)
+            await _until(lambda: fetcher.held == (0, 1))
+            tg.cancel_scope.cancel()
+        assert fetcher.failures == 0 and failures[0] == 0
+        assert await RunState(await ebus.kv()).get(WEIGHTS_KEYFRAME) is None
+
+
+async def test_waiting_for_a_refused_version_returns_at_once(
+    nats_url: str, tiny_model_path: str
+) -> None:
+    engine = _engine(tiny_model_path)
+    async with _bus(nats_url, "trainer") as tbus, _bus(nats_url, "explorer") as ebus:
+        publisher = WeightPublisher(tbus, RunState(await tbus.kv()), delta=False)
+        fetcher = WeightFetcher(ebus, RunState(await ebus.kv()), engine, name="explorer")
+        await _publish_broken(tbus, publisher, 1, _trained(engine, 1), "hash mismatch")
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(fetcher.run)
+            with anyio.fail_after(10):  # not the 3600 s it may wait for a good version
+                assert not await fetcher.wait_staged((0, 1), 3600)
+            tg.cancel_scope.cancel()

@@ -153,3 +153,27 @@ def test_adapter_path_continues_training(
         torch.testing.assert_close(tensor, sent[name], rtol=0, atol=1e-6, msg=name)
     with pytest.raises(ConfigError, match=r"model\.lora_configs\[0\]\.path"):
         lora_trainer(tmp_path, tiny_model_path, path=str(tmp_path))
+
+
+def test_the_wire_carries_the_adapter_alone_and_explorers_merge_it_exactly(
+    trained: PolicyTrainer, tiny_model_path: str
+) -> None:
+    """``sync_method: jetstream`` sends the adapter only; the explorer's merge onto the
+    base weights it reads from ``model_path`` is bitwise the trainer's merged weights."""
+    from rftstream.weights.fetcher import merge_lora, read_base_weights
+
+    adapter = trained.wire_state_dict(torch.bfloat16)  # the adapter stays float32
+    lora = trained.lora_wire()
+    assert lora is not None and set(lora.layers) == {
+        n.removesuffix(".lora_A.weight") for n in adapter if n.endswith(".lora_A.weight")
+    }
+    assert len(adapter) == len(TARGETS) * 2 * 2 and all(".lora_" in n for n in adapter)
+    assert all(t.dtype == torch.float32 for t in adapter.values())
+    full = sum(t.numel() for t in load_causal_lm(tiny_model_path).parameters())
+    assert sum(t.numel() for t in adapter.values()) < 0.25 * full
+    base = read_base_weights(tiny_model_path, [f"{layer}.weight" for layer in lora.layers])
+    merged = merge_lora(base, lora, adapter)
+    sent = trained.state_dict()
+    assert set(merged) == {f"{layer}.weight" for layer in lora.layers}
+    for name, value in merged.items():
+        assert torch.equal(value, sent[name]), name
