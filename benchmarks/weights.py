@@ -260,7 +260,7 @@ def _mb(x: float | None) -> str:
 def _s(x: float | None, unit: str = "s") -> str:
     if x is None:
         return "-"
-    return f"{x * 1000:.2f} ms" if unit == "ms" else f"{x:.2f} s"
+    return f"{x * 1000:.2f} ms" if unit == "ms" or x < 1.0 else f"{x:.2f} s"
 
 
 def _pct(x: float | None) -> str:

@@ -20,9 +20,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
-import shutil
-import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -101,29 +98,16 @@ def ensure_shaped_model(
     """The directory of shaped model ``name`` (a key of :data:`SHAPES`), built first if it
     is not cached. Concurrent builders serialise on a lock file; the result appears by an
     atomic rename. Blocks."""
-    from rftstream.tiny_model import _build_lock, _cache_root
+    from rftstream.tiny_model import _cache_root, build_once
 
     say = progress or (lambda _msg: None)
-    root = _cache_root(cache_dir)
-    final = root / f"{name}-{shape_version(name)}"
-    if (final / _MARKER).is_file():
-        return final
-    root.mkdir(parents=True, exist_ok=True)
-    with _build_lock(root / f".{final.name}.lock"):
-        if (final / _MARKER).is_file():
-            return final
-        tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}-", dir=root))
-        try:
-            say(f"building {BUILTIN_PREFIX}{name} in {final} (one-time, random weights)")
-            build_shaped_model(name, tmp)
-            if final.exists():  # an incomplete leftover of a killed build
-                shutil.rmtree(final, ignore_errors=True)
-            os.replace(tmp, final)
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
-    say(f"{BUILTIN_PREFIX}{name} ready: {final}")
-    return final
+    return build_once(
+        _cache_root(cache_dir) / f"{name}-{shape_version(name)}",
+        lambda path: (path / _MARKER).is_file(),
+        lambda tmp: build_shaped_model(name, tmp),
+        say,
+        f"{BUILTIN_PREFIX}{name} (one-time, random weights)",
+    )
 
 
 def build_shaped_model(name: str, out_dir: str | Path) -> dict[str, Any]:

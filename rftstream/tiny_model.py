@@ -140,18 +140,37 @@ def ensure_tiny_model(
     and the result appears by an atomic rename.
     """
     say = progress or (lambda _msg: None)
-    root = _cache_root(cache_dir)
-    final = root / f"tiny-{tiny_model_version()}"
-    if _complete(final):
+    final = _cache_root(cache_dir) / f"tiny-{tiny_model_version()}"
+    return build_once(
+        final,
+        _complete,
+        lambda tmp: build_tiny_model(tmp, progress=say),
+        say,
+        "the tiny model (one-time, a few seconds)",
+    )
+
+
+def build_once(
+    final: Path,
+    complete: Callable[[Path], bool],
+    build: Callable[[Path], object],
+    say: Callable[[str], None],
+    what: str,
+) -> Path:
+    """``final`` once ``complete(final)``, else built there by ``build(tmp)`` first: into a
+    temporary directory beside it, renamed into place (an incomplete leftover of a
+    killed build is replaced), concurrent builders serialised on a lock file. Blocks."""
+    if complete(final):
         return final
+    root = final.parent
     root.mkdir(parents=True, exist_ok=True)
     with _build_lock(root / f".{final.name}.lock"):
-        if _complete(final):
+        if complete(final):
             return final
         tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}-", dir=root))
         try:
-            say(f"building the tiny model in {final} (one-time, a few seconds)")
-            build_tiny_model(tmp, progress=say)
+            say(f"building {what} in {final}")
+            build(tmp)
             if final.exists():  # incomplete leftover from a killed build
                 stale = Path(tempfile.mkdtemp(prefix=f".{final.name}-stale-", dir=root))
                 os.replace(final, stale / "old")
@@ -160,7 +179,7 @@ def ensure_tiny_model(
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
-    say(f"tiny model ready: {final}")
+    say(f"ready: {final}")
     return final
 
 

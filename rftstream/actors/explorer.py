@@ -54,7 +54,12 @@ Sync: before a step the explorer loads newer weights per the sync policy;
 with ``max_staleness`` it pauses while too much experience waits for the
 trainer. Only in the modes with a trainer (``both``), and never into an
 engine that cannot load weights (``engine_type: openai``); a load that fails
-keeps the current weights (logged).
+keeps the current weights (logged). With ``sync_method: jetstream`` a
+:class:`~rftstream.weights.fetcher.WeightFetcher` beside the steps fetches,
+checks and stages every new version in the background, and "loading" at a sync
+point is swapping the staged one in between two batches; ``max_staleness`` then
+counts from the trainer's newest version (``weights.pending``) and waits for a
+fetch that is behind rather than generate past the bound.
 
 Modes: ``mode: explore`` has no trainer: no weight sync, no staleness bound;
 the explorer stops when the task queue is drained or after

@@ -10,8 +10,11 @@ that generated each trained experience; ``staleness/counts`` the experiences per
 value), ``time/trainer_wait`` (time spent
 waiting for experience), ``experience/filtered`` and the algorithm's losses.
 
-Weights are published after the steps the sync policy names; an HF-format
-checkpoint is saved every ``trainer.save_interval`` steps and at the end.
+Weights are published after the steps the sync policy names (``sync_method:
+jetstream``: a snapshot, then a :class:`~rftstream.weights.publisher.WeightPublisher`
+sends it on the weights stream in the background; ``sync/*`` in each record says
+what it cost); an HF-format checkpoint is saved every ``trainer.save_interval``
+steps and at the end.
 
 Resuming (``trainer.save_interval`` > 0): at those steps and at the end the trainer
 also writes a resumable checkpoint (:mod:`rftstream.training.checkpoint`: DeepSpeed's

@@ -545,11 +545,12 @@ class MetricsStreamConfig(StreamLimitsConfig):
 
 class WeightsStreamConfig(StreamLimitsConfig):
     """``nats.streams.weights``: ``RFT_<RUN>_WEIGHTS``, the policy's versions with
-    ``synchronizer.sync_method: jetstream``. The trainer removes the versions before
-    the newest keyframe itself (a run keeps about two keyframes' bytes), so no limit
-    is set by default; ``storage: memory`` keeps them in the server's memory instead
-    of its store (faster on slow disks; lost when the server restarts, when the
-    trainer publishes a whole version again).
+    ``synchronizer.sync_method: jetstream``. The trainer removes what a keyframe
+    replaced 30 s after it (a run keeps about two keyframes and their deltas, at most
+    ``2 + weights_keyframe_ratio`` keyframes' bytes), so no limit is set by default;
+    ``storage: memory`` keeps them in the server's memory instead of its store
+    (faster on slow disks; lost when the server restarts, after which the trainer
+    sends a keyframe again within seconds).
     """
 
     storage: StorageKind = "file"

@@ -79,7 +79,9 @@ class _Unreadable(WeightSyncError):
 class FetchRecord:
     """One version fetched and staged: ``versions`` rebuilt on the way (1, or the
     chain from a keyframe), ``payload_bytes`` read, ``fetch_s`` from reading its
-    pointer to rebuilt, ``stage_s`` copying it into the engine."""
+    pointer to rebuilt, ``stage_s`` copying it into the engine; ``from_keyframe``:
+    it was a delta this explorer could not build on what it held, so it rebuilt the
+    chain from its keyframe."""
 
     version: int
     incarnation: int

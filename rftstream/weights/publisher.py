@@ -19,11 +19,14 @@ A version goes out once, whatever the number of explorers: each reads the
 stream. If the trainer submits a version while the previous one is still going
 out, it waits in a one-slot mailbox, and a newer one replaces it (an explorer
 wants the newest; deltas are taken against the last version published, so
-skipping is safe). After a keyframe is out, the next publish removes everything
-before it from the stream (one version of grace for explorers still reading the
-older chain). A delta is only sent while its chain is still in the stream (a
-server restart of a ``storage: memory`` stream, a user's purge): otherwise a
-keyframe.
+skipping is safe). A version of at most ``SMALL_VERSION_BYTES`` is encoded on the
+event loop (the trainer publishes it inline, :meth:`WeightPublisher.publish_now`).
+The first publish at least :data:`KEEP_REPLACED_S` after a keyframe removes
+everything before that keyframe from the stream (explorers still reading the
+older chain had that long). A delta is sent only while its chain is still in the
+stream (not after a server restart of a ``storage: memory`` stream, or a user's
+purge) and no explorer asked for a keyframe (KV ``weights.keyframe_request``:
+it refused a version of the chain); otherwise a keyframe.
 
 Every chunk and manifest carries a ``Nats-Msg-Id`` (``w:<incarnation>:<version>:
 <attempt>:<chunk>``), so a publish retried after a timeout is stored once.
