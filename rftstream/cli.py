@@ -66,6 +66,9 @@ console = Console(stderr=False)
 terminal = TerminalGuard(console)
 
 
+SUBJECTS_SHOWN = 6  # `rftstream streams`: a stream's first subjects by name, the rest counted
+
+
 def _config_args(p: argparse.ArgumentParser, *, log_help: str) -> None:
     """``--config``, ``--plugin-dir``, ``--set`` and ``--log-level``: what names a run's config."""
     p.add_argument(
@@ -825,7 +828,10 @@ def cmd_streams(args: argparse.Namespace) -> int:
     for col in ("stream", "consumer", "filter", "lag (pending)", "unacked", "redelivered"):
         consumers.add_column(col, overflow="fold")
     for r in rows:
-        subjects = ", ".join(f"{k} ({v})" for k, v in r.subjects.items()) or "-"
+        shown = list(r.subjects.items())
+        subjects = ", ".join(f"{k} ({v})" for k, v in shown[:SUBJECTS_SHOWN]) or "-"
+        if len(shown) > SUBJECTS_SHOWN:  # the weights stream: two subjects a version
+            subjects += f" and {len(shown) - SUBJECTS_SHOWN} more (--json lists them)"
         streams.add_row(r.name, str(r.messages), f"{r.bytes:,}", subjects, r.description)
         for c in r.consumers:
             consumers.add_row(
