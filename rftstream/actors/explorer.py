@@ -165,6 +165,7 @@ class Explorer:
             cfg.nats.streams.experience,
             name,
             subject_prefix=bus.names.exp_wildcard[:-1],
+            message_bytes=bus.max_payload,
         )
         self.model_path = model_path
         self.policy = SyncPolicy.from_config(cfg.synchronizer)

@@ -300,7 +300,11 @@ class ExperienceRoom:
     found room: a purge (a headers-only read of up to ``keep_acked_msgs`` messages,
     a KV write and the purge itself) never delays a publish. Without it, :meth:`wait`
     checks inline when its last check is older than :data:`CHECK_TTL_S` or found the
-    stream past half of :data:`HIGH_WATER`. Either way a full stream makes
+    stream past half of :data:`HIGH_WATER`. Between two checks it counts the
+    publishes it let through (each the size of the stream's average message, or
+    ``message_bytes`` while the stream was empty) and checks again before they
+    could reach :data:`HIGH_WATER`: a stale check never lets an explorer fill the
+    room the operators and the trainer publish into. Either way a full stream makes
     :meth:`wait` block, warning once per wait (naming the stream and the config
     key), until a check finds room. The server's own limit (``discard: new``) stays
     the hard bound: a check a fraction of a second old only decides whether to wait
@@ -316,8 +320,12 @@ class ExperienceRoom:
         *,
         state: RunState | None = None,
         subject_prefix: str = "",
+        message_bytes: int = 0,
     ) -> None:
         self.transport = transport
+        # the most one publish may add (max_payload): the size assumed for each publish
+        # while the last check saw an empty stream (0: a 64th of max_bytes)
+        self.message_bytes = message_bytes
         self.stream = stream
         self.cfg = cfg
         self.actor = actor
@@ -332,6 +340,8 @@ class ExperienceRoom:
         self.limit_hits = 0  # checks that found a discard-old stream at its limit with work left
         self._checked_at = -1e9
         self._fill = 1.0  # share of the tightest limit in use at the last check
+        self._stored = (0, 0)  # (bytes, messages) in the stream at the last check
+        self._since = 0  # publishes let through since the last check
         self._room = False  # whether the last check found room
         self._reported_head = 0
         self._keeping = False  # a keep() loop is running: wait() reads its results
@@ -357,6 +367,7 @@ class ExperienceRoom:
             self.check_s += time.monotonic() - started
         self._checked_at = time.monotonic()
         self._fill = fill_ratio(res.bytes, res.messages, self.cfg)
+        self._stored, self._since = (res.bytes, res.messages), 0
         self.purged += res.purged
         self._report_loss(res)
         self._room = not experience_full(res.bytes, res.messages, self.cfg)
@@ -399,13 +410,29 @@ class ExperienceRoom:
             raise self._keep_error
         return self._room
 
+    def _projected(self) -> float:
+        """The fill the last check saw, plus the publishes let through since, each the
+        size of the stream's average message then (an explorer's own groups cannot
+        fill the stream behind a stale check: the operators and the trainer need the
+        room above :data:`HIGH_WATER` to publish into)."""
+        stored_bytes, stored_msgs = self._stored
+        if stored_msgs:
+            each = stored_bytes / stored_msgs
+        else:  # nothing seen to go by: the largest message there may be
+            each = float(self.message_bytes or max(self.cfg.max_bytes, 0) / 64)
+        return fill_ratio(
+            int(stored_bytes + self._since * each), stored_msgs + self._since, self.cfg
+        )
+
     def _room_known(self) -> bool:
         """Whether the last check answers for a publish now, without a round trip."""
         if self._keeping:
             if self._keep_error is not None:
                 raise self._keep_error
-            return self._room and self._checked_at > 0
-        return self._fill < HIGH_WATER / 2 and time.monotonic() - self._checked_at < CHECK_TTL_S
+            return self._room and self._checked_at > 0 and self._projected() < HIGH_WATER
+        return (
+            self._projected() < HIGH_WATER / 2 and time.monotonic() - self._checked_at < CHECK_TTL_S
+        )
 
     def _report_loss(self, res: PurgeResult) -> None:
         """Warn (naming the stream and key) when its limits may have removed unread experience."""
@@ -445,9 +472,13 @@ class ExperienceRoom:
 
         Raises :class:`BusError` when the stream cannot be read.
         """
-        if not self.bounded or self._room_known():
+        if not self.bounded:
+            return True
+        if self._room_known():
+            self._since += 1
             return True  # room when last seen: no round trip
         if await self._next_check():
+            self._since += 1
             return True
         started = time.monotonic()
         log.warning(
@@ -464,6 +495,7 @@ class ExperienceRoom:
                 if not self._keeping:
                     await anyio.sleep(RECHECK_S)
                 if await self._next_check():
+                    self._since += 1
                     return True
                 if ended is not None and await ended():
                     return False

@@ -164,7 +164,11 @@ async def test_long_run_stays_under_its_bound_and_trains_everything(tmp_path: Pa
         ):
             await ex.provision()
             room = ExperienceRoom(
-                ex.transport, names.exp_stream, cfg.streams.experience, "explorer"
+                ex.transport,
+                names.exp_stream,
+                cfg.streams.experience,
+                "explorer",
+                message_bytes=ex.max_payload,
             )
 
             async def explorer() -> None:

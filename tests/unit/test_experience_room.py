@@ -138,3 +138,37 @@ async def test_a_stream_that_cannot_be_read_fails_the_wait(keeping: bool) -> Non
                 await room.wait()
             assert len(reads) == 1  # keep loop: its failure, raised without a read of our own
             tg.cancel_scope.cancel()
+
+
+@pytest.mark.parametrize("keeping", [False, True])
+async def test_publishes_behind_a_stale_check_never_fill_the_stream(keeping: bool) -> None:
+    """Between two reads of the stream, the room counts the publishes it let through (each
+    the stream's average message, or ``message_bytes`` while it was empty): the explorer
+    stops for a fresh read before its own groups could pass HIGH_WATER, so operators and
+    the trainer always have room to publish into (a stale 'room' used to let an explorer
+    fill the stream and deadlock the pipeline behind it)."""
+    bus = await _bus(max_bytes=100_000, purge_acked=False)
+    exp = msgspec.convert({"max_bytes": 100_000, "purge_acked": False}, ExperienceStreamConfig)
+    room = ExperienceRoom(
+        bus.transport, NAMES.exp_stream, exp, "explorer", subject_prefix=PREFIX, message_bytes=9000
+    )
+    published = 0
+
+    async def publish_while_there_is_room() -> None:
+        nonlocal published
+        while True:
+            with anyio.move_on_after(0.5):
+                await room.wait()
+                await bus.publish(NAMES.exp_subject(RAW_STAGE), b"x" * 8000, msg_id=f"m{published}")
+                published += 1
+                continue
+            return  # held: the stream is at its high water
+
+    with anyio.fail_after(10):
+        async with anyio.create_task_group() as tg:
+            if keeping:
+                tg.start_soon(room.keep)
+            await publish_while_there_is_room()
+            tg.cancel_scope.cancel()
+    stored = (await bus.transport.stream_state(NAMES.exp_stream)).bytes
+    assert 0.7 * 100_000 <= stored <= 0.8 * 100_000 + 8000  # stopped at the high water
