@@ -123,7 +123,7 @@ def _explorer(max_staleness: int) -> Any:
         ),
     )
     # no transport: the experience stream is unbounded here (the World counts what it holds)
-    bus = SimpleNamespace(names=RunNames("t"), transport=None)
+    bus = SimpleNamespace(names=RunNames("t"), transport=None, max_payload=8 << 20)
     explorer = Explorer(cfg, bus, model_path="unused")  # type: ignore[arg-type]
     explorer.engine = SimpleNamespace(model_version=0)
     return explorer
