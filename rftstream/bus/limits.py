@@ -52,7 +52,7 @@ RECHECK_S = 0.25
 CHECK_TTL_S = 0.5
 
 #: the stream keys of ``nats.streams``, with the role each stream has
-STREAM_KEYS = ("tasks", "experience", "dead_letter", "metrics")
+STREAM_KEYS = ("tasks", "experience", "dead_letter", "metrics", "weights")
 
 
 class StreamLimitWarning(UserWarning):
@@ -83,6 +83,13 @@ def limit_warnings(streams: StreamsConfig) -> list[str]:
         out.append(
             f"config key `nats.streams.experience.max_age`: experience older than {exp.max_age:g}s "
             "is removed whether it was trained or not"
+        )
+    weights = streams.weights
+    if weights.max_bytes > 0 or weights.max_msgs > 0 or weights.max_age > 0:
+        out.append(
+            "config key `nats.streams.weights`: a limit can remove versions explorers still "
+            "need (a keyframe and its deltas); the trainer bounds the stream itself, and an "
+            "explorer that finds a version gone asks for a keyframe and waits for it"
         )
     tasks = streams.tasks
     if tasks.discard == "old" and (tasks.max_bytes > 0 or tasks.max_msgs > 0):

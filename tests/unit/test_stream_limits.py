@@ -139,6 +139,7 @@ def _cfg(**streams: dict):
         ({"dead_letter": {"max_age": -1}}, "nats.streams.dead_letter.max_age"),
         ({"experience": {"keep_acked_msgs": -1}}, "nats.streams.experience.keep_acked_msgs"),
         ({"experience": {"max_bytes": 1000}}, "nats.streams.experience.max_bytes"),
+        ({"weights": {"max_msgs": 0}}, "nats.streams.weights.max_msgs"),
     ],
 )
 def test_bad_limits_name_their_key(streams: dict, key: str) -> None:
@@ -167,3 +168,15 @@ def test_a_partial_table_keeps_that_streams_defaults() -> None:
     assert cfg.nats.streams.tasks.max_bytes == StreamsConfig().tasks.max_bytes > 0
     assert cfg.nats.streams.dead_letter.discard == "old"
     assert cfg.nats.streams.dead_letter.max_bytes == 256 * 1024**2
+
+
+def test_a_limit_on_the_weights_stream_warns_naming_the_key() -> None:
+    """The trainer bounds the weights stream itself; a limit of the user's can remove a
+    chain explorers still need."""
+    assert StreamsConfig().weights.max_bytes == -1
+    cfg = _cfg(weights={"max_bytes": 10**9})
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        validate_config(cfg)
+    texts = [str(w.message) for w in seen if issubclass(w.category, StreamLimitWarning)]
+    assert any("`nats.streams.weights`" in t and "keyframe" in t for t in texts), texts
