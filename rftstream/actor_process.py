@@ -163,23 +163,31 @@ class ActorProcess:
 
         from rftstream.bus.jetstream.connect import secrets_to_env
         from rftstream.config.loader import dump_config_yaml
+        from rftstream.run_lock import write_private
 
         cfg = self.run.cfg
         model = msgspec.structs.replace(cfg.model, model_path=self.run.model_path)
         # the file never holds a NATS secret: the child gets it in its environment
         nats_cfg, secret_env = secrets_to_env(cfg.nats)
         self.env.update(secret_env)
-        self.config_path.parent.mkdir(parents=True, exist_ok=True)
-        self.config_path.write_text(
-            dump_config_yaml(msgspec.structs.replace(cfg, model=model, nats=nats_cfg))
+        write_private(  # 0600: nothing secret in it, but nobody else's business either
+            self.config_path,
+            dump_config_yaml(msgspec.structs.replace(cfg, model=model, nats=nats_cfg)).encode(),
         )
 
     async def __aenter__(self) -> ActorProcess:
         self._write_config()
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         self._log_file = self.log_path.open("ab")  # closed in __aexit__; a local file
+        await self._spawn()
+        return self
+
+    async def _spawn(self) -> None:
+        """Start the child process (its output appended to its log)."""
         env = dict(os.environ, PYTHONUNBUFFERED="1", **self.env)
         if self.child_console is not None:
+            if self._forwarder is not None:  # a restart: the dead child's pipe is drained
+                self._forwarder.join()
             self._forwarder = RecordForwarder(self.child_console.emit)
         # spawned from the event loop's (main) thread: PR_SET_PDEATHSIG follows that thread
         try:
@@ -202,19 +210,39 @@ class ActorProcess:
             "+".join(self.roles),
             self.log_path,
         )
-        return self
+
+    async def restart(self) -> None:
+        """Start the child again after it exited (the same roles, names and log). Blocks
+        only for the spawn."""
+        assert self.process is not None and self.process.returncode is not None
+        await self._spawn()
+
+    @staticmethod
+    def failed(code: int | None) -> bool:
+        """Whether exit ``code`` is a failure (not 0, not a stop by SIGTERM or SIGINT)."""
+        return code not in (0, -signal.SIGTERM, 128 + signal.SIGTERM, 130, None)
+
+    def failure(self, code: int | None) -> RftError:
+        """The error of a failed exit ``code``: the child, its code and its log's tail."""
+        tail = _log_tail(self.log_path)
+        how = f"was killed by {signal.Signals(-code).name}" if code and code < 0 else ""
+        return RftError(
+            f"the {self.name} process ({'+'.join(self.roles)}) "
+            + (how or f"exited with code {code}")
+            + f"; its log {self.log_path} ends with:\n{tail}"
+        )
+
+    async def wait(self) -> int:
+        """Wait for the child to exit; its exit code (negative: the killing signal)."""
+        assert self.process is not None
+        return await self.process.wait()
 
     async def watch(self) -> None:
         """Wait for the child to exit; raise :class:`RftError` if it failed (not if it was
         stopped by :meth:`stop`)."""
-        assert self.process is not None
-        code = await self.process.wait()
-        if code not in (0, -signal.SIGTERM, 128 + signal.SIGTERM, 130):
-            tail = _log_tail(self.log_path)
-            raise RftError(
-                f"the {self.name} process ({'+'.join(self.roles)}) exited with code {code}; "
-                f"its log {self.log_path} ends with:\n{tail}"
-            )
+        code = await self.wait()
+        if self.failed(code):
+            raise self.failure(code)
 
     async def stop(self, grace: float = 0.0) -> int | None:
         """Wait ``grace`` s for the child to end, then SIGTERM it, then SIGKILL. Returns its
@@ -357,8 +385,14 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         load_plugins(args.plugin_dir)
         cfg = load_config(args.config, validate=False)
-        run = prepare_run(cfg, run_dir=args.run_dir, nats_url=args.nats_url, source=args.config)
         roles = tuple(r for r in args.roles.split(",") if r)
+        run = prepare_run(
+            cfg,
+            run_dir=args.run_dir,
+            nats_url=args.nats_url,
+            source=args.config,
+            roles=tuple("trainer" if r == TRAINER_RANK_ROLE else r for r in roles),
+        )
         log.info(
             "running %s of run %s%s (%.1fs to start)",
             "+".join(roles),

@@ -118,6 +118,13 @@ def build_parser() -> argparse.ArgumentParser:
         "up", help="start NATS (unless --nats-url) and every actor; train until done"
     )
     _common(up, need_url=False)
+    up.add_argument(
+        "--fresh",
+        action="store_true",
+        help="start the run over: the earlier run's files in the run dir move to "
+        "<run-dir>.<timestamp> (never deleted). Without it, an earlier run that did not "
+        "finish (killed, crashed, stopped) continues from its newest checkpoint",
+    )
     for role in ("explorer", "operator", "trainer"):
         p = sub.add_parser(role, help=f"run the {role} actor alone against an existing NATS server")
         _common(p, need_url=True)
@@ -322,7 +329,9 @@ def _setup_logging(run_dir: Path, level: str) -> Callable[[], None]:
 child_console: ChildConsole | None = None
 
 
-def _prepare(args: argparse.Namespace) -> Any:
+def _prepare(
+    args: argparse.Namespace, *, start_logging: bool = True, roles: tuple[str, ...] | None = None
+) -> Any:
     from rftstream.plugin_loader import load_plugins
     from rftstream.runtime import prepare_run
 
@@ -336,15 +345,46 @@ def _prepare(args: argparse.Namespace) -> Any:
             nats_url=args.nats_url,
             progress=lambda msg: console.log(msg),
             source=source,
+            roles=roles,
         )
     run.plugin_dirs = tuple(str(Path(d).resolve()) for d in args.plugin_dir or ())
-    _setup_logging(run.run_dir, args.log_level)
+    if start_logging:
+        _setup_logging(run.run_dir, args.log_level)
     return run
 
 
-def cmd_up(args: argparse.Namespace) -> int:
+def _up_holding(run: Any, args: argparse.Namespace, *, stage: bool = False) -> int:
+    """``up`` of one prepared run: take its run dir (lock; continue or start over, see
+    :mod:`rftstream.run_start`) before any file is written there, then start its logs and
+    run it; the lock's record gets how the run ended. ``stage``: one stage of a
+    multi-stage config, skipped when it finished earlier. Blocks until the run ends."""
+    from rftstream.run_start import claim_run_dir
     from rftstream.up import run_up
 
+    claim = claim_run_dir(
+        run.run_dir, fresh=bool(getattr(args, "fresh", False)), keep_finished=stage
+    )
+    if claim.finished:
+        console.print(f"[yellow]{escape(claim.note or '')}[/]", soft_wrap=True)
+        claim.lock.release("done")
+        return 0
+    status = "failed"
+    try:
+        stop_logging = _setup_logging(run.run_dir, args.log_level)
+        try:
+            code = run_up(run, console=console, child_console=child_console, claim=claim)
+        finally:
+            stop_logging()
+        status = "done" if code == 0 else "stopped" if code == 130 else "failed"
+        return code
+    except KeyboardInterrupt:
+        status = "stopped"
+        raise
+    finally:
+        claim.lock.release(status)  # type: ignore[arg-type]
+
+
+def cmd_up(args: argparse.Namespace) -> int:
     terminal.start()
     if args.config:
         from rftstream.config.stages import load_stages
@@ -354,14 +394,13 @@ def cmd_up(args: argparse.Namespace) -> int:
         stages = load_stages(args.config, list(args.set))
         if stages:
             return _up_stages(args, stages)
-    run = _prepare(args)
-    return run_up(run, console=console, child_console=child_console)
+    run = _prepare(args, start_logging=False)
+    return _up_holding(run, args)
 
 
 def _up_stages(args: argparse.Namespace, stages: list[Any]) -> int:
     """``rftstream up`` of a config with ``stages``: see :mod:`rftstream.up_stages`."""
     from rftstream.runtime import prepare_run
-    from rftstream.up import run_up
     from rftstream.up_stages import run_stages
 
     plugin_dirs = tuple(str(Path(d).resolve()) for d in args.plugin_dir or ())
@@ -383,9 +422,8 @@ def _up_stages(args: argparse.Namespace, stages: list[Any]) -> int:
     return run_stages(
         stages,
         prepare=prepare,
-        run_up=lambda run: run_up(run, console=console, child_console=child_console),
+        run_up=lambda run: _up_holding(run, args, stage=True),
         console=console,
-        start_logging=lambda run: _setup_logging(run.run_dir, args.log_level),
     )
 
 
@@ -494,7 +532,7 @@ def _launched_ranks(args: argparse.Namespace) -> int | None:
     rank = env_rank()
     if rank > 0:
         console.quiet = True  # the launcher's terminal shows rank 0; errors still print
-    run = _prepare(args)
+    run = _prepare(args, roles=("trainer",))
     declared = run.cfg.trainer.n_gpus_per_node
     if declared not in (1, world):
         raise RftError(
@@ -520,7 +558,7 @@ def cmd_actor(args: argparse.Namespace) -> int:
         ranks = _launched_ranks(args)
         if ranks is not None:
             return ranks
-    run = _prepare(args)
+    run = _prepare(args, roles=(args.command,))
     url = args.nats_url or ",".join(server_urls(run.cfg.nats))  # else nats.url / nats.servers
     check_standalone_sync(run.cfg, args.command)
     console.print(
@@ -716,8 +754,26 @@ def _print_status(r: dict[str, Any]) -> None:
 
 
 def _names(args: argparse.Namespace) -> tuple[Any, Any]:
-    cfg, _ = load_run_config(args)
+    cfg = getattr(args, "inspect_cfg", None)
+    if cfg is None:
+        cfg, _ = load_run_config(args)
     return cfg, RunNames(run_id_from_name(cfg.name), name=cfg.name)
+
+
+INSPECTING = ("status", "streams", "tail", "account")  # commands that read a run's server
+
+
+def _inspecting(args: argparse.Namespace, command: Callable[[], int]) -> int:
+    """Run an inspecting command against the run's server (:mod:`rftstream.inspect_target`:
+    ``--nats-url``, the config's servers, the live embedded server of ``--run-dir``, or a
+    private one on its store)."""
+    from rftstream.inspect_target import inspect_target
+
+    cfg, _ = load_run_config(args)
+    with inspect_target(cfg, args.nats_url, args.run_dir) as (url, target_cfg):
+        args.nats_url = url
+        args.inspect_cfg = target_cfg
+        return command()
 
 
 def cmd_clean(args: argparse.Namespace) -> int:
@@ -978,17 +1034,17 @@ def main(argv: list[str] | None = None) -> int:
         if args.command in ("explorer", "operator", "trainer"):
             return cmd_actor(args)
         if args.command == "status":
-            return cmd_status(args)
+            return _inspecting(args, lambda: cmd_status(args))
         if args.command == "streams":
-            return cmd_streams(args)
+            return _inspecting(args, lambda: cmd_streams(args))
         if args.command == "clean":
             return cmd_clean(args)
         if args.command == "account":
             from rftstream.account_cli import cmd_account
 
-            return cmd_account(args, console, *_names(args))
+            return _inspecting(args, lambda: cmd_account(args, console, *_names(args)))
         if args.command == "tail":
-            return cmd_tail(args)
+            return _inspecting(args, lambda: cmd_tail(args))
         if args.command == "decode":
             return cmd_decode()
         if args.command == "report":

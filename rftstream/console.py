@@ -244,11 +244,16 @@ class RecordForwarder:
     def __init__(self, emit: Callable[[logging.LogRecord], Any]) -> None:
         self.emit = emit
         self.read_fd, self.write_fd = os.pipe()
+        self._write_open = True
         self._thread = threading.Thread(target=self._read, name="child-records", daemon=True)
         self._thread.start()
 
     def child_started(self) -> None:
-        """Close the parent's write end (the child holds its own copy)."""
+        """Close the parent's write end (the child holds its own copy). Once: a second
+        close could hit another file that reused the descriptor's number."""
+        if not self._write_open:
+            return
+        self._write_open = False
         with contextlib.suppress(OSError):
             os.close(self.write_fd)
 

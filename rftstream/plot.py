@@ -61,6 +61,28 @@ def idle_shares(records: list[dict[str, Any]]) -> tuple[float | None, float | No
     return min(1.0, waits / span), explorer
 
 
+def checkpoint_summary(records: list[dict[str, Any]]) -> str | None:
+    """One line on the resumable checkpoints the trainer wrote (``checkpoint/seconds`` and
+    ``checkpoint/trigger`` of its records): how many, by trigger, the seconds the trainer
+    blocked for them and their share of its steps' time; None when none was written."""
+    rows = [r for r in records if isinstance(r.get("checkpoint/seconds"), (int, float))]
+    if not rows:
+        return None
+    seconds = sum(float(r["checkpoint/seconds"]) for r in rows)
+    triggers: dict[str, int] = {}
+    for r in rows:
+        trigger = str(r.get("checkpoint/trigger") or "?")
+        triggers[trigger] = triggers.get(trigger, 0) + 1
+    period = sum(
+        float(r["time/trainer_step_period"])
+        for r in records
+        if isinstance(r.get("time/trainer_step_period"), (int, float))
+    )
+    by = ", ".join(f"{n} by {t}" for t, n in sorted(triggers.items()))
+    share = f" ({seconds / period:.0%} of the trainer's time)" if period > 0 else ""
+    return f"{len(rows)} resumable ({by}), {seconds:.1f}s in all{share}"
+
+
 def sync_summary(records: list[dict[str, Any]], method: str = "") -> str | None:
     """One line on the run's weight syncs after step 1 (``sync/*`` of the trainer's
     records): versions sent, bytes each, the trainer's wait per step and its share of

@@ -36,10 +36,10 @@ REPORT_FILE = "report.html"
 
 def save_run_config(cfg: Any, run_dir: str | Path) -> Path:
     """Write the resolved ``cfg`` (secrets masked) to ``<run_dir>/config.yaml``."""
+    from rftstream.run_lock import write_private
+
     path = Path(run_dir) / CONFIG_FILE
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(yaml.safe_dump(masked_config(cfg), sort_keys=False))
-    return path
+    return write_private(path, yaml.safe_dump(masked_config(cfg), sort_keys=False).encode())
 
 
 def _fmt(value: float | None, spec: str = ".3f") -> str:

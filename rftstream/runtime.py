@@ -42,6 +42,7 @@ from rftstream.monitors import check_monitor_packages
 from rftstream.plugin_registries import ALGORITHM_RESOLVERS, ALGORITHM_TYPE, REWARD_FUNCTIONS
 from rftstream.subjects import KV_HEARTBEAT_PREFIX, RunNames
 from rftstream.training.schedule import lr_schedule
+from rftstream.wire import TRAINER_DONE
 from rftstream.workflow import WORKFLOWS
 
 log = logging.getLogger(__name__)
@@ -283,11 +284,13 @@ def prepare_run(
     nats_url: str | None = None,
     progress: Callable[[str], None] | None = None,
     source: str | None = None,
+    roles: Sequence[str] | None = None,
 ) -> PreparedRun:
     """Validate ``cfg``, resolve it (:mod:`rftstream.config.resolve`: the command line's
     ``steps``, ``run_dir``, ``nats_url``, the algorithm preset's defaults, the train
     batch size), run the checks that need the plugins, and build (or find) the model.
-    Blocks (model build)."""
+    ``roles``: the actors this process will run (None: all of the mode's), for the checks
+    of the files they read. Blocks (model build)."""
 
     validate_config(cfg, source=source)
     cfg = resolve_run(cfg, steps=steps, run_dir=run_dir, nats_url=nats_url)
@@ -318,6 +321,9 @@ def prepare_run(
     )
     rdir = Path(cfg.run_dir)
     model_path = resolve_model_path(cfg, progress)
+    from rftstream.config.validate import check_run_inputs  # data files, model context
+
+    check_run_inputs(cfg, model_path, source=source, roles=roles)
     return PreparedRun(
         cfg=cfg,
         names=RunNames(run, name=cfg.name),
@@ -340,13 +346,24 @@ async def _run_status(bus: Bus) -> str:
     return str(await RunState(kv).status() or "")
 
 
-async def start_fresh(run: PreparedRun, url: str) -> str | None:
-    """Remove what an earlier run with the same run id left on the server.
+async def start_fresh(
+    run: PreparedRun, url: str, *, continuing: bool = False, own_store: bool = False
+) -> str | None:
+    """Make the server's side of the run match how ``up`` starts it: remove what an
+    earlier run with the same run id left (a new run), or keep it (``continuing``).
 
-    ``rftstream up`` starts a new run; without this, a second ``up`` in the same
-    run directory (or against the same server) would find the old run finished
-    and do nothing. Refuses (:class:`RftError`) while an actor of that run sent a
-    heartbeat in the last 30 s. Returns a note of what was removed, or None.
+    A new run: without this, a second ``up`` against the same server would find the
+    old run finished and do nothing. ``continuing`` (:func:`rftstream.run_start.claim_run_dir`
+    decided the earlier run goes on): its streams, consumers and KV bucket stay, a
+    ``stopped`` or ``failed`` status becomes ``running`` again and the trainer's end
+    record goes; a ``finished`` run is replaced like for a new run.
+
+    Refuses (:class:`RftError`) while an actor of that run sent a heartbeat in the
+    last 30 s, unless ``own_store``: the caller knows the earlier ``up`` of the run is
+    dead (the run dir's lock: the embedded server on that dir's store, or a run that
+    continues; heartbeats of a killed run are still young, and actors elsewhere that
+    outlived it keep working in the continued run). Returns a note of what was removed
+    or kept, or None.
 
     The halves of an explorer/trainer pair (``mode: explore``, and ``mode: train``
     on the experience stream; Trinity-RFT's asynchronous setup) join a run of
@@ -388,12 +405,27 @@ async def start_fresh(run: PreparedRun, url: str) -> str | None:
                 if k.startswith(KV_HEARTBEAT_PREFIX) and isinstance(v, dict)
             ]
             age = time.time() - max(beats) if beats else None
-            if status == "running" and age is not None and age < ACTIVE_HEARTBEAT_S:
+            if (
+                not own_store
+                and status == "running"
+                and age is not None
+                and age < ACTIVE_HEARTBEAT_S
+            ):
                 raise RftError(
-                    f"run {names.run!r} is active on {redact_url(url)} (last heartbeat {age:.0f}s ago); "
-                    "stop it or choose another `name`"
+                    f"run {names.run!r} is active on {redact_url(url)} (last heartbeat "
+                    f"{age:.0f}s ago); stop it or choose another `name`"
+                )
+            if continuing and status != "finished":
+                if status in END_STATUSES:
+                    await state.set_status("running")
+                await state.delete(TRAINER_DONE.name)
+                return (
+                    f"kept run {names.run!r} on the server (status {status or 'unknown'}, "
+                    f"{len(present)} streams)"
                 )
             await bus.transport.delete_kv(names.kv_bucket)
+        elif continuing:
+            return None
         for stream in present:
             await bus.transport.delete_stream(stream)
     return f"replaced the earlier run {names.run!r} on this server (status {status or 'unknown'})"

@@ -11,11 +11,14 @@ the embedded server is stopped; the whole shutdown takes a few seconds.
 from __future__ import annotations
 
 import contextlib
+import functools
 import textwrap
 import time
+from pathlib import Path
 from typing import Any
 
 import anyio
+import msgspec
 from rich.console import Console
 from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -25,11 +28,21 @@ from rftstream.actor_process import split_roles
 from rftstream.bus.server import EmbeddedNatsServer
 from rftstream.config.secrets import redact_url
 from rftstream.console import ChildConsole
-from rftstream.plot import idle_shares, plot_metrics, read_metrics, sync_summary, window_mean
+from rftstream.plot import (
+    checkpoint_summary,
+    idle_shares,
+    plot_metrics,
+    read_metrics,
+    sync_summary,
+    window_mean,
+)
 from rftstream.report import REPORT_FILE, save_run_config, write_report
+from rftstream.run_lock import AUTH_FILE, EMBEDDED_USER, RunLock, new_embedded_auth
+from rftstream.run_start import RunClaim
 from rftstream.runtime import PreparedRun, run_actors, start_fresh
 from rftstream.signals import run_with_signals
 from rftstream.step_lines import StepLines, step_line
+from rftstream.supervise import Supervisor
 
 
 class Interrupted(Exception):
@@ -75,15 +88,25 @@ def print_summary(console: Console, rows: list[tuple[str, str]]) -> None:
             console.print(line, soft_wrap=True)
 
 
-def nats_cli_hint(url: str, run: PreparedRun) -> list[str]:
+def nats_cli_hint(url: str, run: PreparedRun, auth_file: Path | None = None) -> list[str]:
+    """NATS CLI commands that show the run. ``auth_file``: the embedded server's
+    credential file (the commands then read the password from it, never show it)."""
     n = run.names
     url = redact_url(url)
-    return [
-        f"nats --server {url} stream ls",
-        f"nats --server {url} stream view {n.exp_stream}",
-        f"nats --server {url} consumer info {n.exp_stream} {n.trainer_consumer}",
-        f"nats --server {url} sub '{n.metrics_wildcard}'",
-        f"nats --server {url} kv ls {n.kv_bucket}",
+    lines = []
+    if auth_file is not None:
+        lines.append(
+            f"export NATS_URL={url} NATS_USER={EMBEDDED_USER} NATS_PASSWORD=$(cat {auth_file})"
+        )
+        server = ""
+    else:
+        server = f"--server {url} "
+    return lines + [
+        f"nats {server}stream ls",
+        f"nats {server}stream view {n.exp_stream}",
+        f"nats {server}consumer info {n.exp_stream} {n.trainer_consumer}",
+        f"nats {server}sub '{n.metrics_wildcard}'",
+        f"nats {server}kv ls {n.kv_bucket}",
     ]
 
 
@@ -94,10 +117,16 @@ def _drive(
     progress: Progress,
     console: Console,
     child_console: ChildConsole | None = None,
+    *,
+    supervisor: Supervisor,
+    continuing: bool = False,
+    lock: RunLock | None = None,
     **callbacks: Any,
 ) -> tuple[int, float]:
-    """Start the run afresh and its actors under ``progress`` until they end or a signal stops
-    them; then stop the embedded server. Returns ``(exit code, seconds)``; blocks throughout.
+    """Start (or continue) the run and its actors under ``progress`` until they end or a
+    signal stops them, with ``supervisor`` restarting the embedded server and the child
+    processes when they die; then stop the embedded server. Returns ``(exit code,
+    seconds)``; blocks throughout.
 
     ``callbacks`` go to :func:`rftstream.runtime.run_actors` (``on_step``, ``on_progress``,
     ``on_eval``); ``child_console`` gets the child processes' own log records (if any).
@@ -107,13 +136,29 @@ def _drive(
         with progress:
 
             async def main() -> None:
-                note = await start_fresh(run, url)
-                if note:
-                    progress.console.print(f"[yellow]{note}[/]")
-                if split_roles(run.cfg):
-                    await _run_split(run, url, progress.console, child_console, **callbacks)
-                else:
-                    await run_actors(run, url, **callbacks)
+                async with anyio.create_task_group() as tg:
+                    if server is not None:
+                        tg.start_soon(supervisor.server, server)
+                    # heartbeats of a killed run are young: the run dir's lock says it is
+                    # dead (a continued run), or the store is ours alone (embedded server)
+                    note = await start_fresh(
+                        run, url, continuing=continuing, own_store=server is not None or continuing
+                    )
+                    if note:
+                        progress.console.print(f"[yellow]{escape(note)}[/]", soft_wrap=True)
+                    if split_roles(run.cfg):
+                        await _run_split(
+                            run,
+                            url,
+                            progress.console,
+                            child_console,
+                            supervisor=supervisor,
+                            lock=lock,
+                            **callbacks,
+                        )
+                    else:
+                        await run_actors(run, url, **callbacks)
+                    tg.cancel_scope.cancel()
 
             code = run_with_signals(main)
     finally:
@@ -130,15 +175,21 @@ async def _run_split(
     url: str,
     console: Console,
     child_console: ChildConsole | None,
+    *,
+    supervisor: Supervisor,
+    lock: RunLock | None = None,
     **callbacks: Any,
 ) -> None:
     """The trainer here; each explorer (one per rollout engine: ``explorer``, ``explorer-2``,
     ...) and the operator host each in a child process (see :mod:`rftstream.actor_process`).
     Returns when the trainer is done and the children have ended (the explorers after the
-    final evaluation); raises when a child fails, which stops the run."""
+    final evaluation). A child that dies is started again by ``supervisor`` (explorers and
+    the operator host); a trainer rank's death, or a child past its restarts, raises and
+    stops the run. ``lock``: the run dir's lock, told the children's pids."""
     import torch
 
     from rftstream.actor_process import (
+        TRAINER_RANK_ROLE,
         ActorProcess,
         torch_threads_per_process,
         trainer_rank_processes,
@@ -186,36 +237,79 @@ async def _run_split(
             soft_wrap=True,
         )
         torch.set_num_threads(threads)
+
+        def record_pids() -> None:
+            if lock is not None:
+                lock.update(children=[c.process.pid for c in children if c.process])
+
+        record_pids()
+        supervisor.on_change = record_pids
         async with anyio.create_task_group() as tg:
             for child in children:
-                tg.start_soon(child.watch)  # a failed child raises here and stops the trainer
+                # a failed child is restarted; one past its restarts (or a trainer rank)
+                # raises here and stops the trainer
+                tg.start_soon(
+                    functools.partial(
+                        supervisor.child, child, restart=TRAINER_RANK_ROLE not in child.roles
+                    )
+                )
             await run_actors(run, url, roles=("trainer",), **callbacks)
             tg.cancel_scope.cancel()
 
 
-def run_up(run: PreparedRun, *, console: Console, child_console: ChildConsole | None = None) -> int:
+def run_up(
+    run: PreparedRun,
+    *,
+    console: Console,
+    child_console: ChildConsole | None = None,
+    claim: RunClaim | None = None,
+) -> int:
     """Start the embedded server (unless ``nats.url`` is set) and all actors; show progress.
 
-    Blocks until the run ends; returns the exit code (130 after a signal). ``child_console``
-    shows the own log records of the actors running in child processes.
+    ``claim``: the run dir's lock and whether the earlier run continues
+    (:func:`rftstream.run_start.claim_run_dir`, taken before anything was written in the
+    directory); None: a new run, nothing locked (tests). The embedded server gets a
+    random user/password of its own, which the actors get in memory and the child
+    processes in their environment (never on a command line or in a file others can
+    read). Blocks until the run ends; returns the exit code (130 after a signal).
+    ``child_console`` shows the own log records of the actors running in child processes.
     """
     cfg = run.cfg
-    for old in ("metrics.jsonl", "metrics.png", REPORT_FILE):  # a new run: its own curves only
-        (run.run_dir / old).unlink(missing_ok=True)
+    continuing = claim is not None and claim.continuing
+    lock = claim.lock if claim is not None else None
+    if claim is not None and claim.note:
+        console.print(f"[yellow]{escape(claim.note)}[/]", soft_wrap=True)
+    if not continuing:  # a new run: its own curves only
+        for old in ("metrics.jsonl", "metrics.png", REPORT_FILE):
+            (run.run_dir / old).unlink(missing_ok=True)
+    else:
+        (run.run_dir / REPORT_FILE).unlink(missing_ok=True)  # written again at the end
     save_run_config(cfg, run.run_dir)  # the report shows it; secrets masked
     server: EmbeddedNatsServer | None = None
     url = cfg.nats.url or ",".join(cfg.nats.servers)  # Bus.connect splits a comma list
     if not url:
+        auth = new_embedded_auth(run.run_dir)
         server = EmbeddedNatsServer(
             run.run_dir / "nats",
             max_payload=cfg.nats.max_payload,
             # weights kept in memory need room for about two keyframes: the server's default
             max_memory_store=None if cfg.nats.streams.weights.storage == "memory" else 256 << 20,
+            user=auth.user,
+            password=auth.password,
         )
         with console.status("starting the embedded nats-server…"):
             url = server.start()
+        cfg = run.cfg = msgspec.structs.replace(
+            cfg,
+            nats=msgspec.structs.replace(
+                cfg.nats, user=auth.user, password=auth.password, token="", creds=""
+            ),
+        )
+        if lock is not None:
+            lock.update(url=url, server_pid=server.pid)
         console.print(
-            f"[bold green]NATS[/] listening on [cyan]{url}[/] (JetStream store {server.store_dir})",
+            f"[bold green]NATS[/] listening on [cyan]{url}[/] (JetStream store {server.store_dir}; "
+            f"user {auth.user}, its password in {run.run_dir / 'nats' / AUTH_FILE})",
             soft_wrap=True,
         )
     else:
@@ -230,11 +324,19 @@ def run_up(run: PreparedRun, *, console: Console, child_console: ChildConsole | 
         "logs/: library warnings and child processes' output)",
         soft_wrap=True,
     )
+    if lock is not None:
+        lock.update(url=redact_url(url))
     console.print("inspect the run with the NATS CLI:")
-    for line in nats_cli_hint(url, run):
+    auth_file = run.run_dir / "nats" / AUTH_FILE if server is not None else None
+    for line in nats_cli_hint(url, run, auth_file=auth_file):
         console.print(f"  [dim]$[/] {escape(line)}", soft_wrap=True)
+    supervisor = Supervisor(
+        lambda line: console.print(f"[yellow]{escape(line)}[/]", soft_wrap=True)
+    )
     if cfg.mode in ("explore", "bench"):
-        return _run_without_trainer(run, url, server, console)
+        return _run_without_trainer(
+            run, url, server, console, supervisor=supervisor, continuing=continuing, lock=lock
+        )
     total = cfg.buffer.total_steps
 
     progress = live_progress(console, "trainer", total, refresh_per_second=4)
@@ -249,8 +351,20 @@ def run_up(run: PreparedRun, *, console: Console, child_console: ChildConsole | 
             last_reward[0] = record["reward/mean"]
         progress.update(task, completed=record["step"], info=f"raw reward {last_reward[0]:.3f}")
 
+    supervisor.say = lambda line: progress.console.print(
+        f"[yellow]{escape(line)}[/]", soft_wrap=True
+    )
     code, elapsed = _drive(
-        run, url, server, progress, console, child_console=child_console, on_step=on_step
+        run,
+        url,
+        server,
+        progress,
+        console,
+        child_console=child_console,
+        supervisor=supervisor,
+        continuing=continuing,
+        lock=lock,
+        on_step=on_step,
     )
     if code:
         return code
@@ -275,6 +389,12 @@ def run_up(run: PreparedRun, *, console: Console, child_console: ChildConsole | 
         sync = sync_summary(records, cfg.synchronizer.sync_method)
         if sync is not None:
             rows.append(("weights sync:", sync))
+        checkpoints = checkpoint_summary(records)
+        if checkpoints is not None:
+            rows.append(("checkpoints:", checkpoints))
+        restarts = supervisor.summary()
+        if restarts is not None:
+            rows.append(("restarted:", restarts + " (each logged above; no work lost)"))
         if cfg.monitor.plot and records:
             rows.append(("curves:", str(plot_metrics(metrics_path))))
         if records:
@@ -295,7 +415,14 @@ def _eval_line(record: dict[str, Any]) -> str:
 
 
 def _run_without_trainer(
-    run: PreparedRun, url: str, server: EmbeddedNatsServer | None, console: Console
+    run: PreparedRun,
+    url: str,
+    server: EmbeddedNatsServer | None,
+    console: Console,
+    *,
+    supervisor: Supervisor,
+    continuing: bool,
+    lock: RunLock | None,
 ) -> int:
     """``mode: explore`` (explorer + operators) or ``bench`` (one evaluating explorer)."""
     cfg = run.cfg
@@ -323,7 +450,16 @@ def _run_without_trainer(
             progress.update(task, completed=counts["evals"], info="evaluating…")
 
     code, elapsed = _drive(
-        run, url, server, progress, console, on_progress=on_progress, on_eval=on_eval
+        run,
+        url,
+        server,
+        progress,
+        console,
+        supervisor=supervisor,
+        continuing=continuing,
+        lock=lock,
+        on_progress=on_progress,
+        on_eval=on_eval,
     )
     if code:
         return code

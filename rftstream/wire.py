@@ -84,7 +84,22 @@ H_DLQ_ACTOR = "Rft-Dlq-Actor"
 H_DLQ_SUBJECT = "Rft-Dlq-Subject"
 H_DLQ_SEQ = "Rft-Dlq-Stream-Seq"
 H_DLQ_DELIVERIES = "Rft-Dlq-Deliveries"
-DLQ_HEADERS = (H_DLQ_REASON, H_DLQ_STAGE, H_DLQ_ACTOR, H_DLQ_SUBJECT, H_DLQ_SEQ, H_DLQ_DELIVERIES)
+# the original body: its size in bytes, "<algorithm>:<hex>" of it (xxh3_128 or sha256), and
+# "true" when the dead letter keeps only a prefix of it (rftstream.bus.client.DEAD_LETTER_BODY_LIMIT)
+H_DLQ_BODY_BYTES = "Rft-Dlq-Body-Bytes"
+H_DLQ_BODY_HASH = "Rft-Dlq-Body-Hash"
+H_DLQ_BODY_TRUNCATED = "Rft-Dlq-Body-Truncated"
+DLQ_HEADERS = (
+    H_DLQ_REASON,
+    H_DLQ_STAGE,
+    H_DLQ_ACTOR,
+    H_DLQ_SUBJECT,
+    H_DLQ_SEQ,
+    H_DLQ_DELIVERIES,
+    H_DLQ_BODY_BYTES,
+    H_DLQ_BODY_HASH,
+    H_DLQ_BODY_TRUNCATED,
+)
 
 
 class TaskMsg(msgspec.Struct, kw_only=True):

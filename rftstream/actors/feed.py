@@ -13,7 +13,10 @@ long steps) until every experience it carried has been trained; then
 :meth:`commit` acks it, or, with ``hold_trained`` (a trainer that writes resumable
 checkpoints), keeps holding it until :meth:`release_trained` after the next
 checkpoint: a trainer killed before that checkpoint gets it redelivered and trains
-it again from the checkpoint's weights. :meth:`trained_uids` lists what a checkpoint
+it again from the checkpoint's weights. :attr:`trained_unacked` and
+:attr:`trained_unacked_bytes` say how much is held so (the trainer bounds it), and
+:attr:`held_for_retired` whether a retired consumer (after a splice) waits for such
+acks to be deleted. :meth:`trained_uids` lists what a checkpoint
 must remember (experience trained from messages not acked yet), :meth:`mark_trained`
 gives that list back to the feed of a resumed trainer, which then skips those
 experiences when their messages come again. A message with an experience the trainer cannot use
@@ -60,6 +63,7 @@ class _Held:
     remaining: int
     stage: str = ""
     trained_uids: list[str] = field(default_factory=list)  # trained, the message not acked
+    source: str = ""  # the durable consumer it was fetched from
 
 
 @dataclass
@@ -175,7 +179,7 @@ class ExperienceFeed:
                 log.warning("draining retired consumer %s failed: %s", r.consumer.durable, exc)
                 continue
             if not step.done:
-                await self._accept(step.mine)
+                await self._accept(step.mine, r.consumer.durable)
                 continue
             await r.consumer.unsubscribe()
             try:
@@ -216,10 +220,10 @@ class ExperienceFeed:
             await self._drain_retired(batch)
             batch = self._to_fetch(n)
         msgs = await self.consumer.fetch(batch, timeout=self.fetch_timeout)
-        await self._accept(msgs)
+        await self._accept(msgs, self.consumer.durable)
         return bool(msgs)
 
-    async def _accept(self, msgs: list[Delivery]) -> None:
+    async def _accept(self, msgs: list[Delivery], source: str) -> None:
         """Decode, validate, deduplicate and buffer ``msgs`` (dead-lettering bad ones)."""
         for m in msgs:
             try:
@@ -254,7 +258,13 @@ class ExperienceFeed:
                 else:
                     await m.ack()
                 continue
-            held = _Held(m, len(fresh), stage=m.subject.rsplit(".", 1)[-1], trained_uids=already)
+            held = _Held(
+                m,
+                len(fresh),
+                stage=m.subject.rsplit(".", 1)[-1],
+                trained_uids=already,
+                source=source,
+            )
             self.ticker.hold(m)
             for e in fresh:
                 self._seen.add(e.eid.uid)
@@ -273,9 +283,10 @@ class ExperienceFeed:
         takes no message, and fetched messages are always buffered (shielded).
         """
         while len(self._buffer) < n:
-            msgs = await self.consumer.fetch(self._to_fetch(n), timeout=timeout)
+            consumer = self.consumer
+            msgs = await consumer.fetch(self._to_fetch(n), timeout=timeout)
             with anyio.CancelScope(shield=True):
-                await self._accept(msgs)
+                await self._accept(msgs, consumer.durable)
 
     async def read(self, n: int) -> list[Experience]:
         """Take ``n`` experiences (fewer only when the upstream is exhausted). Blocks."""
@@ -356,12 +367,33 @@ class ExperienceFeed:
         """Messages fully trained and held until :meth:`release_trained`."""
         return len(self._trained_unacked)
 
+    @property
+    def trained_unacked_bytes(self) -> int:
+        """What the messages of :attr:`trained_unacked` take in the experience stream,
+        about: their payloads and subjects (headers not counted)."""
+        return sum(len(h.msg.data) + len(h.msg.subject) for h in self._trained_unacked)
+
+    @property
+    def held_for_retired(self) -> bool:
+        """Whether a retired consumer (see :meth:`switch_to`) has trained messages held
+        until :meth:`release_trained` and none buffered or taken any more: it waits for
+        those acks only, to be drained and deleted (and the splice to be done)."""
+        names = self.retired_names
+        if not names or not any(h.source in names for h in self._trained_unacked):
+            return False
+        pending = [h for _, h in self._buffer] + self._taken
+        return not any(h.source in names for h in pending)
+
     def trained_uids(self) -> list[str]:
         """Every experience trained from a message not acked yet (held until the next
-        checkpoint, or partly trained): what a checkpoint written now must remember."""
+        checkpoint, or partly trained): what a checkpoint written now must remember.
+
+        Messages of a batch taken (:meth:`read`) but not committed count too: a trainer
+        cancelled before training it checkpoints its previous step, and what those
+        messages carried that was trained before must not be trained again."""
         out: list[str] = []
         seen: set[int] = set()
-        for held in [*self._trained_unacked, *(h for _, h in self._buffer)]:
+        for held in [*self._trained_unacked, *(h for _, h in self._buffer), *self._taken]:
             if id(held) not in seen:
                 seen.add(id(held))
                 out.extend(held.trained_uids)

@@ -16,11 +16,38 @@ sends it on the weights stream in the background; ``sync/*`` in each record says
 what it cost); an HF-format checkpoint is saved every ``trainer.save_interval``
 steps and at the end.
 
-Resuming (``trainer.save_interval`` > 0): at those steps and at the end the trainer
-also writes a resumable checkpoint (:mod:`rftstream.training.checkpoint`: DeepSpeed's
-model and optimizer state, lr schedules, step, weights version, RNG states), names it
-in the KV record ``trainer.checkpoint`` and only then acks the messages it trained
-since the previous one (held in progress until then). A trainer started again in the
+Resumable checkpoints (:mod:`rftstream.training.checkpoint`: DeepSpeed's model and
+optimizer state, lr schedules, step, weights version, RNG states) are written after a
+step when one of these says so (its name is the record's ``checkpoint/trigger``):
+
+* ``steps``: the step is a multiple of ``trainer.save_interval`` (0: off);
+* ``end``: the step is ``buffer.total_steps`` (or, after the loop, the last step when
+  the upstream ran out);
+* ``time``: ``trainer.save_interval_seconds`` (default 600; 0: off) have passed since
+  the last resumable checkpoint, or since the trainer's start;
+* ``held``: the trained messages held for the next checkpoint (below) reached
+  :data:`HELD_SHARE` of a limit they count against (:func:`held_limits`): the trainer
+  consumer's ``max_ack_pending`` (the server delivers nothing more past it), or
+  ``nats.streams.experience`` ``max_msgs`` / ``max_bytes`` (a held message keeps
+  the stream's ``exp.train`` from being purged past it, and explorers stop publishing
+  at :data:`~rftstream.bus.limits.HIGH_WATER` of those limits). Held messages thus stay
+  below a quarter (plus one step's) of each limit whatever the time trigger says: the
+  stream keeps more than half of its room for the backlog and the pipeline, and the
+  consumer most of its acks pending for the batch being read, so a held message can
+  never keep the next step (and with it the checkpoint that releases it) from coming;
+* ``splice``: a consumer retired by a splice waits only for held messages to be
+  acked before it is deleted (and the splice is done).
+
+Resumable checkpointing is on when either ``save_interval`` or
+``save_interval_seconds`` is (by default), with one trainer rank (several: off, with a
+warning; the other ranks do not take part in DeepSpeed's save yet). The trainer names each checkpoint in the KV
+record ``trainer.checkpoint`` and only then acks the messages it trained since the
+previous one (held in progress until then). The step records up to the checkpoint's
+are in ``metrics.jsonl`` before that record; the checkpoint's own step record gets
+``checkpoint/seconds``: how long the trainer blocked for its checkpoints after that
+step (the resumable one, and the HF one of a ``save_interval`` step). With both
+triggers off nothing is held, every trained message is acked after its step, and a
+crashed trainer starts over. A trainer started again in the
 same run (same command, the run's KV bucket still there) with
 ``continue_from_checkpoint`` (default true, as in Trinity-RFT) loads the checkpoint
 that record names: steps, versions and the trained total continue from it, the
@@ -31,19 +58,33 @@ the steps the final model contains, each once. Every start of a trainer in a run
 after the first publishes its weights with a higher ``incarnation``
 (:class:`~rftstream.wire.WeightsPointer`), which explorers take whatever its
 version. ``trained_uids.jsonl`` lists the experiences (``eid.uid``) of each step.
+A trainer started again in a run where the earlier one wrote no checkpoint (or with
+``continue_from_checkpoint`` false) trains from step 1, and the earlier records move
+to the ``*.discarded.jsonl`` files likewise.
 
-Cancelling :meth:`Trainer.run` mid-step loses no data: the batch's messages
-are not acked and are redelivered to the next trainer.
+Cancelling :meth:`Trainer.run` (SIGINT / SIGTERM) loses no data. A step whose
+training had begun is completed first (published, committed, recorded: the training
+thread cannot be interrupted anyway); a batch read but not trained is not included
+(its messages are not acked and are redelivered to the next trainer). Then, in a
+shielded scope bounded by :data:`CANCEL_SAVE_MIN_S` (or 3x the longest checkpoint
+so far), the trainer writes the records not written yet and a resumable checkpoint of
+its last completed step if that is newer than its last one, and acks the messages it
+held for it, as after any checkpoint. A save that fails or runs out of time is logged
+and the trainer exits anyway: the previous checkpoint stays in force and the held
+messages are redelivered. The DeepSpeed write itself runs in a thread that is not
+interrupted (a SIGKILL meanwhile also leaves the previous checkpoint in force).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import json
 import logging
 import math
 import time
-from collections.abc import Callable
+from collections import deque
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -64,6 +105,7 @@ from rftstream.actors.topology import TrainerTopology
 from rftstream.buffer.readers import TrainerInputs, trainer_inputs
 from rftstream.bus.client import Bus
 from rftstream.bus.state import RunState
+from rftstream.bus.transport import ConsumerSpec
 from rftstream.config.resolve import dataset_epochs, weights_wire_dtype
 from rftstream.config.schema import Config, StorageConfig
 from rftstream.errors import ConfigError
@@ -101,6 +143,28 @@ log = logging.getLogger(__name__)
 
 ADVANTAGE_OP_PREFIX = "group_advantage/"
 _UIDS = "_uids"  # a step record's trained eid.uids, written to trained_uids.jsonl only
+
+#: trained messages held for the next checkpoint stay below this share of each limit
+#: they count against (:func:`held_limits`)
+HELD_SHARE = 0.25
+#: the least time a cancelled trainer gives its last checkpoint (3x its longest one if more)
+CANCEL_SAVE_MIN_S = 120.0
+_MAX_ACK_PENDING = next(
+    int(f.default) for f in dataclasses.fields(ConsumerSpec) if f.name == "max_ack_pending"
+)
+
+
+def held_limits(cfg: Config) -> tuple[int, int | None]:
+    """``(messages, bytes)``: how many trained messages, and how many bytes of them, the
+    trainer may hold unacked before it writes a checkpoint to ack them (``bytes`` None:
+    no byte limit). :data:`HELD_SHARE` of the trainer consumer's ``max_ack_pending`` and
+    of ``nats.streams.experience.max_msgs``, and of its ``max_bytes`` (those set)."""
+    exp = cfg.nats.streams.experience
+    msgs = int(HELD_SHARE * _MAX_ACK_PENDING)
+    if exp.max_msgs > 0:
+        msgs = min(msgs, int(HELD_SHARE * exp.max_msgs))
+    nbytes = int(HELD_SHARE * exp.max_bytes) if exp.max_bytes > 0 else None
+    return max(1, msgs), nbytes
 
 
 class RawMonitor:
@@ -303,13 +367,53 @@ class Trainer:
         self.resumed_from: int | None = None
         self.monitor: RawMonitor | None = None
         self.monitor_resume: dict[str, int] = {}  # a resumed checkpoint's monitor_through
-        self._emitted_step = 0  # the last step whose record the emitter wrote
-        self._emit_event: anyio.Event | None = None  # set by the emitter after each record
+        self._emitted_step = 0  # the last step whose record is written
+        self._emit_event: anyio.Event | None = None  # set after each record written
+        self._records: deque[dict[str, Any]] = deque()  # step records for the emitter
+        self._record_added: anyio.Event | None = None
+        # a step's record held back until its checkpoint is written (it gets its time)
+        self._checkpoint_record: dict[str, Any] | None = None
+        self._saved_at = time.monotonic()  # when the last resumable checkpoint was written
+        self._longest_save = 0.0  # seconds, over this trainer's checkpoints
+        # several trainer ranks: no resumable checkpoints (DeepSpeed's save is a collective
+        # the other ranks are not told to join: rank 0 would wait for them forever)
+        self._ranks = False
         self.monitors = MonitorSet([])  # monitor.monitor_type's backends, opened in run()
         # sync_method jetstream: publishes versions in the background (made at the first one)
         self.publisher: WeightPublisher | None = None
         self._sync_blocking = 0.0  # seconds this step spent handing its weights over
         self._sync_bytes: float | None = None  # checkpoint / memory: what this step's sync wrote
+
+    @property
+    def resumable(self) -> bool:
+        """Whether this trainer writes resumable checkpoints (and holds trained messages
+        unacked until the next one): ``trainer.save_interval`` or
+        ``trainer.save_interval_seconds`` is on."""
+        t = self.cfg.trainer
+        return not self._ranks and (t.save_interval > 0 or t.save_interval_seconds > 0)
+
+    def _checkpoint_trigger(self, step: int, total: int | None, feed: ExperienceFeed) -> str | None:
+        """Why a resumable checkpoint is due after ``step`` (see the module docstring), or
+        None."""
+        if not self.resumable:
+            return None
+        t = self.cfg.trainer
+        if t.save_interval and step % t.save_interval == 0:
+            return "steps"
+        if total is not None and step == total:
+            return "end"
+        if t.save_interval_seconds > 0 and (
+            time.monotonic() - self._saved_at >= t.save_interval_seconds
+        ):
+            return "time"
+        max_msgs, max_bytes = held_limits(self.cfg)
+        if feed.trained_unacked >= max_msgs or (
+            max_bytes is not None and feed.trained_unacked_bytes >= max_bytes
+        ):
+            return "held"
+        if feed.held_for_retired:
+            return "splice"
+        return None
 
     async def _exhausted(self) -> bool:
         """Every task done, every stage before the trainer drained, nothing left on exp.train.
@@ -338,7 +442,11 @@ class Trainer:
         return True
 
     async def run(self) -> None:
-        """Train until ``buffer.total_steps`` or until the upstream is exhausted. Blocks."""
+        """Train until ``buffer.total_steps`` or until the upstream is exhausted. Blocks.
+
+        Cancelled (SIGINT / SIGTERM): the step in training is completed, then the last
+        completed step is checkpointed (bounded, shielded; see the module docstring) and
+        the run's status is ``stopped``."""
         from rftstream.training.engine import PolicyTrainer
 
         state = RunState(await self.bus.kv())
@@ -372,7 +480,7 @@ class Trainer:
             self._exhausted,
             starving=starving,
             group_size=int(self.cfg.algorithm.repeat_times or 1),
-            hold_trained=self.cfg.trainer.save_interval > 0,
+            hold_trained=self.resumable,
             trained_counts=trained_counts,
         )
         self.feed = feed
@@ -383,9 +491,19 @@ class Trainer:
         )
         if trainer.world_size > 1:  # this is rank 0: it feeds the other ranks each step
             trainer = RankLeader(trainer)
+            if self.resumable:
+                log.warning(
+                    "%s: %d trainer ranks: no resumable checkpoints (trainer.save_interval / "
+                    "save_interval_seconds); a crashed trainer starts over",
+                    self.name,
+                    trainer.world_size,
+                )
+            self._ranks = True
+            feed.hold_trained = False
         feed.validate = trainer.check_experience
         self.run_dir.mkdir(parents=True, exist_ok=True)
         await self._resume(state, trainer, feed)
+        self._emitted_step = self.step  # a resumed trainer's records are written up to it
         # from the streams' start (ordered consumers: nothing published meanwhile is
         # missed), or after what the resumed checkpoint's step had read
         await monitor.start(self.bus, after=self.monitor_resume)
@@ -397,26 +515,11 @@ class Trainer:
             self.monitors = await anyio.to_thread.run_sync(
                 MonitorSet.open, self.cfg, self.run_dir, self.role
             )
-            records, to_emit = anyio.create_memory_object_stream[dict[str, Any]](math.inf)
-            emitted = anyio.Event()
             self._emit_event = anyio.Event()
-
-            async def emitter() -> None:
-                """Each step's record, in order: KV, metrics stream, metrics.jsonl, on_step."""
-                try:
-                    async with to_emit:
-                        async for record in to_emit:
-                            await self._emit(state, record)
-                            self._emitted_step = record["step"]
-                            if self._emit_event is not None:
-                                self._emit_event.set()
-                            self._emit_event = anyio.Event()
-                finally:
-                    emitted.set()
 
             with frozen_heap():  # the model's objects stay out of GC passes
                 async with anyio.create_task_group() as tg:
-                    tg.start_soon(emitter)
+                    tg.start_soon(self._emitter, state)
                     tg.start_soon(ticker.run)
                     tg.start_soon(watcher.watch)  # raises when dead letters pass the threshold
                     if self.cfg.synchronizer.sync_method == "jetstream":
@@ -429,6 +532,7 @@ class Trainer:
                         lambda: {"step": self.step, "version": self.version},
                     )
                     last_end = time.perf_counter()
+                    self._saved_at = time.monotonic()  # the time trigger counts from here
                     while total is None or self.step < total:
                         step = self.step + 1
                         t0 = time.perf_counter()
@@ -448,62 +552,84 @@ class Trainer:
                             for e in batch
                             if _from_rollout(e)
                         ]
-                        async with anyio.create_task_group() as beside:
-                            if not self.cfg.trainer_reads_dataset:  # the next batch meanwhile
-                                beside.start_soon(feed.prefetch, self.cfg.buffer.train_batch_size)
-                            train_metrics = await anyio.to_thread.run_sync(
-                                trainer.train_step, batch
+                        hf_seconds = 0.0
+                        # once training began, the step is completed (counted, published,
+                        # committed, recorded) even when the trainer is being cancelled: the
+                        # checkpoint written on cancel then contains it
+                        with anyio.CancelScope(shield=True):
+                            async with anyio.create_task_group() as beside:
+                                if not self.cfg.trainer_reads_dataset:  # the next batch meanwhile
+                                    beside.start_soon(
+                                        feed.prefetch, self.cfg.buffer.train_batch_size
+                                    )
+                                train_metrics = await anyio.to_thread.run_sync(
+                                    trainer.train_step, batch
+                                )
+                                beside.cancel_scope.cancel()
+                            self.step = step
+                            self.version = step
+                            self.trained += len(batch)
+                            if self.policy.trainer_publishes_after(step) or (
+                                total is not None and step == total
+                            ):
+                                await self._publish_weights(state, trainer, step)
+                            # ack only now: an explorer that sees the backlog shrink also sees
+                            # the new weights (held until the next checkpoint instead when
+                            # checkpoints are resumable)
+                            await feed.commit()
+                            if (
+                                self.cfg.trainer.save_interval
+                                and step % self.cfg.trainer.save_interval == 0
+                            ):
+                                t_hf = time.perf_counter()
+                                await anyio.to_thread.run_sync(
+                                    trainer.save_hf_checkpoint,
+                                    self.checkpoint_dir / f"global_step_{step}",
+                                )
+                                hf_seconds = time.perf_counter() - t_hf
+                            record = self._record(
+                                step,
+                                batch,
+                                staleness,
+                                wait,
+                                train_metrics,
+                                sample_metrics,
+                                monitor,
+                                feed,
                             )
-                            beside.cancel_scope.cancel()
-                        self.step = step
-                        self.version = step
-                        self.trained += len(batch)
-                        if self.policy.trainer_publishes_after(step) or (
-                            total is not None and step == total
-                        ):
-                            await self._publish_weights(state, trainer, step)
-                        # ack only now: an explorer that sees the backlog shrink also sees the new
-                        # weights (with save_interval, held until the next checkpoint instead)
-                        await feed.commit()
-                        if (
-                            self.cfg.trainer.save_interval
-                            and step % self.cfg.trainer.save_interval == 0
-                        ):
-                            await anyio.to_thread.run_sync(
-                                trainer.save_hf_checkpoint,
-                                self.checkpoint_dir / f"global_step_{step}",
+                            now = time.perf_counter()
+                            self.idle_seconds += wait
+                            record["trainer/idle_share"] = min(
+                                1.0, wait / max(now - last_end, 1e-9)
                             )
-                        record = self._record(
-                            step,
-                            batch,
-                            staleness,
-                            wait,
-                            train_metrics,
-                            sample_metrics,
-                            monitor,
-                            feed,
-                        )
-                        now = time.perf_counter()
-                        self.idle_seconds += wait
-                        record["trainer/idle_share"] = min(1.0, wait / max(now - last_end, 1e-9))
-                        record["time/trainer_step_period"] = now - last_end
-                        last_end = now
-                        records.send_nowait(record)  # written by the emitter while training goes on
-                        if (
-                            self.cfg.trainer.save_interval
-                            and step % self.cfg.trainer.save_interval == 0
-                        ):
-                            # the records up to this step are on disk before the checkpoint
-                            # that a restart resumes from (it keeps those, drops later ones)
-                            await self._emitted_through(step)
-                            await self._save_resumable(state, trainer, feed)
+                            record["time/trainer_step_period"] = now - last_end
+                            last_end = now
+                        trigger = self._checkpoint_trigger(step, total, feed)
+                        if trigger is None:
+                            self._queue_record(record)  # written while training goes on
+                        else:
+                            # the records before this step are on disk before the checkpoint
+                            # that a restart resumes from (it keeps those, drops later ones);
+                            # this step's is written with the checkpoint, which it times
+                            self._checkpoint_record = record
+                            await self._emitted_through(step - 1)
+                            with anyio.CancelScope(shield=True):
+                                await self._save_resumable(
+                                    state,
+                                    trainer,
+                                    feed,
+                                    trigger=trigger,
+                                    records=[record],
+                                    extra_seconds=hf_seconds,
+                                )
+                            self._checkpoint_record = None
                         del batch, _samples  # freed now: not counted as waiting for the next one
                     if self.publisher is not None:  # the last version reaches the explorers
                         await self.publisher.flush()
-                    records.close()
-                    await emitted.wait()
-                    if self.cfg.trainer.save_interval and self.saved_step != self.step:
-                        await self._save_resumable(state, trainer, feed)
+                    await self._emitted_through(self.step)
+                    if self.resumable and 0 < self.step != self.saved_step:
+                        with anyio.CancelScope(shield=True):
+                            await self._save_resumable(state, trainer, feed, trigger="end")
                     tg.cancel_scope.cancel()
             final = await anyio.to_thread.run_sync(
                 trainer.save_hf_checkpoint, self.checkpoint_dir / f"global_step_{self.step}"
@@ -514,6 +640,7 @@ class Trainer:
             status = "finished"
         except anyio.get_cancelled_exc_class():
             status = "stopped"  # Ctrl-C / SIGTERM: not a failure
+            await self._save_on_cancel(state, trainer, feed, ticker)
             raise
         finally:
             with anyio.CancelScope(shield=True):
@@ -645,16 +772,30 @@ class Trainer:
         self.incarnation = max(earlier) + 1 if earlier else 0
         if pending is not None:  # an earlier trainer's version that may never go out
             await state.delete(WEIGHTS_PENDING.name)
-        if record is None:
-            return
-        if not self.cfg.continue_from_checkpoint:
-            log.warning(
-                "%s: continue_from_checkpoint is false: ignoring the checkpoint of step %d "
-                "(%s) and training from model.model_path at step 1",
-                self.name,
-                record.step,
-                record.path,
-            )
+        if record is None or not self.cfg.continue_from_checkpoint:
+            if record is not None:
+                log.warning(
+                    "%s: continue_from_checkpoint is false: ignoring the checkpoint of step %d "
+                    "(%s) and training from model.model_path at step 1",
+                    self.name,
+                    record.step,
+                    record.path,
+                )
+            # an earlier trainer of this run (not a first start) may have written records:
+            # this one trains from step 1 again, so they move to the discarded files
+            if earlier or (await state.get(TRAINER_STEP) or 0) > 0:
+                moved = await self._discard_records_after(0)
+                if moved:
+                    log.info(
+                        "%s: restarted in run %s without a checkpoint to continue from "
+                        "(incarnation %d): the %d step record(s) of the earlier trainer "
+                        "moved to %s",
+                        self.name,
+                        self.names.run,
+                        self.incarnation,
+                        moved,
+                        self.metrics_path.with_name("metrics.discarded.jsonl"),
+                    )
         else:
             directory = Path(record.path).parent.parent
             engines = [trainer.engine] + ([trainer.critic] if trainer.critic is not None else [])
@@ -676,14 +817,7 @@ class Trainer:
             self.saved_step = self.resumed_from = loaded.step
             feed.mark_trained(loaded.trained_uids)
             self.monitor_resume = dict(loaded.monitor_through)
-            moved = []
-            for path in (self.metrics_path, self.uids_path):
-                discarded = path.with_name(path.stem + ".discarded.jsonl")
-                moved.append(
-                    await anyio.to_thread.run_sync(
-                        ckpt.drop_records_after, path, loaded.step, discarded
-                    )
-                )
+            moved = await self._discard_records_after(loaded.step)
             log.info(
                 "%s: resumed from the checkpoint of step %d (%s), incarnation %d; "
                 "%d step(s) after it are trained again",
@@ -691,27 +825,83 @@ class Trainer:
                 loaded.step,
                 record.path,
                 self.incarnation,
-                moved[0],
+                moved,
             )
             await state.put(TRAINER_STEP, self.step)
         if previous is not None:  # explorers leave the weights of the trainer that is gone
             await self._publish_weights(state, trainer, self.step, inline=True)
 
+    async def _discard_records_after(self, step: int) -> int:
+        """Move the records of the steps after ``step`` from ``metrics.jsonl`` and
+        ``trained_uids.jsonl`` to their ``*.discarded.jsonl`` files; returns how many
+        step records moved."""
+        moved = []
+        for path in (self.metrics_path, self.uids_path):
+            discarded = path.with_name(path.stem + ".discarded.jsonl")
+            moved.append(
+                await anyio.to_thread.run_sync(ckpt.drop_records_after, path, step, discarded)
+            )
+        return moved[0]
+
     async def _emitted_through(self, step: int) -> None:
-        """Block until the emitter has written the record of ``step``."""
+        """Block until the record of ``step`` is written."""
         while self._emitted_step < step:
             if self._emit_event is None:
                 self._emit_event = anyio.Event()
             await self._emit_event.wait()
 
-    async def _save_resumable(self, state: RunState, trainer: Any, feed: ExperienceFeed) -> None:
-        """Write the resumable checkpoint of ``self.step``, commit it in KV, then ack the
-        messages it contains and delete older checkpoints. Blocks for the writing.
+    def _mark_emitted(self, step: int) -> None:
+        self._emitted_step = step
+        if self._emit_event is not None:
+            self._emit_event.set()
+        self._emit_event = anyio.Event()
+
+    def _queue_record(self, record: dict[str, Any]) -> None:
+        """Hand a step's record to :meth:`_emitter`."""
+        self._records.append(record)
+        if self._record_added is not None:
+            self._record_added.set()
+
+    async def _emitter(self, state: RunState) -> None:
+        """Write the queued step records in order (:meth:`_emit`); blocks until cancelled.
+        Each record is written whole (shielded): one cut short by a cancel would be a
+        line in ``metrics.jsonl`` without its ``trained_uids.jsonl`` line, or a step in
+        KV without its line. A record is taken off the queue once written."""
+        while True:
+            while self._records:
+                record = self._records[0]
+                with anyio.CancelScope(shield=True):
+                    await self._emit(state, record)
+                self._records.popleft()
+                self._mark_emitted(record["step"])
+            self._record_added = anyio.Event()
+            await self._record_added.wait()
+
+    async def _save_resumable(
+        self,
+        state: RunState,
+        trainer: Any,
+        feed: ExperienceFeed,
+        *,
+        trigger: str,
+        records: Sequence[dict[str, Any]] = (),
+        extra_seconds: float = 0.0,
+    ) -> None:
+        """Write the resumable checkpoint of ``self.step``, write ``records`` (the step
+        records not written yet, up to this step's: call it with the emitter idle), commit
+        the checkpoint in KV, then ack the messages it contains and delete older
+        checkpoints. Blocks for the writing.
+
+        The last of ``records`` gets ``checkpoint/trigger`` and ``checkpoint/seconds``
+        (the time of the write, plus ``extra_seconds``: the HF checkpoint of that step).
 
         Raises:
             CheckpointError: DeepSpeed or the disk failed (nothing is acked then).
         """
+        t0 = time.perf_counter()
         step = self.step
+        if len(records) == 1:  # explorers (max_staleness) need not wait for the write
+            await state.put(TRAINER_STEP, step)
         engines = [trainer.engine] + ([trainer.critic] if trainer.critic is not None else [])
         resume_state = ckpt.ResumeState(
             step=step,
@@ -730,6 +920,13 @@ class Trainer:
         path = await anyio.to_thread.run_sync(
             ckpt.save_resumable, self.checkpoint_dir, step, engines, resume_state
         )
+        seconds = time.perf_counter() - t0 + extra_seconds
+        if records:
+            records[-1]["checkpoint/trigger"] = trigger
+            records[-1]["checkpoint/seconds"] = seconds
+        for record in records:  # on disk before the checkpoint is committed
+            await self._emit(state, record)
+            self._mark_emitted(record["step"])
         await state.put(
             TRAINER_CHECKPOINT,
             CheckpointRecord(
@@ -744,6 +941,67 @@ class Trainer:
         await feed.release_trained()
         keep = {step} | ({previous} if previous is not None else set())
         await anyio.to_thread.run_sync(ckpt.prune, self.checkpoint_dir, keep)
+        self._saved_at = time.monotonic()
+        self._longest_save = max(self._longest_save, seconds)
+        log.info(
+            "%s: resumable checkpoint of step %d (%s, %.2f s): %s",
+            self.name,
+            step,
+            trigger,
+            seconds,
+            path,
+        )
+
+    async def _save_on_cancel(
+        self, state: RunState, trainer: Any, feed: ExperienceFeed, ticker: InProgressTicker
+    ) -> None:
+        """On cancel (the task group is gone): write the step records not written yet and,
+        if resumable checkpoints are on and the last completed step is newer than the last
+        checkpoint, that step's checkpoint, which acks the messages held for it. Shielded,
+        for at most :data:`CANCEL_SAVE_MIN_S` (or 3x the longest checkpoint so far);
+        held messages stay in progress meanwhile. A failure or the time running out is
+        logged only: the previous checkpoint stays in force."""
+        pending = list(self._records)
+        self._records.clear()
+        if self._checkpoint_record is not None:
+            pending.append(self._checkpoint_record)
+            self._checkpoint_record = None
+        due = self.resumable and 0 < self.step != self.saved_step
+        if not pending and not due:
+            return
+        limit = max(CANCEL_SAVE_MIN_S, 3 * self._longest_save)
+        with anyio.move_on_after(limit, shield=True) as scope:
+            async with anyio.create_task_group() as tick:
+                tick.start_soon(ticker.run)
+                try:
+                    if due:
+                        await self._save_resumable(
+                            state, trainer, feed, trigger="cancel", records=pending
+                        )
+                    else:
+                        for record in pending:
+                            await self._emit(state, record)
+                            self._mark_emitted(record["step"])
+                except Exception as exc:  # noqa: BLE001 - exiting anyway
+                    log.warning(
+                        "%s: cancelled: the checkpoint of step %d failed (the one of step %s "
+                        "stays in force): %s",
+                        self.name,
+                        self.step,
+                        self.saved_step,
+                        exc,
+                    )
+                finally:
+                    tick.cancel_scope.cancel()
+        if scope.cancelled_caught:
+            log.warning(
+                "%s: cancelled: the checkpoint of step %d did not finish within %.0f s (the "
+                "one of step %s stays in force)",
+                self.name,
+                self.step,
+                limit,
+                self.saved_step,
+            )
 
     def _publisher(self, state: RunState, trainer: Any) -> WeightPublisher:
         """The jetstream publisher of this trainer start (made on first use)."""

@@ -64,6 +64,9 @@ from rftstream.subjects import (
 )
 from rftstream.wire import (
     H_DLQ_ACTOR,
+    H_DLQ_BODY_BYTES,
+    H_DLQ_BODY_HASH,
+    H_DLQ_BODY_TRUNCATED,
     H_DLQ_DELIVERIES,
     H_DLQ_REASON,
     H_DLQ_SEQ,
@@ -76,6 +79,10 @@ from rftstream.wire import (
 )
 
 log = logging.getLogger(__name__)
+
+# a dead letter keeps at most this prefix of the body it copies (its headers say the
+# original size and hash): a stream of poison messages must not fill the DLQ stream
+DEAD_LETTER_BODY_LIMIT = 64 * 1024
 
 SCHEMA_META = "rft.experience.v1"
 
@@ -440,7 +447,12 @@ class Bus:
         """Copy ``msg`` to ``dlq.<stage>`` with the reason in headers, then ``term`` it.
 
         The original headers are kept (but its ``Nats-Msg-Id`` is prefixed, so the
-        copy is deduplicated on its own); terminating stops redelivery.
+        copy is deduplicated on its own); terminating stops redelivery. The copy keeps
+        at most the first :data:`DEAD_LETTER_BODY_LIMIT` bytes of the body (less if
+        ``max_payload`` leaves less room); headers give the original body's size
+        (``Rft-Dlq-Body-Bytes``) and hash (``Rft-Dlq-Body-Hash``, see
+        :func:`body_digest`), and ``Rft-Dlq-Body-Truncated: true`` marks a shortened
+        copy. Blocks until the copy is acked (as :meth:`publish`), then for the term.
         """
         hdrs = {k: v for k, v in (msg.headers or {}).items() if not k.startswith("Nats-")}
         seq = ""
@@ -452,6 +464,7 @@ class Bus:
         except Exception:  # noqa: BLE001 - not a JetStream message
             pass
         reason_line = " ".join(reason.split())[:1000]
+        data = bytes(msg.data)
         hdrs.update(
             {
                 H_DLQ_REASON: reason_line,
@@ -460,12 +473,18 @@ class Bus:
                 H_DLQ_SUBJECT: msg.subject,
                 H_DLQ_SEQ: seq,
                 H_DLQ_DELIVERIES: deliveries,
+                H_DLQ_BODY_BYTES: str(len(data)),
+                H_DLQ_BODY_HASH: body_digest(data),
+                H_DLQ_BODY_TRUNCATED: "true",  # dropped below when the body fits
             }
         )
+        room = max(0, self.max_payload - headers_size(hdrs) - 1024)
+        keep = min(DEAD_LETTER_BODY_LIMIT, room)
+        if len(data) > keep:
+            data = data[:keep]
+        else:
+            del hdrs[H_DLQ_BODY_TRUNCATED]
         orig_id = (msg.headers or {}).get(H_MSG_ID) or f"{msg.subject}:{seq}"
-        data = msg.data
-        if len(data) + headers_size(hdrs) > self.max_payload:
-            data = data[: self.max_payload - headers_size(hdrs) - 1024]
         await self.publish(
             self.names.dlq_subject(stage), data, headers=hdrs, msg_id=f"dlq:{stage}:{orig_id}"
         )
@@ -489,3 +508,15 @@ class Bus:
             MetricsMsg(actor=self.actor, role=role, ts=time.time(), step=step, values=clean)
         )
         await self.publish(self.names.metrics_subject(self.actor), body)
+
+
+def body_digest(data: bytes) -> str:
+    """``"xxh3_128:<hex>"`` of ``data`` (``"sha256:<hex>"`` where ``xxhash`` is not
+    installed): the ``Rft-Dlq-Body-Hash`` of a dead letter, to match its original."""
+    try:
+        import xxhash
+    except ImportError:  # pragma: no cover - xxhash is a dependency
+        import hashlib
+
+        return "sha256:" + hashlib.sha256(data).hexdigest()
+    return "xxh3_128:" + xxhash.xxh3_128_hexdigest(data)

@@ -41,6 +41,7 @@ from rftstream.bus.state import RunState
 from rftstream.bus.transport import Transport
 from rftstream.config.schema import ExperienceStreamConfig, StreamLimitsConfig, StreamsConfig
 from rftstream.errors import BusError
+from rftstream.fault_points import fault_point
 
 log = logging.getLogger(__name__)
 
@@ -286,6 +287,7 @@ async def purge_acked(
                 stored = int(st.subjects.get(subject, 0))
                 stage = subject[len(subject_prefix) :]
                 await record_purge(state, transport, stream, subject, stage, first, point, stored)
+                fault_point("purge")  # chaos tests kill the run here
             await transport.purge(stream, subject, point)
         after = await transport.stream_state(stream)
     except BusError as exc:

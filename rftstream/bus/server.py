@@ -74,8 +74,14 @@ class EmbeddedNatsServer:
         start_timeout: float = 15.0,
         monitor_port: int | None = None,
         max_memory_store: int | None = 256 * 1024**2,
+        user: str = "",
+        password: str = "",
     ) -> None:
         self.store_dir = Path(store_dir)
+        # the one user the server accepts (``rftstream up``: a random per-run password);
+        # empty: no authentication (tests, benchmarks on a private temp dir)
+        self.user = user
+        self.password = password
         self.port = port
         self.max_payload = max_payload
         self.start_timeout = start_timeout
@@ -97,17 +103,33 @@ class EmbeddedNatsServer:
     def pid(self) -> int | None:
         return self._proc.pid if self._proc else None
 
+    def exit_code(self) -> int | None:
+        """The server process's exit code once it has exited on its own (negative: the
+        signal that killed it); None while it runs or when it was never started."""
+        return self._proc.poll() if self._proc is not None else None
+
+    def log_tail(self, lines: int = 5) -> str:
+        """The last ``lines`` lines of the server's log (``<store_dir>/nats-server.log``)."""
+        return "\n".join(self._log_tail(8000).strip().splitlines()[-lines:])
+
     def _write_config(self, port: int) -> Path:
+        """``<store_dir>/nats-server.conf``, mode 0600 (it holds the password)."""
+        from rftstream.run_lock import write_private
+
         self.store_dir.mkdir(parents=True, exist_ok=True)
         conf = self.store_dir / "nats-server.conf"
         js_dir = (self.store_dir / "jetstream").resolve()
-        conf.write_text(
+        auth = ""
+        if self.user:
+            auth = f'authorization {{\n  user: "{self.user}"\n  password: "{self.password}"\n}}\n'
+        text = (
             "# written by rftstream: a private, loopback-only server for one run\n"
             f"listen: 127.0.0.1:{port}\n"
             f"max_payload: {self.max_payload}\n"
             "max_pending: 67108864\n"
             f'server_name: "rftstream_{port}"\n'
             + (f"http: 127.0.0.1:{self.monitor_port}\n" if self.monitor_port else "")
+            + auth
             + "jetstream {\n"
             f'  store_dir: "{js_dir}"\n'
             + (
@@ -117,7 +139,7 @@ class EmbeddedNatsServer:
             )
             + "}\n"
         )
-        return conf
+        return write_private(conf, text.encode())
 
     def start(self) -> str:
         """Start the server and return its URL. Raises :class:`BusError` with the log tail on failure."""

@@ -41,7 +41,7 @@ from rftstream.config.paths import (
 from rftstream.config.resolve import resolve_config
 from rftstream.config.schema import Config
 from rftstream.config.trinity import Translation, TrinityConfigWarning, translate_trinity
-from rftstream.config.validate import validate_config
+from rftstream.config.validate import ConfigWarning, validate_config
 from rftstream.errors import ConfigError
 
 __all__ = [
@@ -62,6 +62,7 @@ _PATH_TOKEN_RE = re.compile(r"\.([^.\[\]]+)|\[(\d+|\.\.\.)\]")
 _OVERRIDE_TOKEN_RE = re.compile(r"([^.\[\]]+)|\[(\d+)\]")
 _WILDCARD = "..."
 _ENUM_ERROR = "Invalid enum value"  # msgspec's message for a value no Literal allows
+_NOT_TEXT = "not a text file (UTF-8 YAML)"
 
 
 class ConfigYamlLoader(yaml.SafeLoader):
@@ -407,25 +408,57 @@ def dump_config_yaml(cfg: Config) -> str:
 
 
 def _read_yaml(path: str) -> Any:
+    """The YAML document in the file at ``path`` (``None`` for an empty one). Blocks (reads it).
+
+    Raises :class:`ConfigError` naming the file for a missing or unreadable file, one
+    that is not UTF-8 text (a binary file: NUL bytes, bytes that do not decode, control
+    characters YAML refuses) and a YAML syntax error (with its line and column). Warns
+    (:class:`~rftstream.config.validate.ConfigWarning`) for a file with no document
+    (empty, or only comments): every key keeps its default.
+    """
     try:
-        with open(path, encoding="utf-8") as fh:
-            text = fh.read()
+        with open(path, "rb") as fh:
+            raw = fh.read()
     except FileNotFoundError as exc:
         raise ConfigError(ROOT, "config file not found", source=path) from exc
     except OSError as exc:
         raise ConfigError(ROOT, f"cannot read config file: {exc}", source=path) from exc
+    if b"\0" in raw:
+        raise ConfigError(ROOT, f"{_NOT_TEXT}: it holds NUL bytes", source=path)
     try:
-        return yaml.load(text, Loader=ConfigYamlLoader)
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ConfigError(
+            ROOT, f"{_NOT_TEXT}: byte {exc.start} ({raw[exc.start]:#04x}) is not UTF-8", source=path
+        ) from exc
+    try:
+        data = yaml.load(text, Loader=ConfigYamlLoader)
+    except yaml.reader.ReaderError as exc:  # a character YAML does not allow in text
+        ch = exc.character
+        shown = f"#x{ch:04x}" if isinstance(ch, int) else f"#x{ord(ch):04x}"
+        raise ConfigError(
+            ROOT,
+            f"{_NOT_TEXT}: character {shown} at position {exc.position}: {exc.reason}",
+            source=path,
+        ) from exc
     except yaml.MarkedYAMLError as exc:
         mark = exc.problem_mark or exc.context_mark
         line = mark.line + 1 if mark is not None else 0
         col = mark.column + 1 if mark is not None else 0
-        problem = " ".join(p for p in (exc.context, exc.problem) if p)
+        problem = " ".join(" ".join(p.split()) for p in (exc.context, exc.problem) if p)
         raise ConfigError(
             ROOT, f"YAML syntax error at line {line}, column {col}: {problem}", source=path
         ) from exc
     except yaml.YAMLError as exc:
-        raise ConfigError(ROOT, f"YAML error: {exc}", source=path) from exc
+        raise ConfigError(ROOT, "YAML error: " + " ".join(str(exc).split()), source=path) from exc
+    if data is None:
+        # stacklevel 1: load_stages and load_config both read the file, one warning shows
+        warnings.warn(
+            f"{path} is empty: the defaults run (every key at its default)",
+            ConfigWarning,
+            stacklevel=1,
+        )
+    return data
 
 
 def load_config(
@@ -440,9 +473,11 @@ def load_config(
     written, neither checked nor resolved. ``overrides`` are ``key.path=value``
     strings (value parsed as YAML) applied to the raw mapping before
     interpolation and conversion. Reads the file (blocking). Raises
-    :class:`ConfigError` naming the file and key path for a missing file, a YAML
-    syntax error (with its line), a non-mapping document, unset environment
-    variables, unknown keys, wrong types and failed validation.
+    :class:`ConfigError` naming the file and key path for a missing file, a file that
+    is not UTF-8 text, a YAML syntax error (with its line), a non-mapping document,
+    unset environment variables, unknown keys, wrong types and failed validation
+    (which includes local taskset and dataset paths that do not exist). Warns
+    (:class:`~rftstream.config.validate.ConfigWarning`) for an empty file.
     """
     source = os.fspath(path) if path is not None else None
     data: Any = {} if source is None else _read_yaml(source)

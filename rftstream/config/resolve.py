@@ -50,6 +50,7 @@ from rftstream.config.schema import (
     SyncStyle,
     TasksetConfig,
 )
+from rftstream.config.secrets import split_url_credentials
 from rftstream.errors import ConfigError
 
 __all__ = [
@@ -149,14 +150,34 @@ def resolve_run(
     which is otherwise :func:`default_run_dir` (either written as a path: ``runs/x/``
     and ``./runs/x`` are ``runs/x``); ``nats_url`` (``--nats-url``,
     several URLs may be comma-separated) replaces ``nats.url`` and empties
-    ``nats.servers``.
+    ``nats.servers``. Credentials inside a URL move to ``nats.user``/``nats.password``
+    (or ``nats.token``), where they are masked in every file and handed to child
+    processes in their environment (:func:`~rftstream.config.secrets.split_url_credentials`);
+    the URLs keep only the servers' addresses.
     """
     cfg = resolve_config(cfg)
     if steps is not None:
         cfg = replace(cfg, buffer=replace(cfg.buffer, total_steps=steps))
     if nats_url is not None:
         cfg = replace(cfg, nats=replace(cfg.nats, url=nats_url, servers=[]))
+    cfg = _credentials_out_of_urls(cfg)
     return replace(cfg, run_dir=str(PurePath(run_dir or default_run_dir(cfg))))
+
+
+def _credentials_out_of_urls(cfg: Config) -> Config:
+    """``cfg`` with the credentials of ``nats.url`` / ``nats.servers`` moved to the
+    ``nats`` keys (those already set win)."""
+    nats = cfg.nats
+    url, from_url = split_url_credentials(nats.url) if nats.url else ("", {})
+    servers = []
+    for server in nats.servers:
+        clean, creds = split_url_credentials(server)
+        servers.append(clean)
+        from_url = from_url or creds
+    if not from_url:
+        return cfg
+    keys = {k: v for k, v in from_url.items() if not (nats.user or nats.token or nats.creds)}
+    return replace(cfg, nats=replace(nats, url=url, servers=servers, **keys))
 
 
 # ----------------------------------------------------------------- per taskset and dataset

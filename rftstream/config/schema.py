@@ -434,7 +434,14 @@ class TrainerConfig(_Base):
     """``trainer``: the DeepSpeed trainer."""
 
     trainer_type: str = "deepspeed"
-    save_interval: int = 0  # 0: only at the end
+    # every N steps an HF-format checkpoint (global_step_<N>) and a resumable one; 0: the
+    # step trigger is off (an HF checkpoint at the end only)
+    save_interval: int = 0
+    # a resumable checkpoint (what a restarted trainer continues from) after the first step
+    # that ends this many seconds after the last one, or after the trainer's start; 0 turns
+    # the time trigger off. With both triggers off no resumable checkpoint is written and a
+    # crashed trainer starts over (see rftstream.actors.trainer)
+    save_interval_seconds: float = 600.0
     zero_stage: ZeroStage = 0
     # verl's key: data-parallel trainer ranks on this node (GPUs on a GPU machine, processes
     # on CPU); rftstream up starts n - 1 rank processes beside the trainer (rank 0), which
@@ -628,8 +635,10 @@ class Config(_Base):
     checkpoint_root_dir: str = ""  # "" -> <run_dir>/checkpoints
     run_dir: str = ""  # "" -> runs/<name>
     # a trainer started again in a run that has a committed resumable checkpoint (KV
-    # trainer.checkpoint; trainer.save_interval > 0) continues from it; false: from
-    # model.model_path at step 1 (Trinity-RFT's key and default)
+    # trainer.checkpoint; written every trainer.save_interval_seconds / save_interval
+    # steps, at the end and on SIGINT/SIGTERM) continues from it, and `rftstream up` on a
+    # run dir whose run did not finish continues the run; false: from model.model_path
+    # at step 1 (Trinity-RFT's key and default)
     continue_from_checkpoint: bool = True
     seed: int = 42
     model: ModelConfig = msgspec.field(default_factory=ModelConfig)

@@ -6,15 +6,23 @@ types alone cannot express (a decoded config already holds only the values its
 and raises :class:`~rftstream.errors.ConfigError` naming the key path and the
 offending value. Values derived from other keys (aliases, defaults) are filled in
 by :mod:`rftstream.config.resolve`. :func:`run_id_from_name` turns ``name`` (any
-length) into the run id that scopes every stream, subject and bucket. No I/O.
+length) into the run id that scopes every stream, subject and bucket.
+
+:func:`check_run_inputs` (:func:`check_data_paths`, :func:`check_model_context`) runs
+the checks that look at files: the tasksets and datasets a run reads exist, and the token
+budget fits the model's context; :func:`rftstream.runtime.prepare_run` calls it before
+anything of the run is written. Everything else here does no I/O.
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import re
 import warnings
+from collections.abc import Collection
+from pathlib import Path
 from typing import Any
 
 from rftstream import monitors  # a module, not its names: rftstream.monitors imports the schema
@@ -35,12 +43,18 @@ from rftstream.config.schema import (
     ExplorerInput,
     LoRAConfig,
     NatsConfig,
+    StorageConfig,
     TasksetConfig,
 )
 from rftstream.errors import ConfigError
 
 __all__ = [
     "TASKSET_NAME_RE",
+    "ConfigWarning",
+    "check_data_paths",
+    "check_model_context",
+    "check_run_inputs",
+    "check_run_name",
     "eval_tasksets",
     "run_id_from_name",
     "training_tasksets",
@@ -55,6 +69,15 @@ RUN_ID_PREFIX_LEN = RUN_ID_MAX_LEN - RUN_ID_HASH_LEN - 1
 _RUN_ID_RE = re.compile(rf"[a-z0-9_]{{1,{RUN_ID_MAX_LEN}}}")
 TASKSET_NAME_RE = re.compile(r"[A-Za-z0-9_.-]{1,64}")
 _INPUT = "buffer.explorer_input"
+_TRAINER_INPUT = "buffer.trainer_input"
+_EXPLORER_MODES = ("both", "explore")  # modes that publish the training tasksets
+_EVAL_MODES = ("both", "explore", "bench")  # modes that read the eval tasksets
+_HUB_ID_RE = re.compile(r"[\w.-]+/[\w.-]+")
+
+
+class ConfigWarning(UserWarning):
+    """A config that loads but probably does not do what was meant (an empty file, a token
+    budget longer than the model's context). Shown as one ``warning:`` line by the CLI."""
 
 
 def training_tasksets(inp: ExplorerInput) -> list[tuple[str, TasksetConfig]]:
@@ -104,6 +127,37 @@ def run_id_from_name(name: str, *, source: str | None = None) -> str:
     return f"{prefix.rstrip('_') or 'run'}_{digest}"
 
 
+def check_run_name(name: Any, *, source: str | None = None) -> None:
+    """``name`` must stay inside the directories it names: the run directory is
+    ``runs/<name>`` and the checkpoints ``<checkpoint_root_dir>/<project>/<name>``.
+
+    So ``name`` holds no ``\\`` and no NUL, does not start with ``/``, and each of its
+    ``/``-separated parts is a plain directory name: not empty, not ``.``, not ``..``
+    (``../../etc/evil`` and ``/tmp/x`` are refused). One part is the usual name; two
+    are what a staged config makes (``<name>/<stage_name>``). Every other non-empty
+    string stays legal (spaces, dots, any length, non-ASCII: :func:`run_id_from_name`
+    makes the run id). Raises :class:`ConfigError` for key ``name``.
+    """
+    run_id_from_name(name, source=source)  # a non-empty string
+    problem = ""
+    if "\0" in name or "\\" in name:
+        problem = "it holds a NUL byte" if "\0" in name else "it holds `\\`"
+    elif name.startswith("/"):
+        problem = "it starts with `/` (an absolute path)"
+    elif any(part.strip() in ("", ".", "..") for part in name.split("/")):
+        problem = "a `/`-separated part of it is empty, `.` or `..`"
+    if problem:
+        raise ConfigError(
+            "name",
+            f"must not lead out of the run directory runs/<name> and the checkpoint "
+            f"directory it names; {problem}: use letters, digits, `-`, `_`, `.` and spaces "
+            "(set run_dir to put the run elsewhere)",
+            value=name,
+            has_value=True,
+            source=source,
+        )
+
+
 class _Checker:
     def __init__(self, source: str | None) -> None:
         self.source = source
@@ -142,7 +196,7 @@ def validate_config(cfg: Config, source: str | None = None) -> None:
     """
     c = _Checker(source)
     c.choice("mode", cfg.mode, MODES)
-    run_id_from_name(cfg.name, source=source)
+    check_run_name(cfg.name, source=source)
 
     sync = cfg.synchronizer
     c.choice("synchronizer.sync_style", sync.sync_style, SYNC_STYLES + tuple(SYNC_STYLE_ALIASES))
@@ -199,6 +253,7 @@ def validate_config(cfg: Config, source: str | None = None) -> None:
         )
 
     c.at_least("trainer.save_interval", cfg.trainer.save_interval, 0)
+    c.at_least("trainer.save_interval_seconds", cfg.trainer.save_interval_seconds, 0)
     c.choice("trainer.zero_stage", cfg.trainer.zero_stage, ZERO_STAGES)
     c.at_least("trainer.n_gpus_per_node", cfg.trainer.n_gpus_per_node, 1)
     if cfg.trainer.n_gpus_per_node > 1 and cfg.mode != "both":
@@ -217,6 +272,9 @@ def validate_config(cfg: Config, source: str | None = None) -> None:
             cfg.trainer.n_gpus_per_node,
         )
     c.choice("trainer.mixed_precision", cfg.trainer.mixed_precision, MIXED_PRECISIONS)
+    c.at_least("model.max_prompt_tokens", cfg.model.max_prompt_tokens, 1)
+    c.at_least("model.max_response_tokens", cfg.model.max_response_tokens, 1)
+    c.at_least("model.max_model_len", cfg.model.max_model_len, 1, optional=True)
     _check_token_budget(c, cfg)
     _check_lora(c, cfg.model.lora_configs)
 
@@ -295,6 +353,8 @@ def _check_tasksets(c: _Checker, inp: ExplorerInput) -> None:
             seen[ts.name] = key
             c.at_least(f"{key}.repeat_times", ts.repeat_times, 1, optional=True)
             c.at_least(f"{key}.total_epochs", ts.total_epochs, 1, optional=True)
+            max_tokens = ts.rollout_args.max_tokens
+            c.at_least(f"{key}.rollout_args.max_tokens", max_tokens, 1, optional=True)
             if group == "training" and ts.is_eval:
                 c.fail(
                     f"{key}.is_eval",
@@ -302,6 +362,169 @@ def _check_tasksets(c: _Checker, inp: ExplorerInput) -> None:
                     "buffer.explorer_input.eval_tasksets",
                     ts.is_eval,
                 )
+
+
+def check_run_inputs(
+    cfg: Config,
+    model_path: str,
+    *,
+    source: str | None = None,
+    roles: Collection[str] | None = None,
+) -> None:
+    """The checks of a run about to start that look at files: :func:`check_data_paths`
+    and :func:`check_model_context`. :func:`rftstream.runtime.prepare_run` calls it once
+    the model is found, before anything of the run is written. Blocks (``stat`` calls,
+    reading the model's ``config.json``). ``roles``: the actors this process runs (None:
+    all the mode has); a trainer on a host without the taskset is fine."""
+    check_data_paths(cfg, source=source, roles=roles)
+    check_model_context(cfg, model_path, source=source)
+
+
+def check_data_paths(
+    cfg: Config, *, source: str | None = None, roles: Collection[str] | None = None
+) -> None:
+    """The local files the run's actors will read exist now (``stat`` only, no reading);
+    a :class:`ConfigError` names the first key whose file is missing.
+
+    Not part of :func:`validate_config`, which checks values only (a config can be
+    checked, explained or converted on a machine without its data);
+    :func:`rftstream.runtime.prepare_run` runs it (:func:`check_run_inputs`), so a
+    missing file fails in a second, before the run directory is written, instead of
+    inside an actor.
+
+    Tasksets (read by the explorer in modes both and explore; the eval tasksets in
+    bench too): ``path`` empty or ``builtin:<name>`` names a built-in taskset
+    (:data:`rftstream.tasksets.BUILTIN_TASKSETS`); any other value is a local file or
+    directory (``~`` expanded), as :func:`rftstream.tasksets.load_taskset` reads it.
+    Trainer datasets (``buffer.trainer_input``: ``experience_buffer`` when the trainer
+    reads a dataset, every ``auxiliary_buffers.<name>`` whenever a trainer runs;
+    ``storage_type: queue`` reads no file) are one local jsonl/json file each.
+    Relative paths are relative to the working directory, as the actors read them.
+    ``roles`` (the actors this process runs; None: every one): tasksets only where an
+    explorer runs, datasets only where a trainer does.
+    """
+    c = _Checker(source)
+    explorer = roles is None or "explorer" in roles
+    trainer = roles is None or "trainer" in roles
+    tasksets: list[tuple[str, TasksetConfig]] = []
+    if explorer and cfg.mode in _EXPLORER_MODES:
+        tasksets += training_tasksets(cfg.buffer.explorer_input)
+    if explorer and cfg.mode in _EVAL_MODES:
+        tasksets += eval_tasksets(cfg.buffer.explorer_input)
+    for key, ts in tasksets:
+        _check_taskset_path(c, f"{key}.path", ts.path)
+    tin = cfg.buffer.trainer_input
+    datasets: list[tuple[str, StorageConfig]] = []
+    if trainer and cfg.trainer_reads_dataset and tin.experience_buffer is not None:
+        if tin.experience_buffer.path:  # an empty one: runtime._preset_check_config says why
+            datasets.append((f"{_TRAINER_INPUT}.experience_buffer", tin.experience_buffer))
+    if trainer and cfg.mode in TRAINER_MODES:
+        datasets += [
+            (f"{_TRAINER_INPUT}.auxiliary_buffers.{name}", aux)
+            for name, aux in tin.auxiliary_buffers.items()
+            if aux.storage_type == "file"
+        ]
+    for key, storage in datasets:
+        _check_dataset_path(c, f"{key}.path", storage.path)
+
+
+def _check_taskset_path(c: _Checker, key: str, value: str) -> None:
+    from rftstream.tasksets import BUILTIN_TASKSETS  # imports the schema: not at module level
+
+    path = (value or "").strip()
+    if not path or path.startswith("builtin:"):
+        name = path.split(":", 1)[1] if path else "arithmetic"
+        if name not in BUILTIN_TASKSETS:
+            c.fail(
+                key, f"unknown built-in taskset {name!r}; known: {sorted(BUILTIN_TASKSETS)}", value
+            )
+        return
+    if not Path(path).expanduser().exists():
+        c.fail(key, f"no such file or directory{_hub_hint(path)}", value)
+
+
+def _check_dataset_path(c: _Checker, key: str, value: str) -> None:
+    p = Path(value)
+    if not value:
+        c.fail(key, "names no dataset file (a local jsonl or json file)", value)
+    elif p.is_dir():
+        c.fail(key, "is a directory; a trainer dataset is one local jsonl or json file", value)
+    elif not p.is_file():
+        c.fail(key, f"no such dataset file (a local jsonl or json file){_hub_hint(value)}", value)
+
+
+def _hub_hint(path: str) -> str:
+    if not _HUB_ID_RE.fullmatch(path):
+        return ""
+    return (
+        " (hub dataset ids are not downloaded: save the dataset with `datasets`' "
+        "save_to_disk, or download its files, and point path there)"
+    )
+
+
+def check_model_context(cfg: Config, model_path: str, *, source: str | None = None) -> None:
+    """The token budget against the context of the model at ``model_path`` (a local
+    directory: what :func:`rftstream.runtime.resolve_model_path` returns).
+
+    The context is ``max_position_embeddings`` in ``<model_path>/config.json`` (or its
+    ``text_config``), lowered to ``model.max_model_len`` when that is set; without
+    either there is nothing to check. Raises :class:`ConfigError` when
+    ``model.max_response_tokens`` (or a taskset's ``rollout_args.max_tokens``) leaves no
+    room for a prompt (it must be below the context). Warns (:class:`ConfigWarning`)
+    when ``model.max_prompt_tokens + model.max_response_tokens`` exceeds the context:
+    the engines then give a long prompt a shorter response than asked for. Blocks
+    (reads one small file).
+    """
+    context, where = _model_context(model_path)
+    if cfg.model.max_model_len is not None and (
+        context is None or cfg.model.max_model_len < context
+    ):
+        context, where = cfg.model.max_model_len, "model.max_model_len"
+    if context is None:
+        return
+    c = _Checker(source)
+    budgets = [("model.max_response_tokens", cfg.model.max_response_tokens)]
+    inp = cfg.buffer.explorer_input
+    budgets += [
+        (f"{key}.rollout_args.max_tokens", ts.rollout_args.max_tokens)
+        for key, ts in training_tasksets(inp) + eval_tasksets(inp)
+        if ts.rollout_args.max_tokens is not None
+    ]
+    for key, tokens in budgets:
+        if tokens >= context:
+            c.fail(
+                key,
+                f"must be below the model's context of {context} tokens ({where}): a response "
+                "this long leaves no room for the prompt",
+                tokens,
+            )
+    row = cfg.model.max_prompt_tokens + cfg.model.max_response_tokens
+    if row > context:
+        shown = f"{source}: " if source else ""
+        warnings.warn(
+            f"{shown}model.max_prompt_tokens + model.max_response_tokens = {row} exceeds the "
+            f"model's context of {context} tokens ({where}): a prompt longer than "
+            f"{context - cfg.model.max_response_tokens} tokens gets a shorter response",
+            ConfigWarning,
+            stacklevel=2,
+        )
+
+
+def _model_context(model_path: str) -> tuple[int | None, str]:
+    """``max_position_embeddings`` of the model directory's ``config.json`` (None when the
+    file, or the key, is not there or does not parse) and where it was read."""
+    path = Path(model_path) / "config.json"
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError):
+        return None, str(path)
+    if not isinstance(data, dict):
+        return None, str(path)
+    for section, prefix in ((data, ""), (data.get("text_config"), "text_config.")):
+        value = section.get("max_position_embeddings") if isinstance(section, dict) else None
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            return value, f"{prefix}max_position_embeddings in {path}"
+    return None, str(path)
 
 
 def _check_lora(c: _Checker, configs: list[LoRAConfig] | None) -> None:

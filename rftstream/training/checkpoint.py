@@ -35,6 +35,7 @@ import numpy as np
 import torch
 
 from rftstream.errors import RftError
+from rftstream.fault_points import fault_point
 
 RESUME_DIR = "resume"
 STATE_FILE = "rftstream_state.json"
@@ -150,6 +151,7 @@ def save_resumable(
         for i, engine in enumerate(engines):
             save_dir = root if i == 0 else target / CRITIC_DIR
             engine.save_checkpoint(str(save_dir), tag=tag, save_latest=False)
+        fault_point("checkpoint")  # chaos tests kill the run here: no state file yet
         _write_atomic(target / STATE_FILE, msgspec.json.encode(state))
         _write_atomic(root / LATEST_FILE, tag.encode())
     except (OSError, RuntimeError) as exc:

@@ -162,7 +162,7 @@ def test_bad_config_is_one_clear_line(tmp_path: Path) -> None:
     assert "Traceback" not in proc.stdout + proc.stderr
 
 
-def test_up_twice_in_the_same_run_dir_starts_a_new_run(
+def test_up_twice_in_the_same_run_dir_starts_a_new_run_and_keeps_the_finished_one(
     tmp_path: Path, tiny_model_path: str
 ) -> None:
     run_dir = tmp_path / "run"
@@ -175,7 +175,14 @@ def test_up_twice_in_the_same_run_dir_starts_a_new_run(
         cmd, capture_output=True, text=True, timeout=300, env=user_env(tiny_model_path)
     )
     assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-3000:]
-    assert "replaced the earlier run" in " ".join(second.stdout.split())
+    said = " ".join(second.stdout.split())
+    assert "a new run starts (the earlier run had finished)" in said, said[-2000:]
     records = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == [1, 2]  # the second run's own steps, not appended
     assert records[0]["experience/trained"] == 64
+    # the finished run moved aside whole, never deleted
+    (aside,) = [p for p in tmp_path.iterdir() if p.name.startswith("run.")]
+    assert aside.name in said.replace(" ", "")
+    first_records = (aside / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(x)["step"] for x in first_records] == [1, 2]
+    assert (aside / "nats" / "jetstream").is_dir() and not (run_dir / "run.lock").read_text() == ""
