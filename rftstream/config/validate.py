@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import re
 import warnings
@@ -47,6 +48,8 @@ from rftstream.config.schema import (
     TasksetConfig,
 )
 from rftstream.errors import ConfigError
+
+log = logging.getLogger(__name__)
 
 __all__ = [
     "TASKSET_NAME_RE",
@@ -470,7 +473,7 @@ def check_model_context(cfg: Config, model_path: str, *, source: str | None = No
     ``text_config``), lowered to ``model.max_model_len`` when that is set; without
     either there is nothing to check. Raises :class:`ConfigError` when
     ``model.max_response_tokens`` (or a taskset's ``rollout_args.max_tokens``) leaves no
-    room for a prompt (it must be below the context). Warns (:class:`ConfigWarning`)
+    room for a prompt (it must be below the context). Logs a note (INFO, the run's log)
     when ``model.max_prompt_tokens + model.max_response_tokens`` exceeds the context:
     the engines then give a long prompt a shorter response than asked for. Blocks
     (reads one small file).
@@ -499,14 +502,16 @@ def check_model_context(cfg: Config, model_path: str, *, source: str | None = No
                 tokens,
             )
     row = cfg.model.max_prompt_tokens + cfg.model.max_response_tokens
-    if row > context:
+    if row > context:  # a note in the run's log: common (short prompts) and harmless
         shown = f"{source}: " if source else ""
-        warnings.warn(
-            f"{shown}model.max_prompt_tokens + model.max_response_tokens = {row} exceeds the "
-            f"model's context of {context} tokens ({where}): a prompt longer than "
-            f"{context - cfg.model.max_response_tokens} tokens gets a shorter response",
-            ConfigWarning,
-            stacklevel=2,
+        log.info(
+            "%smodel.max_prompt_tokens + model.max_response_tokens = %d exceeds the model's "
+            "context of %d tokens (%s): a prompt longer than %d tokens gets a shorter response",
+            shown,
+            row,
+            context,
+            where,
+            context - cfg.model.max_response_tokens,
         )
 
 

@@ -101,9 +101,20 @@ class Up:
             assert time.time() < deadline, f"timed out waiting for {what}:\n{self.output[-3000:]}"
             time.sleep(0.05)
 
+    def wait_started(self) -> None:
+        """Until this up holds the run dir (its pid in the lock record) and runs its server."""
+        self.wait_for(
+            "up to hold the run dir",
+            lambda: (
+                (r := _lock(self.run_dir)).get("pid") == self.proc.pid and bool(r.get("server_pid"))
+            ),
+        )
+
     def crash(self) -> list[int]:
-        """SIGKILL the whole run at once: up, its nats-server and its children."""
+        """SIGKILL the whole run at once: up, its nats-server and its children (from the
+        lock record, which must be this up's)."""
         record = _lock(self.run_dir)
+        assert record.get("pid") == self.proc.pid, record
         pids = [self.proc.pid, record.get("server_pid"), *record.get("children", [])]
         pids = [p for p in pids if p]
         for pid in pids:
@@ -155,7 +166,7 @@ def test_a_run_killed_at_ten_points_continues_each_time_and_finishes(
 
     def after_steps(k: int) -> Callable[[Up], None]:
         def wait(up: Up) -> None:
-            target = progress[0] + k
+            target = max(progress[0], *_steps(run_dir), 0) + k
             up.wait_for(f"step {target}", lambda: max(_steps(run_dir), default=0) >= target)
             progress[0] = max(_steps(run_dir))
 
@@ -189,6 +200,7 @@ def test_a_run_killed_at_ten_points_continues_each_time_and_finishes(
     killed: list[str] = []
     for where, wait, freeze in points:
         up = Up(config, run_dir, {**env, FREEZE_ENV: freeze} if freeze else env)
+        up.wait_started()
         wait(up)
         up.crash()
         killed.append(f"{where} (step {max(_steps(run_dir), default=0)})")

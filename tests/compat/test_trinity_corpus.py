@@ -1,6 +1,7 @@
 """Trinity-RFT-format configs, written from Trinity's documentation and examples, start and
 train 2 steps through ``rftstream up`` as a user runs it: only the model path, the data
-path(s) and the step count come from the command line.
+path(s) and the step count come from the command line (and, for gsm8k, a response budget
+the tiny model's 128-position context can hold: :data:`FITS_THE_TINY_MODEL`).
 
 Each config keeps Trinity's own keys (``cluster``, ``storage_type``, ``runner_per_model``,
 ``rollout_model.dtype``, ``sync_method: nccl``, ``use_dynamic_bsz``, verl's
@@ -44,6 +45,11 @@ CORPUS: dict[str, list[tuple[str, str]]] = {
     "dapo": [(TASKSET, "dapo_math.jsonl")],
 }
 
+# config -> what the tiny model cannot take as Trinity wrote it: its context is 128
+# positions, and a response budget of 1024 tokens is refused at load (as it would be for
+# any model whose context it exceeds)
+FITS_THE_TINY_MODEL: dict[str, list[str]] = {"grpo_gsm8k": ["model.max_response_tokens=64"]}
+
 
 def _up(
     config: str, tiny: str, run_dir: Path, sets: list[tuple[str, str]], *extra: str
@@ -52,6 +58,8 @@ def _up(
     cmd += ["--run-dir", str(run_dir), "--steps", "2", "--set", f"model.model_path={tiny}"]
     for key, name in sets:
         cmd += ["--set", f"{key}={DATA / name}"]
+    for setting in FITS_THE_TINY_MODEL.get(config, []):
+        cmd += ["--set", setting]
     return cmd + list(extra)
 
 

@@ -4,6 +4,7 @@ the benchmark script runs and prints its table."""
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -66,13 +67,22 @@ def test_gpu_example_configs_load_and_validate(
     path: Path, tmp_path: Path, tiny_model_path: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """No GPU here: the GPU configs are loaded, validated and prepared (algorithm, batch
-    sizes, pipeline, model directory), with MODEL_PATH pointing at the tiny model."""
+    sizes, pipeline, model directory), with MODEL_PATH pointing at a copy of the tiny model
+    that declares a 1.5B model's context (32768 positions): the tiny model's own 128 hold
+    none of those configs' response budgets, which prepare_run refuses."""
+    model = tmp_path / "long-context-model"
+    shutil.copytree(tiny_model_path, model)
+    config = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 32768}))
     monkeypatch.setenv("MODEL_PATH", tiny_model_path)
     monkeypatch.delenv("TASKSET_PATH", raising=False)
+    with pytest.raises(ConfigError, match="model.max_response_tokens"):
+        prepare_run(load_config(path), run_dir=str(tmp_path / "run"))
+    monkeypatch.setenv("MODEL_PATH", str(model))
     cfg = load_config(path)
     run = prepare_run(cfg, run_dir=str(tmp_path / "run"))
     assert run.cfg.explorer.rollout_model.engine_type == "vllm"
-    assert run.model_path == tiny_model_path
+    assert run.model_path == str(model)
     assert run.cfg.buffer.train_batch_size % run.cfg.trainer.ppo_micro_batch_size_per_gpu == 0
     run.build_pipeline()
     # without MODEL_PATH the config says which variable is missing

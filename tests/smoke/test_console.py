@@ -41,6 +41,7 @@ SUMMARY_LABELS = (
     "reward/mean:",
     "idle after step 1:",
     "weights sync:",
+    "checkpoints:",
     "curves:",
     "report:",
     "logs:",
@@ -50,12 +51,15 @@ UP_LINES = [
     r"run \S+  algorithm \S+  model \S+",
     r"run dir \S+  \(metrics\.jsonl, checkpoints/, logs/: library warnings and child .*\)",
     r"inspect the run with the NATS CLI:",
-    r"  \$ nats --server nats://\S+ (stream|consumer|sub|kv) .*",
+    r"  \$ export NATS_URL=nats://127\.0\.0\.1:\d+ NATS_USER=rftstream "
+    r"NATS_PASSWORD=\$\(cat \S+/nats/password\)",
+    r"  \$ nats (stream|consumer|sub|kv) .*",
     r"explorer and operator host run in processes .*; the trainer runs here",
     STEP,
     RICH_LOG,
     r" {29}\S.*",  # a wrapped log message
-    r"(done in \d+s:|reward/mean:|idle after step 1:|weights sync:|curves:|report:|logs:)"
+    r"(done in \d+s:|reward/mean:|idle after step 1:|weights sync:|checkpoints:|curves:|"
+    r"report:|logs:)"
     r"( +\S.*)?",
     r" {19}\S.*",  # a wrapped summary value
     r"/\S+",  # a path too long for the value column, on a line of its own

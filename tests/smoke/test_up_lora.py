@@ -33,6 +33,9 @@ buffer:
 algorithm: {algorithm_type: grpo, repeat_times: 4, optimizer: {lr: 0.01}}
 explorer: {runner_num: 2}
 trainer: {gradient_checkpointing: true}
+# the explorer waits for the trainer's versions (else, on a busy machine, it can explore
+# every task with the base weights before the first step)
+synchronizer: {max_staleness: 1}
 """
 
 

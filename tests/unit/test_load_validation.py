@@ -14,6 +14,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import subprocess
 import sys
 import warnings
@@ -114,10 +115,17 @@ def test_a_budget_that_fits_passes_silently(tmp_path: Path) -> None:
         check_model_context(cfg_of(DEFAULT_CONFIG), path)  # the default run, on the tiny model
 
 
-def test_a_prompt_and_response_longer_than_the_context_warn(tmp_path: Path) -> None:
+def test_a_prompt_and_response_longer_than_the_context_are_noted_in_the_log(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     path = model_dir(tmp_path, {"max_position_embeddings": 128})
-    with pytest.warns(ConfigWarning, match=r"= 320 exceeds the model's context of 128"):
+    with (
+        caplog.at_level(logging.INFO, logger="rftstream.config.validate"),
+        warnings.catch_warnings(),
+    ):
+        warnings.simplefilter("error")  # a note for the run's log, not a console warning
         check_model_context(Config(), path)
+    assert "= 320 exceeds the model's context of 128" in caplog.text
 
 
 def test_the_context_comes_from_text_config_or_max_model_len(tmp_path: Path) -> None:

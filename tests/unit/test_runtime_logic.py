@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from rftstream.actors.trainer import RawMonitor
+from rftstream.actors.raw_monitor import RawMonitor
 from rftstream.config.schema import SynchronizerConfig
 from rftstream.errors import ConfigError
 from rftstream.experience import Experience, pack_group
