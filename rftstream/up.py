@@ -431,6 +431,9 @@ def _run_without_trainer(
     total = cfg.buffer.total_steps if explore else None
     progress = live_progress(console, "explorer" if explore else "bench", total)
     task = progress.add_task(cfg.mode, total=total, info="starting…")
+    supervisor.say = lambda line: progress.console.print(
+        f"[yellow]{escape(line)}[/]", soft_wrap=True
+    )
 
     def on_progress(info: dict[str, Any]) -> None:
         counts["steps"] = int(info.get("step", 0))
@@ -486,6 +489,9 @@ def _run_without_trainer(
         rows = [(done, f"{counts['evals']} evaluations")]
     if counts["evals"] and evals.exists():
         rows.append(("eval results:", str(evals)))
+    restarts = supervisor.summary()
+    if restarts is not None:
+        rows.append(("restarted:", restarts + " (each logged above; no work lost)"))
     rows.append(("logs:", str(run.run_dir / "logs")))
     print_summary(console, rows)
     return 0

@@ -58,6 +58,31 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
+@contextlib.contextmanager
+def _no_shm_op_for_one_rank() -> Any:
+    """Within it, DeepSpeed's CPU communication backend skips its shared-memory all-reduce
+    op when this process is the only trainer rank (``WORLD_SIZE`` 1): that op only speeds
+    up collectives between ranks of one node, and loading it compiles C++ with gcc the
+    first time on a machine (36 s on two cores) and loads or rebuilds it on every later
+    start (9 s quiet, 50 s busy). With several ranks nothing changes."""
+    import importlib
+
+    try:  # the module itself: the package's attribute `torch` is the torch package
+        ds_torch_comm = importlib.import_module("deepspeed.comm.torch")
+    except ImportError:  # another DeepSpeed layout: nothing to skip
+        yield
+        return
+    original = getattr(ds_torch_comm, "build_shm_op", None)
+    if original is None or env_world_size() > 1:
+        yield
+        return
+    ds_torch_comm.build_shm_op = lambda: None
+    try:
+        yield
+    finally:
+        ds_torch_comm.build_shm_op = original
+
+
 def ensure_dist_env() -> None:
     """Set the torch.distributed env of a single-process group if it is not set; on a
     machine without CUDA, tell DeepSpeed it is the CPU (else it warns that it guessed)."""
@@ -319,7 +344,7 @@ class PolicyTrainer:
             scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
         # DeepSpeed prints (not logs) a line when it builds its CPU communication op
         printed = io.StringIO()
-        with contextlib.redirect_stdout(printed):
+        with contextlib.redirect_stdout(printed), _no_shm_op_for_one_rank():
             engine, optimizer, _, _ = deepspeed.initialize(
                 model=model, optimizer=optimizer, config=ds_config
             )
