@@ -110,8 +110,8 @@ def test_up_console(tmp_path: Path, tiny_model_path: str, noisy_plugins: Path) -
         text = (logs / name).read_text()
         for noise in NOISE:
             assert noise in text, f"{noise!r} not in {name}"
-    # DeepSpeed's output on building its CPU op stays off the console, in the log
-    assert "DeepSpeed" in (logs / "rftstream.log").read_text()
+    # one trainer rank: DeepSpeed's shared-memory op is not built (no gcc at start-up)
+    assert "shm_comm_op built successfully" not in (logs / "rftstream.log").read_text()
     # the summary: every line fits an 80-column terminal, without trailing padding
     start = next(i for i, line in enumerate(lines) if line.startswith("done in"))
     summary = lines[start:]
