@@ -93,9 +93,10 @@ class ActorProcess:
     and operators return when the run status says so), then sends SIGTERM
     (the child naks the tasks it holds), then SIGKILL after
     :data:`STOP_GRACE_S`. Cancelling the block stops the child the same way,
-    without the wait. :meth:`watch` returns when the child exits and raises
-    :class:`RftError` (with the tail of its log) when it failed; run it in the
-    same task group as the actors it serves, so a dead child stops the run.
+    without the wait. :meth:`wait` returns the child's exit code, :meth:`failed`
+    says whether it is a failure and :meth:`failure` makes its :class:`RftError` (with
+    the tail of its log); :meth:`restart` starts it again
+    (:class:`rftstream.supervise.Supervisor` runs that loop).
     ``explorers``: the names of the explorers the child runs for role
     ``explorer`` (None: one per rollout engine, as :func:`rftstream.runtime.run_actors`).
     """
@@ -224,25 +225,17 @@ class ActorProcess:
 
     def failure(self, code: int | None) -> RftError:
         """The error of a failed exit ``code``: the child, its code and its log's tail."""
-        tail = _log_tail(self.log_path)
-        how = f"was killed by {signal.Signals(-code).name}" if code and code < 0 else ""
+        from rftstream.supervise import how_it_ended
+
         return RftError(
-            f"the {self.name} process ({'+'.join(self.roles)}) "
-            + (how or f"exited with code {code}")
-            + f"; its log {self.log_path} ends with:\n{tail}"
+            f"the {self.name} process ({'+'.join(self.roles)}) {how_it_ended(code)}; "
+            f"its log {self.log_path} ends with:\n{_log_tail(self.log_path)}"
         )
 
     async def wait(self) -> int:
         """Wait for the child to exit; its exit code (negative: the killing signal)."""
         assert self.process is not None
         return await self.process.wait()
-
-    async def watch(self) -> None:
-        """Wait for the child to exit; raise :class:`RftError` if it failed (not if it was
-        stopped by :meth:`stop`)."""
-        code = await self.wait()
-        if self.failed(code):
-            raise self.failure(code)
 
     async def stop(self, grace: float = 0.0) -> int | None:
         """Wait ``grace`` s for the child to end, then SIGTERM it, then SIGKILL. Returns its

@@ -19,17 +19,16 @@ import secrets
 from collections.abc import Iterator
 from pathlib import Path
 
-import msgspec
-
 from rftstream.config.resolve import default_run_dir
 from rftstream.config.schema import Config
 from rftstream.errors import RftError
-from rftstream.run_lock import EMBEDDED_USER, RunLock, live_owner, read_embedded_auth
-
-
-def _with_auth(cfg: Config, user: str, password: str) -> Config:
-    nats = msgspec.structs.replace(cfg.nats, user=user, password=password, token="", creds="")
-    return msgspec.structs.replace(cfg, nats=nats)
+from rftstream.run_lock import (
+    EMBEDDED_USER,
+    EmbeddedAuth,
+    RunLock,
+    live_owner,
+    read_embedded_auth,
+)
 
 
 @contextlib.contextmanager
@@ -47,7 +46,7 @@ def inspect_target(
     owner = live_owner(directory)
     if owner is not None and owner.url:
         auth = read_embedded_auth(directory)
-        yield owner.url, (_with_auth(cfg, auth.user, auth.password) if auth else cfg)
+        yield owner.url, (auth.on(cfg) if auth else cfg)
         return
     store = directory / "nats"
     if not (store / "jetstream").is_dir():
@@ -59,13 +58,13 @@ def inspect_target(
 
     lock = RunLock(directory).acquire(record=False)
     try:
-        password = secrets.token_urlsafe(24)
+        auth = EmbeddedAuth(user=EMBEDDED_USER, password=secrets.token_urlsafe(24))
         server = EmbeddedNatsServer(
-            store, max_payload=cfg.nats.max_payload, user=EMBEDDED_USER, password=password
+            store, max_payload=cfg.nats.max_payload, user=auth.user, password=auth.password
         )
         url = server.start()
         try:
-            yield url, _with_auth(cfg, EMBEDDED_USER, password)
+            yield url, auth.on(cfg)
         finally:
             server.stop()
     finally:

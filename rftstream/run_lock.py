@@ -23,18 +23,20 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
-import json
 import os
 import secrets
 import socket
 import time
 from collections.abc import Iterable
 from pathlib import Path
-from typing import IO, Literal
+from typing import IO, TYPE_CHECKING, Literal
 
 import msgspec
 
 from rftstream.errors import RftError
+
+if TYPE_CHECKING:
+    from rftstream.config.schema import Config
 
 LOCK_FILE = "run.lock"
 AUTH_FILE = "password"  # under <run_dir>/nats: the embedded server's password (0600)
@@ -59,7 +61,6 @@ class RunOwner(msgspec.Struct, kw_only=True, omit_defaults=True):
     server_pid: int | None = None  # the embedded nats-server's, when it started one
     children: list[int] = msgspec.field(default_factory=list)  # explorer / operator processes
     ended: float | None = None
-    restarts: dict[str, int] = msgspec.field(default_factory=dict)  # part -> restarts by up
 
 
 class EmbeddedAuth(msgspec.Struct, kw_only=True):
@@ -68,6 +69,13 @@ class EmbeddedAuth(msgspec.Struct, kw_only=True):
 
     user: str
     password: str
+
+    def on(self, cfg: Config) -> Config:
+        """``cfg`` connecting with this credential (and no other)."""
+        nats = msgspec.structs.replace(
+            cfg.nats, user=self.user, password=self.password, token="", creds=""
+        )
+        return msgspec.structs.replace(cfg, nats=nats)
 
 
 def _read_record(path: Path) -> RunOwner | None:
@@ -193,8 +201,7 @@ class RunLock:
         os.fsync(self._file.fileno())
 
     def update(self, **changes: object) -> None:
-        """Change fields of the record (``url``, ``server_pid``, ``children``, ``status``,
-        ``restarts``) and write it. No-op when the lock is not held."""
+        """Change fields of the record (``url``, ``server_pid``, ``children``, ``status``) and write it. No-op when the lock is not held."""
         if self._file is None or self.record is None:
             return
         self.record = msgspec.structs.replace(self.record, **changes)  # type: ignore[arg-type]
@@ -291,5 +298,5 @@ def move_aside(run_dir: Path, lock: RunLock, keep_out: Iterable[str] = ()) -> Pa
             continue
         entry.rename(aside / entry.name)
     if lock.previous is not None:  # how the moved run ended, for whoever reads it there
-        (aside / LOCK_FILE).write_bytes(json.dumps(msgspec.to_builtins(lock.previous)).encode())
+        (aside / LOCK_FILE).write_bytes(msgspec.json.encode(lock.previous))
     return aside

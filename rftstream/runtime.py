@@ -31,6 +31,7 @@ from rftstream.config.resolve import (
 from rftstream.config.schema import TRAINER_MODES, AlgorithmConfig, BufferConfig, Config
 from rftstream.config.secrets import redact_url
 from rftstream.config.validate import (
+    check_run_inputs,
     eval_tasksets,
     run_id_from_name,
     training_tasksets,
@@ -321,9 +322,7 @@ def prepare_run(
     )
     rdir = Path(cfg.run_dir)
     model_path = resolve_model_path(cfg, progress)
-    from rftstream.config.validate import check_run_inputs  # data files, model context
-
-    check_run_inputs(cfg, model_path, source=source, roles=roles)
+    check_run_inputs(cfg, model_path, source=source, roles=roles)  # data files, model context
     return PreparedRun(
         cfg=cfg,
         names=RunNames(run, name=cfg.name),

@@ -18,7 +18,6 @@ from pathlib import Path
 from typing import Any
 
 import anyio
-import msgspec
 from rich.console import Console
 from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -299,14 +298,7 @@ def run_up(
         )
         with console.status("starting the embedded nats-server…"):
             url = server.start()
-        cfg = run.cfg = msgspec.structs.replace(
-            cfg,
-            nats=msgspec.structs.replace(
-                cfg.nats, user=auth.user, password=auth.password, token="", creds=""
-            ),
-        )
-        if lock is not None:
-            lock.update(url=url, server_pid=server.pid)
+        cfg = run.cfg = auth.on(cfg)
         console.print(
             f"[bold green]NATS[/] listening on [cyan]{url}[/] (JetStream store {server.store_dir}; "
             f"user {auth.user}, its password in {run.run_dir / 'nats' / AUTH_FILE})",
@@ -325,7 +317,7 @@ def run_up(
         soft_wrap=True,
     )
     if lock is not None:
-        lock.update(url=redact_url(url))
+        lock.update(url=redact_url(url), server_pid=server.pid if server is not None else None)
     console.print("inspect the run with the NATS CLI:")
     auth_file = run.run_dir / "nats" / AUTH_FILE if server is not None else None
     for line in nats_cli_hint(url, run, auth_file=auth_file):

@@ -12,6 +12,7 @@ from pathlib import Path
 import anyio
 import pytest
 
+from rftstream.actor_process import ActorProcess
 from rftstream.config.secrets import split_url_credentials
 from rftstream.errors import RftError
 from rftstream.run_lock import (
@@ -163,7 +164,7 @@ class _Proc:
     async def wait(self) -> int:
         return self.codes.pop(0)
 
-    failed = staticmethod(lambda code: code not in (0, -15, 143, 130, None))
+    failed = staticmethod(ActorProcess.failed)
 
     def failure(self, code: int) -> RftError:
         return RftError(f"the explorer process {how_it_ended(code)}")
