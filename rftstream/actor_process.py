@@ -84,6 +84,18 @@ def _log_tail(path: Path, lines: int = 8) -> str:
     return "\n".join(text[-lines:])
 
 
+def how_it_ended(code: int | None) -> str:
+    """An exit code in words: ``killed by SIGKILL``, ``exited with code 1``."""
+    if code is None:
+        return "is gone"
+    if code < 0:
+        try:
+            return f"was killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"was killed by signal {-code}"
+    return f"exited with code {code}"
+
+
 class ActorProcess:
     """A child process running ``roles`` of ``run`` against ``url``.
 
@@ -225,8 +237,6 @@ class ActorProcess:
 
     def failure(self, code: int | None) -> RftError:
         """The error of a failed exit ``code``: the child, its code and its log's tail."""
-        from rftstream.supervise import how_it_ended
-
         return RftError(
             f"the {self.name} process ({'+'.join(self.roles)}) {how_it_ended(code)}; "
             f"its log {self.log_path} ends with:\n{_log_tail(self.log_path)}"

@@ -17,7 +17,6 @@ restarted (their collective with rank 0 cannot be rejoined): their death ends th
 from __future__ import annotations
 
 import logging
-import signal
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -25,6 +24,7 @@ from typing import TYPE_CHECKING
 
 import anyio
 
+from rftstream.actor_process import how_it_ended
 from rftstream.errors import RftError
 
 if TYPE_CHECKING:
@@ -36,18 +36,6 @@ log = logging.getLogger(__name__)
 MAX_RESTARTS = 5  # per part, in one up
 BACKOFF_S = (1.0, 2.0, 4.0, 8.0, 16.0, 30.0)
 SERVER_POLL_S = 0.25  # how often the embedded server's process is looked at
-
-
-def how_it_ended(code: int | None) -> str:
-    """An exit code in words: ``killed by SIGKILL``, ``exited with code 1``."""
-    if code is None:
-        return "is gone"
-    if code < 0:
-        try:
-            return f"was killed by {signal.Signals(-code).name}"
-        except ValueError:
-            return f"was killed by signal {-code}"
-    return f"exited with code {code}"
 
 
 class Supervisor:
