@@ -1,5 +1,11 @@
 """Smoke: ``explorer.rollout_model.engine_num: 2`` makes ``rftstream up`` run two rollout
-engines, as two explorer processes (``explorer``, ``explorer-2``) sharing the task queue."""
+engines, as two explorer processes (``explorer``, ``explorer-2``) sharing the task queue.
+
+The run is short, so an explorer that starts a few seconds after the other (a loaded CI
+machine) could find every task taken. The workflow, loaded with ``--plugin-dir``, therefore
+holds its first task until both explorer processes have run one: the one that started first
+keeps at most ``explorer.runner_num`` tasks while it waits, so the other gets the rest.
+"""
 
 from __future__ import annotations
 
@@ -16,14 +22,45 @@ from tests.integration._util import read_stream, run_up
 pytestmark = pytest.mark.smoke
 
 
+BOTH_EXPLORERS_WORKFLOW = """
+import os, time
+from pathlib import Path
+
+import anyio
+from workflows import WORKFLOWS, MathWorkflow
+
+BARRIER = Path({barrier!r})
+
+
+@WORKFLOWS.register_module("math_after_both_explorers")
+class MathAfterBothExplorers(MathWorkflow):
+    \"\"\"The math workflow; each process's first task waits (at most 120 s) until a task
+    has run in two explorer processes.\"\"\"
+
+    async def run_async(self):
+        (BARRIER / str(os.getpid())).touch()
+        deadline = time.monotonic() + 120
+        while len(list(BARRIER.iterdir())) < 2 and time.monotonic() < deadline:
+            await anyio.sleep(0.05)
+        return await super().run_async()
+"""
+
+
 def test_up_runs_engine_num_explorers(tmp_path: Path, tiny_model_path: str) -> None:
     run_dir = tmp_path / "run"
+    plugins, barrier = tmp_path / "plugins", tmp_path / "barrier"
+    plugins.mkdir()
+    barrier.mkdir()
+    (plugins / "both_explorers.py").write_text(BOTH_EXPLORERS_WORKFLOW.format(barrier=str(barrier)))
     stdout, records = run_up(
         run_dir,
         tiny_model_path,
         *("--steps", "10", "--set", "explorer.rollout_model.engine_num=2"),
+        *("--plugin-dir", str(plugins)),
+        *("--set", "buffer.explorer_input.taskset.default_workflow_type=math_after_both_explorers"),
         timeout=420,
     )
+    assert len(list(barrier.iterdir())) == 2  # the workflow ran in both explorer processes
     assert "2 explorers and operator host run in processes" in " ".join(stdout.split())
     assert [r["step"] for r in records] == list(range(1, 11))  # the run finished
     for name in ("explorer", "explorer-2"):  # two processes, each ran its own explorer
