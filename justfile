@@ -1,5 +1,6 @@
-# rftstream recipes. `just setup` creates .venv and installs everything;
-# the other recipes call it first, so `just up` / `just test` work on a fresh clone.
+# rftstream recipes. `just setup-run` creates .venv and installs what `rftstream up` needs;
+# `just setup` (alias `setup-all`) adds every extra and the test tools. The other recipes
+# call one of them first, so `just up` / `just test` work on a fresh clone.
 
 set shell := ["bash", "-euo", "pipefail", "-c"]
 
@@ -8,21 +9,28 @@ py := venv + "/bin/python"
 # CPU wheel by default (CI and laptops); GPU users: RFTSTREAM_TORCH='torch' just setup
 torch_spec := env_var_or_default("RFTSTREAM_TORCH", "torch==2.13.0")
 
-# create .venv and install rftstream with its test tools
-setup:
+# (the runtime and the CPU torch wheel, no extras)
+# create .venv and install what `rftstream up` needs
+setup-run:
     test -x {{py}} || python3 -m venv {{venv}}
     {{py}} -m pip install -qq --disable-pip-version-check '{{torch_spec}}'
+    {{py}} -m pip install -qq --disable-pip-version-check -e .
+
+# setup-run, then every extra (Data-Juicer, monitors, LoRA, ...) and the test tools
+setup: setup-run
     {{py}} -m pip install -qq --disable-pip-version-check -e '.[test]'
 
-# headless Chromium for tests/smoke/test_studio.py (Debian packages; as root with apt only,
-# elsewhere those tests skip and say why)
+alias setup-all := setup
+
+# (Debian packages; as root with apt only, elsewhere those tests skip and say why)
+# headless Chromium for tests/smoke/test_studio.py
 browser:
     if ! command -v chromium >/dev/null && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
         apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver >/dev/null; \
     fi
 
 # the embedded default run: private NATS, tiny model, GRPO on CPU
-up *ARGS: setup
+up *ARGS: setup-run
     {{venv}}/bin/rftstream up {{ARGS}}
 
 # the whole test suite (units, integration against a real nats-server, smoke)
@@ -34,27 +42,34 @@ lint: setup
     {{venv}}/bin/ruff check .
     {{venv}}/bin/ruff format --check .
 
-# benchmarks: print figures and ratios against a baseline measured in the same run
-# (codec; the bus against raw nats-py; MIX vs GRPO reward per step; weight sync, bus against
-# files; `just bench --quick`),
-# then rftstream against TRL's GRPOTrainer on the same workload (about 10 minutes on CPU)
-bench *ARGS: setup
-    {{py}} -m pip install -qq --disable-pip-version-check -e '.[bench]'
-    {{py}} benchmarks/run.py {{ARGS}}
-    {{py}} benchmarks/bus.py {{ARGS}}
-    {{py}} benchmarks/mix_vs_grpo.py {{ARGS}}
-    {{py}} benchmarks/weights.py {{ARGS}}
-    {{py}} benchmarks/vs_trl.py
+# Codec; the bus against a tuned raw nats-py client; MIX vs GRPO reward per step; weight
+# sync, bus against files (`just bench --quick` for these four); then rftstream against
+# TRL's GRPOTrainer on three workloads, five seeds (about 45 minutes on 2 cores). Every
+# benchmark runs; the recipe fails at the end when one missed its target or failed.
+# every benchmark, each against a baseline measured in the same run
+bench *ARGS: setup bench-deps
+    #!/usr/bin/env bash
+    set -u
+    failed=()
+    for b in run bus mix_vs_grpo weights; do
+        {{py}} benchmarks/$b.py {{ARGS}} || failed+=("$b (exit $?)")
+    done
+    {{py}} benchmarks/vs_trl.py || failed+=("vs_trl (exit $?)")
+    if [ ${#failed[@]} -gt 0 ]; then echo "benchmarks that missed or failed: ${failed[*]}"; exit 1; fi
 
-# weight sync over the bus against checkpoint files, on a 0.5B-shaped model and the tiny one
 # (ARGS: --steps N, --models 0.5b,tiny, --seeds N; about 15 minutes on 2 cores)
+# weight sync over the bus against checkpoint files, on a 0.5B-shaped model and the tiny one
 bench-weights *ARGS: setup
     {{py}} benchmarks/weights.py {{ARGS}}
 
-# rftstream against TRL's GRPOTrainer only (ARGS: --variant default|longtail, --no-fixed, ...)
-bench-trl *ARGS: setup
-    {{py}} -m pip install -qq --disable-pip-version-check -e '.[bench]'
+# (ARGS: --workload default|longtail|genheavy, --seeds 1,2,3, --out DIR; exits 1 on a MISS)
+# rftstream against TRL's GRPOTrainer only
+bench-trl *ARGS: setup bench-deps
     {{py}} benchmarks/vs_trl.py {{ARGS}}
+
+# what the benchmarks need beyond the package: TRL, for benchmarks/vs_trl.py
+bench-deps:
+    {{py}} -m pip install -qq --disable-pip-version-check -e '.[bench]'
 
 # the import graph: core -> plugin imports, imports inside functions, import cycles
 imports:

@@ -109,13 +109,30 @@ def _common(p: argparse.ArgumentParser, *, need_url: bool) -> None:
     )
 
 
+UP_EPILOG = """\
+continue, start over, watch:
+  rftstream up ...             the same command again continues a run that did not finish
+                               (Ctrl-C, a crash, a kill) from its newest checkpoint
+  rftstream up --fresh ...     starts over; the earlier run's files move to <run-dir>.<time>
+  rftstream studio             a web page: the run's curves live, a config form, Run / Stop
+  rftstream status --run-dir D steps, weight versions, heartbeats of a run (live or ended)
+  <run-dir>/metrics.png        the curves; <run-dir>/report.html, <run-dir>/logs/
+"""
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="rftstream", description="Reinforcement fine-tuning of LLMs over NATS JetStream"
     )
     sub = parser.add_subparsers(dest="command", required=True)
     up = sub.add_parser(
-        "up", help="start NATS (unless --nats-url) and every actor; train until done"
+        "up",
+        help="start NATS (unless --nats-url) and every actor; train until done",
+        description="Start NATS (unless --nats-url) and every actor of the run; train until "
+        "done. Without --config: the embedded default (the tiny local model, GRPO on the "
+        "built-in arithmetic taskset).",
+        epilog=UP_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     _common(up, need_url=False)
     up.add_argument(

@@ -116,6 +116,8 @@ class SimpleWorkflow(Workflow):
             "top_k": ra.top_k,
             "max_tokens": ra.max_tokens,
         }
+        if ra.min_tokens:
+            kwargs["min_tokens"] = ra.min_tokens
         if self.chat_template:
             kwargs["chat_template"] = self.chat_template
         return kwargs

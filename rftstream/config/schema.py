@@ -166,6 +166,7 @@ class GenerationConfig(_Base):
     top_p: float = 1.0
     top_k: int = -1
     max_tokens: int | None = None  # None -> model.max_response_tokens
+    min_tokens: int = 0  # no end-of-sequence token before this many new tokens (vLLM's key)
     logprobs: int = 0
     n: int = 1  # set from algorithm.repeat_times when a task is built
 

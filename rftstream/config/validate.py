@@ -358,6 +358,7 @@ def _check_tasksets(c: _Checker, inp: ExplorerInput) -> None:
             c.at_least(f"{key}.total_epochs", ts.total_epochs, 1, optional=True)
             max_tokens = ts.rollout_args.max_tokens
             c.at_least(f"{key}.rollout_args.max_tokens", max_tokens, 1, optional=True)
+            c.at_least(f"{key}.rollout_args.min_tokens", ts.rollout_args.min_tokens, 0)
             if group == "training" and ts.is_eval:
                 c.fail(
                     f"{key}.is_eval",

@@ -38,7 +38,8 @@ class SamplingParams:
     ``temperature == 0`` is greedy decoding. ``stop`` strings end a completion
     once its decoded text contains one (the tokens that produced it are kept).
     ``seed`` makes the request's samples reproducible independently of what it
-    is batched with.
+    is batched with. ``min_tokens`` (vLLM's name): no end-of-sequence or stop token
+    is drawn before that many new tokens (capped by ``max_tokens``).
     """
 
     n: int = 1
@@ -49,6 +50,7 @@ class SamplingParams:
     stop: list[str] | None = None
     stop_token_ids: list[int] | None = None
     seed: int | None = None
+    min_tokens: int = 0
 
     def __post_init__(self) -> None:
         if self.n < 1:
@@ -59,6 +61,8 @@ class SamplingParams:
             raise ValueError(f"SamplingParams.top_p must be in (0, 1], got {self.top_p}")
         if self.max_tokens is not None and self.max_tokens < 0:
             raise ValueError(f"SamplingParams.max_tokens must be >= 0, got {self.max_tokens}")
+        if self.min_tokens < 0:
+            raise ValueError(f"SamplingParams.min_tokens must be >= 0, got {self.min_tokens}")
 
 
 @dataclass

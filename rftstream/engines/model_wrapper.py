@@ -81,7 +81,7 @@ _INLINE_TOKENS = 4096
 _RENDER_CACHE_SIZE = 4096  # rendered chats kept per model (LRU)
 _KEY_ENCODER = msgspec.msgpack.Encoder(order="deterministic")
 
-_SAMPLING_KEYS = {"stop", "stop_token_ids", "seed"}
+_SAMPLING_KEYS = {"stop", "stop_token_ids", "seed", "min_tokens"}
 _IGNORED_KEYS = {"logprobs", "return_logprobs", "use_tqdm"}
 
 
@@ -494,6 +494,8 @@ class ModelWrapper:
     ) -> SamplingParams:
         if "max_new_tokens" in extra and max_tokens is None:
             max_tokens = extra.pop("max_new_tokens")
+        if "min_new_tokens" in extra:  # transformers' name for it
+            extra.setdefault("min_tokens", extra.pop("min_new_tokens"))
         unknown = sorted(set(extra) - _SAMPLING_KEYS - _IGNORED_KEYS - {"max_new_tokens"})
         if unknown:
             raise RftError(f"ModelWrapper: unsupported sampling argument(s) {unknown}")
@@ -512,6 +514,7 @@ class ModelWrapper:
                 stop=stop,
                 stop_token_ids=extra.get("stop_token_ids"),
                 seed=extra.get("seed"),
+                min_tokens=int(extra.get("min_tokens") or 0),
             )
         except ValueError as exc:
             raise RftError(f"ModelWrapper: {exc}") from exc

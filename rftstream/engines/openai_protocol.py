@@ -116,6 +116,7 @@ def sampling_from_request(
             stop=([s for s in stop if s] or None) if stop else None,
             stop_token_ids=stop_ids,
             seed=_number(body, "seed", int, None),
+            min_tokens=_number(body, "min_tokens", int, 0),
         )
     except ValueError as exc:
         raise ApiError(str(exc).replace("SamplingParams.", "")) from exc

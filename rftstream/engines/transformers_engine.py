@@ -6,14 +6,14 @@ its task group) collects them into one batch (up to ``max_batch_size``
 sequences, waiting at most ``batch_wait_ms`` after the first request), then
 runs ONE sampling loop for the whole batch in a worker thread. The loop is
 written here (no ``model.generate``): left-padded prompts, a KV cache,
-per-sequence temperature / top-p / top-k / max_tokens / stop, and the
-log-probability of every sampled token.
+per-sequence temperature / top-p / top-k / min_tokens / max_tokens / stop, and
+the log-probability of every sampled token.
 
 Log-probability convention, which the trainer must reproduce: for a sampled
 token ``t`` at a step with logits ``z`` (float32), ``logprob =
 log_softmax(z / temperature)[t]``: the raw logits divided by the SAME
-temperature the rollout used, before top-k / top-p filtering (greedy,
-``temperature == 0``: ``log_softmax(z)[t]``).
+temperature the rollout used, before top-k / top-p filtering and before the
+``min_tokens`` ban on end tokens (greedy, ``temperature == 0``: ``log_softmax(z)[t]``).
 
 Blocking: model forward passes and weight copies run in worker threads
 (``anyio.to_thread``, with the engine's own capacity limiter of one thread, so
@@ -69,6 +69,7 @@ class SequenceSpec:
     generator: torch.Generator | None = None  # None: the batch's shared generator
     stop: list[str] | None = None
     stop_token_ids: set[int] = field(default_factory=set)
+    min_new_tokens: int = 0  # eos and stop tokens cannot be drawn before this many tokens
 
 
 def _filter_logits(scaled: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
@@ -109,12 +110,19 @@ def _sample_step(
     top_p: torch.Tensor,
     generators: list[torch.Generator | None],
     default_generator: torch.Generator | None,
+    banned: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Sample one token per row; return (tokens [B], logprobs [B]) per the module convention."""
+    """Sample one token per row; return (tokens [B], logprobs [B]) per the module convention.
+
+    ``banned`` (bool [B, V]): tokens a row may not draw (``min_tokens``); the logprob
+    stays that of the unbanned distribution, as the trainer computes it."""
     greedy = temps <= 0
     t = torch.where(greedy, torch.ones_like(temps), temps)
     scaled = logits / t[:, None]
     logprobs_all = torch.log_softmax(scaled, dim=-1)
+    if banned is not None:
+        scaled = scaled.masked_fill(banned, -math.inf)
+        logits = logits.masked_fill(banned, -math.inf)
     probs = _filter_logits(scaled, top_k, top_p).softmax(dim=-1)
     tokens = torch.empty(logits.shape[0], dtype=torch.long, device=logits.device)
     greedy_rows = greedy.tolist()
@@ -150,7 +158,8 @@ def sample_sequences(
     Prompts are left-padded; position ids count only real tokens, so a padded
     row sees exactly what it would see alone. A row ends at an eos / stop token
     (``"stop"``), when its decoded text contains a stop string (``"stop"``,
-    needs ``tokenizer``) or after ``max_new_tokens`` tokens (``"length"``).
+    needs ``tokenizer``) or after ``max_new_tokens`` tokens (``"length"``); before
+    ``min_new_tokens`` tokens it cannot draw an eos or stop token (stop strings still end it).
     Finished rows are dropped from the cache once they are the majority.
     ``decoder`` (a :class:`~rftstream.engines.fast_decoder.FastDecoder` of
     ``model``) runs the forward passes instead of the HF module (same logits,
@@ -215,9 +224,12 @@ def sample_sequences(
         forwards, prunes = 1, 0
         next_pos = positions[:, -1] + 1
         alive = [True] * len(rows)  # host-side copy of the active mask (no per-row device syncs)
+        produced = 0  # tokens each live row has drawn (rows advance in lockstep)
         while True:
             gens = [seqs[i].generator for i in rows]
-            tok, lp = _sample_step(logits, temps, top_k, top_p, gens, generator)
+            banned = _end_tokens_banned(seqs, rows, produced, eos_token_ids, logits)
+            tok, lp = _sample_step(logits, temps, top_k, top_p, gens, generator, banned)
+            produced += 1
             tok_list, lp_list = tok.tolist(), lp.tolist()
             for row, i in enumerate(rows):
                 if not alive[row]:
@@ -281,6 +293,28 @@ def sample_sequences(
         )  # type: ignore[arg-type]
         for i in range(len(seqs))
     ]
+
+
+def _end_tokens_banned(
+    seqs: list[SequenceSpec],
+    rows: list[int],
+    produced: int,
+    eos_token_ids: set[int],
+    logits: torch.Tensor,
+) -> torch.Tensor | None:
+    """The bool [B, V] mask of end tokens (eos, the row's stop ids) that the rows still
+    short of their ``min_new_tokens`` may not draw after ``produced`` tokens; None when
+    no row is."""
+    short = [r for r, i in enumerate(rows) if seqs[i].min_new_tokens > produced]
+    if not short:
+        return None
+    vocab = logits.shape[-1]
+    banned = torch.zeros(logits.shape, dtype=torch.bool, device=logits.device)
+    for r in short:
+        ids = [t for t in eos_token_ids | seqs[rows[r]].stop_token_ids if 0 <= t < vocab]
+        if ids:
+            banned[r, ids] = True
+    return banned
 
 
 def _hits_stop(tokenizer: Any, tokens: list[int], stop: list[str]) -> bool:
@@ -754,6 +788,7 @@ class TransformersEngine(RolloutEngine):
                         generator=gen,
                         stop=list(p.stop) if p.stop else None,
                         stop_token_ids=set(p.stop_token_ids or ()),
+                        min_new_tokens=int(p.min_tokens),
                     )
                 )
         comps = sample_sequences(

@@ -507,6 +507,7 @@ class VLLMEngine(RolloutEngine):
             top_p=float(params.top_p),
             top_k=int(params.top_k) if vocab_filter else -1,  # -1: off on every vLLM version
             max_tokens=int(max_new),
+            min_tokens=min(int(params.min_tokens), int(max_new)),
             seed=None if params.seed is None else int(params.seed) + index,
             stop=stop or None,
             stop_token_ids=sorted(set(params.stop_token_ids or ()) | self.eos_token_ids),

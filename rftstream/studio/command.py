@@ -15,7 +15,7 @@ def add_studio_parser(sub: Any) -> None:
     st = sub.add_parser(
         "studio",
         help="a web page: build a run config with forms (validated as `up` does, saved as "
-        "YAML) and watch a running run live from NATS",
+        "YAML), run it (`up`, stopped with a button as Ctrl-C) and watch a run live from NATS",
     )
     st.add_argument("--host", default="127.0.0.1", help="address to listen on (default loopback)")
     st.add_argument(
@@ -32,7 +32,8 @@ def add_studio_parser(sub: Any) -> None:
 
 
 def cmd_studio(args: argparse.Namespace) -> int:
-    """Serve the studio until Ctrl-C (blocks). Raises :class:`~rftstream.errors.RftError`
+    """Serve the studio until Ctrl-C (blocks; a run it started is stopped first, see
+    :func:`~rftstream.studio.server.serve`). Raises :class:`~rftstream.errors.RftError`
     for a bad ``--config`` or a port that cannot be bound."""
     from rftstream.config import load_config
     from rftstream.config.schema import NatsConfig

@@ -33,6 +33,7 @@ from rftstream.plugin_registries import (
     REWARD_FUNCTIONS,
 )
 from rftstream.shaped_models import builtin_names
+from rftstream.studio.doctext import DocPart, doc_parts
 from rftstream.workflow import WORKFLOWS
 
 __all__ = [
@@ -124,12 +125,18 @@ class FormField:
 
 @dataclass(frozen=True)
 class FormSection:
-    """One section of the form: its fields, common ones first."""
+    """One section of the form: its fields, common ones first.
+
+    ``help``: the section's docstring as plain text (markup removed); ``help_parts``: the
+    same as ``(kind, text)`` runs, ``"text"`` or ``"code"`` (:func:`doc_parts`), which the
+    page shows as text nodes and ``<code>`` elements.
+    """
 
     key: str
     title: str
     help: str
     fields: tuple[FormField, ...]
+    help_parts: tuple[DocPart, ...] = ()
 
     def to_json(self) -> dict[str, Any]:
         """The section as JSON-able builtins (what ``/api/schema`` serves)."""
@@ -277,8 +284,11 @@ def form_sections() -> list[FormSection]:
             for path, kind, optional, default, choices in mine
         ]
         fields.sort(key=lambda f: (0, order[f.path]) if f.common else (1, 0))
-        help_text = " ".join(docs.get(top, "").split())
-        sections.append(FormSection(top, titles.get(top, top), help_text, tuple(fields)))
+        parts = tuple(doc_parts(docs.get(top, "")))
+        help_text = "".join(text for _, text in parts)
+        sections.append(
+            FormSection(top, titles.get(top, top), help_text, tuple(fields), help_parts=parts)
+        )
     return sections
 
 

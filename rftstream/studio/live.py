@@ -5,7 +5,8 @@ server (:func:`rftstream.clean.find_runs`), a run's streams with per-subject
 depths and each consumer's lag (:func:`rftstream.bus.stream_view.streams_report`),
 its KV bucket (steps, staleness, heartbeats, the stage chain:
 :func:`rftstream.message_summaries.status_report`), the trainer's reward and staleness per
-step from the metrics stream, and the newest dead letters with their reasons.
+step from the metrics stream (the reward also smoothed as ``metrics.png`` smooths it:
+:func:`smoothed_curve`), and the newest dead letters with their reasons.
 """
 
 from __future__ import annotations
@@ -24,16 +25,26 @@ from rftstream.clean import find_runs
 from rftstream.config.schema import NatsConfig
 from rftstream.errors import BucketNotFound, BusError, MessageNotFound, StreamNotFound
 from rftstream.message_summaries import status_report, summarize_message
+from rftstream.plot import RAW_ALPHA, ema, smoothing_alpha
 from rftstream.subjects import RunNames
 from rftstream.wire import MetricsMsg
 
-__all__ = ["CURVE_KEYS", "MetricsReader", "list_runs", "run_snapshot"]
+__all__ = [
+    "CURVE_KEYS",
+    "SMOOTHED_KEYS",
+    "MetricsReader",
+    "list_runs",
+    "run_snapshot",
+    "smoothed_curve",
+]
 
 # trainer step metrics drawn as curves: key in the metrics record -> label
 CURVE_KEYS: dict[str, str] = {
     "reward/mean": "reward (mean of the trained experiences' raw rewards)",
     "staleness/mean": "staleness (trainer version - generating version)",
 }
+# curves also drawn smoothed, raw faint (as metrics.png draws them)
+SMOOTHED_KEYS: tuple[str, ...] = ("reward/mean",)
 MAX_POINTS = 5000  # per curve (the newest)
 DEAD_LETTERS_SHOWN = 20
 
@@ -53,6 +64,10 @@ class MetricsReader:
     def __init__(self) -> None:
         self._runs: dict[str, _Series] = {}
 
+    def forget(self, run: str) -> None:
+        """Drop what was read of ``run`` (it starts again: read its stream afresh)."""
+        self._runs.pop(run, None)
+
     async def curves(self, transport: Transport, names: RunNames) -> dict[str, list[list[float]]]:
         """The trainer's ``CURVE_KEYS`` per step, ``{key: [[step, value], ...]}``, step order.
 
@@ -65,6 +80,8 @@ class MetricsReader:
             last = (await transport.stream_state(names.metrics_stream)).last_seq
         except StreamNotFound:
             return {key: [] for key in CURVE_KEYS}
+        if last < series.last_seq:  # the stream was made anew (a fresh run of that name)
+            series = self._runs[names.run] = _Series()
         if last > series.last_seq:
             reader = await transport.read(
                 names.metrics_stream, names.metrics_wildcard, start_seq=series.last_seq + 1
@@ -95,6 +112,20 @@ class MetricsReader:
             value = record.values.get(key)
             if isinstance(value, (int, float)):
                 series.steps.setdefault(key, []).append((int(record.step), float(value)))
+
+
+def smoothed_curve(points: list[list[float]]) -> dict[str, Any]:
+    """``points`` (``[[step, value], ...]``) smoothed as ``metrics.png`` smooths its curves
+    (:func:`rftstream.plot.ema` with :func:`rftstream.plot.smoothing_alpha` of the
+    number of points): ``{"points": [[step, smoothed], ...], "span": EMA span in steps
+    (1: not smoothed), "raw_alpha": the raw line's opacity there}``. Pure."""
+    alpha = smoothing_alpha(len(points))
+    values = ema([v for _, v in points], alpha)
+    return {
+        "points": [[p[0], v] for p, v in zip(points, values, strict=True)],
+        "span": round(2.0 / alpha - 1.0),
+        "raw_alpha": RAW_ALPHA,
+    }
 
 
 async def list_runs(transport: Transport) -> list[dict[str, Any]]:
@@ -136,7 +167,8 @@ async def _dead_letters(transport: Transport, names: RunNames) -> dict[str, Any]
 
 async def run_snapshot(transport: Transport, run: str, metrics: MetricsReader) -> dict[str, Any]:
     """Everything the live page shows of ``run`` now: ``status`` (steps, staleness,
-    heartbeats, stage chain), ``streams`` (depths, consumers' lag), ``curves`` and
+    heartbeats, stage chain), ``streams`` (depths, consumers' lag), ``curves``,
+    ``smoothed`` (:func:`smoothed_curve` of the :data:`SMOOTHED_KEYS` curves) and
     ``dead_letters``. Raises :class:`BusError` naming the run when it has no KV bucket
     on the server, or when the server does not answer."""
     try:
@@ -167,5 +199,6 @@ async def run_snapshot(transport: Transport, run: str, metrics: MetricsReader) -
         "streams": streams,
         "curves": curves,
         "curve_labels": CURVE_KEYS,
+        "smoothed": {key: smoothed_curve(curves[key]) for key in SMOOTHED_KEYS},
         "dead_letters": dead,
     }

@@ -4,8 +4,10 @@ The studio runs as a user starts it (``rftstream studio --port 0``, a subprocess
 selenium drives Debian's chromium. Screenshots go under the test's tmp dir and are
 checked for content: the page's text through the DOM, and pixels that are not blank.
 A config made through the form is saved by the page, loaded with ``load_config`` and
-run for 2 steps with ``rftstream up`` against a real nats-server, whose run the live
-view then shows (stages, heartbeats, curves, a dead letter).
+run for 2 steps by the page's Run button (the studio starts ``rftstream up`` against a
+real nats-server), whose run the live view then shows (stages, heartbeats, curves, the
+reward smoothed, a dead letter). A longer run started the same way is stopped by the
+Stop button: SIGINT, a clean shutdown, ``run.lock`` saying ``stopped``.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from __future__ import annotations
 import json
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -95,13 +98,37 @@ def _start_studio(nats_url: str, log: Path, env: dict[str, str] | None = None) -
 
 
 @pytest.fixture
-def studio(nats_url: str, tmp_path: Path) -> Iterator[str]:
-    proc, url = _start_studio(nats_url, tmp_path / "studio.log")
+def studio(nats_url: str, tmp_path: Path, tiny_model_path: str) -> Iterator[str]:
+    """The studio on the test's nats-server."""
+    yield from _studio(nats_url, tmp_path, tiny_model_path)
+
+
+@pytest.fixture
+def studio_without_nats(tmp_path: Path, tiny_model_path: str) -> Iterator[str]:
+    """The studio with nothing listening at its NATS URL: a run it starts gets the
+    embedded server of its ``up``."""
+    from rftstream.bus.server import free_port
+
+    yield from _studio(f"nats://127.0.0.1:{free_port()}", tmp_path, tiny_model_path)
+
+
+def _studio(nats_url: str, tmp_path: Path, tiny_model_path: str) -> Iterator[str]:
+    """The studio in a user's shell (the tiny model's cache: runs it starts find it);
+    stopped as with Ctrl-C, which stops a run it started (SIGINT) and waits for it."""
+    log = tmp_path / "studio.log"
+    proc, url = _start_studio(nats_url, log, env=user_env(tiny_model_path))
     try:
         yield url
     finally:
-        proc.terminate()
-        proc.wait(timeout=10)
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(timeout=90)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+            raise AssertionError(
+                f"the studio did not stop on SIGINT: {log.read_text()[-3000:]}"
+            ) from None
 
 
 def _wait(driver: Any, condition: Any, timeout: float = 20, what: str = "") -> Any:
@@ -170,6 +197,22 @@ def test_config_page_shows_the_schema_and_field_errors(
         assert title in text
     assert "Operators (experience pipeline)" in text and "advanced (" in text
     assert "buffer.explorer_input.taskset.path" in text  # a common key, shown
+    # section descriptions: docstring markup shown as text and <code>, never as markup
+    helps = " ".join(h.text for h in browser.find_elements(By.CLASS_NAME, "section-help"))
+    assert "model_path" in helps and "batch sizes" in helps
+    for markup in ("``", ":class:", ":mod:", ":func:", ":meth:", "`"):
+        assert markup not in helps, markup
+    tags = browser.execute_script(
+        "return [...document.querySelectorAll('.section-help *')].map((e) => e.tagName)"
+    )
+    assert tags and set(tags) == {"CODE"}  # nothing else made from docstring text
+    sync_codes = [
+        c.text for c in browser.find_elements(By.CSS_SELECTOR, "#section-synchronizer code")
+    ]
+    # <RUN> is text (not an HTML tag), a :mod: role its module's name
+    assert "RFT_<RUN>_WEIGHTS" in sync_codes and "rftstream.weights" in sync_codes
+    model_codes = [c.text for c in browser.find_elements(By.CSS_SELECTOR, "#section-model code")]
+    assert "LoRAConfig" in model_codes  # :class:`LoRAConfig`
     _screenshot(browser, tmp_path / "config.png")
 
     _set(browser, "buffer.batch_size", "0")
@@ -216,16 +259,10 @@ async def _live_json(base: str, run: str) -> dict[str, Any]:
             return await resp.json()
 
 
-@needs_browser
-def test_a_form_config_runs_two_steps_and_the_live_view_shows_it(
-    browser: Any, studio: str, nats_url: str, tmp_path: Path, tiny_model_path: str
-) -> None:
-    from selenium.webdriver.common.by import By
-
-    run_dir = tmp_path / "run"
-    _open_config_page(browser, studio)
+def _fill_run_config(driver: Any, run_dir: Path, tiny_model_path: str, name: str) -> None:
+    """The form set to a small run of the tiny model (2 tasks x 4 rollouts per step)."""
     for path, value in {
-        "name": "studio-run",
+        "name": name,
         "run_dir": str(run_dir),
         "model.model_path": tiny_model_path,
         "model.max_response_tokens": "6",
@@ -237,8 +274,57 @@ def test_a_form_config_runs_two_steps_and_the_live_view_shows_it(
         "explorer.runner_num": "2",
         "trainer.ppo_micro_batch_size_per_gpu": "4",
     }.items():
-        _set(browser, path, value)
-    _set(browser, "synchronizer.sync_style", "dynamic_by_explorer")
+        _set(driver, path, value)
+    _set(driver, "synchronizer.sync_style", "dynamic_by_explorer")
+
+
+def _launch(driver: Any) -> dict[str, Any]:
+    """The launch panel's state, read in one script (it is re-rendered every 2 s)."""
+    return driver.execute_script(
+        "const l = document.getElementById('launch');"
+        "return {hidden: l.hidden, state: l.dataset.state, outcome: l.dataset.outcome,"
+        " code: l.dataset.exitCode, run: l.dataset.run, text: l.innerText,"
+        " tail: (document.getElementById('launch-tail') || {}).textContent};"
+    )
+
+
+def _click_run(driver: Any, run: str) -> None:
+    """Press Run and wait for the page to become the run's live view."""
+    from selenium.webdriver.common.by import By
+
+    driver.find_element(By.ID, "run").click()
+
+    def on_live_view(d: Any) -> bool:
+        if d.current_url.endswith(f"/live?run={run}"):
+            return True
+        error = d.find_element(By.ID, "launch-error").text
+        if error or d.find_element(By.ID, "general-errors").text:
+            raise AssertionError(f"Run refused: {error} {d.find_element(By.ID, 'status').text}")
+        return False
+
+    _wait(driver, on_live_view, timeout=60, what="the live view of the started run")
+    _wait(driver, lambda d: _launch(d)["run"] == run, what="the launch panel")
+
+
+def _lock_status(run_dir: Path) -> str:
+    """The status the run dir's ``run.lock`` record holds."""
+    from rftstream.run_lock import last_owner
+
+    owner = last_owner(run_dir)
+    assert owner is not None, f"no run.lock record in {run_dir}"
+    return owner.status
+
+
+@needs_browser
+def test_a_form_config_runs_two_steps_and_the_live_view_shows_it(
+    browser: Any, studio: str, nats_url: str, tmp_path: Path, tiny_model_path: str
+) -> None:
+    from selenium.webdriver.common.by import By
+
+    run_dir = tmp_path / "run"
+    _open_config_page(browser, studio)
+    _fill_run_config(browser, run_dir, tiny_model_path, "studio-run")
+    _set(browser, "buffer.total_steps", "2")
     saved = tmp_path / "studio.yaml"
     browser.find_element(By.ID, "save-path").send_keys(str(saved))
     browser.find_element(By.ID, "save").click()
@@ -252,41 +338,41 @@ def test_a_form_config_runs_two_steps_and_the_live_view_shows_it(
     assert cfg.name == "studio-run" and cfg.buffer.batch_size == 2
     assert cfg.algorithm.repeat_times == 4 and cfg.algorithm.optimizer.lr == 0.001
     assert cfg.model.model_path == tiny_model_path and cfg.run_dir == str(run_dir)
+    assert cfg.buffer.total_steps == 2
 
-    log = tmp_path / "up.log"
-    with open(log, "w") as out:
-        up = subprocess.Popen(
-            [*RFTSTREAM, "up", "--config", str(saved), "--steps", "2", "--nats-url", nats_url],
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            env=user_env(tiny_model_path),
+    # Run: the studio starts `rftstream up` on the checked config, the page its live view
+    run = "studio_run"  # run id of the name
+    assert _launch(browser)["hidden"] is True  # no run started yet: no panel
+    _click_run(browser, run)
+    panel = _launch(browser)
+    assert panel["state"] in ("running", "exited"), panel
+    assert f"run dir: {run_dir}" in panel["text"]
+    assert f"the studio's NATS server ({nats_url})" in panel["text"]  # up --nats-url
+
+    def actors_beating(d: Any) -> bool:
+        state = _launch(d)
+        if state["outcome"] == "failed":
+            raise AssertionError(state["tail"])
+        # read in one script: the rows are replaced on every poll of the live view
+        roles = d.execute_script(
+            "return [...document.querySelectorAll('#heartbeats tbody tr')]"
+            ".map((r) => r.cells[1] ? r.cells[1].textContent : '')"
         )
-    try:
-        run = "studio_run"  # run id of the name
-        browser.get(f"{studio}live?run={run}")
+        return {"explorer", "trainer"} <= set(roles)
 
-        def actors_beating(d: Any) -> bool:
-            if up.poll() not in (None, 0):
-                raise AssertionError(log.read_text()[-3000:])
-            # read in one script: the rows are replaced on every poll of the live view
-            roles = d.execute_script(
-                "return [...document.querySelectorAll('#heartbeats tbody tr')]"
-                ".map((r) => r.cells[1] ? r.cells[1].textContent : '')"
-            )
-            return {"explorer", "trainer"} <= set(roles)
+    # heartbeats stay in the KV bucket after the run: seen while it runs or after it
+    _wait(browser, actors_beating, timeout=120, what="explorer and trainer heartbeats")
+    stages = browser.find_element(By.ID, "stages").text
+    assert f"rft.{run}.exp.raw" in stages and f"RFT_{run.upper()}_EXP" in stages
+    consumers = browser.find_element(By.ID, "consumers").text
+    assert "trainer" in consumers
+    _screenshot(browser, tmp_path / "live-running.png")
 
-        # heartbeats stay in the KV bucket after the run: seen while it runs or after it
-        _wait(browser, actors_beating, timeout=120, what="explorer and trainer heartbeats")
-        stages = browser.find_element(By.ID, "stages").text
-        assert f"rft.{run}.exp.raw" in stages and f"RFT_{run.upper()}_EXP" in stages
-        consumers = browser.find_element(By.ID, "consumers").text
-        assert "trainer" in consumers
-        _screenshot(browser, tmp_path / "live-running.png")
-        assert up.wait(timeout=180) == 0, log.read_text()[-3000:]
-    finally:
-        if up.poll() is None:
-            up.kill()
-            up.wait()
+    _wait(browser, lambda d: _launch(d)["state"] == "exited", timeout=180, what="up exited")
+    panel = _launch(browser)
+    assert (panel["outcome"], panel["code"]) == ("finished", "0"), panel["tail"]
+    assert "finished (exit code 0)" in panel["text"] and "run.lock status: done" in panel["text"]
+    assert _lock_status(run_dir) == "done"
 
     anyio.run(_dead_letter, nats_url, run)
     records = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
@@ -298,6 +384,8 @@ def test_a_form_config_runs_two_steps_and_the_live_view_shows_it(
         curve = snapshot["curves"][key]
         assert [step for step, _ in curve] == [1, 2], key
         assert [value for _, value in curve] == pytest.approx([r[key] for r in records]), key
+    smooth = snapshot["smoothed"]["reward/mean"]  # metrics.png's EMA: span 1 for 2 steps
+    assert smooth["span"] == 1 and smooth["points"] == snapshot["curves"]["reward/mean"]
 
     def finished(d: Any) -> bool:
         return (
@@ -306,9 +394,72 @@ def test_a_form_config_runs_two_steps_and_the_live_view_shows_it(
         )
 
     _wait(browser, finished, timeout=10, what="the finished run with its dead letter")
+    cards = browser.find_element(By.ID, "cards").text
+    assert "2\ntrainer step" in cards
     charts = browser.find_element(By.ID, "charts").text
-    assert "reward" in charts and "(2 steps)" in charts
-    assert len(browser.find_elements(By.CSS_SELECTOR, "#charts polyline")) == 2
+    assert "reward" in charts and "(2 steps, raw)" in charts and "(2 steps)" in charts
+    # the reward drawn raw (faint) and smoothed, the staleness raw
+    lines = browser.execute_script(
+        "return [...document.querySelectorAll('#charts polyline')]"
+        ".map((l) => [l.getAttribute('class'), l.getAttribute('stroke-opacity')])"
+    )
+    assert sorted(lines) == sorted([["raw", "0.25"], ["smoothed", "1"], ["raw", "1"]])
     dead = browser.find_element(By.ID, "dead-letters").text
     assert "outside the vocabulary" in dead and "trainer" in dead
     _screenshot(browser, tmp_path / "live-finished.png")
+
+    # back on the config page, the finished run's panel is shown; Run is free again
+    _open_config_page(browser, studio)
+    _wait(browser, lambda d: _launch(d)["state"] == "exited", what="the launch panel")
+    assert not browser.find_element(By.ID, "stop").is_displayed()
+
+
+@needs_browser
+def test_stop_ends_a_longer_run_cleanly(
+    browser: Any, studio_without_nats: str, tmp_path: Path, tiny_model_path: str
+) -> None:
+    """Stop on a run whose ``up`` started its own embedded server (the studio has none):
+    the live view reads it there while it runs; Stop is a clean SIGINT."""
+    from selenium.webdriver.common.by import By
+
+    run_dir = tmp_path / "run"
+    _open_config_page(browser, studio_without_nats)
+    _fill_run_config(browser, run_dir, tiny_model_path, "studio-stop")
+    _set(browser, "buffer.total_steps", "1000")
+    _set(browser, "buffer.total_epochs", "1000")
+    run = "studio_stop"
+    _click_run(browser, run)
+    assert "rftstream up starts its own in the run dir" in _launch(browser)["text"]
+
+    def trained(d: Any) -> bool:
+        state = _launch(d)
+        if state["state"] == "exited":
+            raise AssertionError(f"up exited before Stop: {state['tail']}")
+        step = d.execute_script(
+            "const c = [...document.querySelectorAll('#cards .card')]"
+            ".find((c) => c.querySelector('.k').textContent === 'trainer step');"
+            "return c ? c.querySelector('.v').textContent : null"
+        )
+        return step not in (None, "–", "0")
+
+    _wait(browser, trained, timeout=180, what="a trainer step")
+    assert _lock_status(run_dir) == "running"
+    browser.find_element(By.ID, "stop").click()
+    _wait(
+        browser,
+        lambda d: _launch(d)["state"] in ("stopping", "exited"),
+        timeout=10,
+        what="stopping",
+    )
+    _screenshot(browser, tmp_path / "live-stopping.png")
+    _wait(browser, lambda d: _launch(d)["state"] == "exited", timeout=120, what="up exited")
+    panel = _launch(browser)
+    # SIGINT: a clean stop (130; 0 when it came as the run was ending anyway)
+    assert panel["code"] in ("130", "0"), panel["tail"]
+    status = _lock_status(run_dir)
+    assert status != "running" and status == ("stopped" if panel["code"] == "130" else "done")
+    if panel["code"] == "130":
+        assert "stopped (exit code 130)" in panel["text"]
+        # how to continue it: the same config and run dir
+        assert f"--run-dir {run_dir}" in panel["text"] and "continue it later" in panel["text"]
+    _screenshot(browser, tmp_path / "live-stopped.png")

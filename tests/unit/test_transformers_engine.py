@@ -158,6 +158,29 @@ async def test_eos_stops_and_max_tokens(tiny_model_path: str) -> None:
             await engine.generate(list(range(5, 5 + engine.max_model_len)), SamplingParams())
 
 
+async def test_min_tokens_bans_end_tokens_until_reached(tiny_model_path: str) -> None:
+    async with serving(tiny_model_path) as engine:
+        eos = engine.tokenizer.eos_token_id
+        prompt = chat_ids(engine, "5+5=")
+        plain = await engine.generate(prompt, SamplingParams(n=16, max_tokens=24, seed=3))
+        assert max(len(c.token_ids) for c in plain) < 10  # the model answers and stops
+        params = SamplingParams(n=16, max_tokens=24, min_tokens=12, seed=3, stop_token_ids=[5])
+        comps = await engine.generate(prompt, params)
+        for c in comps:  # no end token before 12; after it the row may stop
+            assert len(c.token_ids) >= 12, c.token_ids
+            assert eos not in c.token_ids[:12] and 5 not in c.token_ids[:12], c.token_ids
+            assert c.finish_reason == ("stop" if len(c.token_ids) < 24 else "length")
+        # the logprobs are those of the unbanned distribution (what the trainer recomputes)
+        want = recompute_logprobs(engine, prompt, comps[0], 1.0)
+        torch.testing.assert_close(torch.tensor(comps[0].logprobs), want, atol=2e-4, rtol=0)
+        (greedy,) = await engine.generate(
+            prompt, SamplingParams(temperature=0, max_tokens=10, min_tokens=10)
+        )
+        assert len(greedy.token_ids) == 10 and eos not in greedy.token_ids
+        with pytest.raises(ValueError, match="min_tokens"):
+            SamplingParams(min_tokens=-1)
+
+
 async def test_seed_makes_a_request_reproducible(tiny_model_path: str) -> None:
     async with serving(tiny_model_path) as engine:
         prompt = chat_ids(engine, "zz")

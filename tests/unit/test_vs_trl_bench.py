@@ -93,3 +93,109 @@ def test_longtail_workflow_waits_then_scores_like_math(longtail: ModuleType, mon
     exps = anyio.run(wf.run_async)
     assert slept == [longtail.verifier_delay(5)]  # once per task
     assert [e.reward for e in exps] == [1.0, 0.0, 1.0]
+
+
+def test_stop_rule_threshold_after_and_budget(bench: ModuleType) -> None:
+    low = [(i, float(i), 0.5) for i in range(1, 40)]
+    assert not bench.should_stop(low, 39.0, after_s=15, budget_s=240)
+    assert bench.should_stop(low, 240.0, after_s=15, budget_s=240)  # the budget
+    at7 = low + [(i, float(i), 0.7) for i in range(40, 60)]  # trailing 0.7 at step 59
+    assert bench.steps_to_threshold(at7, 0.7) == (59, 59.0)
+    assert not bench.should_stop(at7, 70.0, after_s=15, budget_s=240)
+    assert bench.should_stop(at7, 74.0, after_s=15, budget_s=240)  # 15 s after 0.7
+    at9 = [(i, float(i), 0.95) for i in range(1, 21)]
+    assert bench.should_stop(at9, 20.0, after_s=15, budget_s=240)  # trailing 0.9
+
+
+def test_quartiles_match_numpy_and_verdicts(bench: ModuleType) -> None:
+    rng = np.random.default_rng(1)
+    for n in (1, 2, 5, 8):
+        xs = list(rng.normal(size=n))
+        want = tuple(np.percentile(xs, [25, 50, 75]))
+        assert bench.quartiles(xs) == pytest.approx(want)
+    assert bench.quartiles([]) is None
+    assert bench.verdict(0.6, 0.6) == "PASS" and bench.verdict(0.61, 0.6) == "MISS"
+    assert bench.verdict(None, 0.6) == "MISS"
+    assert bench.verdict(0.8, 0.8, at_least=True) == "PASS"
+
+
+def test_rftstream_ms_per_step_skips_the_first_step(bench: ModuleType) -> None:
+    records = [
+        {
+            "step": 1,
+            "time/trainer_step_period": 5.0,
+            "explorer/idle_share": 0.0,
+            "time/train_step": 1.0,
+        },
+        {
+            "step": 2,
+            "time/trainer_step_period": 0.1,
+            "explorer/idle_share": 0.5,
+            "time/train_step": 0.03,
+        },
+        {
+            "step": 3,
+            "time/trainer_step_period": 0.1,
+            "explorer/idle_share": 0.3,
+            "time/train_step": 0.05,
+        },
+        {
+            "step": 4,
+            "time/trainer_step_period": 0.2,
+            "explorer/idle_share": 0.5,
+            "time/train_step": 0.04,
+        },
+    ]
+    rollout, train = bench.rftstream_ms_per_step(records)
+    assert rollout == pytest.approx(70.0) and train == pytest.approx(40.0)
+    assert bench.rftstream_ms_per_step(records[:1]) == (None, None)
+
+
+def test_report_fails_a_miss_and_a_run_that_never_got_there(bench: ModuleType) -> None:
+    from rich.console import Console
+
+    def curve(label: str, secs: float | None, n: int = 30) -> object:
+        c = bench.Curve(label)
+        reward = 1.0 if secs is not None else 0.0
+        c.points = [(i, (secs or 100.0) * i / n, reward) for i in range(1, n + 1)]
+        return c
+
+    w = bench.WORKLOADS["longtail"]  # target: seconds <= 0.35x
+    console = Console(file=open("/dev/null", "w"))  # noqa: SIM115
+    lines, ok = bench.report(w, [curve("TRL", 100.0)] * 3, [curve("rftstream", 30.0)] * 3, console)
+    assert ok and "0.30x" in lines[0] and lines[0].endswith("PASS")
+    lines, ok = bench.report(w, [curve("TRL", 100.0)] * 3, [curve("rftstream", 40.0)] * 3, console)
+    assert not ok and lines[0].endswith("MISS")
+    never = [curve("rftstream", None)] * 2 + [curve("rftstream", 10.0)]
+    lines, ok = bench.report(w, [curve("TRL", 100.0)] * 3, never, console)
+    assert not ok and "—x" in lines[0]  # most seeds never reached 0.7: no ratio, a MISS
+
+
+def test_workload_overrides_name_the_keys_rftstream_up_takes(bench: ModuleType) -> None:
+    import copy
+
+    from rftstream.config import apply_overrides, config_from_dict
+    from rftstream.default_run import DEFAULT_CONFIG
+
+    load_plugins([ROOT / "benchmarks" / "plugins"])
+    for w in bench.WORKLOADS.values():  # the embedded default with the overrides, as `up`
+        data = apply_overrides(copy.deepcopy(DEFAULT_CONFIG), w.overrides())
+        cfg = config_from_dict(data, source="<embedded default>")  # a wrong key fails here
+        ts = cfg.buffer.explorer_input.taskset
+        assert ts.rollout_args.min_tokens == w.min_tokens
+        assert cfg.model.max_response_tokens == w.max_tokens
+    heavy = bench.WORKLOADS["genheavy"]
+    assert heavy.min_tokens == 32 and heavy.max_tokens == 48
+
+
+def test_letter_share_reward_counts_ascii_letters() -> None:
+    from rftstream.plugin_loader import plugin_module_name
+
+    load_plugins([ROOT / "benchmarks" / "plugins"])
+    genheavy = sys.modules[plugin_module_name(ROOT / "benchmarks" / "plugins" / "genheavy.py")]
+    assert genheavy.letter_share("ab12") == 0.5
+    assert genheavy.letter_share("") == 0.0 and genheavy.letter_share("é1") == 0.0
+    task = task_for({"question": "5+7=", "answer": "12"}, "math_workflow", repeat=2)
+    task.reward_fn = "letter_share_reward"
+    wf = __import__("workflows").MathWorkflow(task=task, model=ScriptedModel(["abcd", "a123"]))
+    assert [e.reward for e in anyio.run(wf.run_async)] == [1.0, 0.25]

@@ -65,6 +65,22 @@ function makeField(f) {
   return row;
 }
 
+// a section's docstring: [kind, text] runs ("text" or "code") as DOM nodes (never HTML)
+function helpText(parts) {
+  const p = document.createElement("p");
+  p.className = "section-help";
+  for (const [kind, text] of parts) {
+    if (kind === "code") {
+      const c = document.createElement("code");
+      c.textContent = text;
+      p.appendChild(c);
+    } else {
+      p.appendChild(document.createTextNode(text));
+    }
+  }
+  return p;
+}
+
 function render(sections) {
   const root = document.getElementById("sections");
   root.textContent = "";
@@ -74,12 +90,7 @@ function render(sections) {
     const legend = document.createElement("legend");
     legend.textContent = s.title;
     fs.appendChild(legend);
-    if (s.help) {
-      const p = document.createElement("p");
-      p.className = "section-help";
-      p.textContent = s.help;
-      fs.appendChild(p);
-    }
+    if (s.help_parts && s.help_parts.length) fs.appendChild(helpText(s.help_parts));
     const advanced = document.createElement("details");
     advanced.className = "advanced";
     const summary = document.createElement("summary");
@@ -108,7 +119,7 @@ function clearErrors() {
     row.classList.remove("has-error");
     row.querySelector(".error").textContent = "";
   }
-  for (const id of ["general-errors", "warnings", "save-error", "saved"]) {
+  for (const id of ["general-errors", "warnings", "save-error", "saved", "launch-error"]) {
     document.getElementById(id).textContent = "";
   }
 }
@@ -173,6 +184,42 @@ document.getElementById("save").addEventListener("click", async () => {
   show(result);
   if (result.save_error) document.getElementById("save-error").textContent = result.save_error;
   if (result.saved) document.getElementById("saved").textContent = "saved " + result.saved;
+});
+
+// Run: the same check, then `rftstream up` on the checked config (POST /api/launch); on
+// success the page becomes the run's live view, else it shows why (field errors, a run
+// already running, a run dir held by another `up`)
+document.getElementById("run").addEventListener("click", async () => {
+  const status = document.getElementById("status");
+  const button = document.getElementById("run");
+  status.textContent = "checking and starting…";
+  button.disabled = true;
+  let result;
+  try {
+    const resp = await fetch("/api/launch", {
+      method: "POST",
+      headers: {"Content-Type": "application/json"},
+      body: JSON.stringify({values: values(), fresh: document.getElementById("fresh").checked}),
+    });
+    const text = await resp.text();
+    try { result = JSON.parse(text); } catch (e) { result = {ok: false, error: `${resp.status} ${text}`}; }
+  } catch (e) {
+    result = {ok: false, error: String(e.message || e)};
+  } finally {
+    button.disabled = false;
+  }
+  if ("errors" in result) show(result);
+  else clearErrors();
+  if (result.ok && result.launch) {
+    status.textContent = "started";
+    location.href = result.launch.live_url;
+    return;
+  }
+  if (result.error) {
+    status.textContent = "not started";
+    document.getElementById("launch-error").textContent = "Run: " + result.error;
+  }
+  if (result.launch) renderLaunch(result.launch);
 });
 
 fetch("/api/schema")

@@ -37,14 +37,17 @@ function card(label, value) {
   return d;
 }
 
-// one curve as an SVG line chart: points [[step, value], ...]
-function chart(title, points) {
+// one curve as an SVG line chart: points [[step, value], ...]; smooth (optional):
+// {points, span, raw_alpha} from the server (metrics.png's EMA): the raw line faint, the
+// smoothed one bold
+function chart(title, points, smooth) {
   const W = 460, H = 200, L = 50, R = 10, T = 10, B = 30;
   const NS = "http://www.w3.org/2000/svg";
   const box = document.createElement("div");
   box.className = "chart";
   const h = document.createElement("h3");
-  h.textContent = `${title} (${points.length} steps)`;
+  const note = smooth ? (smooth.span > 1 ? `, EMA span ${smooth.span} steps, raw faint` : ", raw") : "";
+  h.textContent = `${title} (${points.length} steps${note})`;
   box.appendChild(h);
   const svg = document.createElementNS(NS, "svg");
   svg.setAttribute("width", W);
@@ -67,16 +70,23 @@ function chart(title, points) {
     if (y0 === y1) { y0 -= 0.5; y1 += 0.5; }
     const sx = (x) => L + (x1 === x0 ? 0.5 : (x - x0) / (x1 - x0)) * (W - L - R);
     const sy = (y) => H - B - ((y - y0) / (y1 - y0)) * (H - T - B);
-    const line = document.createElementNS(NS, "polyline");
-    line.setAttribute("points", points.map((p) => `${sx(p[0])},${sy(p[1])}`).join(" "));
-    line.setAttribute("fill", "none"); line.setAttribute("stroke", "#2b6cd4"); line.setAttribute("stroke-width", "2");
-    svg.appendChild(line);
+    const polyline = (pts, cls, width, opacity) => {
+      const line = document.createElementNS(NS, "polyline");
+      line.setAttribute("points", pts.map((p) => `${sx(p[0])},${sy(p[1])}`).join(" "));
+      line.setAttribute("class", cls);
+      line.setAttribute("fill", "none"); line.setAttribute("stroke", "#2b6cd4");
+      line.setAttribute("stroke-width", width); line.setAttribute("stroke-opacity", opacity);
+      svg.appendChild(line);
+    };
+    const rawOpacity = smooth ? smooth.raw_alpha : 1;
+    polyline(points, "raw", smooth ? "1" : "2", rawOpacity);
     for (const p of points.length <= 60 ? points : []) {
       const c = document.createElementNS(NS, "circle");
       c.setAttribute("cx", sx(p[0])); c.setAttribute("cy", sy(p[1])); c.setAttribute("r", 3);
-      c.setAttribute("fill", "#2b6cd4");
+      c.setAttribute("fill", "#2b6cd4"); c.setAttribute("fill-opacity", rawOpacity);
       svg.appendChild(c);
     }
+    if (smooth) polyline(smooth.points, "smoothed", "2", 1);
     text(L - 4, T + 10, y1.toPrecision(3), "end");
     text(L - 4, H - B, y0.toPrecision(3), "end");
     text(L, H - 8, `step ${x0}`, "start");
@@ -104,7 +114,9 @@ function renderRun(d) {
   document.getElementById("chain").textContent = s.chain + (s.waiting ? `  (trainer: ${s.waiting})` : "");
   const charts = document.getElementById("charts");
   charts.textContent = "";
-  for (const key of Object.keys(d.curves)) charts.appendChild(chart(d.curve_labels[key] || key, d.curves[key]));
+  for (const key of Object.keys(d.curves)) {
+    charts.appendChild(chart(d.curve_labels[key] || key, d.curves[key], (d.smoothed || {})[key]));
+  }
   const stageRows = [], consumerRows = [];
   for (const st of d.streams) {
     if (st.missing) { stageRows.push([st.name, "(not created yet)", ""]); continue; }
@@ -124,6 +136,19 @@ function renderRun(d) {
   document.getElementById("run-view").style.display = "";
 }
 
+// a failed read of the run the studio started: say what its `up` is doing
+function explain(message) {
+  const l = window.studioLaunch;
+  if (!l || l.run !== current) return message;
+  if (l.state === "exited" && l.outcome === "failed") {
+    return `rftstream up of run ${current} failed (exit code ${l.exit_code}): its output is above. ${message}`;
+  }
+  if (l.state !== "exited" && document.getElementById("run-view").style.display === "none") {
+    return `waiting for run ${current}: rftstream up is starting (${message})`;
+  }
+  return message;
+}
+
 async function poll() {
   clearTimeout(timer);
   if (!current) return;
@@ -136,7 +161,7 @@ async function poll() {
     document.getElementById("updated").textContent = "updated " + new Date().toLocaleTimeString();
     document.body.dataset.run = current;
   } catch (e) {
-    document.getElementById("live-error").textContent = String(e.message || e);
+    document.getElementById("live-error").textContent = explain(String(e.message || e));
   }
   timer = setTimeout(poll, POLL_MS);
 }
@@ -146,7 +171,9 @@ async function loadRuns() {
   try {
     const d = await (await fetch("/api/runs")).json();
     if (!d.ok) throw new Error(d.error);
-    document.getElementById("nats").textContent = `on ${d.nats}`;
+    const nats = document.getElementById("nats");
+    nats.textContent = `on ${d.nats}` + (d.nats_error ? " (not reachable)" : "");
+    nats.title = d.nats_error || "";
     sel.textContent = "";
     const none = document.createElement("option");
     none.value = "";
