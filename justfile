@@ -44,7 +44,8 @@ lint: setup
 
 # Codec; the bus against a tuned raw nats-py client; MIX vs GRPO reward per step; weight
 # sync, bus against files (`just bench --quick` for these four); then rftstream against
-# TRL's GRPOTrainer on three workloads, five seeds (about 45 minutes on 2 cores). Every
+# TRL's GRPOTrainer on three workloads, five seeds (about 45 minutes on 2 cores), and
+# start-up from a fresh clone and warm, beside TRL's (about 5 minutes). Every
 # benchmark runs; the recipe fails at the end when one missed its target or failed.
 # every benchmark, each against a baseline measured in the same run
 bench *ARGS: setup bench-deps
@@ -55,6 +56,7 @@ bench *ARGS: setup bench-deps
         {{py}} benchmarks/$b.py {{ARGS}} || failed+=("$b (exit $?)")
     done
     {{py}} benchmarks/vs_trl.py || failed+=("vs_trl (exit $?)")
+    {{py}} benchmarks/startup.py || failed+=("startup (exit $?)")
     if [ ${#failed[@]} -gt 0 ]; then echo "benchmarks that missed or failed: ${failed[*]}"; exit 1; fi
 
 # (ARGS: --steps N, --models 0.5b,tiny, --seeds N; about 15 minutes on 2 cores)
@@ -66,6 +68,11 @@ bench-weights *ARGS: setup
 # rftstream against TRL's GRPOTrainer only
 bench-trl *ARGS: setup bench-deps
     {{py}} benchmarks/vs_trl.py {{ARGS}}
+
+# (a fresh clone installs and runs `just up`; then warm starts against TRL's, 5 each)
+# start-up: a fresh clone to the first trainer step, and a warm start, beside TRL's
+bench-startup *ARGS: setup bench-deps
+    {{py}} benchmarks/startup.py {{ARGS}}
 
 # what the benchmarks need beyond the package: TRL, for benchmarks/vs_trl.py
 bench-deps:

@@ -199,3 +199,21 @@ def test_letter_share_reward_counts_ascii_letters() -> None:
     task.reward_fn = "letter_share_reward"
     wf = __import__("workflows").MathWorkflow(task=task, model=ScriptedModel(["abcd", "a123"]))
     assert [e.reward for e in anyio.run(wf.run_async)] == [1.0, 0.25]
+
+
+def test_startup_reads_the_first_trainer_step(tmp_path: Path) -> None:
+    spec = importlib.util.spec_from_file_location("startup", ROOT / "benchmarks" / "startup.py")
+    assert spec is not None and spec.loader is not None
+    startup = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(startup)
+    metrics = tmp_path / "metrics.jsonl"
+    assert startup.first_step_s(metrics, 100.0) is None  # no file yet
+    metrics.write_text("")
+    assert startup.first_step_s(metrics, 100.0) is None
+    metrics.write_text('{"step": 1, "ts": 104.5}\n{"step": 2, "ts": 104.6}\n')
+    assert startup.first_step_s(metrics, 100.0) == 4.5
+    metrics.write_text('{"step": 1, "ts": 1')  # a line being written
+    assert startup.first_step_s(metrics, 100.0) is None
+    # the benchmark runs the README's first quick-start command
+    readme = (ROOT / "README.md").read_text()
+    assert startup.README_COMMAND in readme
