@@ -8,8 +8,8 @@ Three figures, measured in one run of this script:
   (the first record of ``metrics.jsonl``): creating the venv, installing, building the
   tiny model (if this machine has no cached one) and starting the run. pip's cache is
   whatever this machine has (a new machine has none: the install then downloads).
-* **warm start**: ``rftstream up --steps 3 --fresh`` in that clone once everything is
-  installed and cached, from the process start to the first trainer step (median of
+* **warm start**: ``rftstream up --steps 3`` (a new run dir each time) in that clone once
+  everything is installed and cached, from the process start to the first trainer step (median of
   ``--repeats``).
 * **TRL**: TRL's ``GRPOTrainer`` on the same work, warm, from the process start to its
   first step (``benchmarks/vs_trl.py``'s TRL side; median of ``--repeats``).
@@ -39,12 +39,14 @@ README_COMMAND = "python3 -m venv .venv && .venv/bin/pip install -qq rust-just &
 
 
 def first_step_s(metrics: Path, t0: float) -> float | None:
-    """Seconds from ``t0`` to the first trainer step of ``metrics`` (None: no step yet)."""
+    """Seconds from ``t0`` to the first trainer step of ``metrics`` (None: no step yet, or
+    only steps from before ``t0``: a file an earlier run left)."""
     try:
         line = metrics.read_text().split("\n", 1)[0]
-        return float(json.loads(line)["ts"]) - t0 if line.strip() else None
+        ts = float(json.loads(line)["ts"]) if line.strip() else None
     except (OSError, ValueError, KeyError):
         return None
+    return ts - t0 if ts is not None and ts >= t0 else None
 
 
 def until_first_step(
@@ -145,12 +147,11 @@ def main(argv: list[str] | None = None) -> int:
                                 "up",
                                 "--steps",
                                 "3",
-                                "--fresh",
                                 "--run-dir",
-                                str(base / "warm"),
+                                str(base / f"warm{i}"),  # a new run each time
                             ],
                             clone,
-                            base / "warm",
+                            base / f"warm{i}",
                             base / f"warm{i}.log",
                             timeout=300,
                         )

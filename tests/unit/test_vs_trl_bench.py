@@ -214,6 +214,8 @@ def test_startup_reads_the_first_trainer_step(tmp_path: Path) -> None:
     assert startup.first_step_s(metrics, 100.0) == 4.5
     metrics.write_text('{"step": 1, "ts": 1')  # a line being written
     assert startup.first_step_s(metrics, 100.0) is None
+    metrics.write_text('{"step": 1, "ts": 99.0}\n')  # an earlier run's
+    assert startup.first_step_s(metrics, 100.0) is None
     # the benchmark runs the README's first quick-start command
     readme = (ROOT / "README.md").read_text()
     assert startup.README_COMMAND in readme
