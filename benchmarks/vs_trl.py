@@ -134,10 +134,16 @@ WORKLOADS = {
 }
 
 
+def plugins_importable() -> None:
+    """Make ``benchmarks/plugins`` importable as top-level modules (once per process)."""
+    if str(PLUGINS) not in sys.path:
+        sys.path.insert(0, str(PLUGINS))
+
+
 def reward_fn(workload: Workload) -> Callable[[str, str], float]:
     """The workload's reward of one reply, as both sides and the evaluation compute it."""
     if workload.reward == "letter_share":
-        sys.path.insert(0, str(PLUGINS))
+        plugins_importable()
         from genheavy import letter_share
 
         return lambda response, truth: letter_share(response)
@@ -297,7 +303,7 @@ def trl_child(args: argparse.Namespace) -> int:
 
     from rftstream.tiny_model import arithmetic_problems, ensure_tiny_model
 
-    sys.path.insert(0, str(PLUGINS))
+    plugins_importable()
     from longtail import verifier_delay
 
     workload = WORKLOADS[args.workload]
@@ -650,6 +656,7 @@ class Evaluator:
             )
             for q, _ in self.tasks
         ]
+        self.rewards: dict[str, Callable[[str, str], float]] = {}  # workload name -> reward
 
     def score(self, state: dict[str, Any] | None, workload: Workload) -> tuple[float, float]:
         """``(greedy, temperature 1)`` accuracy of ``state`` (None: the initial model)."""
@@ -661,7 +668,9 @@ class Evaluator:
         result = self.model.load_state_dict(weights, strict=False)
         if result.unexpected_keys or set(result.missing_keys) - {"lm_head.weight"}:
             raise RuntimeError(f"snapshot does not fit the model: {result}")
-        score = reward_fn(workload)
+        score = self.rewards.get(workload.name)
+        if score is None:
+            score = self.rewards[workload.name] = reward_fn(workload)
         out = []
         for temperature, n in ((0.0, 1), (1.0, EVAL_SAMPLES)):
             seqs, truths = [], []

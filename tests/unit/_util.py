@@ -1,11 +1,15 @@
-"""Helpers shared by the workflow unit tests (tests/unit/test_workflows.py,
-tests/unit/test_builtin_workflows.py): a ModelWrapper on the tiny model, a model that
-replies from a script, and a Task."""
+"""Helpers shared by the unit tests: a ModelWrapper on the tiny model, a model that
+replies from a script, and a Task (the workflow tests); a script loaded as a module (the
+benchmark tests)."""
 
 from __future__ import annotations
 
+import importlib.util
+import sys
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import anyio
@@ -75,3 +79,14 @@ class ScriptedModel:
             )
             for i in range(n)
         ]
+
+
+def load_script(path: Path, name: str) -> ModuleType:
+    """The Python file ``path`` (a script, not in a package) executed as module ``name``,
+    registered in ``sys.modules`` (dataclasses of the script need it)."""
+    spec = importlib.util.spec_from_file_location(name, path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module

@@ -3,8 +3,6 @@ that the raw client's hand-written codec moves exactly rftstream's bytes and arr
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from pathlib import Path
 from types import ModuleType
 
@@ -12,18 +10,14 @@ import pytest
 import torch
 
 from rftstream.experience import decode_group
+from tests.unit._util import load_script
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
 def bench() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("bus_bench", ROOT / "benchmarks" / "bus.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["bus_bench"] = module
-    spec.loader.exec_module(module)
-    return module
+    return load_script(ROOT / "benchmarks" / "bus.py", "bus_bench")
 
 
 def test_sizes_parse_and_label(bench: ModuleType) -> None:

@@ -7,27 +7,20 @@ rollouts are skipped. References are computed here with numpy.
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from pathlib import Path
 from types import ModuleType
 
 import numpy as np
 import pytest
 
+from tests.unit._util import load_script
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
 def bench() -> ModuleType:
-    spec = importlib.util.spec_from_file_location(
-        "mix_vs_grpo", ROOT / "benchmarks" / "mix_vs_grpo.py"
-    )
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["mix_vs_grpo"] = module
-    spec.loader.exec_module(module)
-    return module
+    return load_script(ROOT / "benchmarks" / "mix_vs_grpo.py", "mix_vs_grpo")
 
 
 def np_trailing(values: list[float], n: int) -> list[float]:

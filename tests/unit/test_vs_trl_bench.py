@@ -9,7 +9,6 @@ records without new rollouts are skipped; the long-tail verifier waits
 
 from __future__ import annotations
 
-import importlib.util
 import sys
 from pathlib import Path
 from types import ModuleType
@@ -19,19 +18,14 @@ import numpy as np
 import pytest
 
 from rftstream.plugin_loader import load_plugins
-from tests.unit._util import ScriptedModel, task_for
+from tests.unit._util import ScriptedModel, load_script, task_for
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
 def bench() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("vs_trl", ROOT / "benchmarks" / "vs_trl.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["vs_trl"] = module
-    spec.loader.exec_module(module)
-    return module
+    return load_script(ROOT / "benchmarks" / "vs_trl.py", "vs_trl")
 
 
 def np_first(
@@ -202,10 +196,7 @@ def test_letter_share_reward_counts_ascii_letters() -> None:
 
 
 def test_startup_reads_the_first_trainer_step(tmp_path: Path) -> None:
-    spec = importlib.util.spec_from_file_location("startup", ROOT / "benchmarks" / "startup.py")
-    assert spec is not None and spec.loader is not None
-    startup = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(startup)
+    startup = load_script(ROOT / "benchmarks" / "startup.py", "startup")
     metrics = tmp_path / "metrics.jsonl"
     assert startup.first_step_s(metrics, 100.0) is None  # no file yet
     metrics.write_text("")
