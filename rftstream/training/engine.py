@@ -59,12 +59,15 @@ log = logging.getLogger(__name__)
 
 
 @contextlib.contextmanager
-def _no_shm_op_for_one_rank() -> Any:
-    """Within it, DeepSpeed's CPU communication backend skips its shared-memory all-reduce
-    op when this process is the only trainer rank (``WORLD_SIZE`` 1): that op only speeds
-    up collectives between ranks of one node, and loading it compiles C++ with gcc the
-    first time on a machine (36 s on two cores) and loads or rebuilds it on every later
-    start (9 s quiet, 50 s busy). With several ranks nothing changes."""
+def _no_shm_op() -> Any:
+    """Within it, DeepSpeed's communication backend does not build its shared-memory
+    all-reduce op, so nothing compiles at run time: that op only speeds up CPU collectives
+    between ranks of one node (torch.distributed's gloo does the same work without it), and
+    loading it compiles C++ with gcc the first time on a machine (36 s on two cores), then
+    loads or rebuilds it on every start (9 s quiet, 50 s busy). Worse, the build holds a
+    lock file in torch's extension cache: a rank killed while building (a crash, a kill -9,
+    a timed-out test) leaves the lock behind, and every later multi-rank start on that
+    machine waits on it for ever."""
     import importlib
 
     try:  # the module itself: the package's attribute `torch` is the torch package
@@ -73,7 +76,7 @@ def _no_shm_op_for_one_rank() -> Any:
         yield
         return
     original = getattr(ds_torch_comm, "build_shm_op", None)
-    if original is None or env_world_size() > 1:
+    if original is None:
         yield
         return
     ds_torch_comm.build_shm_op = lambda: None
@@ -344,7 +347,7 @@ class PolicyTrainer:
             scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
         # DeepSpeed prints (not logs) a line when it builds its CPU communication op
         printed = io.StringIO()
-        with contextlib.redirect_stdout(printed), _no_shm_op_for_one_rank():
+        with contextlib.redirect_stdout(printed), _no_shm_op():
             engine, optimizer, _, _ = deepspeed.initialize(
                 model=model, optimizer=optimizer, config=ds_config
             )

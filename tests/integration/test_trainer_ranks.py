@@ -13,14 +13,21 @@ shards, unequal shards (a group is never cut), a rank that gets no group at all,
 (``PolicyTrainer._padding_micro_step``): under ZeRO-2 a padding pass that fired the
 gradient hooks in another order than a training pass mixed up the ranks' gradients, under
 ZeRO-3 it could not differentiate the partitioned parameters.
+
+Nothing compiles at run time: the ranks run with a torch-extensions cache whose DeepSpeed
+shared-memory op holds a stale build lock, as a rank killed mid-build leaves it. A rank that
+tried to build (or load) that op would wait on the lock for ever; the launch's timeout then
+fails the case with that reason.
 """
 
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
+from subprocess import PIPE
 
 import pytest
 import torch
@@ -30,8 +37,27 @@ from tests.integration import _ranks_worker as worker
 REPO = Path(__file__).resolve().parents[2]
 
 
+def extensions_cache_with_a_stale_lock(root: Path) -> Path:
+    """A ``TORCH_EXTENSIONS_DIR`` in which DeepSpeed's ``deepspeed_shm_comm`` build directory
+    holds a lock file that nobody will release."""
+    from torch.utils import cpp_extension
+
+    saved = os.environ.get("TORCH_EXTENSIONS_DIR")
+    os.environ["TORCH_EXTENSIONS_DIR"] = str(root)
+    try:
+        build_dir = Path(cpp_extension._get_build_directory("deepspeed_shm_comm", verbose=False))
+    finally:
+        if saved is None:
+            os.environ.pop("TORCH_EXTENSIONS_DIR")
+        else:
+            os.environ["TORCH_EXTENSIONS_DIR"] = saved
+    (build_dir / "lock").touch()
+    return root
+
+
 def launch(model_path: str, out: Path, case: str, zero_stage: int, nproc: int = 2) -> None:
     env = dict(os.environ)
+    env["TORCH_EXTENSIONS_DIR"] = str(extensions_cache_with_a_stale_lock(out.parent / "ext"))
     env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")])
     env["DS_ACCELERATOR"] = "cpu"
     env["CUDA_VISIBLE_DEVICES"] = ""
@@ -51,8 +77,20 @@ def launch(model_path: str, out: Path, case: str, zero_stage: int, nproc: int = 
         case,
         str(zero_stage),
     ]
-    proc = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-8000:]
+    # its own session, so a timeout kills torchrun's ranks too (they would outlive torchrun)
+    proc = subprocess.Popen(
+        cmd, env=env, cwd=REPO, stdout=PIPE, stderr=PIPE, text=True, start_new_session=True
+    )
+    try:  # a 2-rank case takes 10-30 s here
+        stdout, stderr = proc.communicate(timeout=240)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        stdout, stderr = proc.communicate()
+        raise AssertionError(
+            "the ranks did not finish in 240 s: did one build DeepSpeed's shm op and wait on "
+            f"the stale lock in {env['TORCH_EXTENSIONS_DIR']}?\n{stderr[-4000:]}"
+        ) from None
+    assert proc.returncode == 0, stdout[-4000:] + stderr[-8000:]
 
 
 # every case at stages 0 and 3 (ZeRO-3 gathers partitioned parameters in every forward, a
