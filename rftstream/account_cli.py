@@ -106,6 +106,8 @@ def print_account(account: RunAccount, console: Console, *, title: str) -> None:
         )
     if not account.purged:
         console.print("every stored experience checked by id (nothing purged)", markup=False)
+    for note in account.floor_notes():
+        console.print(note, markup=False)
     for (stage, reason), n in account.dead_by.most_common(8):
         console.print(f"dead letters at {stage} ({n}x): {reason}", markup=False)
     for p in account.problems:

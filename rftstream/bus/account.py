@@ -12,7 +12,9 @@ experience id:
   ``exp.<to>``, or, for the trainer, its ``experience/trained_total``),
   ``dead`` (in messages dead-lettered from that stage: a ``dlq.*`` copy whose
   ``Rft-Dlq-Subject`` / ``Rft-Dlq-Stream-Seq`` name the original), ``pending``
-  (in messages past the durable's ack floor) and ``filtered`` (the rest: what
+  (in messages past the durable's ack floor that the server still counts unacked: after a
+  server restart the floor can lag acks that landed, see :attr:`Durable.delivered`) and
+  ``filtered`` (the rest: what
   the operators dropped);
 * problems: an experience id twice on one subject (stored twice), one on a
   stage's output that is not on its input (from nowhere), a trainer that
@@ -88,6 +90,13 @@ class Durable:
     ack_floor: int  # every stream sequence up to this one is acked
     pending_messages: int  # not delivered yet plus delivered and not acked
     trainer: bool = False
+    # the last stream sequence handed out, and how many handed out are not acked yet (None:
+    # not known; then every message past the ack floor counts as pending). nats-server moves
+    # the ack floor only over contiguous acks: after a restart whose redeliveries left a gap
+    # it stays behind acks that did land (it catches up once nothing is pending), so past the
+    # floor only ``ack_pending`` delivered messages are really unacked
+    delivered: int | None = None
+    ack_pending: int | None = None
 
 
 @dataclass
@@ -112,6 +121,9 @@ class StageAccount:
     purged_messages: int = 0
     purged_experiences: int = 0
     checked_from_seq: int = 0  # stream sequences from here on were checked by experience id
+    # messages past the durable's ack floor that are acked all the same (the floor lags, see
+    # Durable.delivered); its unacked ones are taken to be the latest delivered
+    acked_above_floor: int = 0
 
 
 @dataclass(frozen=True)
@@ -243,6 +255,7 @@ class RunAccount:
                     "purged_messages": s.purged_messages,
                     "purged_experiences": s.purged_experiences,
                     "checked_by_id_from_seq": s.checked_from_seq,
+                    "acked_above_floor": s.acked_above_floor,
                     "dead_reasons": dict(s.dead_reasons),
                 }
                 for s in self.stages
@@ -251,6 +264,17 @@ class RunAccount:
                 {"stage": st, "reason": r, "count": n} for (st, r), n in self.dead_by.most_common()
             ],
         }
+
+    def floor_notes(self) -> list[str]:
+        """One line per durable whose ack floor lags acks that landed (after a restart)."""
+        return [
+            f"exp.{s.from_stage}: {s.acked_above_floor} message(s) past durable {s.durable}'s "
+            "ack floor are acked (nats-server moves the floor over contiguous acks only, and "
+            "catches up once nothing is pending); its unacked ones are taken to be the latest "
+            "delivered"
+            for s in self.stages
+            if s.acked_above_floor
+        ]
 
     def __str__(self) -> str:
         lines = [f"run {self.run}: account of every experience"]
@@ -277,6 +301,7 @@ class RunAccount:
                 f"  exp.{stage} purged below sequence {rec.below_seq}: {rec.messages} messages, "
                 f"{rec.experiences} experiences counted from the purge record"
             )
+        lines.extend(f"  {note}" for note in self.floor_notes())
         for (stage, reason), n in self.dead_by.most_common(8):
             lines.append(f"  dead letters at {stage} ({n}x): {reason}")
         lines.extend(f"  problem: {p}" for p in self.problems)
@@ -352,7 +377,7 @@ def reconcile(
         acc.experiences_in = len(in_uids) + rec.experiences
         dead_here = dead_seqs.get(dur.from_stage, {})
         dead_uids: set[str] = set()
-        pending_uids: set[str] = set()
+        unacked: list[StoredMessage] = []  # past the ack floor, not dead-lettered
         acc.malformed_in = rec.malformed
         acc.malformed_dead = dead_purged_malformed[dur.from_stage]
         for m in msgs:
@@ -363,10 +388,7 @@ def reconcile(
                     dead_uids.update(m.uids)
                 acc.dead_reasons[dead_here[m.seq]] += 1
             elif m.seq > dur.ack_floor:
-                if m.uids is None:
-                    acc.malformed_pending += 1
-                else:
-                    pending_uids.update(m.uids)
+                unacked.append(m)
             if m.uids is None:
                 acc.malformed_in += 1
         out_uids: set[str] = set()
@@ -388,6 +410,9 @@ def reconcile(
                     )
                 from_prefix += down_rec.experiences
             acc.out = len(out_uids) + from_prefix
+        pending_msgs, acc.acked_above_floor = _unacked_messages(dur, unacked, out_uids)
+        pending_uids = {u for m in pending_msgs if m.uids is not None for u in m.uids}
+        acc.malformed_pending = sum(m.uids is None for m in pending_msgs)
         pending_uids -= out_uids | dead_uids
         acc.dead = len(dead_uids) + dead_purged[dur.from_stage]
         acc.pending = len(pending_uids)
@@ -539,11 +564,28 @@ def _durable(info: ConsumerState, bus: Bus, stages: set[str]) -> Durable | None:
         or name == bus.names.trainer_consumer
         or (not role and from_stage == TRAIN_STAGE and not name.startswith("op_"))
     ):
-        return Durable(name, from_stage, "trained", _floor(info), _pending(info), trainer=True)
+        return Durable(
+            name,
+            from_stage,
+            "trained",
+            _floor(info),
+            _pending(info),
+            trainer=True,
+            delivered=info.delivered,
+            ack_pending=info.num_ack_pending,
+        )
     to_stage = meta.get(META_TO_STAGE, "") or _to_stage_from_name(name, from_stage, stages)
     if not to_stage:
         return None
-    return Durable(name, from_stage, to_stage, _floor(info), _pending(info))
+    return Durable(
+        name,
+        from_stage,
+        to_stage,
+        _floor(info),
+        _pending(info),
+        delivered=info.delivered,
+        ack_pending=info.num_ack_pending,
+    )
 
 
 def _to_stage_from_name(name: str, from_stage: str, stages: set[str]) -> str:
@@ -556,6 +598,28 @@ def _to_stage_from_name(name: str, from_stage: str, stages: set[str]) -> str:
         if stage.replace("-", "_") == rest:
             return stage
     return rest
+
+
+def _unacked_messages(
+    dur: Durable, past_floor: list[StoredMessage], out_uids: set[str]
+) -> tuple[list[StoredMessage], int]:
+    """Which of ``past_floor`` (the durable's messages past its ack floor, in stream order,
+    none dead-lettered) are still unacked, and how many of them are acked all the same.
+
+    Those past ``delivered`` were never handed out: unacked. Of the delivered ones, the
+    server says ``ack_pending`` are unacked; when more lie past the floor, the floor lags
+    (see :attr:`Durable.delivered`) and the unacked ones are taken to be the latest delivered
+    whose experiences did not reach the next stage (in-flight messages are the newest ones;
+    an operator acks a message after publishing its output)."""
+    if dur.delivered is None or dur.ack_pending is None:
+        return past_floor, 0
+    undelivered = [m for m in past_floor if m.seq > dur.delivered]
+    delivered = [m for m in past_floor if m.seq <= dur.delivered]
+    if len(delivered) <= dur.ack_pending:
+        return past_floor, 0
+    candidates = [m for m in delivered if m.uids is None or not out_uids.intersection(m.uids)]
+    held = candidates[len(candidates) - dur.ack_pending :] if dur.ack_pending else []
+    return held + undelivered, len(delivered) - dur.ack_pending
 
 
 def _floor(info: ConsumerState) -> int:

@@ -107,6 +107,57 @@ def test_pending_experience_keeps_the_account_balanced_but_unsettled() -> None:
     assert verdict(acc) == "BALANCED (messages still pending)"
 
 
+def test_an_ack_floor_that_lags_its_acks_counts_only_the_unacked_as_pending() -> None:
+    """After a server restart the trainer's floor stays at 4 (a gap it never closes) though
+    it acked seq 5-8 and 11: the server says 1 delivered message is unacked (seq 12, the
+    latest delivered) and seq 13 is not delivered yet. Pending: those 2 groups (4
+    experiences), not the 6 groups past the floor."""
+    raw = [StoredMessage(i, "raw", _ids(2 * i, 2 * i + 1)) for i in range(1, 5)]
+    train = [
+        StoredMessage(s, "train", _ids(2 * i, 2 * i + 1))
+        for i, s in zip(range(1, 5), (5, 6, 7, 8), strict=True)
+    ]
+    raw += [StoredMessage(s, "raw", _ids(2 * s, 2 * s + 1)) for s in (9, 10)]
+    train += [StoredMessage(s, "train", _ids(2 * s, 2 * s + 1)) for s in (11, 12, 13)]
+    raw += [StoredMessage(s + 100, "raw", _ids(2 * s, 2 * s + 1)) for s in (11, 12, 13)]
+    durables = [
+        Durable("op_raw_to_train", "raw", "train", 200, 0, delivered=200, ack_pending=0),
+        Durable("trainer", "train", "trained", 4, 2, trainer=True, delivered=12, ack_pending=1),
+    ]
+    acc = reconcile("r", raw + train, [], durables, trained=10)
+    trainer = acc.stages[1]
+    assert (trainer.experiences_in, trainer.out, trainer.pending) == (14, 10, 4)
+    assert trainer.acked_above_floor == 5  # seq 5-8 and 11
+    assert acc.balanced and not acc.settled and not acc.problems
+    assert "5 message(s) past durable trainer's ack floor are acked" in str(acc)
+    # the same floor taken at its word: 12 pending, and the trainer "trained twice"
+    blind = [
+        durables[0],
+        Durable("trainer", "train", "trained", 4, 2, trainer=True),
+    ]
+    acc = reconcile("r", raw + train, [], blind, trained=10)
+    assert acc.stages[1].pending == 14 and not acc.balanced
+
+
+def test_an_operator_whose_floor_lags_keeps_its_in_flight_message_pending() -> None:
+    """The operator's floor lags at 0; seq 1 went on to exp.train, seq 2 was filtered (acked),
+    seq 3 is in flight (the one unacked delivered message): it, not seq 2, is pending."""
+    msgs = [
+        StoredMessage(1, "raw", _ids(1, 2)),
+        StoredMessage(2, "raw", _ids(3, 4)),
+        StoredMessage(3, "raw", _ids(5, 6)),
+        StoredMessage(4, "train", _ids(1, 2)),
+    ]
+    durables = [
+        Durable("op_raw_to_train", "raw", "train", 0, 1, delivered=3, ack_pending=1),
+        Durable("trainer", "train", "trained", 4, 0, trainer=True, delivered=4, ack_pending=0),
+    ]
+    acc = reconcile("r", msgs, [], durables, trained=2)
+    op = acc.stages[0]
+    assert (op.out, op.filtered, op.pending, op.acked_above_floor) == (2, 2, 2, 2)
+    assert acc.balanced and not acc.problems
+
+
 def test_dead_letters_count_at_the_stage_that_gave_up() -> None:
     dead = [
         MALFORMED_DEAD,
