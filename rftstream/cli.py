@@ -271,11 +271,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _clean_parser(sub: Any) -> None:
-    """``rftstream clean``: remove finished runs' streams, consumers, KV bucket, object store."""
+    """``rftstream clean``: remove finished runs' streams (weights included), consumers, KV bucket."""
     cl = sub.add_parser(
         "clean",
-        help="remove the NATS resources of finished runs (streams, consumers, KV bucket, "
-        "object store); refuses live or unfinished runs unless --force",
+        help="remove the NATS resources of finished runs (streams, the weights stream included, "
+        "consumers, KV bucket, an earlier release's object store); refuses live or unfinished "
+        "runs unless --force",
     )
     _common(cl, need_url=True)
     cl.add_argument("runs", nargs="*", metavar="RUN", help="run ids (default: the run of --config)")
