@@ -4,6 +4,7 @@ cores the first time, seconds on every later start)."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -33,3 +34,30 @@ def test_one_rank_never_builds_deepspeeds_shared_memory_op(
     PolicyTrainer(run.cfg, run.model_path, run.algorithm)
     assert ds_comm.cdb is not None and ds_comm.cdb.shm_comm_op is None
     assert ds_torch_comm.build_shm_op is refuse  # put back once the engine is made
+
+
+def test_deepspeed_is_imported_without_mlflow_and_mlflow_still_imports_after() -> None:
+    """DeepSpeed's autotuner imports mlflow when it is installed (0.85 s of every trainer's
+    start-up here); the trainer imports DeepSpeed without it, and the mlflow monitor can
+    import mlflow afterwards. In a fresh interpreter: this one has DeepSpeed imported."""
+    import subprocess
+    import sys
+
+    pytest.importorskip("mlflow")  # the test extra installs it
+    code = (
+        "import sys\n"
+        "from rftstream.training.engine import _deepspeed_without_mlflow\n"
+        "with _deepspeed_without_mlflow():\n"
+        "    import deepspeed\n"
+        "import deepspeed.autotuning.autotuner as tuner\n"
+        "assert tuner.has_mlflow is False, 'the autotuner imported mlflow'\n"
+        "assert 'mlflow' not in sys.modules\n"
+        "import mlflow\n"
+        "print('ok', mlflow.__name__)\n"
+    )
+    env = {**os.environ, "DS_ACCELERATOR": "cpu"}
+    proc = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.strip().endswith("ok mlflow")
