@@ -168,25 +168,6 @@ class Experience:
         if self.metrics is None:
             self.metrics = {}
 
-    def __getattr__(self, name: str) -> Any:
-        """Materialise an array field of a decoded experience on first access.
-
-        Called only for attributes missing from the instance: a decoded
-        experience (:func:`from_record`) leaves its wire arrays as bytes until a
-        field is read, so an actor that only reads rewards and writes
-        advantages converts nothing and re-publishes the untouched arrays as
-        they came (:func:`to_record`).
-        """
-        d = self.__dict__
-        try:
-            read, wire = _ARRAY_READERS[name], d["_wire"]
-        except KeyError:
-            raise AttributeError(
-                f"{type(self).__name__!r} object has no attribute {name!r}"
-            ) from None
-        value = d[name] = read(wire)
-        return value
-
     def __getstate__(self) -> dict[str, Any]:
         """The fields, every lazy array materialised (for ``copy`` and ``deepcopy``)."""
         d = self.__dict__
@@ -297,10 +278,52 @@ _WIRE_ARRAYS: dict[str, np.dtype] = {
     "chosen": _LE_I32,
     "rejected": _LE_I32,
 }
-# Their dataclass defaults live in ``Experience.__init__`` only, not as class attributes,
-# so that reading one a decoded experience has not materialised reaches ``__getattr__``.
+
+
+class _WireArray:
+    """Materialises an array field of a decoded experience on first access.
+
+    A non-data descriptor (``__get__`` only), installed on :class:`Experience` in place of
+    the field's dataclass default: the instance dict wins over it, so it runs only while
+    the field is missing from the instance, that is for a decoded experience
+    (:func:`from_record`) whose wire arrays stay bytes until a field is read. An actor that
+    only reads rewards and writes advantages converts nothing and re-publishes the
+    untouched arrays as they came (:func:`to_record`). Unlike ``__getattr__``, which runs
+    after a failed lookup has raised, this costs one call per first read.
+    """
+
+    __slots__ = ("dtype", "get", "name", "read")
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.get = operator.attrgetter(name)
+        # numpy dtype of a field read as a zero-copy view (None: the action mask, a copy)
+        self.dtype: np.dtype | None = None
+        self.read: Callable[[ExperienceRecord], torch.Tensor | None] | None = None  # set below
+
+    def __get__(self, exp: Experience | None, owner: type | None = None) -> Any:
+        if exp is None:
+            return self
+        d = exp.__dict__
+        try:
+            wire = d["_wire"]
+        except KeyError:
+            raise AttributeError(f"'Experience' object has no attribute {self.name!r}") from None
+        dtype = self.dtype
+        if dtype is not None and _LITTLE:  # the common case inline: one view, one wrapper
+            buf = self.get(wire)
+            value = None if buf is None else _from_numpy(_frombuffer(buf, dtype))
+        else:
+            assert self.read is not None
+            value = self.read(wire)
+        d[self.name] = value
+        return value
+
+
+# Their dataclass defaults live in ``Experience.__init__`` only: the class attributes are
+# the descriptors that read a decoded experience's arrays off the wire
 for _name in _WIRE_ARRAYS:
-    delattr(Experience, _name)
+    setattr(Experience, _name, _WireArray(_name))
 del _name
 
 # The codec is on every actor's hot path (about 1 us per array each way is the
@@ -468,6 +491,11 @@ def _array_reader(name: str) -> Callable[[ExperienceRecord], torch.Tensor | None
 
 
 _ARRAY_READERS = {name: _array_reader(name) for name in _WIRE_ARRAYS}
+for _name, _read in _ARRAY_READERS.items():
+    _descriptor = Experience.__dict__[_name]
+    _descriptor.read = _read
+    _descriptor.dtype = None if _name == "action_mask" else _WIRE_ARRAYS[_name]
+del _name, _read, _descriptor
 
 
 def _token_count(exp: Experience) -> int:
