@@ -1070,6 +1070,9 @@ def main(argv: list[str] | None = None) -> int:
             bench = Bench(server, s, workers)
             try:
                 res = bench.run_all()
+            except Exception:
+                print(f"nats-server log, last lines:\n{server.log_tail(15)}", file=sys.stderr)
+                raise
             finally:
                 bench.close()
     except Exception:  # noqa: BLE001 - any failure is exit 2, with its traceback
