@@ -422,14 +422,15 @@ def to_record(exp: Experience) -> ExperienceRecord:
     eid = exp.eid
     wire = exp.__dict__.get("_wire")
     if wire is None:  # made in this process: every array is an attribute
-        tokens = _to_bytes(exp.tokens, _LE_I32)
-        logprobs = _to_bytes(exp.logprobs, _LE_F32)
-        tlr = _to_bytes(exp.token_level_reward, _LE_F32)
-        advantages = _to_bytes(exp.advantages, _LE_F32)
-        returns = _to_bytes(exp.returns, _LE_F32)
-        mask = _mask_bytes(exp.action_mask)
-        chosen = _to_bytes(exp.chosen, _LE_I32)
-        rejected = _to_bytes(exp.rejected, _LE_I32)
+        d = exp.__dict__
+        tokens = _to_bytes(d["tokens"], _LE_I32)
+        logprobs = None if (t := d["logprobs"]) is None else _to_bytes(t, _LE_F32)
+        tlr = None if (t := d["token_level_reward"]) is None else _to_bytes(t, _LE_F32)
+        advantages = None if (t := d["advantages"]) is None else _to_bytes(t, _LE_F32)
+        returns = None if (t := d["returns"]) is None else _to_bytes(t, _LE_F32)
+        mask = _mask_bytes(d["action_mask"])
+        chosen = None if (t := d["chosen"]) is None else _to_bytes(t, _LE_I32)
+        rejected = None if (t := d["rejected"]) is None else _to_bytes(t, _LE_I32)
     else:
         d = exp.__dict__
         tokens = _array_bytes(d, wire, "tokens")
@@ -649,15 +650,22 @@ def summary_headers(
     parts: int = 1,
 ) -> dict[str, str]:
     """Headers that summarise a group, readable in ``nats stream view``."""
-    rewards = [e.reward for e in exps if e.reward is not None and not math.isnan(e.reward)]
-    versions = [e.model_version for e in exps]
-    tokens = sum(_token_count(e) for e in exps)
+    reward_sum, rewarded, tokens, version = 0.0, 0, 0, None
+    for e in exps:  # one pass (this runs once per published group)
+        r = e.reward
+        if r is not None and r == r:  # not NaN
+            reward_sum += r
+            rewarded += 1
+        v = e.model_version
+        if version is None or v < version:
+            version = v
+        tokens += _token_count(e)
     headers = {
         H_SCHEMA: SCHEMA_NAME,
         H_TASK: group_id if group_id is not None else (exps[0].group_id if exps else ""),
-        H_MODEL_VERSION: str(min(versions) if versions else 0),
+        H_MODEL_VERSION: str(version if version is not None else 0),
         H_COUNT: str(len(exps)),
-        H_REWARD_MEAN: f"{(sum(rewards) / len(rewards)):.4f}" if rewards else "nan",
+        H_REWARD_MEAN: f"{(reward_sum / rewarded):.4f}" if rewarded else "nan",
         H_TOKENS: str(tokens),
         H_ACTOR: actor,
         H_MSG_ID: msg_id,
