@@ -166,6 +166,9 @@ KV_TRAINER_STARVING = (
 )
 KV_TRAINER_CHECKPOINT = "trainer.checkpoint"  # CheckpointRecord: where a restart resumes
 KV_TRAINER_UNACKED = "trainer.trained_unacked"  # TrainedUnacked: trained, held until a checkpoint
+# wire.AckedBelow: the trainer's durable acked everything below a sequence, where the
+# server's ack floor lags (explorers purge by it)
+KV_TRAINER_ACKED_BELOW = "trainer.acked_below"
 KV_WEIGHTS = "weights.latest"  # wire.WeightsPointer: where the newest published version is
 # wire.WeightsPending: the trainer's newest version, written before it acks the step's batch
 # (it may still be on its way to the weights stream: sync_method jetstream publishes it after)

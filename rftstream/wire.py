@@ -38,6 +38,7 @@ from rftstream.subjects import (
     KV_TASKSET,
     KV_TASKSET_CLAIM,
     KV_TOPOLOGY,
+    KV_TRAINER_ACKED_BELOW,
     KV_TRAINER_CHECKPOINT,
     KV_TRAINER_DONE,
     KV_TRAINER_INPUT,
@@ -196,6 +197,24 @@ class CheckpointRecord(msgspec.Struct, kw_only=True):
     incarnation: int
     path: str  # the checkpoint's directory (resume/global_step_<step>)
     ts: float
+
+
+class AckedBelow(msgspec.Struct, kw_only=True):
+    """KV record ``trainer.acked_below``: every message on durable ``durable``'s subject
+    below stream sequence ``below`` is acked, though the server's ack floor may say less.
+
+    nats-server moves a consumer's ack floor over contiguous acks only; after a server
+    crash a gap in its restored state can hold the floor back for as long as the consumer
+    has anything unacked, which for a prefetching trainer is always, and acked experience
+    above it would never be purged. The trainer writes this when the server's count of
+    its unacked messages equals the messages it holds (so those are the only ones) and the
+    lowest of them lies past the floor (:meth:`rftstream.actors.feed.ExperienceFeed.acked_below`).
+    Acks are permanent, so the record stays true; explorers purge by the higher of the two.
+    """
+
+    durable: str
+    below: int
+    ts: float = 0.0
 
 
 class TrainedUnacked(msgspec.Struct, kw_only=True):
@@ -532,3 +551,4 @@ WEIGHTS_PENDING: Key[WeightsPending] = Key(KV_WEIGHTS_PENDING, WeightsPending)
 WEIGHTS_KEYFRAME: Key[KeyframeRequest] = Key(KV_WEIGHTS_KEYFRAME, KeyframeRequest)
 TRAINER_CHECKPOINT: Key[CheckpointRecord] = Key(KV_TRAINER_CHECKPOINT, CheckpointRecord)
 TRAINER_UNACKED: Key[TrainedUnacked] = Key(KV_TRAINER_UNACKED, TrainedUnacked)
+TRAINER_ACKED_BELOW: Key[AckedBelow] = Key(KV_TRAINER_ACKED_BELOW, AckedBelow)

@@ -46,7 +46,7 @@ import anyio
 
 from rftstream.actors.common import InProgressTicker, drain_step
 from rftstream.bus.client import Bus
-from rftstream.bus.transport import Delivery, PullSubscription
+from rftstream.bus.transport import ConsumerState, Delivery, PullSubscription
 from rftstream.errors import BusError, SchemaError
 from rftstream.experience import Experience, decode_group
 from rftstream.subjects import TRAIN_STAGE
@@ -398,6 +398,32 @@ class ExperienceFeed:
                 seen.add(id(held))
                 out.extend(held.trained_uids)
         return out
+
+    def acked_below(self, server: ConsumerState) -> int | None:
+        """The stream sequence below which every message of the current consumer is acked,
+        where ``server`` (its state, read while no fetch is in flight) puts the ack floor
+        lower; None when that cannot be told or the floor is right.
+
+        It can be told when the server counts exactly as many delivered, unacked messages
+        as this feed holds from that consumer: they are then the same messages, every
+        message delivered before the lowest of them is acked, and nothing below it is
+        undelivered (a pull consumer hands out new messages in stream order). Acks sent
+        but not yet applied make the counts differ: then nothing is claimed.
+        """
+        durable = self.consumer.durable
+        held = [*self._trained_unacked, *(h for _, h in self._buffer), *self._taken]
+        seqs: set[int] = set()
+        for h in held:
+            if h.source != durable:
+                continue
+            try:
+                seqs.add(int(h.msg.metadata.sequence.stream))
+            except Exception:  # noqa: BLE001 - not a JetStream delivery: nothing to claim
+                return None
+        if not seqs or server.num_ack_pending != len(seqs):
+            return None
+        lowest = min(seqs)
+        return lowest if lowest - 1 > server.ack_floor else None
 
     def mark_trained(self, uids: list[str]) -> None:
         """Experiences a checkpoint says were trained before it (a resumed trainer): skipped

@@ -122,12 +122,14 @@ from rftstream.weights import checkpoint_dir, save_weights
 from rftstream.weights.codec import SMALL_VERSION_BYTES, WIRE_DTYPES
 from rftstream.weights.publisher import WeightPublisher
 from rftstream.wire import (
+    TRAINER_ACKED_BELOW,
     TRAINER_CHECKPOINT,
     TRAINER_DONE,
     TRAINER_STARTED,
     TRAINER_STEP,
     TRAINER_UNACKED,
     WEIGHTS_PENDING,
+    AckedBelow,
     CheckpointRecord,
     TrainedUnacked,
     TrainerDone,
@@ -144,6 +146,9 @@ _UIDS = "_uids"  # a step record's trained eid.uids, written to trained_uids.jso
 #: trained messages held for the next checkpoint stay below this share of each limit
 #: they count against (:func:`held_limits`)
 HELD_SHARE = 0.25
+#: how often (s, between steps) the trainer compares its durable's ack floor with what it
+#: holds, and records a lagging floor's true value (:meth:`TrainerActor._record_acked_below`)
+ACKED_BELOW_EVERY_S = 30.0
 #: the least time a cancelled trainer gives its last checkpoint (3x its longest one if more)
 CANCEL_SAVE_MIN_S = 120.0
 _MAX_ACK_PENDING = next(
@@ -209,6 +214,8 @@ class Trainer:
         # a step's record held back until its checkpoint is written (it gets its time)
         self._checkpoint_record: dict[str, Any] | None = None
         self._saved_at = time.monotonic()  # when the last resumable checkpoint was written
+        self._acked_below_at = time.monotonic()  # the last look at the durable's ack floor
+        self._acked_below = 0  # the last trainer.acked_below written
         self._longest_save = 0.0  # seconds, over this trainer's checkpoints
         # several trainer ranks: no resumable checkpoints (DeepSpeed's save is a collective
         # the other ranks are not told to join: rank 0 would wait for them forever)
@@ -226,6 +233,38 @@ class Trainer:
         ``trainer.save_interval_seconds`` is on."""
         t = self.cfg.trainer
         return not self._ranks and (t.save_interval > 0 or t.save_interval_seconds > 0)
+
+    async def _record_acked_below(self, state: RunState, feed: ExperienceFeed) -> None:
+        """Write ``trainer.acked_below`` when the durable's ack floor lags what it acked (see
+        :class:`~rftstream.wire.AckedBelow`); explorers purge by it. Call between steps, with
+        no fetch in flight. One API round trip (and a KV write when the floor lags); a
+        failure is logged and the look is tried again later."""
+        self._acked_below_at = time.monotonic()
+        try:
+            server = await feed.consumer.info()
+        except Exception as exc:  # noqa: BLE001 - only a purge hint: never stops training
+            log.debug("%s: consumer info for the ack floor: %s", self.name, exc)
+            return
+        below = feed.acked_below(server)
+        if below is None or below <= self._acked_below:
+            return
+        log.info(
+            "%s: durable %s's ack floor %d lags its acks (a server restart leaves such a "
+            "gap): everything below %d is acked, recorded for the explorers' purges",
+            self.name,
+            feed.consumer.durable,
+            server.ack_floor,
+            below,
+        )
+        try:
+            await state.put(
+                TRAINER_ACKED_BELOW,
+                AckedBelow(durable=feed.consumer.durable, below=below, ts=time.time()),
+            )
+        except Exception as exc:  # noqa: BLE001 - as above
+            log.debug("%s: writing %s: %s", self.name, TRAINER_ACKED_BELOW.name, exc)
+            return
+        self._acked_below = below
 
     def _checkpoint_trigger(self, step: int, total: int | None, feed: ExperienceFeed) -> str | None:
         """Why a resumable checkpoint is due after ``step`` (see the module docstring), or
@@ -459,6 +498,8 @@ class Trainer:
                                 )
                             self._checkpoint_record = None
                         del batch, _samples  # freed now: not counted as waiting for the next one
+                        if time.monotonic() - self._acked_below_at >= ACKED_BELOW_EVERY_S:
+                            await self._record_acked_below(state, feed)  # no fetch in flight
                     if self.publisher is not None:  # the last version reaches the explorers
                         await self.publisher.flush()
                     await self._emitted_through(self.step)

@@ -40,8 +40,9 @@ from rftstream.bus.purged import record_purge
 from rftstream.bus.state import RunState
 from rftstream.bus.transport import Transport
 from rftstream.config.schema import ExperienceStreamConfig, StreamLimitsConfig, StreamsConfig
-from rftstream.errors import BusError
+from rftstream.errors import BusError, SchemaError
 from rftstream.fault_points import fault_point
+from rftstream.wire import TRAINER_ACKED_BELOW, AckedBelow
 
 log = logging.getLogger(__name__)
 
@@ -120,6 +121,31 @@ class ConsumerFloor:
     filter: str  # its filter subject ("" or a wildcard: it reads several subjects)
     ack_floor: int
     outstanding: int  # undelivered (num_pending) + delivered and unacked (num_ack_pending)
+
+
+def with_acked_below(
+    floors: Sequence[ConsumerFloor], claim: AckedBelow | None
+) -> list[ConsumerFloor]:
+    """``floors`` with the named durable's ack floor raised to ``claim.below - 1`` where the
+    server's lags (see :class:`~rftstream.wire.AckedBelow`: everything below it is acked)."""
+    if claim is None:
+        return list(floors)
+    return [
+        ConsumerFloor(c.name, c.filter, claim.below - 1, c.outstanding)
+        if c.name == claim.durable and claim.below - 1 > c.ack_floor
+        else c
+        for c in floors
+    ]
+
+
+async def _acked_below(state: RunState) -> AckedBelow | None:
+    """The trainer's ``trainer.acked_below`` record; None when absent or unreadable (a
+    record of another shape: only a purge hint, so the server's floors stand)."""
+    try:
+        return await state.get(TRAINER_ACKED_BELOW)
+    except SchemaError as exc:
+        log.warning("%s: %s", TRAINER_ACKED_BELOW.name, exc)
+        return None
 
 
 def _exact(subject: str) -> bool:
@@ -250,7 +276,9 @@ async def purge_acked(
     The stream is read before its consumers: a consumer that has nothing
     outstanding then has acked every message up to the last sequence read (a
     message stored after that read is above it, so never purged), and floors
-    only grow. While the stream is far from its limits, purges are batched: a
+    only grow; a durable's floor is the higher of the server's and the trainer's
+    ``trainer.acked_below`` record (with ``state``: one KV read more). While the stream is
+    far from its limits, purges are batched: a
     subject is purged once ``keep_acked_msgs`` sequences can go and it holds at
     least that many messages itself; near them, whatever can go. With ``state``
     (the run's KV), each subject's purge is first recorded under
@@ -263,6 +291,8 @@ async def purge_acked(
     try:
         st = await transport.stream_state(stream, subjects_filter=f"{subject_prefix}>")
         floors = await consumer_floors(transport, stream)
+        if state is not None and cfg.purge_acked:  # a lagging floor the trainer corrected
+            floors = with_acked_below(floors, await _acked_below(state))
     except BusError as exc:
         raise BusError(f"stream {stream}: reading its state failed: {exc}") from exc
     first, last = st.first_seq, st.last_seq

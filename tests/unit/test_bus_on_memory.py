@@ -175,6 +175,30 @@ async def test_backlog_and_purge_of_acked_experience() -> None:
     assert (record.below_seq, record.messages, record.experiences) == (3, 2, 4)
 
 
+async def test_a_purge_goes_by_the_trainers_acked_below_record_where_it_is_higher() -> None:
+    """The trainer acked sequences 1-3 but (as after a server crash) the floor says 1: its
+    ``trainer.acked_below`` record of 4 lets the explorers' purge take 1-3."""
+    from rftstream.wire import TRAINER_ACKED_BELOW, AckedBelow
+
+    transport = MemoryTransport()
+    explorer = await _bus("explorer", transport)
+    for task in range(5):
+        await explorer.publish_group(TRAIN_STAGE, _group(task), msg_id=f"g{task}")
+    sub = await explorer.pull(NAMES.exp_stream, NAMES.trainer_consumer)
+    msgs = await sub.fetch(4, 0.01)
+    await msgs[0].ack()  # the memory server's floor: 1 (the rest stay held for the test)
+    state = await explorer.state()
+    cfg = ExperienceStreamConfig(purge_acked=True, keep_acked_msgs=0)
+    prefix = NAMES.exp_wildcard[:-1]
+    res = await purge_acked(transport, NAMES.exp_stream, cfg, state, prefix)
+    assert (res.purged, res.first_seq) == (1, 2)  # by the server's floor alone
+    await state.put(TRAINER_ACKED_BELOW, AckedBelow(durable=NAMES.trainer_consumer, below=4))
+    res = await purge_acked(transport, NAMES.exp_stream, cfg, state, prefix)
+    assert (res.purged, res.first_seq, res.messages) == (2, 4, 2)
+    record = (await read_purged(state))[TRAIN_STAGE]
+    assert record.below_seq == 4
+
+
 async def test_the_dead_letter_watcher_counts_what_is_dead_lettered_after_it_started() -> None:
     from rftstream.actors.dead_letters import DeadLetterThresholdError, DeadLetterWatcher
 
