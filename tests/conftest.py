@@ -14,16 +14,25 @@ from rftstream.registry import Registry
 
 @pytest.fixture(autouse=True)
 def _isolated_registries() -> Iterator[None]:
-    """Whatever a test (or a plugin it loads) registers is gone after it."""
+    """Whatever a test (or a plugin it loads) registers is gone after it, and so are the
+    plugin modules it loaded (``rftstream_plugins.*``): a later test that loads the same
+    plugin directory imports them again, so they register again."""
+    import sys
+
     import algorithms  # noqa: F401 - built-ins registered before the snapshot
     import operators  # noqa: F401
     import workflows  # noqa: F401
+    from rftstream.plugin_loader import PLUGIN_PACKAGE
 
     snapshot = Registry.snapshot_all()
+    modules = {name for name in sys.modules if name.startswith(PLUGIN_PACKAGE)}
     try:
         yield
     finally:
         Registry.restore_all(snapshot)
+        for name in [n for n in sys.modules if n.startswith(PLUGIN_PACKAGE)]:
+            if name not in modules:
+                del sys.modules[name]
 
 
 @pytest.fixture

@@ -82,6 +82,7 @@ import inspect
 import json
 import logging
 import math
+import os
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -147,8 +148,9 @@ _UIDS = "_uids"  # a step record's trained eid.uids, written to trained_uids.jso
 #: they count against (:func:`held_limits`)
 HELD_SHARE = 0.25
 #: how often (s, between steps) the trainer compares its durable's ack floor with what it
-#: holds, and records a lagging floor's true value (:meth:`TrainerActor._record_acked_below`)
-ACKED_BELOW_EVERY_S = 30.0
+#: holds, and records a lagging floor's true value (:meth:`TrainerActor._record_acked_below`);
+#: the chaos tests set ``RFTSTREAM_ACKED_BELOW_EVERY_S`` to look at every step
+ACKED_BELOW_EVERY_S = float(os.environ.get("RFTSTREAM_ACKED_BELOW_EVERY_S") or 30.0)
 #: the least time a cancelled trainer gives its last checkpoint (3x its longest one if more)
 CANCEL_SAVE_MIN_S = 120.0
 _MAX_ACK_PENDING = next(
