@@ -251,8 +251,9 @@ class Trainer:
         if below is None or below <= self._acked_below:
             return
         log.info(
-            "%s: durable %s's ack floor %d lags its acks (a server restart leaves such a "
-            "gap): everything below %d is acked, recorded for the explorers' purges",
+            "%s: durable %s's ack floor is %d but everything on its subject below %d is "
+            "acked (a server restart can leave the floor behind): recorded for the "
+            "explorers' purges",
             self.name,
             feed.consumer.durable,
             server.ack_floor,
