@@ -294,12 +294,12 @@ class _WireArray:
 
     __slots__ = ("dtype", "get", "name", "read")
 
-    def __init__(self, name: str) -> None:
+    def __init__(self, name: str, read: Callable[[ExperienceRecord], torch.Tensor | None]) -> None:
         self.name = name
         self.get = operator.attrgetter(name)
         # numpy dtype of a field read as a zero-copy view (None: the action mask, a copy)
-        self.dtype: np.dtype | None = None
-        self.read: Callable[[ExperienceRecord], torch.Tensor | None] | None = None  # set below
+        self.dtype = None if name == "action_mask" else _WIRE_ARRAYS[name]
+        self.read = read  # the general reader (big-endian hosts, the action mask)
 
     def __get__(self, exp: Experience | None, owner: type | None = None) -> Any:
         if exp is None:
@@ -314,17 +314,10 @@ class _WireArray:
             buf = self.get(wire)
             value = None if buf is None else _from_numpy(_frombuffer(buf, dtype))
         else:
-            assert self.read is not None
             value = self.read(wire)
         d[self.name] = value
         return value
 
-
-# Their dataclass defaults live in ``Experience.__init__`` only: the class attributes are
-# the descriptors that read a decoded experience's arrays off the wire
-for _name in _WIRE_ARRAYS:
-    setattr(Experience, _name, _WireArray(_name))
-del _name
 
 # The codec is on every actor's hot path (about 1 us per array each way is the
 # floor: one numpy view and one copy out, one numpy view and one torch wrapper in),
@@ -420,9 +413,9 @@ def to_record(exp: Experience) -> ExperienceRecord:
     passed through as their wire bytes, without a conversion.
     """
     eid = exp.eid
-    wire = exp.__dict__.get("_wire")
+    d = exp.__dict__
+    wire = d.get("_wire")
     if wire is None:  # made in this process: every array is an attribute
-        d = exp.__dict__
         tokens = _to_bytes(d["tokens"], _LE_I32)
         logprobs = None if (t := d["logprobs"]) is None else _to_bytes(t, _LE_F32)
         tlr = None if (t := d["token_level_reward"]) is None else _to_bytes(t, _LE_F32)
@@ -432,7 +425,6 @@ def to_record(exp: Experience) -> ExperienceRecord:
         chosen = None if (t := d["chosen"]) is None else _to_bytes(t, _LE_I32)
         rejected = None if (t := d["rejected"]) is None else _to_bytes(t, _LE_I32)
     else:
-        d = exp.__dict__
         tokens = _array_bytes(d, wire, "tokens")
         logprobs = _array_bytes(d, wire, "logprobs")
         tlr = _array_bytes(d, wire, "token_level_reward")
@@ -491,12 +483,11 @@ def _array_reader(name: str) -> Callable[[ExperienceRecord], torch.Tensor | None
     return read
 
 
-_ARRAY_READERS = {name: _array_reader(name) for name in _WIRE_ARRAYS}
-for _name, _read in _ARRAY_READERS.items():
-    _descriptor = Experience.__dict__[_name]
-    _descriptor.read = _read
-    _descriptor.dtype = None if _name == "action_mask" else _WIRE_ARRAYS[_name]
-del _name, _read, _descriptor
+# Their dataclass defaults live in ``Experience.__init__`` only: the class attributes are
+# the descriptors that read a decoded experience's arrays off the wire
+for _name in _WIRE_ARRAYS:
+    setattr(Experience, _name, _WireArray(_name, _array_reader(_name)))
+del _name
 
 
 def _token_count(exp: Experience) -> int:

@@ -31,7 +31,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import anyio
@@ -131,7 +131,7 @@ def with_acked_below(
     if claim is None:
         return list(floors)
     return [
-        ConsumerFloor(c.name, c.filter, claim.below - 1, c.outstanding)
+        replace(c, ack_floor=claim.below - 1)
         if c.name == claim.durable and claim.below - 1 > c.ack_floor
         else c
         for c in floors

@@ -1,6 +1,6 @@
 """Helpers shared by the unit tests: a ModelWrapper on the tiny model, a model that
 replies from a script, and a Task (the workflow tests); a script loaded as a module (the
-benchmark tests)."""
+benchmark tests); a trainer's feed over groups on an in-memory bus (the feed tests)."""
 
 from __future__ import annotations
 
@@ -14,8 +14,13 @@ from typing import Any
 
 import anyio
 
+from rftstream.actors.common import InProgressTicker
+from rftstream.actors.feed import ExperienceFeed
+from rftstream.bus.client import Bus
 from rftstream.config.schema import TasksetConfig
 from rftstream.engines import create_engine
+from rftstream.subjects import TRAIN_STAGE, RunNames
+from tests.integration._util import _group
 from workflows import Experience, ModelWrapper, Task, make_task
 
 
@@ -90,3 +95,20 @@ def load_script(path: Path, name: str) -> ModuleType:
     sys.modules[name] = module
     spec.loader.exec_module(module)
     return module
+
+
+async def trainer_feed(names: RunNames, groups: int, *, hold_trained: bool) -> ExperienceFeed:
+    """The trainer's feed on a new in-memory bus whose exp.train holds ``groups`` groups of
+    four (sequences 1..``groups``), never exhausted; ``feed.bus`` is the bus."""
+    bus = Bus.in_memory(names)
+    await bus.provision()
+    for i in range(groups):
+        await bus.publish_group(TRAIN_STAGE, _group(i, 1.0, 4), msg_id=f"g{i}")
+    consumer = await bus.pull(names.exp_stream, names.trainer_consumer)
+
+    async def never() -> bool:
+        return False
+
+    return ExperienceFeed(
+        bus, consumer, InProgressTicker(5.0), never, group_size=4, hold_trained=hold_trained
+    )

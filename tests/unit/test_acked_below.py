@@ -9,39 +9,26 @@ from __future__ import annotations
 import anyio
 import pytest
 
-from rftstream.actors.common import InProgressTicker
 from rftstream.actors.feed import ExperienceFeed
-from rftstream.bus.client import Bus
 from rftstream.bus.limits import ConsumerFloor, purge_points, with_acked_below
 from rftstream.bus.transport import ConsumerState
 from rftstream.subjects import TRAIN_STAGE, RunNames
 from rftstream.wire import AckedBelow
-from tests.integration._util import _group
+from tests.unit._util import trainer_feed
 
 NAMES = RunNames("lag")
 TRAIN = NAMES.exp_subject(TRAIN_STAGE)
 
 
-async def _feed_holding_the_third_group(hold_trained: bool) -> tuple[ExperienceFeed, Bus]:
-    """Four groups of four on exp.train (sequences 1-4); the first two trained and acked,
-    the third read (held): the fourth is not delivered yet."""
-    bus = Bus.in_memory(NAMES)
-    await bus.provision()
-    for i in range(4):
-        await bus.publish_group(TRAIN_STAGE, _group(i, 1.0, 4), msg_id=f"g{i}")
-    consumer = await bus.pull(NAMES.exp_stream, NAMES.trainer_consumer)
-
-    async def never() -> bool:
-        return False
-
-    feed = ExperienceFeed(
-        bus, consumer, InProgressTicker(5.0), never, group_size=4, hold_trained=hold_trained
-    )
+async def _feed_holding_the_third_group(hold_trained: bool) -> ExperienceFeed:
+    """Four groups of four on exp.train (sequences 1-4); the first two trained (and acked
+    unless ``hold_trained``), the third read (held): the fourth is not delivered yet."""
+    feed = await trainer_feed(NAMES, 4, hold_trained=hold_trained)
     with anyio.fail_after(5):
         await feed.read(8)
         await feed.commit()
         await feed.read(4)
-    return feed, bus
+    return feed
 
 
 def _server(floor: int, ack_pending: int) -> ConsumerState:
@@ -52,7 +39,7 @@ def _server(floor: int, ack_pending: int) -> ConsumerState:
 
 @pytest.mark.anyio
 async def test_the_feed_tells_the_floor_only_when_its_held_messages_are_the_servers() -> None:
-    feed, _ = await _feed_holding_the_third_group(hold_trained=False)
+    feed = await _feed_holding_the_third_group(hold_trained=False)
     # the server's floor stuck at 0 though sequences 1 and 2 were acked; it counts one
     # unacked message, and the feed holds one (sequence 3): everything below 3 is acked
     assert feed.acked_below(_server(0, 1)) == 3
@@ -69,7 +56,7 @@ async def test_the_feed_tells_the_floor_only_when_its_held_messages_are_the_serv
 async def test_messages_held_for_a_checkpoint_count_as_held() -> None:
     """With ``hold_trained`` the first two groups stay unacked until the next checkpoint:
     the feed holds sequences 1-3, so the floor can lag at most below 1."""
-    feed, _ = await _feed_holding_the_third_group(hold_trained=True)
+    feed = await _feed_holding_the_third_group(hold_trained=True)
     assert feed.trained_unacked == 2
     assert feed.acked_below(_server(0, 3)) is None  # lowest held is 1: the floor 0 is right
     assert await feed.release_trained() == 2

@@ -8,11 +8,8 @@ from __future__ import annotations
 import anyio
 import pytest
 
-from rftstream.actors.common import InProgressTicker
-from rftstream.actors.feed import ExperienceFeed
-from rftstream.bus.client import Bus
-from rftstream.subjects import TRAIN_STAGE, RunNames
-from tests.integration._util import _group
+from rftstream.subjects import RunNames
+from tests.unit._util import trainer_feed
 
 pytestmark = pytest.mark.anyio
 
@@ -20,18 +17,8 @@ NAMES = RunNames("held")
 
 
 async def test_held_messages_are_counted_remembered_and_free_a_retired_consumer() -> None:
-    bus = Bus.in_memory(NAMES)
-    await bus.provision()
-    for i in range(2):  # two groups of four
-        await bus.publish_group(TRAIN_STAGE, _group(i, 1.0, 4), msg_id=f"g{i}")
-    consumer = await bus.pull(NAMES.exp_stream, NAMES.trainer_consumer)
-
-    async def never() -> bool:
-        return False
-
-    feed = ExperienceFeed(
-        bus, consumer, InProgressTicker(5.0), never, group_size=4, hold_trained=True
-    )
+    feed = await trainer_feed(NAMES, 2, hold_trained=True)  # two groups of four
+    bus = feed.bus
     with anyio.fail_after(5):
         first = await feed.read(6)  # the first group and half of the second
     await feed.commit()
