@@ -11,8 +11,9 @@ the queue is drained *and* the plan is published (``taskset.published``).
 
 Steps: the explorer pulls ``buffer.batch_size`` tasks from the shared durable,
 runs their workflows concurrently (at most ``explorer.runner_num`` tasks at a
-time, across steps: the next step starts as soon as the tasks in flight leave
-room for it, so a slow task never holds later steps back) against the rollout
+time, across steps: the next step's tasks are fetched as soon as fewer than
+``runner_num`` are in flight, so a slow task never holds later steps back and
+the runners never wait for a batch) against the rollout
 engine, and publishes one message per task group to ``exp.raw``. A restarted explorer continues the step count it left in KV
 (``explorer.<name>.step``) and the work queue where it was: every task
 carries its taskset, epoch and row index.
@@ -331,9 +332,10 @@ class Explorer:
         """Start steps until the run ends, the tasks run out or ``total_steps`` (explore).
 
         A step's tasks run in the background (``_run_step``): the next step is
-        fetched as soon as the tasks in flight leave room for one more batch
-        within ``explorer.runner_num`` (and the sync policy and ``max_staleness``
-        allow it), so slow tasks of one step never hold the next one back. At the
+        fetched as soon as fewer than ``explorer.runner_num`` tasks are in flight
+        (and the sync policy and ``max_staleness`` allow it); its tasks wait for a
+        runner, so slow tasks of one step never hold the next one back and no runner
+        waits for a batch. At the
         run's end the steps in flight are cancelled (their tasks are nak'ed by
         :meth:`run`); when the tasks run out, or at ``total_steps``, they finish first.
         """
@@ -362,7 +364,10 @@ class Explorer:
         """The step loop of :meth:`_loop`; returns why it stopped (an end status,
         ``total_steps`` or ``drained``)."""
         batch_size = self.cfg.buffer.batch_size
-        window = max(self.cfg.explorer.runner_num, batch_size)  # tasks held at most
+        # the next step's tasks are fetched as soon as a runner could take one, so runners
+        # never wait for a batch while finished tasks wait to publish in order (behind a
+        # slow task started with older weights); held at most runner_num - 1 + batch_size
+        refill_at = self.cfg.explorer.runner_num - 1
         limiter = anyio.CapacityLimiter(self.cfg.explorer.runner_num)
         total_steps = self.cfg.buffer.total_steps
         while True:
@@ -372,7 +377,7 @@ class Explorer:
             if self.explore_only and total_steps is not None and self.step >= total_steps:
                 log.info("%s: reached buffer.total_steps (%d)", self.name, total_steps)
                 return "total_steps"
-            await self._room_for(window - batch_size)
+            await self._room_for(refill_at)
             next_step = self.step + 1
             t_wait = time.perf_counter()
             take = batch_size

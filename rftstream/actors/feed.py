@@ -100,6 +100,7 @@ class ExperienceFeed:
         # after the first grows, before the acks the second counts are sent
         self.trained_counts = trained_counts
         self._trained_unacked: list[_Held] = []
+        self._trained_unacked_bytes = 0  # kept as they come and go: read every step
         self.trained_messages_total = 0
         self.released_messages_total = 0
         self._resumed_trained: set[str] = set()
@@ -349,6 +350,7 @@ class ExperienceFeed:
                 continue
             if self.hold_trained:  # kept in progress until the next checkpoint
                 self._trained_unacked.append(held)
+                self._trained_unacked_bytes += len(held.msg.data) + len(held.msg.subject)
                 grown += 1
             else:
                 self.ticker.release(held.msg)
@@ -371,7 +373,7 @@ class ExperienceFeed:
     def trained_unacked_bytes(self) -> int:
         """What the messages of :attr:`trained_unacked` take in the experience stream,
         about: their payloads and subjects (headers not counted)."""
-        return sum(len(h.msg.data) + len(h.msg.subject) for h in self._trained_unacked)
+        return self._trained_unacked_bytes
 
     @property
     def held_for_retired(self) -> bool:
@@ -435,6 +437,7 @@ class ExperienceFeed:
         """Ack the messages held since they were trained (call once a checkpoint that
         contains them is committed). Tells ``trained_counts`` first. Returns acks sent."""
         held, self._trained_unacked = self._trained_unacked, []
+        self._trained_unacked_bytes = 0
         if not held:
             return 0
         self.released_messages_total += len(held)

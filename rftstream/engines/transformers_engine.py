@@ -309,11 +309,19 @@ def _end_tokens_banned(
     if not short:
         return None
     vocab = logits.shape[-1]
+    row_idx: list[int] = []
+    col_idx: list[int] = []
+    for r in short:  # (row, token) pairs, set in one indexed write (a write per row cost
+        # about a tenth of a generation-heavy explorer's time)
+        stops = seqs[rows[r]].stop_token_ids
+        ids = eos_token_ids | stops if stops else eos_token_ids
+        for t in ids:
+            if 0 <= t < vocab:
+                row_idx.append(r)
+                col_idx.append(t)
     banned = torch.zeros(logits.shape, dtype=torch.bool, device=logits.device)
-    for r in short:
-        ids = [t for t in eos_token_ids | seqs[rows[r]].stop_token_ids if 0 <= t < vocab]
-        if ids:
-            banned[r, ids] = True
+    if row_idx:
+        banned[torch.tensor(row_idx), torch.tensor(col_idx)] = True
     return banned
 
 
