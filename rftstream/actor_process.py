@@ -142,6 +142,7 @@ class ActorProcess:
         self.config_path = Path(run.run_dir) / "config.yaml"
         self.process: anyio.abc.Process | None = None
         self._log_file: Any = None
+        self._first_start = True
 
     def argv(self) -> list[str]:
         argv = [
@@ -196,7 +197,29 @@ class ActorProcess:
         return self
 
     async def _spawn(self) -> None:
-        """Start the child process (its output appended to its log)."""
+        """Start the child process (its output appended to its log): on the first start,
+        a prestarted child of its role where there is one (:mod:`rftstream.prestart`)."""
+        if self._first_start and len(self.roles) == 1:
+            from rftstream.prestart import take
+
+            self._first_start = False
+            waiting = take(self.roles[0])
+            if waiting is not None:
+                if self.child_console is not None:
+                    self._forwarder = waiting.forwarder
+                emit = self.child_console.emit if self.child_console is not None else None
+                self.process = waiting.hand_over(  # type: ignore[assignment]
+                    self.argv()[3:], self.env, self.log_path, emit
+                )
+                log.info(
+                    "%s: pid %d (started early) runs %s (log %s)",
+                    self.name,
+                    self.process.pid,
+                    "+".join(self.roles),
+                    self.log_path,
+                )
+                return
+        self._first_start = False
         env = dict(os.environ, PYTHONUNBUFFERED="1", **self.env)
         if self.child_console is not None:
             if self._forwarder is not None:  # a restart: the dead child's pipe is drained
@@ -343,8 +366,49 @@ def _die_with_parent(parent_pid: int) -> None:
         sys.exit(130)
 
 
+def _await_hand_over(argv: Sequence[str]) -> list[str] | None:
+    """A prestarted child (:mod:`rftstream.prestart`; ``argv``: ``--roles ROLE
+    --parent-pid PID``): import what the role needs, then
+    wait for the hand-over line on stdin and apply it (log file, environment); its
+    command line, or None when stdin closed without one. Blocks."""
+    import importlib
+    import json
+
+    from rftstream.prestart import PRELOAD
+
+    p = argparse.ArgumentParser(prog="python -m rftstream.actor_process --await-args")
+    p.add_argument("--roles", required=True)
+    p.add_argument("--parent-pid", type=int, default=0)
+    args = p.parse_args(argv)
+    _die_with_parent(args.parent_pid)
+    for module in PRELOAD.get(args.roles, ()):
+        try:
+            importlib.import_module(module)
+        except Exception:  # noqa: BLE001, S112 - main() imports it again and reports it
+            continue
+    line = sys.stdin.readline()
+    if not line.strip():
+        return None
+    spec = json.loads(line)
+    fd = os.open(spec["log"], os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+    os.environ.update(spec["env"])
+    return list(spec["argv"])
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    """The child: run ``--roles`` of the run in ``--config`` against ``--nats-url``. Blocks."""
+    """The child: run ``--roles`` of the run in ``--config`` against ``--nats-url``. Blocks.
+
+    ``--await-args --roles ROLE --parent-pid PID``: a prestarted child, which gets its
+    command line later (see :mod:`rftstream.prestart`)."""
+    args_in = list(sys.argv[1:] if argv is None else argv)
+    if args_in[:1] == ["--await-args"]:
+        handed = _await_hand_over(args_in[1:])
+        if handed is None:
+            return 0
+        args_in = handed
     p = argparse.ArgumentParser(prog="python -m rftstream.actor_process")
     p.add_argument("--config", required=True)
     p.add_argument("--nats-url", required=True)
@@ -366,7 +430,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="write own log records (JSON lines) here for the parent's console",
     )
     p.add_argument("--console-level", type=int, default=logging.WARNING)
-    args = p.parse_args(argv)
+    args = p.parse_args(args_in)
     _die_with_parent(args.parent_pid)
     logging.basicConfig(level=logging.INFO, stream=sys.stdout, format=LOG_FORMAT)
     if args.console_fd >= 0:

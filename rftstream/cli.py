@@ -348,13 +348,29 @@ child_console: ChildConsole | None = None
 
 
 def _prepare(
-    args: argparse.Namespace, *, start_logging: bool = True, roles: tuple[str, ...] | None = None
+    args: argparse.Namespace,
+    *,
+    start_logging: bool = True,
+    roles: tuple[str, ...] | None = None,
+    prestart_children: bool = False,
 ) -> Any:
+    """The prepared run of ``args`` (config, overrides, validation, model path). Blocks.
+
+    ``prestart_children`` (``up``): the explorer processes are started as soon as the
+    config is read, to import torch and transformers while the run is
+    prepared here (:mod:`rftstream.prestart`)."""
     from rftstream.plugin_loader import load_plugins
-    from rftstream.runtime import prepare_run
 
     load_plugins(args.plugin_dir)
     cfg, source = load_run_config(args)
+    if prestart_children:
+        from rftstream.actor_process import split_roles
+        from rftstream.prestart import prestart
+
+        if split_roles(cfg):
+            prestart({"explorer": max(1, int(cfg.explorer.rollout_model.engine_num))})
+    from rftstream.runtime import prepare_run
+
     with console.status("preparing the run (model, algorithm, pipeline)…"):
         run = prepare_run(
             cfg,
@@ -412,7 +428,7 @@ def cmd_up(args: argparse.Namespace) -> int:
         stages = load_stages(args.config, list(args.set))
         if stages:
             return _up_stages(args, stages)
-    run = _prepare(args, start_logging=False)
+    run = _prepare(args, start_logging=False, prestart_children=True)
     return _up_holding(run, args)
 
 

@@ -17,7 +17,6 @@ This module does no I/O.
 
 from __future__ import annotations
 
-import itertools
 import math
 import operator
 import sys
@@ -33,19 +32,20 @@ import numpy as np
 import torch
 
 from rftstream.errors import PayloadTooLargeError, SchemaError
+from rftstream.headers import (  # noqa: F401 - re-exported: users import them from here
+    H_ACTOR,
+    H_COUNT,
+    H_MODEL_VERSION,
+    H_MSG_ID,
+    H_PART,
+    H_REWARD_MEAN,
+    H_SCHEMA,
+    H_TASK,
+    H_TOKENS,
+    headers_size,
+)
 
 SCHEMA_NAME = "rft.experience.v1"
-
-# Summary headers, so that `nats stream view` is readable without decoding.
-H_SCHEMA = "Rft-Schema"
-H_TASK = "Rft-Task"
-H_MODEL_VERSION = "Rft-Model-Version"
-H_COUNT = "Rft-Count"
-H_REWARD_MEAN = "Rft-Reward-Mean"
-H_TOKENS = "Rft-Tokens"
-H_ACTOR = "Rft-Actor"
-H_PART = "Rft-Part"
-H_MSG_ID = "Nats-Msg-Id"
 
 
 # ---------------------------------------------------------------------------
@@ -664,13 +664,6 @@ def summary_headers(
     if parts > 1:
         headers[H_PART] = f"{part + 1}/{parts}"
     return headers
-
-
-def headers_size(headers: dict[str, str]) -> int:
-    """Bytes the headers take on the wire (``NATS/1.0\\r\\n`` + ``k: v\\r\\n``... + ``\\r\\n``)."""
-    text = "".join(itertools.chain.from_iterable(headers.items()))
-    n = len(text) if text.isascii() else len(text.encode())
-    return 12 + n + 4 * len(headers) + 2
 
 
 @dataclass

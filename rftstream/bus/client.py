@@ -26,7 +26,7 @@ import logging
 import math
 import time
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import anyio
 
@@ -54,7 +54,7 @@ from rftstream.errors import (
     RunNotFoundError,
     StreamFullError,
 )
-from rftstream.experience import H_MSG_ID, EncodedMessage, Experience, headers_size, pack_group
+from rftstream.headers import H_MSG_ID, headers_size
 from rftstream.subjects import (
     KV_TRAINER_INPUT,
     META_TO_STAGE,
@@ -77,6 +77,9 @@ from rftstream.wire import (
     MetricsMsg,
     encode_json,
 )
+
+if TYPE_CHECKING:  # experience imports torch: a bus user that publishes no group needs none
+    from rftstream.experience import EncodedMessage, Experience
 
 log = logging.getLogger(__name__)
 
@@ -430,6 +433,8 @@ class Bus:
         or failed part-way, some parts may be stored: publishing the same group
         again with the same ``msg_id`` stores only the others.
         """
+        from rftstream.experience import pack_group
+
         subject = self.names.exp_subject(stage)
         stored = 0
         for part in pack_group(

@@ -26,7 +26,7 @@ import msgspec
 from rftstream.bus.state import RunState
 from rftstream.bus.transport import Transport
 from rftstream.errors import BusError
-from rftstream.experience import H_COUNT
+from rftstream.headers import H_COUNT
 
 #: KV key prefix of the purge records: ``purged.<stage>``
 PURGED_PREFIX = "purged."

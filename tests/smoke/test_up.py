@@ -71,6 +71,8 @@ def test_up_three_steps(tmp_path: Path, tiny_model_path: str) -> None:
     assert "idle after step 1: trainer" in " ".join(out.split())
     # the embedded default runs the explorer and the operator host in processes of their own
     assert "explorer and operator host run in processes" in " ".join(out.split())
+    # the explorer's process was started while the run was being prepared (rftstream.prestart)
+    assert "(started early) runs explorer" in (run_dir / "logs" / "rftstream.log").read_text()
     for role in ("explorer", "operator"):
         child_log = (run_dir / "logs" / f"{role}.log").read_text()
         assert f"running {role} of run default" in child_log

@@ -26,7 +26,7 @@ from rftstream.bus.transport import (
     StreamState,
 )
 from rftstream.errors import BusError, StreamFullError
-from rftstream.experience import H_MSG_ID, headers_size
+from rftstream.headers import H_MSG_ID, headers_size
 
 log = logging.getLogger(__name__)
 

@@ -1,0 +1,60 @@
+"""Prestarted actor processes (rftstream.prestart): handed a command line, or ended unused."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import anyio
+import pytest
+
+from rftstream import prestart
+
+
+@pytest.fixture(autouse=True)
+def _nothing_left_waiting() -> None:
+    yield
+    prestart.discard()
+
+
+def test_a_child_never_taken_is_ended_by_discard() -> None:
+    prestart.prestart({"operator": 1})  # a role with nothing to preload: waits at once
+    waiting = prestart._waiting[0]
+    assert "--await-args --roles operator" in " ".join(waiting.popen.args)
+    assert waiting.popen.poll() is None
+    t0 = time.monotonic()
+    prestart.discard()
+    assert waiting.popen.poll() is not None
+    assert time.monotonic() - t0 < 5
+    assert prestart.take("operator") is None
+
+
+def test_take_gives_a_live_child_of_the_role_once() -> None:
+    prestart.prestart({"operator": 1})
+    assert prestart.take("explorer") is None
+    child = prestart.take("operator")
+    assert child is not None and child.popen.poll() is None
+    assert prestart.take("operator") is None
+    child.close()
+
+
+def test_the_handed_command_line_runs_with_its_log_file(tmp_path: Path) -> None:
+    """The child runs actor_process.main with the argv it is sent: here a config that
+    does not exist, so it fails at once, naming it, in the log file it was told of."""
+    prestart.prestart({"operator": 1})
+    child = prestart.take("operator")
+    assert child is not None
+    log = tmp_path / "operator.log"
+    missing = tmp_path / "nowhere.yaml"
+    argv = ["--config", str(missing), "--nats-url", "nats://127.0.0.1:1"]
+    argv += ["--run-dir", str(tmp_path), "--roles", "operator"]
+    proc = child.hand_over(argv, {}, log)
+
+    async def wait() -> int:
+        with anyio.fail_after(120):
+            return await proc.wait()
+
+    code = anyio.run(wait)
+    assert code == 1 and proc.returncode == 1
+    text = log.read_text()
+    assert "error:" in text and "nowhere.yaml" in text, text[-2000:]
