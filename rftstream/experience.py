@@ -490,6 +490,34 @@ for _name in _WIRE_ARRAYS:
 del _name
 
 
+def array_numpy(exp: Experience, name: str) -> np.ndarray | None:
+    """Array field ``name`` of ``exp`` as a 1-D numpy array (bool as uint8 0/1; None where
+    absent, an absent wire action mask meaning every response token), without
+    making a tensor where the array is still on the wire: a read-only view of the
+    message body (the action mask: a 0/1 copy). A tensor already read or assigned is
+    viewed as numpy (a copy only off the CPU). For a trainer's collate: it pads numpy
+    rows, so a tensor per array would only be made to be taken apart again."""
+    d = exp.__dict__
+    if name not in d and _LITTLE and "_wire" in d:
+        buf = getattr(d["_wire"], name)
+        if buf is None:  # absent (an absent action mask: every response token)
+            return None
+        if name == "action_mask":
+            return (_frombuffer(buf, _U8) != 0).view(_U8)
+        return _frombuffer(buf, _WIRE_ARRAYS[name])
+    t = getattr(exp, name)
+    if t is None:
+        return None
+    if not isinstance(t, _Tensor):
+        return np.asarray(t).reshape(-1)
+    t = t.detach()
+    if t.device.type != "cpu":
+        t = t.cpu()
+    if t.dtype == _BOOL:
+        t = t.to(torch.uint8)
+    return t.reshape(-1).numpy()
+
+
 def _token_count(exp: Experience) -> int:
     """``exp.tokens.numel()``, read from the wire record while the tokens are not materialised."""
     d = exp.__dict__

@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from rftstream.experience import Experience
+from rftstream.experience import Experience, array_numpy
 
 LOSS_TENSORS: frozenset[str] = frozenset(
     {
@@ -137,18 +137,6 @@ class TrainBatch:
         )
 
 
-def _np(t: torch.Tensor | None) -> np.ndarray | None:
-    """A 1-D numpy view of a CPU tensor (a copy only for other devices or bool)."""
-    if t is None:
-        return None
-    t = t.detach()
-    if t.device.type != "cpu":
-        t = t.cpu()
-    if t.dtype == torch.bool:
-        t = t.to(torch.uint8)
-    return t.reshape(-1).numpy()
-
-
 def _put(dst: np.ndarray, row: int, src: np.ndarray | None, n: int) -> None:
     """``dst[row, :m] = src[:m]`` with ``m = min(n, len(src))`` (the rest stays zero)."""
     if src is not None and n:
@@ -209,7 +197,7 @@ def collate(
     prompts: list[np.ndarray] = []
     responses: list[np.ndarray] = []
     for e in exps:
-        tokens = _np(e.tokens)
+        tokens = array_numpy(e, "tokens")
         assert tokens is not None
         p, r = tokens[: e.prompt_length], tokens[e.prompt_length :]
         if max_prompt is not None and p.shape[0] > max_prompt:
@@ -233,13 +221,14 @@ def collate(
         input_ids_np[i, P - np_ : P] = p
         attention_np[i, P - np_ : P + nr] = 1
         input_ids_np[i, P : P + nr] = r
-        if e.action_mask is None:
+        mask = array_numpy(e, "action_mask")
+        if mask is None:
             response_np[i, :nr] = 1.0
         else:
-            _put(response_np, i, _np(e.action_mask), nr)
-        _put(advantages_np, i, _np(e.advantages), nr)
-        _put(returns_np, i, _np(e.returns), nr)
-        _put(rollout_np, i, _np(e.logprobs), nr)
+            _put(response_np, i, mask, nr)
+        _put(advantages_np, i, array_numpy(e, "advantages"), nr)
+        _put(returns_np, i, array_numpy(e, "returns"), nr)
+        _put(rollout_np, i, array_numpy(e, "logprobs"), nr)
         rewards_np[i] = float(e.reward) if e.reward is not None else 0.0
     input_ids = torch.from_numpy(input_ids_np)
     attention_mask = torch.from_numpy(attention_np)
