@@ -157,6 +157,7 @@ class EmbeddedNatsServer:
                     stdin=subprocess.DEVNULL,
                     start_new_session=True,
                     preexec_fn=_set_pdeathsig if sys.platform.startswith("linux") else None,
+                    env=dict(os.environ, GOMAXPROCS=os.environ.get("GOMAXPROCS", "1")),
                 )
             finally:
                 log.close()
