@@ -197,18 +197,24 @@ class FastDecoder:
             vc[:, :, start:end] = v
             keys, values = kc[:, :, :end], vc[:, :, :end]
             if self.n_kv == self.n_heads:
-                a = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=self.scale)
+                a = F.scaled_dot_product_attention(
+                    q, keys, values, attn_mask=mask, scale=self.scale
+                )
             elif T == 1:
                 # one new token: the query heads that share a kv head become that head's
                 # query rows (head h reads kv head h // rep), so nothing is repeated
                 q = q.reshape(B, self.n_kv, self.n_heads // self.n_kv, self.head_dim)
-                a = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=self.scale)
+                a = F.scaled_dot_product_attention(
+                    q, keys, values, attn_mask=mask, scale=self.scale
+                )
                 a = a.reshape(B, self.n_heads, 1, self.head_dim)
             else:
                 rep = self.n_heads // self.n_kv
                 keys = keys.repeat_interleave(rep, dim=1)
                 values = values.repeat_interleave(rep, dim=1)
-                a = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=self.scale)
+                a = F.scaled_dot_product_attention(
+                    q, keys, values, attn_mask=mask, scale=self.scale
+                )
             a = a.transpose(1, 2).reshape(B, T, self.q_size)
             x = x + F.linear(a, layer.o_w, layer.o_b)
             h = self._rms(x, layer.mlp_norm)
