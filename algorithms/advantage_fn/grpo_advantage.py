@@ -12,6 +12,7 @@ import dataclasses
 import math
 import uuid
 
+import numpy as np
 import torch
 
 from algorithms.advantage_fn.advantage_fn import (
@@ -19,7 +20,7 @@ from algorithms.advantage_fn.advantage_fn import (
     GroupAdvantage,
     _aggregate_group_metrics,
 )
-from rftstream.experience import Experience
+from rftstream.experience import Experience, array_numpy
 
 
 def group_rewards(exps: list[Experience]) -> torch.Tensor:
@@ -40,11 +41,19 @@ def group_rewards(exps: list[Experience]) -> torch.Tensor:
 
 
 def set_outcome_advantage(exp: Experience, score: float | torch.Tensor) -> None:
-    """Broadcast a scalar ``score`` over the response: ``advantages = returns = score * action_mask``."""
-    mask = exp.action_mask.to(torch.float32)
-    adv = torch.as_tensor(score, dtype=torch.float32) * mask
-    exp.advantages = adv
-    exp.returns = adv.clone()
+    """Broadcast a scalar ``score`` over the response: ``advantages = returns = score * action_mask``
+    (float32, as ``torch.as_tensor(score, dtype=torch.float32) * mask`` gives).
+
+    Done in numpy over the mask as it came off the wire: an operator host sets this for
+    every experience, and a handful of torch calls each cost more than the arithmetic."""
+    score32 = np.float32(float(score))
+    mask = array_numpy(exp, "action_mask")
+    if mask is None:  # absent on the wire: every response token
+        adv = np.full(exp.response_length, score32, dtype=np.float32)
+    else:
+        adv = mask.astype(np.float32) * score32
+    exp.advantages = torch.from_numpy(adv)
+    exp.returns = torch.from_numpy(adv.copy())
 
 
 STD_CAL_LEVELS: tuple[str, ...] = ("group", "batch")
@@ -161,7 +170,7 @@ class GRPOGroupedAdvantage(GroupAdvantage):
             if self.std_threshold is not None and float(std) <= self.std_threshold:
                 scores = torch.zeros_like(rewards)
                 metrics["skipped_count"] = float(len(exps))
-            for exp, score in zip(exps, scores, strict=True):
+            for exp, score in zip(exps, scores.tolist(), strict=True):
                 set_outcome_advantage(exp, score)
         metrics["reward_mean"] = float(mean)
         metrics["reward_std"] = float(std)
@@ -236,7 +245,7 @@ class RLOOGroupAdvantage(GroupAdvantage):
             else:
                 baselines = (rewards.sum() - rewards) / (n - 1)
             scores = rewards - baselines
-            for exp, score in zip(exps, scores, strict=True):
+            for exp, score in zip(exps, scores.tolist(), strict=True):
                 set_outcome_advantage(exp, score)
         return exps, {
             "reward_mean": float(rewards.mean()),
