@@ -361,14 +361,16 @@ def _prepare(
     prepared here (:mod:`rftstream.prestart`)."""
     from rftstream.plugin_loader import load_plugins
 
+    if prestart_children:
+        _prestart_explorers(args)
     load_plugins(args.plugin_dir)
     cfg, source = load_run_config(args)
     if prestart_children:
         from rftstream.actor_process import split_roles
-        from rftstream.prestart import prestart
+        from rftstream.prestart import discard
 
-        if split_roles(cfg):
-            prestart({"explorer": max(1, int(cfg.explorer.rollout_model.engine_num))})
+        if not split_roles(cfg):
+            discard()
     from rftstream.runtime import prepare_run
 
     with console.status("preparing the run (model, algorithm, pipeline)…"):
@@ -385,6 +387,25 @@ def _prepare(
     if start_logging:
         _setup_logging(run.run_dir, args.log_level)
     return run
+
+
+def _prestart_explorers(args: argparse.Namespace) -> None:
+    """Start ``up``'s explorer processes early (:mod:`rftstream.prestart`), from the config
+    as read before the plugins (which may import torch and more) are loaded: a config
+    that needs a plugin to load starts none here, and its explorers start as usual."""
+    import warnings
+
+    from rftstream.actor_process import split_roles
+    from rftstream.prestart import prestart
+
+    try:
+        with warnings.catch_warnings():  # its warnings are given by the load that counts
+            warnings.simplefilter("ignore")
+            cfg, _source = load_run_config(args)
+    except Exception:  # noqa: BLE001 - loaded again after the plugins, and reported then
+        return
+    if split_roles(cfg):
+        prestart({"explorer": max(1, int(cfg.explorer.rollout_model.engine_num))})
 
 
 def _up_holding(run: Any, args: argparse.Namespace, *, stage: bool = False) -> int:

@@ -58,3 +58,23 @@ def test_the_handed_command_line_runs_with_its_log_file(tmp_path: Path) -> None:
     assert code == 1 and proc.returncode == 1
     text = log.read_text()
     assert "error:" in text and "nowhere.yaml" in text, text[-2000:]
+
+
+def test_up_prestarts_its_explorers_from_the_config_read_before_plugins(
+    tmp_path: Path,
+) -> None:
+    """``up`` starts one waiting explorer per rollout engine from the config as read
+    without plugins; a config that cannot be read so starts none (and raises nothing:
+    the load after the plugins reports it)."""
+    import argparse
+
+    from rftstream.cli import _prestart_explorers
+
+    cfg = tmp_path / "two.yaml"
+    cfg.write_text("explorer:\n  rollout_model:\n    engine_num: 2\n")
+    _prestart_explorers(argparse.Namespace(config=str(cfg), set=[]))
+    assert [c.role for c in prestart._waiting] == ["explorer", "explorer"]
+    prestart.discard()
+    _prestart_explorers(argparse.Namespace(config=str(tmp_path / "missing.yaml"), set=[]))
+    _prestart_explorers(argparse.Namespace(config=None, set=["synchronizer.sync_method=memory"]))
+    assert prestart._waiting == []  # no file; and memory sync runs every actor in one process

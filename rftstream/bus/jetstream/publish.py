@@ -9,6 +9,7 @@ sit on the publish hot path of :class:`~rftstream.bus.jetstream.transport.JetStr
 from __future__ import annotations
 
 import asyncio
+import re
 from collections import deque
 from typing import Any
 
@@ -21,6 +22,64 @@ from nats.aio.msg import Msg
 from nats.js import api
 
 _STATUS = api.Header.STATUS
+# what nats-py's Client.publish checks a header key against and does to a value
+_HEADER_KEY = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
+_VALUE_NEWLINES = str.maketrans({"\r": " ", "\n": " "})
+_checked_keys: set[str] = set()
+# the lean path needs these of nats-py's client; without them, Client.publish
+_LEAN = all(
+    hasattr(NatsClient, name) for name in ("_send_command", "_flush_pending", "is_draining_pubs")
+)
+
+
+def hpub_parts(subject: str, reply: str, payload: bytes, headers: dict[str, str]) -> list[bytes]:
+    """The protocol bytes of a publish with headers, as nats-py's ``Client.publish`` sends
+    them (same key check, same value clean-up), in three parts so the payload is not
+    copied: the ``HPUB`` line with the header block, the payload, the final CRLF.
+    Raises ``nats.errors.Error`` (nats-py's ``BadHeaderError``) for a key nats-py refuses."""
+    lines = ["NATS/1.0\r\n"]
+    for k, v in headers.items():
+        key = k.strip()
+        if not key:
+            continue
+        if key not in _checked_keys:
+            if not _HEADER_KEY.fullmatch(key):
+                raise nats.errors.BadHeaderError(key)
+            _checked_keys.add(key)
+        lines.append(f"{key}: {v.strip().translate(_VALUE_NEWLINES)}\r\n")
+    lines.append("\r\n")
+    block = "".join(lines).encode()
+    n = len(block)
+    head = f"HPUB {subject} {reply} {n} {n + len(payload)}\r\n".encode()
+    return [head + block, payload, b"\r\n"]
+
+
+async def publish(
+    nc: NatsClient, subject: str, payload: bytes, *, reply: str, headers: dict[str, str] | None
+) -> None:
+    """``nc.publish(subject, payload, reply=reply, headers=headers)``, leaner for headers.
+
+    nats-py builds a header block with a regex check and four buffer appends per header
+    and copies the payload twice into one command; on this hot path (every experience
+    message carries ten headers) the command is written as :func:`hpub_parts` instead,
+    through the client's own pending buffer and flusher. Without headers, while not
+    connected (nats-py buffers or refuses), draining or closed, it is ``nc.publish``."""
+    if (
+        not _LEAN
+        or headers is None
+        or not nc.is_connected
+        or nc.is_draining_pubs
+        or len(payload) > nc.max_payload
+    ):
+        await nc.publish(subject, payload, reply=reply, headers=headers)
+        return
+    for part in hpub_parts(subject, reply, payload, headers):
+        await nc._send_command(part)
+    nc.stats["out_msgs"] += 1
+    nc.stats["out_bytes"] += len(payload)
+    flush_queue = nc._flush_queue
+    if flush_queue is not None and flush_queue.empty():
+        await nc._flush_pending()
 
 
 class PubAckMsg(msgspec.Struct, gc=False):
@@ -98,7 +157,7 @@ class Replies:
         fut: asyncio.Future[Msg] = loop.create_future()
         self._pending[token] = fut
         try:
-            await self.nc.publish(subject, data, reply=f"{self._prefix}.{token}", headers=headers)
+            await publish(self.nc, subject, data, reply=f"{self._prefix}.{token}", headers=headers)
             timer = loop.call_later(timeout, _expire, fut)
             try:
                 return await fut
