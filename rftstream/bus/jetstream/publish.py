@@ -34,8 +34,9 @@ _LEAN = all(
 
 def hpub_parts(subject: str, reply: str, payload: bytes, headers: dict[str, str]) -> list[bytes]:
     """The protocol bytes of a publish with headers, as nats-py's ``Client.publish`` sends
-    them (same key check, same value clean-up), in three parts so the payload is not
-    copied: the ``HPUB`` line with the header block, the payload, the final CRLF.
+    them (same key check, same value clean-up), in three parts joined once (nats-py
+    copies the payload twice): the ``HPUB`` line with the header block, the payload, the
+    final CRLF.
     Raises ``nats.errors.Error`` (nats-py's ``BadHeaderError``) for a key nats-py refuses."""
     lines = ["NATS/1.0\r\n"]
     for k, v in headers.items():
@@ -61,8 +62,8 @@ async def publish(
 
     nats-py builds a header block with a regex check and four buffer appends per header
     and copies the payload twice into one command; on this hot path (every experience
-    message carries ten headers) the command is written as :func:`hpub_parts` instead,
-    through the client's own pending buffer and flusher. Without headers, while not
+    message carries ten headers) the command is :func:`hpub_parts` joined once, queued
+    whole through the client's own pending buffer and flusher. Without headers, while not
     connected (nats-py buffers or refuses), draining or closed, it is ``nc.publish``."""
     if (
         not _LEAN
@@ -73,8 +74,9 @@ async def publish(
     ):
         await nc.publish(subject, payload, reply=reply, headers=headers)
         return
-    for part in hpub_parts(subject, reply, payload, headers):
-        await nc._send_command(part)
+    # one command: _send_command may flush (and yield) when the pending buffer is full,
+    # and another publish's bytes must never land between this one's parts
+    await nc._send_command(b"".join(hpub_parts(subject, reply, payload, headers)))
     nc.stats["out_msgs"] += 1
     nc.stats["out_bytes"] += len(payload)
     flush_queue = nc._flush_queue
