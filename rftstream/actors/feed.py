@@ -257,7 +257,11 @@ class ExperienceFeed:
                         held.msg = m
                         self.ticker.hold(m)
                 else:
-                    await m.ack()
+                    # trained before (a checkpoint remembers it): acked with the server's
+                    # confirmation, as a commit's acks are. A checkpoint written after this
+                    # no longer remembers these experiences, so an ack lost with a killed
+                    # process (sent, not yet applied) would have them trained again
+                    await self._ack_all([m])
                 continue
             held = _Held(
                 m,
