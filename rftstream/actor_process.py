@@ -199,10 +199,10 @@ class ActorProcess:
     async def _spawn(self) -> None:
         """Start the child process (its output appended to its log): on the first start,
         a prestarted child of its role where there is one (:mod:`rftstream.prestart`)."""
-        if self._first_start and len(self.roles) == 1:
+        first, self._first_start = self._first_start, False
+        if first and len(self.roles) == 1:
             from rftstream.prestart import take
 
-            self._first_start = False
             waiting = take(self.roles[0])
             if waiting is not None:
                 if self.child_console is not None:
@@ -219,7 +219,6 @@ class ActorProcess:
                     self.log_path,
                 )
                 return
-        self._first_start = False
         env = dict(os.environ, PYTHONUNBUFFERED="1", **self.env)
         if self.child_console is not None:
             if self._forwarder is not None:  # a restart: the dead child's pipe is drained
