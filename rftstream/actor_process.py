@@ -338,15 +338,17 @@ def trainer_rank_processes(
 
 def follow_trainer_rank(run: Any) -> int:
     """This process as a trainer rank other than 0: build the policy, follow rank 0 until it
-    says stop. Blocks; returns 0."""
+    says stop, then end the process with exit code 0
+    (:func:`~rftstream.training.ranks.end_follower_process`). Blocks; returns only by
+    raising."""
     from rftstream.training.engine import PolicyTrainer
-    from rftstream.training.ranks import follow_leader
+    from rftstream.training.ranks import end_follower_process, follow_leader
     from rftstream.training.world import env_rank
 
     policy = PolicyTrainer(run.cfg, run.model_path, run.algorithm)
     steps = follow_leader(policy)
     log.info("trainer rank %d: %d steps", env_rank(), steps)
-    return 0
+    end_follower_process()
 
 
 # ------------------------------------------------------------------ child side

@@ -49,7 +49,7 @@ from rftstream.console import (
     print_warning_on,
     show_warning_via,
 )
-from rftstream.errors import BusError, RftError, SchemaError
+from rftstream.errors import BusError, ConfigError, RftError, SchemaError
 from rftstream.signals import run_with_signals
 from rftstream.step_lines import format_number, step_line
 from rftstream.subjects import RunNames
@@ -408,6 +408,22 @@ def _prestart_explorers(args: argparse.Namespace) -> None:
         prestart({"explorer": max(1, int(cfg.explorer.rollout_model.engine_num))})
 
 
+def _one_node(cfg: Config) -> None:
+    """``up`` runs the trainer's ranks on this machine: ``trainer.nnodes`` > 1 is refused,
+    with the way to run them."""
+    if cfg.mode in ("both", "train") and cfg.trainer.nnodes > 1:
+        raise ConfigError(
+            "trainer.nnodes",
+            "rftstream up starts the trainer's ranks on this machine only; for several "
+            "nodes run the trainer under a launcher on each (`torchrun --nnodes N "
+            "--node-rank K --nproc-per-node G --master-addr HOST -m rftstream.cli trainer "
+            "--config ... --nats-url ...`, or one `srun` task per rank), and the explorers "
+            "and operators with `rftstream explorer` / `rftstream operator` against the "
+            "same NATS (docs/scaling.md, A trainer on several machines)",
+            value=cfg.trainer.nnodes,
+        )
+
+
 def _up_holding(run: Any, args: argparse.Namespace, *, stage: bool = False) -> int:
     """``up`` of one prepared run: take its run dir (lock; continue or start over, see
     :mod:`rftstream.run_start`) before any file is written there, then start its logs and
@@ -416,6 +432,7 @@ def _up_holding(run: Any, args: argparse.Namespace, *, stage: bool = False) -> i
     from rftstream.run_start import claim_run_dir
     from rftstream.up import run_up
 
+    _one_node(run.cfg)
     claim = claim_run_dir(
         run.run_dir, fresh=bool(getattr(args, "fresh", False)), keep_finished=stage
     )
@@ -570,36 +587,55 @@ def check_standalone_sync(cfg: Config, command: str) -> None:
         )
 
 
-def _launched_ranks(args: argparse.Namespace) -> int | None:
-    """``rftstream trainer`` under torchrun or DeepSpeed's launcher (``WORLD_SIZE`` > 1).
+def _launched_ranks(args: argparse.Namespace) -> tuple[int | None, Any]:
+    """``rftstream trainer`` under torchrun, DeepSpeed's launcher or Slurm's ``srun`` (one
+    task per rank: its variables are translated, see
+    :func:`rftstream.training.world.adopt_slurm_env`), on one node or several.
 
-    Rank 0 goes on as the trainer actor (the one process on the bus; it scatters each
-    step's shards to the others), so this returns None for it. Any other rank builds the
-    same policy, follows rank 0 until it says stop, prints nothing but errors, and its exit
-    code is returned. ``trainer.n_gpus_per_node`` > 1 is ``rftstream up``'s way of starting
-    ranks; under a launcher it must be 1 or equal ``WORLD_SIZE``.
+    Returns (exit code, prepared run). Rank 0 goes on as the trainer actor (the one
+    process on the bus; it scatters each step's shards to the others), so its exit code
+    is None, as for a trainer that runs alone. Any other rank builds the same policy,
+    follows rank 0 until it says stop, prints nothing but errors, and returns its exit
+    code. ``trainer.nnodes`` x
+    ``trainer.n_gpus_per_node`` must equal the launcher's ``WORLD_SIZE`` unless both are 1;
+    a trainer started without a launcher while they declare several ranks is refused.
     """
-    from rftstream.training.world import env_rank, env_world_size
+    from rftstream.training.world import (
+        adopt_slurm_env,
+        check_declared_world,
+        env_rank,
+        env_world_size,
+    )
 
+    slurm = adopt_slurm_env()
     world = env_world_size()
     if world == 1:
-        return None
+        run = _prepare(args, roles=("trainer",))
+        t = run.cfg.trainer
+        if t.nnodes * t.n_gpus_per_node > 1:
+            raise RftError(
+                f"config keys `trainer.nnodes` x `trainer.n_gpus_per_node` ask for "
+                f"{t.nnodes} x {t.n_gpus_per_node} trainer ranks, but this trainer runs as one "
+                "process: start it under a launcher on every node (`torchrun --nnodes N "
+                "--nproc-per-node G ... -m rftstream.cli trainer ...`, or one `srun` task "
+                "per rank), or set both keys to 1"
+            )
+        return None, run
     rank = env_rank()
     if rank > 0:
         console.quiet = True  # the launcher's terminal shows rank 0; errors still print
     run = _prepare(args, roles=("trainer",))
-    declared = run.cfg.trainer.n_gpus_per_node
-    if declared not in (1, world):
-        raise RftError(
-            f"config key `trainer.n_gpus_per_node` is {declared} but the launcher started "
-            f"{world} trainer ranks (WORLD_SIZE): leave it at 1 under torchrun or deepspeed"
-        )
+    check_declared_world(run.cfg.trainer.nnodes, run.cfg.trainer.n_gpus_per_node, world)
     if rank == 0:
-        console.print(f"trainer rank 0 of {world}: reads the bus and feeds ranks 1..{world - 1}")
-        return None
+        nodes = f" on {run.cfg.trainer.nnodes} nodes" if run.cfg.trainer.nnodes > 1 else ""
+        how = f" (srun tasks, rendezvous {slurm.master})" if slurm is not None else ""
+        console.print(
+            f"trainer rank 0 of {world}{nodes}{how}: reads the bus and feeds ranks 1..{world - 1}"
+        )
+        return None, run
     from rftstream.actor_process import follow_trainer_rank
 
-    return follow_trainer_rank(run)
+    return follow_trainer_rank(run), run
 
 
 def cmd_actor(args: argparse.Namespace) -> int:
@@ -609,11 +645,13 @@ def cmd_actor(args: argparse.Namespace) -> int:
     from rftstream.bus.jetstream.connect import server_urls
 
     terminal.start()
+    run = None
     if args.command == "trainer":
-        ranks = _launched_ranks(args)
-        if ranks is not None:
-            return ranks
-    run = _prepare(args, roles=(args.command,))
+        code, run = _launched_ranks(args)
+        if code is not None:
+            return code
+    if run is None:
+        run = _prepare(args, roles=(args.command,))
     url = args.nats_url or ",".join(server_urls(run.cfg.nats))  # else nats.url / nats.servers
     check_standalone_sync(run.cfg, args.command)
     console.print(

@@ -191,6 +191,16 @@ class Experience:
         return self.eid.tid
 
 
+def uid_digests(uids: Sequence[str]) -> np.ndarray:
+    """The xxh3-64 digests of ``uids`` (experiences' ``eid.uid``) as uint64, in order: 8
+    bytes that stand for an experience where every one ever trained is remembered."""
+    import xxhash
+
+    return np.fromiter(
+        (xxhash.xxh3_64_intdigest(u.encode()) for u in uids), dtype=np.uint64, count=len(uids)
+    )
+
+
 def group_by(exps: Iterable[Experience], id_type: str = "task") -> dict[str, list[Experience]]:
     """Group experiences by ``eid`` part: ``task`` (tid), ``run`` (rid) or ``step`` (sid).
 

@@ -145,7 +145,7 @@ def _drive(
                     )
                     if note:
                         progress.console.print(f"[yellow]{escape(note)}[/]", soft_wrap=True)
-                    if split_roles(run.cfg):
+                    if split_roles(run.cfg) or run.cfg.trainer.n_gpus_per_node > 1:
                         await _run_split(
                             run,
                             url,
@@ -180,7 +180,8 @@ async def _run_split(
     **callbacks: Any,
 ) -> None:
     """The trainer here; each explorer (one per rollout engine: ``explorer``, ``explorer-2``,
-    ...) and the operator host each in a child process (see :mod:`rftstream.actor_process`).
+    ...) and the operator host each in a child process (see :mod:`rftstream.actor_process`),
+    in ``mode: both``; trainer ranks 1.. (``trainer.n_gpus_per_node``) in any mode.
     Returns when the trainer is done and the children have ended (the explorers after the
     final evaluation). A child that dies is started again by ``supervisor`` (explorers and
     the operator host); a trainer rank's death, or a child past its restarts, raises and
@@ -197,7 +198,8 @@ async def _run_split(
 
     await provision(run, url)  # the durables exist before either side publishes
     grace = FINAL_EVAL_GRACE_S if run.cfg.buffer.explorer_input.eval_tasksets else 30.0
-    explorers = explorer_names(run.cfg)  # one per rollout engine (engine_num)
+    rollout = run.cfg.mode == "both"  # mode train: the trainer's ranks only
+    explorers = explorer_names(run.cfg) if rollout else []  # one per rollout engine
     # the trainer's and each explorer's forward passes share the cores
     ranks = max(1, run.cfg.trainer.n_gpus_per_node)
     threads = torch_threads_per_process(ranks + len(explorers))
@@ -218,17 +220,19 @@ async def _run_split(
         )
         for name in explorers
     ]
-    children.append(
-        ActorProcess(run, url, roles=("operator",), name="operator", threads=1, **common)
-    )
+    if rollout:
+        children.append(
+            ActorProcess(run, url, roles=("operator",), name="operator", threads=1, **common)
+        )
     # trainer ranks 1.. (trainer.n_gpus_per_node); the trainer here is rank 0
     children += trainer_rank_processes(run, url, threads=threads, **common)
     async with contextlib.AsyncExitStack() as stack:
         for child in children:
             await stack.enter_async_context(child)
+        what = "explorer" if len(explorers) == 1 else f"{len(explorers)} explorers"
         console.print(
-            ("explorer" if len(explorers) == 1 else f"{len(explorers)} explorers")
-            + " and operator host run in processes "
+            (f"{what} and operator host" if rollout else f"trainer ranks 1..{ranks - 1}")
+            + " run in processes "
             + ", ".join(
                 f"{c.process.pid if c.process else '?'} ({c.log_path.name})" for c in children
             )

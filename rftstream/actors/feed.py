@@ -19,7 +19,11 @@ it again from the checkpoint's weights. :attr:`trained_unacked` and
 acks to be deleted. :meth:`trained_uids` lists what a checkpoint
 must remember (experience trained from messages not acked yet), :meth:`mark_trained`
 gives that list back to the feed of a resumed trainer, which then skips those
-experiences when their messages come again. A message with an experience the trainer cannot use
+experiences when their messages come again. :meth:`trained_digests` goes further: a
+digest of every experience trained since the run began, which a checkpoint also keeps
+(8 bytes each), so a message that comes again after its ack was lost with a killed
+server, or a copy republished after the stream's deduplication forgot the first (it was
+purged, then the server restarted), is skipped as well. A message with an experience the trainer cannot use
 (``validate`` returns the reason) goes to ``dlq.train`` instead of crash-looping
 the trainer. Experiences are deduplicated by ``eid.uid``, so a
 redelivered message is never trained twice. A body that does not decode goes
@@ -43,12 +47,13 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 import anyio
+import numpy as np
 
 from rftstream.actors.common import InProgressTicker, drain_step
 from rftstream.bus.client import Bus
 from rftstream.bus.transport import ConsumerState, Delivery, PullSubscription
 from rftstream.errors import BusError, SchemaError
-from rftstream.experience import Experience, decode_group
+from rftstream.experience import Experience, decode_group, uid_digests
 from rftstream.subjects import TRAIN_STAGE
 from rftstream.wire import RetiredConsumer
 
@@ -104,6 +109,10 @@ class ExperienceFeed:
         self.trained_messages_total = 0
         self.released_messages_total = 0
         self._resumed_trained: set[str] = set()
+        # digests of every experience trained before this trainer's checkpoint (sorted),
+        # and of those trained since (folded in by trained_digests)
+        self._trained_before = np.empty(0, dtype=np.uint64)
+        self._trained_since: list[str] = []
         self.validate = validate
         self.starving = starving
         self.bus = bus
@@ -240,6 +249,7 @@ class ExperienceFeed:
                 await self.bus.dead_letter(TRAIN_STAGE, m, f"trainer: {problem}")
                 self.dead_lettered += 1
                 continue
+            self._forget_checkpointed(exps)
             fresh = [e for e in exps if e.eid.uid not in self._seen]
             already = [e.eid.uid for e in exps if e.eid.uid in self._resumed_trained]
             self.duplicates += len(exps) - len(fresh) - len(already)
@@ -345,6 +355,7 @@ class ExperienceFeed:
         """
         done: list[Delivery] = []
         grown = 0
+        self._trained_since.extend(self._taken_uids)
         for uid, held in zip(self._taken_uids, self._taken, strict=True):
             held.trained_uids.append(uid)
             held.remaining -= 1
@@ -431,11 +442,44 @@ class ExperienceFeed:
         lowest = min(seqs)
         return lowest if lowest - 1 > server.ack_floor else None
 
-    def mark_trained(self, uids: list[str]) -> None:
+    def mark_trained(self, uids: list[str], digests: np.ndarray | None = None) -> None:
         """Experiences a checkpoint says were trained before it (a resumed trainer): skipped
-        when their messages are delivered again, acked with the rest of their message."""
+        when their messages are delivered again, acked with the rest of their message.
+        ``uids``: those whose messages were not acked; ``digests``: every one trained
+        (:meth:`trained_digests` of the trainer that wrote the checkpoint)."""
         self._resumed_trained.update(uids)
         self._seen.update(uids)
+        if digests is not None and len(digests):
+            self._trained_before = np.union1d(self._trained_before, digests)
+
+    def _forget_checkpointed(self, exps: list[Experience]) -> None:
+        """Mark those of ``exps`` the checkpoint's digests list as trained before (as
+        :meth:`mark_trained` does with its uids)."""
+        if not len(self._trained_before):
+            return
+        new = [e.eid.uid for e in exps if e.eid.uid not in self._seen]
+        if not new:
+            return
+        digests = uid_digests(new)
+        at = np.searchsorted(self._trained_before, digests)
+        inside = at < len(self._trained_before)
+        hit = np.zeros(len(new), dtype=bool)
+        hit[inside] = self._trained_before[at[inside]] == digests[inside]
+        for uid, trained in zip(new, hit.tolist(), strict=True):
+            if trained:
+                self._resumed_trained.add(uid)
+                self._seen.add(uid)
+
+    def trained_digests(self) -> np.ndarray:
+        """Sorted distinct digests of every experience trained since the run began (as far
+        as the checkpoint this trainer resumed from knew, and since): what a checkpoint
+        written now keeps in :data:`~rftstream.training.checkpoint.TRAINED_FILE`."""
+        if self._trained_since:
+            self._trained_before = np.union1d(
+                self._trained_before, uid_digests(self._trained_since)
+            )
+            self._trained_since.clear()
+        return self._trained_before
 
     async def release_trained(self) -> int:
         """Ack the messages held since they were trained (call once a checkpoint that

@@ -679,22 +679,23 @@ class Trainer:
             directory = Path(record.path).parent.parent
             engines = [trainer.engine] + ([trainer.critic] if trainer.critic is not None else [])
 
-            def load() -> ckpt.ResumeState:
+            def load() -> tuple[ckpt.ResumeState, Any]:
                 loaded = ckpt.load_resumable(directory, record.step, engines)
+                digests = ckpt.read_trained_digests(directory, record.step)
                 schedulers = (trainer.scheduler, trainer.critic_scheduler)
                 for scheduler, sd in zip(schedulers, loaded.lr_schedulers, strict=False):
                     if scheduler is not None and sd is not None:
                         scheduler.load_state_dict(sd)
                 ckpt.restore_rng(loaded.rng)
-                return loaded
+                return loaded, digests
 
-            loaded = await anyio.to_thread.run_sync(load)
+            loaded, digests = await anyio.to_thread.run_sync(load)
             self.step = loaded.step
             self.version = loaded.version
             self.trained = loaded.trained
             trainer.global_step = loaded.step
             self.saved_step = self.resumed_from = loaded.step
-            feed.mark_trained(loaded.trained_uids)
+            feed.mark_trained(loaded.trained_uids, digests)
             self.monitor_resume = dict(loaded.monitor_through)
             moved = await self._discard_records_after(loaded.step)
             log.info(
@@ -797,7 +798,12 @@ class Trainer:
             ts=time.time(),
         )
         path = await anyio.to_thread.run_sync(
-            ckpt.save_resumable, self.checkpoint_dir, step, engines, resume_state
+            ckpt.save_resumable,
+            self.checkpoint_dir,
+            step,
+            engines,
+            resume_state,
+            feed.trained_digests(),
         )
         seconds = time.perf_counter() - t0 + extra_seconds
         if records:

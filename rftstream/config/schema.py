@@ -448,6 +448,16 @@ class TrainerConfig(_Base):
     # on CPU); rftstream up starts n - 1 rank processes beside the trainer (rank 0), which
     # alone reads the bus and feeds them (rftstream.training.ranks)
     n_gpus_per_node: int = 1
+    # torchrun's --nnodes: machines the trainer's ranks span (Trinity's cluster.node_num of
+    # a train-only run, cluster.trainer_node_num). More than 1 needs a launcher on every
+    # node (torchrun, srun); rftstream up starts the ranks of one node only. Under a
+    # launcher, nnodes x n_gpus_per_node must equal WORLD_SIZE unless both are 1
+    nnodes: int = 1
+    # verl's actor_rollout_ref.nccl_timeout: seconds a collective between trainer ranks
+    # (NCCL or gloo) may wait before it fails the run, e.g. for a node that vanished from
+    # the network. An idle trainer (waiting for experience) keeps its ranks' wait short
+    # with a ping every min(60, this / 4) seconds, so waiting longer than this is fine
+    nccl_timeout: float = 600.0
     ppo_micro_batch_size_per_gpu: int = 16
     # verl's dynamic batch size: each step's micro-batches are formed from the rows' token
     # counts, as few as fit max_token_len_per_gpu padded tokens each (rows x the longest

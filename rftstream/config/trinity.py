@@ -565,6 +565,38 @@ def _storage_rules(prefix: str) -> dict[str, Rule]:
     return rules
 
 
+def _trainer_nodes(ctx: _Ctx) -> int:
+    """The trainer's nodes as a Trinity config gives them: ``cluster.trainer_node_num``, or
+    ``cluster.node_num`` of a train-only run (every node trains), else 1."""
+    nodes = ctx.get("cluster.trainer_node_num")
+    if nodes is None and ctx.get("mode") == "train":
+        nodes = ctx.get("cluster.node_num")
+    try:
+        return max(1, int(nodes or 1))
+    except (TypeError, ValueError):
+        return 1
+
+
+def _node_num(source: str, value: Any, ctx: _Ctx) -> None:
+    """``cluster.node_num``: every node trains in mode train (``trainer.nnodes``); in mode
+    both Trinity splits the nodes between explorers and trainer, which is a placement here
+    (``cluster.trainer_node_num`` or ``trainer.nnodes`` says the trainer's share)."""
+    if ctx.get("mode") == "train":
+        ctx.assign(source, "trainer.nnodes", value, "a train-only run trains on every node", 40)
+    else:
+        ctx.ignore(source, value, _RAY + "; the trainer's nodes: cluster.trainer_node_num")
+
+
+def _trainer_gpu_num(source: str, value: Any, ctx: _Ctx) -> None:
+    """``cluster.trainer_gpu_num`` counts the trainer's GPUs on all its nodes: per node,
+    that over the trainer's nodes."""
+    try:
+        per_node = max(1, int(value) // _trainer_nodes(ctx))
+    except (TypeError, ValueError):
+        per_node = value  # validation names the bad value
+    ctx.assign(source, "trainer.n_gpus_per_node", per_node, "the trainer's GPUs over its nodes", 40)
+
+
 def _build_table() -> dict[str, Rule]:
     t: dict[str, Rule] = {
         # root
@@ -581,16 +613,16 @@ def _build_table() -> dict[str, Rule]:
             f"cluster.{k}": Ignored(_RAY)
             for k in (
                 "ray_address",
-                "node_num",
                 "gpu_per_node",
                 "total_gpu_num",
                 "rollout_gpu_num",
                 "auxiliary_model_gpu_num",
                 "explorer_gpu_num",
-                "trainer_node_num",
             )
         },
-        "cluster.trainer_gpu_num": _to("trainer.n_gpus_per_node", priority=40),
+        "cluster.node_num": Mapped("-> trainer.nnodes (mode train)", _node_num),
+        "cluster.trainer_node_num": _to("trainer.nnodes", priority=50),
+        "cluster.trainer_gpu_num": Mapped("-> trainer.n_gpus_per_node", _trainer_gpu_num),
         "cluster.trainer_gpu_num_per_node": _to("trainer.n_gpus_per_node", priority=45),
         # algorithm
         "algorithm.optimizer.lr_scheduler_type": _to(
@@ -905,6 +937,7 @@ VERL_KEYS: dict[str, Rule] = {
         "the trainer computes the per-token statistics an advantage fn asks for (clipb, "
         "clipv: entropy and nec) by itself"
     ),
+    "actor_rollout_ref.nccl_timeout": _verl_to("trainer.nccl_timeout"),
     "actor_rollout_ref.model.enable_gradient_checkpointing": _verl_to(
         "trainer.gradient_checkpointing"
     ),

@@ -259,15 +259,10 @@ def validate_config(cfg: Config, source: str | None = None) -> None:
     c.at_least("trainer.save_interval_seconds", cfg.trainer.save_interval_seconds, 0)
     c.choice("trainer.zero_stage", cfg.trainer.zero_stage, ZERO_STAGES)
     c.at_least("trainer.n_gpus_per_node", cfg.trainer.n_gpus_per_node, 1)
-    if cfg.trainer.n_gpus_per_node > 1 and cfg.mode != "both":
-        c.fail(
-            "trainer.n_gpus_per_node",
-            f"rftstream up starts several trainer ranks in mode both only, not in mode "
-            f"{cfg.mode}; start the trainer under a launcher instead (`torchrun "
-            f"--nproc-per-node N -m rftstream.cli trainer ...`) with this key at 1",
-            cfg.trainer.n_gpus_per_node,
-        )
-    elif cfg.trainer.n_gpus_per_node > 1 and cfg.synchronizer.sync_method == "memory":
+    c.at_least("trainer.nnodes", cfg.trainer.nnodes, 1)
+    c.at_least("trainer.nccl_timeout", cfg.trainer.nccl_timeout, 10)
+    many = cfg.trainer.n_gpus_per_node > 1
+    if many and cfg.mode == "both" and cfg.synchronizer.sync_method == "memory":
         c.fail(
             "trainer.n_gpus_per_node",
             "several trainer ranks run in separate processes, so the weights must leave the "

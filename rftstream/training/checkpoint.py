@@ -39,6 +39,9 @@ from rftstream.fault_points import fault_point
 
 RESUME_DIR = "resume"
 STATE_FILE = "rftstream_state.json"
+#: every experience trained up to the checkpoint: the sorted, distinct xxh3-64 digests of
+#: their ``eid.uid`` (:func:`rftstream.experience.uid_digests`), little-endian uint64, 8 bytes each
+TRAINED_FILE = "trained_digests.u64"
 LATEST_FILE = "latest"
 CRITIC_DIR = "critic"
 
@@ -128,18 +131,39 @@ def _write_atomic(path: Path, data: bytes) -> None:
     os.replace(tmp, path)
 
 
+def read_trained_digests(directory: Path, step: int) -> np.ndarray:
+    """The checkpoint's :data:`TRAINED_FILE` (sorted uint64 digests); empty for a checkpoint
+    written without one (an older release).
+
+    Raises :class:`CheckpointError` naming the file when it cannot be read or is cut short.
+    """
+    path = Path(directory) / RESUME_DIR / tag_for(step) / TRAINED_FILE
+    try:
+        data = path.read_bytes()
+    except FileNotFoundError:
+        return np.empty(0, dtype=np.uint64)
+    except OSError as exc:
+        raise CheckpointError(f"{path}: cannot read: {exc}") from exc
+    if len(data) % 8:
+        raise CheckpointError(f"{path}: {len(data)} bytes, not whole 8-byte digests")
+    return np.frombuffer(data, dtype="<u8").astype(np.uint64)
+
+
 def save_resumable(
     directory: Path,
     step: int,
     engines: list[Any],
     state: ResumeState,
+    trained_digests: np.ndarray | None = None,
 ) -> Path:
     """Write a complete resumable checkpoint of trainer step ``step``; returns its directory.
 
     ``engines``: the DeepSpeed engines, actor first, then the critic (if any), saved
-    with ``engine.save_checkpoint``. A directory of the same tag left by an earlier
-    (killed) attempt is replaced. ``resume/latest`` names the new tag once it is
-    complete. Raises :class:`CheckpointError` when DeepSpeed or the disk fails.
+    with ``engine.save_checkpoint``. ``trained_digests``: every experience trained so far
+    (sorted distinct digests, see :data:`TRAINED_FILE`), written before the state file.
+    A directory of the same tag left by an earlier (killed) attempt is replaced.
+    ``resume/latest`` names the new tag once it is complete. Raises
+    :class:`CheckpointError` when DeepSpeed or the disk fails.
     """
     root = Path(directory) / RESUME_DIR
     tag = tag_for(step)
@@ -152,6 +176,8 @@ def save_resumable(
             save_dir = root if i == 0 else target / CRITIC_DIR
             engine.save_checkpoint(str(save_dir), tag=tag, save_latest=False)
         fault_point("checkpoint")  # chaos tests kill the run here: no state file yet
+        if trained_digests is not None:
+            _write_atomic(target / TRAINED_FILE, trained_digests.astype("<u8").tobytes())
         _write_atomic(target / STATE_FILE, msgspec.json.encode(state))
         _write_atomic(root / LATEST_FILE, tag.encode())
     except (OSError, RuntimeError) as exc:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import datetime
 import io
 import logging
 import math
@@ -137,7 +138,9 @@ class PolicyTrainer:
        token-level rewards, then call ``advantage_fn`` (with ``values=`` for
        a critic, and the declared token statistics); an fn that
        ``rewrites_action_mask`` narrows the mask the losses use;
-    4. split into exactly ``gradient_accumulation`` micro-batches, balanced by
+    4. split into ``gradient_accumulation`` micro-batches (more when the batch has more
+       rows than ``ppo_micro_batch_size_per_gpu`` allows them, see
+       :meth:`_fixed_micro_batches`), balanced by
        token count when ``trainer.balance_batch`` and the algorithm's
        ``can_balance_batch`` allow it (DPO pairs stay together), and run
        ``ppo_epochs`` passes of policy loss + KL loss + entropy loss (and the
@@ -152,6 +155,13 @@ class PolicyTrainer:
         ensure_dist_env()
         with _deepspeed_without_mlflow():
             import deepspeed  # heavy import: only where training happens
+
+        if env_world_size() > 1 and not torch.distributed.is_initialized():
+            # the ranks' collectives fail after trainer.nccl_timeout, not torch's 30 min
+            with contextlib.redirect_stdout(io.StringIO()), _no_shm_op():
+                deepspeed.init_distributed(
+                    timeout=datetime.timedelta(seconds=cfg.trainer.nccl_timeout), verbose=False
+                )
 
         from rftstream.model_loading import HF_LOAD_LOCK, load_causal_lm, load_tokenizer
 
@@ -660,12 +670,37 @@ class PolicyTrainer:
                 count = torch.tensor([len(parts)], device=self.engine.device)
                 torch.distributed.all_reduce(count, op=torch.distributed.ReduceOp.MAX)
                 parts += [[] for _ in range(int(count.item()) - len(parts))]
-        elif self.balance:
-            lengths = batch.attention_mask.sum(1).tolist()
-            parts = balanced_partitions(lengths, self.gas)
         else:
-            parts = contiguous_partitions(batch.size, self.gas, self.pair_unit)
+            count = self._fixed_micro_batches(batch.size)
+            if self.balance:
+                parts = balanced_partitions(batch.attention_mask.sum(1).tolist(), count)
+            else:
+                parts = contiguous_partitions(batch.size, count, self.pair_unit)
         return [torch.tensor(p, dtype=torch.long) for p in parts]
+
+    def _fixed_micro_batches(self, rows: int) -> int:
+        """Micro-batches of a step of ``rows`` rows outside ``use_dynamic_bsz``: ``gas``, or
+        as many more as keep each at ``ppo_micro_batch_size_per_gpu`` rows (DPO: pairs) at
+        most, a memory bound, when the batch is larger than ``train_batch_size`` (a rank
+        whose shard of whole groups is larger than its even share). With several ranks,
+        the most any rank needs (a collective: every rank makes as many passes, and so
+        trains its rows in the micro-batches the one-rank run would)."""
+        if self.verl_scaling is not None:
+            return self.gas  # the loss weights its micro-batches by verl's own arithmetic
+        per = max(self.pair_unit, self.micro - self.micro % self.pair_unit)
+        count = max(self.gas, math.ceil(rows / per))
+        if self.world_size > 1:
+            most = torch.tensor([count], device=self.engine.device)
+            torch.distributed.all_reduce(most, op=torch.distributed.ReduceOp.MAX)
+            count = int(most.item())
+        return count
+
+    def _mark_boundary(self, is_boundary: bool) -> None:
+        """Tell the engines whether the next pass ends the optimizer step (fixed micro-batch
+        counts: :meth:`_fixed_micro_batches` may exceed ``gas``, DeepSpeed's own count)."""
+        for engine in (self.engine, self.critic):
+            if engine is not None:
+                engine.set_gradient_accumulation_boundary(is_boundary)
 
     def train_step(self, exps: list[Experience], *, rank_scale: float = 1.0) -> dict[str, float]:
         """One trainer step on ``exps`` (``ppo_epochs`` optimizer steps, then one step of the
@@ -737,7 +772,9 @@ class PolicyTrainer:
                 1.0, max(tokens)
             )
         for _epoch in range(max(1, self.cfg.trainer.ppo_epochs)):
-            for rows in splits:
+            for index, rows in enumerate(splits):
+                if not self.dynamic_bsz:
+                    self._mark_boundary(index == len(splits) - 1)
                 if rows.numel() == 0:
                     # fewer rows than micro-batches (or than another rank's): a pass that
                     # adds nothing keeps DeepSpeed (and the other ranks' reductions) in step

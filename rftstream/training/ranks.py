@@ -47,21 +47,31 @@ GAE per row) sees the same groups as on one rank. Statistics over the whole
 batch (REINFORCE++'s and PPO's whitening) are all-reduced over the ranks' shards
 (``PolicyTrainer._whole_batch_statistics``, :func:`rftstream.training.masked_reductions.whole_batch`).
 
-Failure: a rank that raises in a training step leaves the others blocked in a
-collective until torch.distributed's timeout; the launcher (``torchrun``) stops
-every rank when one exits with an error.
+Failure: a rank that raises in a training step reports it to rank 0, which raises
+it naming the rank. A rank that vanishes (its node died, it was killed) breaks the
+others' next collective: at once where the connection closes, after
+``trainer.nccl_timeout`` where the network went silent. Each surviving rank then
+stops with one line (:class:`RanksLost`, an :class:`~rftstream.errors.RftError`)
+naming what it was doing, and the launcher (``torchrun``) stops the rest. Rank 0
+waiting for experience leaves the others waiting in a collective too: it pings them
+(:data:`_PING`) every ``min(60, nccl_timeout / 4)`` seconds while idle, so a long
+wait for experience never reaches the timeout.
 """
 
 from __future__ import annotations
 
+import datetime
 import logging
+import threading
+import time
 from collections import defaultdict
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import torch
 
+from rftstream.errors import RftError
 from rftstream.experience import Experience, Experiences
 
 if TYPE_CHECKING:
@@ -78,6 +88,55 @@ _CRITIC_STATE_DICT = "critic_state_dict"
 _WIRE_STATE_DICT = "wire_state_dict"
 _SAVE = "save_hf_checkpoint"
 _STOP = "stop"
+_PING = "ping"  # nothing to do: rank 0 is idle, and keeps the others' wait short
+
+# what torch.distributed's backends say when a peer is gone (gloo, NCCL, the store)
+_LOST_SIGNS = (
+    "connection closed by peer",
+    "connection reset by peer",
+    "broken pipe",
+    "timed out",
+    "timeout",
+    "connection refused",
+    "nccl communicator was aborted",
+    "socket",
+)
+
+
+class RanksLost(RftError):
+    """A trainer rank stopped answering (its node died, it was killed, the network between
+    the nodes failed): the collective this rank was in failed. Its message is the one
+    line the run stops with."""
+
+
+def lost_rank_error(exc: BaseException) -> bool:
+    """Whether ``exc`` is a collective failing because another rank is gone (not a bug or
+    a bad batch of this rank's own)."""
+    dist_error = getattr(torch.distributed, "DistError", None)
+    if dist_error is not None and isinstance(exc, dist_error):
+        return True
+    text = str(exc).lower()
+    return isinstance(exc, RuntimeError) and any(sign in text for sign in _LOST_SIGNS)
+
+
+def ranks_lost(rank: int, world: int, doing: str, exc: BaseException) -> RanksLost:
+    """The :class:`RanksLost` of rank ``rank`` (of ``world``) whose collective failed
+    while ``doing``, with the backend's first line."""
+    first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    # gloo's lines start with the source location: the reason is what follows it
+    first = first.split("] ", 1)[-1] if first.startswith("[") else first
+    first = first.split(". ", 1)[0].strip().rstrip(".")  # not gloo's advice after it
+    return RanksLost(
+        f"trainer rank {rank} of {world}: another rank stopped answering while {doing} "
+        f"({first}): a node died, a rank was killed, or the "
+        "network between the nodes failed; the other ranks stop too. Start the trainer "
+        "again on every node"
+    )
+
+
+def keepalive_interval(timeout_s: float) -> float:
+    """Seconds between rank 0's pings while idle: ``min(60, timeout / 4)``."""
+    return max(1.0, min(60.0, timeout_s / 4))
 
 
 def _blocks(exps: Sequence[Experience], unit: int) -> list[int]:
@@ -160,13 +219,14 @@ def merge_metrics(per_rank: Sequence[tuple[int, dict[str, float]]]) -> dict[str,
     return out
 
 
-def control_group() -> Any:
-    """A gloo process group over every rank, for the control messages. A collective: every
-    rank must call it, in the same order relative to other group creations."""
+def control_group(timeout_s: float) -> Any:
+    """A gloo process group over every rank, for the control messages; its collectives fail
+    after ``timeout_s``. A collective: every rank must call it, in the same order
+    relative to other group creations."""
     dist = torch.distributed
     if dist.get_backend() == "gloo":
-        return None  # the default group already is gloo
-    return dist.new_group(backend="gloo")
+        return None  # the default group already is gloo (timed out as DeepSpeed set it)
+    return dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))
 
 
 def _with_fields(rows: list[Experience], like: Sequence[Experience]) -> list[Experience]:
@@ -194,22 +254,77 @@ class RankLeader:
             raise RuntimeError(f"RankLeader runs on rank {LEADER}, not {dist.get_rank()}")
         self.policy = policy
         self.world_size = dist.get_world_size()
-        self.group = control_group()
+        timeout = float(policy.cfg.trainer.nccl_timeout)
+        self.group = control_group(timeout)
         self.stopped = False
+        # one command at a time: the keep-alive's pings never come between a step's parts
+        self._lock = threading.Lock()
+        self._last_command = time.monotonic()
+        self._lost: RanksLost | None = None  # a ping found a rank gone
+        self._idle = threading.Event()  # set: stop pinging
+        self._pinger = threading.Thread(
+            target=self._keepalive,
+            args=(keepalive_interval(timeout),),
+            name="trainer-ranks-keepalive",
+            daemon=True,
+        )
+        self._pinger.start()
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.policy, name)
 
-    def _send(self, commands: list[tuple[str, Any]]) -> tuple[str, Any]:
-        """Scatter one ``(command, argument)`` per rank; returns rank 0's own. Blocks."""
-        if self.stopped:
-            raise RuntimeError("the trainer ranks were stopped")
+    def _keepalive(self, interval: float) -> None:
+        """Ping the other ranks once ``interval`` seconds pass without a command (rank 0
+        waits for experience), until :meth:`stop`. A ping that finds a rank gone is kept
+        for the next command to raise."""
+        while not self._idle.wait(interval / 4):
+            if time.monotonic() - self._last_command < interval:
+                continue
+            with self._lock:
+                if self.stopped or self._lost is not None:
+                    return
+                try:
+                    self._scatter([(_PING, None)] * self.world_size, "waiting for experience")
+                except RanksLost as exc:
+                    self._lost = exc
+                    return
+
+    def _scatter(self, commands: list[tuple[str, Any]], doing: str) -> tuple[str, Any]:
         mine: list[Any] = [None]
-        torch.distributed.scatter_object_list(mine, commands, src=LEADER, group=self.group)
+        try:
+            torch.distributed.scatter_object_list(mine, commands, src=LEADER, group=self.group)
+        except Exception as exc:
+            if lost_rank_error(exc):
+                raise ranks_lost(LEADER, self.world_size, doing, exc) from exc
+            raise
+        self._last_command = time.monotonic()
         return mine[0]
 
+    def _send(self, commands: list[tuple[str, Any]], doing: str) -> tuple[str, Any]:
+        """Scatter one ``(command, argument)`` per rank; returns rank 0's own. Blocks; call
+        it holding the lock."""
+        if self.stopped:
+            raise RuntimeError("the trainer ranks were stopped")
+        if self._lost is not None:
+            raise self._lost
+        return self._scatter(commands, doing)
+
     def _broadcast(self, command: str, argument: Any = None) -> None:
-        self._send([(command, argument)] * self.world_size)
+        self._send([(command, argument)] * self.world_size, f"sending {command!r}")
+
+    def _run(self, doing: str, call: Any) -> Any:
+        """``call()`` (this rank's part of a command every rank runs), a rank found gone
+        reported as :class:`RanksLost`."""
+        try:
+            return call()
+        except RanksLost:
+            raise
+        except Exception as exc:
+            if lost_rank_error(exc):
+                raise ranks_lost(LEADER, self.world_size, doing, exc) from exc
+            raise
+        finally:
+            self._last_command = time.monotonic()
 
     def train_step(self, exps: list[Experience]) -> dict[str, float]:
         """One trainer step of ``exps`` over all ranks (each trains its shard); the metrics
@@ -228,12 +343,17 @@ class RankLeader:
             # an empty shard trains a copy of one row at scale 0: it joins every collective
             picked = [exps[i] for i in rows] if rows else [exps[0]]
             commands.append((_TRAIN, (_with_fields(picked, exps), scale)))
-        _, (mine, scale) = self._send(commands)
-        metrics = self.policy.train_step(mine, rank_scale=scale)
         gathered: list[Any] = [None] * n
-        torch.distributed.gather_object(
-            (sizes[LEADER], metrics, None), gathered, dst=LEADER, group=self.group
-        )
+        doing = "training a step"
+        with self._lock:
+            _, (mine, scale) = self._send(commands, doing)
+            metrics = self._run(doing, lambda: self.policy.train_step(mine, rank_scale=scale))
+            self._run(
+                doing,
+                lambda: torch.distributed.gather_object(
+                    (sizes[LEADER], metrics, None), gathered, dst=LEADER, group=self.group
+                ),
+            )
         for rank, (_, _, error) in enumerate(gathered):
             if error is not None:
                 raise RuntimeError(f"trainer rank {rank} failed its step: {error}")
@@ -244,32 +364,56 @@ class RankLeader:
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """The policy's whole weights (every rank joins the ZeRO-3 gather). Blocks."""
-        self._broadcast(_STATE_DICT)
-        return self.policy.state_dict()
+        with self._lock:
+            self._broadcast(_STATE_DICT)
+            return self._run("gathering the weights", self.policy.state_dict)
 
     def wire_state_dict(self, dtype: torch.dtype) -> dict[str, torch.Tensor]:
         """The weights explorers receive (:meth:`PolicyTrainer.wire_state_dict`; every rank
         joins the ZeRO-3 gather). Blocks."""
-        self._broadcast(_WIRE_STATE_DICT, str(dtype).removeprefix("torch."))
-        return self.policy.wire_state_dict(dtype)
+        with self._lock:
+            self._broadcast(_WIRE_STATE_DICT, str(dtype).removeprefix("torch."))
+            return self._run("gathering the weights", lambda: self.policy.wire_state_dict(dtype))
 
     def critic_state_dict(self) -> dict[str, torch.Tensor] | None:
         """The critic's whole weights, or None without a critic. Blocks."""
-        self._broadcast(_CRITIC_STATE_DICT)
-        return self.policy.critic_state_dict()
+        with self._lock:
+            self._broadcast(_CRITIC_STATE_DICT)
+            return self._run("gathering the critic's weights", self.policy.critic_state_dict)
 
     def save_hf_checkpoint(self, path: str | Path) -> Path:
         """Every rank gathers the weights, rank 0 writes ``path``. Blocks. Returns ``path``."""
-        self._broadcast(_SAVE, str(path))
-        return self.policy.save_hf_checkpoint(path)
+        with self._lock:
+            self._broadcast(_SAVE, str(path))
+            return self._run("writing a checkpoint", lambda: self.policy.save_hf_checkpoint(path))
 
     def stop(self) -> None:
         """Tell every other rank to leave :func:`follow_leader`, then leave the process
         groups (:func:`leave_ranks`). Idempotent. Blocks."""
-        if not self.stopped:
-            self._broadcast(_STOP)
-            self.stopped = True
-            leave_ranks(self.group)
+        self._idle.set()
+        with self._lock:
+            if not self.stopped:
+                self._broadcast(_STOP)
+                self.stopped = True
+                self._run("stopping", lambda: leave_ranks(self.group))
+
+
+def end_follower_process() -> NoReturn:
+    """End a rank's process after :func:`follow_leader` returned (a clean stop): flush the
+    output and logs, then ``os._exit(0)``, skipping the interpreter's teardown, in which
+    gloo's and the store's C++ threads and destructors can race and abort the process
+    ("terminate called without an active exception", seen under load), which the
+    launcher reports as the rank failing and answers by killing rank 0."""
+    import os
+    import sys
+
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    logging.shutdown()
+    os._exit(0)
 
 
 def leave_ranks(group: Any = None) -> None:
@@ -299,13 +443,32 @@ def follow_leader(policy: PolicyTrainer) -> int:
     rank) and re-raised here.
     """
     dist = torch.distributed
-    group = control_group()
+    group = control_group(float(policy.cfg.trainer.nccl_timeout))
     rank = dist.get_rank()
+    world = dist.get_world_size()
     steps = 0
+
+    def collective(doing: str, call: Any, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return call(*args, **kwargs)
+        except Exception as exc:
+            if lost_rank_error(exc):
+                raise ranks_lost(rank, world, doing, exc) from exc
+            raise
+
     while True:
         mine: list[Any] = [None]
-        dist.scatter_object_list(mine, None, src=LEADER, group=group)
+        collective(
+            "waiting for rank 0's next command",
+            dist.scatter_object_list,
+            mine,
+            None,
+            src=LEADER,
+            group=group,
+        )
         command, argument = mine[0]
+        if command == _PING:
+            continue
         if command == _STOP:
             log.info("trainer rank %d: stopped by rank %d after %d steps", rank, LEADER, steps)
             leave_ranks(group)
@@ -314,22 +477,25 @@ def follow_leader(policy: PolicyTrainer) -> int:
             shard, scale = argument
             error: str | None = None
             metrics: dict[str, float] = {}
+            doing = "training a step"
             try:
                 metrics = policy.train_step(shard, rank_scale=scale)
             except Exception as exc:  # reported to rank 0, then raised here
+                if lost_rank_error(exc):
+                    raise ranks_lost(rank, world, doing, exc) from exc
                 error = f"{type(exc).__name__}: {exc}"
-                dist.gather_object((0, {}, error), None, dst=LEADER, group=group)
+                collective(doing, dist.gather_object, (0, {}, error), None, LEADER, group)
                 raise
-            rows = len(shard) if scale > 0 else 0
-            dist.gather_object((rows, metrics, error), None, dst=LEADER, group=group)
+            done = (len(shard) if scale > 0 else 0, metrics, error)
+            collective(doing, dist.gather_object, done, None, LEADER, group)
             steps += 1
         elif command == _STATE_DICT:
-            policy.state_dict()
+            collective("gathering the weights", policy.state_dict)
         elif command == _WIRE_STATE_DICT:
-            policy.wire_state_dict(getattr(torch, argument))
+            collective("gathering the weights", policy.wire_state_dict, getattr(torch, argument))
         elif command == _CRITIC_STATE_DICT:
-            policy.critic_state_dict()
+            collective("gathering the critic's weights", policy.critic_state_dict)
         elif command == _SAVE:
-            policy.save_hf_checkpoint(argument)
+            collective("writing a checkpoint", policy.save_hf_checkpoint, argument)
         else:
             raise RuntimeError(f"trainer rank {rank}: unknown command {command!r} from rank 0")

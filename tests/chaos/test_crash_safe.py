@@ -152,7 +152,12 @@ def _assert_trained_once(run_dir: Path) -> None:
     assert _steps(run_dir) == list(range(1, STEPS + 1))
     rows = [json.loads(x) for x in (run_dir / "trained_uids.jsonl").read_text().splitlines()]
     uids = [u for row in rows for u in row["uids"]]
-    assert len(uids) == len(set(uids)), "an experience was trained twice"
+    steps_of: dict[str, list[int]] = {}
+    for row in rows:
+        for u in row["uids"]:
+            steps_of.setdefault(u, []).append(row["step"])
+    twice = {u: s for u, s in steps_of.items() if len(s) > 1}
+    assert not twice, f"trained twice (uid: steps): {twice}"
     assert len(uids) == STEPS * 8
 
 

@@ -10,7 +10,9 @@ train at ``trainer.zero_stage`` ``ZERO_STAGE``.
 
 from __future__ import annotations
 
+import os
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -40,7 +42,12 @@ CASES: dict[str, tuple[tuple[int, ...], int]] = {
     # (algorithms.utils.whole_batch): unequal shards, and a rank with a padding copy only
     "reinforce_uneven": ((4, 1, 1), 1),
     "reinforce_one_group": ((4,), 1),
+    # equal shards; rank 0 idles IDLE_S between the steps, past the ranks' collective
+    # timeout (trainer.nccl_timeout IDLE_TIMEOUT_S): its pings keep the others waiting
+    "idle": ((2, 2, 2, 2), 2),
 }
+IDLE_S = 14.0
+IDLE_TIMEOUT_S = 10.0
 
 
 def batch(case: str) -> list[Experience]:
@@ -85,12 +92,18 @@ def build(tmp_path: Path, model_path: str, case: str, zero_stage: int = 0) -> Po
         data["algorithm"]["loss_agg_mode"] = "seq-mean-token-mean"
     if case.startswith("reinforce"):
         data["algorithm"]["algorithm_type"] = "reinforceplusplus"
+    if case == "idle":
+        data["trainer"]["nccl_timeout"] = IDLE_TIMEOUT_S
     run = prepare_run(config_from_dict(data))
     return PolicyTrainer(run.cfg, run.model_path, run.algorithm)
 
 
 def _train(trainer: Any, case: str) -> dict[str, Any]:
-    metrics = [trainer.train_step(batch(case)) for _ in range(STEPS)]
+    metrics = []
+    for step in range(STEPS):
+        if case == "idle" and step and trainer.world_size > 1:
+            time.sleep(IDLE_S)  # as a trainer waiting for experience
+        metrics.append(trainer.train_step(batch(case)))
     return {
         "losses": [m["actor/loss"] for m in metrics],
         "kl": [m["actor/kl_loss"] for m in metrics],
@@ -103,24 +116,53 @@ def train_reference(
     tmp_path: Path, model_path: str, case: str, zero_stage: int = 0
 ) -> dict[str, Any]:
     """The case's steps on one rank, in this process."""
-    return _train(build(tmp_path, model_path, case, zero_stage), case)
+    trainer = build(tmp_path, model_path, case, zero_stage)
+    try:
+        return _train(trainer, case)
+    finally:
+        release(trainer)
+
+
+def initial_state(tmp_path: Path, model_path: str, case: str, zero_stage: int = 0) -> dict:
+    """The case's weights before any step (built in this process)."""
+    trainer = build(tmp_path, model_path, case, zero_stage)
+    try:
+        return trainer.state_dict()
+    finally:
+        release(trainer)
+
+
+def release(trainer: PolicyTrainer) -> None:
+    """Free what a trainer built in the test process holds: a ZeRO-3 engine keeps gigabytes
+    of address space (its buckets) past its last use, and forks of a process that has
+    gathered several fail with ENOMEM (the kernel's overcommit check)."""
+    import gc
+
+    for engine in (trainer.engine, getattr(trainer, "critic", None)):
+        if engine is not None:
+            engine.destroy()
+    gc.collect()
 
 
 def main(model_path: str, out: str, case: str, zero_stage: str = "0") -> None:
-    from rftstream.training.ranks import RankLeader, follow_leader
+    from rftstream.training.ranks import RankLeader, end_follower_process, follow_leader
     from rftstream.training.world import env_rank
 
     rank = env_rank()
     trainer = build(Path(out).parent / f"rank{rank}", model_path, case, int(zero_stage))
+    # where each rank runs: LOCAL_RANK restarts at 0 on every node
+    local_ranks: list[Any] = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(local_ranks, int(os.environ["LOCAL_RANK"]))
     if rank != 0:
         steps = follow_leader(trainer)
         assert steps == STEPS, steps
-        return
+        end_follower_process()
     leader = RankLeader(trainer)
     try:
         result = _train(leader, case)
     finally:
         leader.stop()
+    result["world"] = {"world_size": len(local_ranks), "local_ranks": local_ranks}
     torch.save(result, out)
 
 

@@ -15,7 +15,8 @@ chains split, a trailing `&` dropped):
   subjects, consumers and KV keys rftstream creates (rftstream/subjects.py); a `nats-server`
   flag must be one `nats-server --help` lists; `pip install` extras must exist in
   pyproject.toml and packages be installed; `torchrun` arguments parse with torchrun's
-  parser, and what it launches with rftstream's; `python benchmarks/X.py` answers `--help`.
+  parser, and what it launches with rftstream's (so must what `srun` runs); `python
+  benchmarks/X.py` answers `--help`.
 
 A block that can be neither carries `<!-- not-run: why -->` right above its fence; they are
 listed and must stay few. `text` blocks titled `nats-server.conf` are server configs and
@@ -427,6 +428,18 @@ def _check_torchrun(argv: list[str], c: Command) -> None:
     _check_rftstream_args(list(ns.training_script_args), c.where)
 
 
+def _check_srun(argv: list[str], c: Command) -> None:
+    """``srun [--opt=value ...] python -m rftstream.cli ...``: rftstream's arguments parse
+    (srun's own options must be written ``--opt=value``)."""
+    rest = argv[1:]
+    while rest and rest[0].startswith("-"):
+        rest = rest[1:]
+    assert rest[:3] == ["python", "-m", "rftstream.cli"] or rest[:1] == ["rftstream"], (
+        f"{c.where}: srun runs {rest[:3]}, not rftstream"
+    )
+    _check_rftstream_args(rest[3:] if rest[0] == "python" else rest[1:], c.where)
+
+
 def _run_source(argv: list[str], c: Command) -> None:
     assert argv[1] == ".venv/bin/activate", c.where
     out = _run(
@@ -489,6 +502,10 @@ def plan(c: Command) -> Plan:
             "check",
             "parsed by torchrun's and rftstream's parsers",
             lambda c, x: _check_torchrun(argv, c),
+        )
+    if prog == "srun":
+        return Plan(
+            "check", "what it runs parsed by rftstream's parser", lambda c, x: _check_srun(argv, c)
         )
     if prog == "source":
         return Plan("run", "activates the venv", lambda c, x: _run_source(argv, c))

@@ -132,22 +132,65 @@ def test_up_against_an_existing_server(
     assert [r["step"] for r in records] == [1, 2]
 
 
-@pytest.mark.parametrize("nodes", [1, 2])
-def test_sft_trainer_under_torchrun(
-    tmp_path: Path, tiny_model_path: str, hand_started_server: str, nodes: int
+def srun_port() -> tuple[str, int]:
+    """A Slurm job id whose rendezvous port (:data:`~rftstream.training.world.SLURM_PORT_BASE`
+    plus its last four digits) is free here, and that port."""
+    import random
+    import socket
+
+    from rftstream.training.world import SLURM_PORT_BASE
+
+    for _ in range(100):
+        last = random.randrange(10000)
+        with socket.socket() as sock:
+            try:
+                sock.bind(("127.0.0.1", SLURM_PORT_BASE + last))
+            except OSError:
+                continue
+        return f"77{last:04d}", SLURM_PORT_BASE + last
+    raise AssertionError("no free port for the srun rendezvous")
+
+
+@pytest.mark.parametrize("launcher", ["torchrun", "torchrun-2-nodes", "srun"])
+def test_sft_trainer_under_a_launcher(
+    tmp_path: Path, tiny_model_path: str, hand_started_server: str, launcher: str
 ) -> None:
-    """``mode: train`` on a dataset file (SFT), the trainer as 2 torchrun ranks: rank 0 reads
-    the file and splits each batch of 8 rows between the ranks. ``nodes`` 2: each rank is
-    its own torchrun "node" (``--nnodes 2 --node-rank N``, both on this host, so rank 1
-    has ``LOCAL_RANK`` 0 as on a second machine)."""
+    """``mode: train`` on a dataset file (SFT), the trainer as 2 ranks: rank 0 reads the
+    file and splits each batch of 8 rows between the ranks. ``torchrun-2-nodes``: each rank
+    is its own torchrun "node" (``--nnodes 2 --node-rank N``, both on this host, so rank 1
+    has ``LOCAL_RANK`` 0 as on a second machine), and the config says so
+    (``trainer.nnodes`` 2). ``srun``: no torchrun, two processes with the variables Slurm's
+    ``srun`` gives two tasks on two nodes; the rendezvous is the node list's first host
+    and the port the job id gives."""
     cfg = sft_config(tmp_path, tiny_model_path, "sft_ranks", rows=16, batch=8)
+    if launcher == "torchrun-2-nodes":
+        cfg.setdefault("trainer", {})["nnodes"] = 2
     path = write_config(cfg, tmp_path / "sft.yaml")
     run_dir = tmp_path / "run"
     trainer = [*CLI[1:], "trainer", "--config", str(path), "--nats-url", hand_started_server]
     trainer += ["--run-dir", str(run_dir)]
     env = user_env(tiny_model_path)
     second = None
-    if nodes == 1:
+    if launcher == "srun":
+        job, port = srun_port()
+        tasks = {
+            "SLURM_JOB_ID": job,
+            "SLURM_STEP_ID": "0",
+            "SLURM_LOCALID": "0",
+            "SLURM_STEP_NUM_TASKS": "2",
+            "SLURM_STEP_TASKS_PER_NODE": "1(x2)",
+            "SLURM_STEP_NODELIST": "127.0.0.[1-2]",
+        }
+        launch = [sys.executable]
+        env = {**env, **tasks, "SLURM_PROCID": "0", "SLURM_NODEID": "0"}
+        with open(tmp_path / "node1.log", "w") as log:
+            second = subprocess.Popen(
+                [sys.executable, *trainer],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env={**env, "SLURM_PROCID": "1", "SLURM_NODEID": "1"},
+            )
+    elif launcher == "torchrun":
         launch = TORCHRUN
     else:
         multi = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2"]
@@ -167,7 +210,88 @@ def test_sft_trainer_under_torchrun(
     finally:
         if second is not None and second.poll() is None:
             second.kill()
+    if launcher == "srun":
+        assert f"trainer rank 0 of 2 (srun tasks, rendezvous 127.0.0.1:{port})" in proc.stdout
+    if launcher == "torchrun-2-nodes":
+        assert "trainer rank 0 of 2 on 2 nodes" in proc.stdout
     records = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == [1, 2]  # 16 rows, one epoch, batches of 8
     assert all(r["trainer/rank_rows/0"] == r["trainer/rank_rows/1"] == 4 for r in records)
     assert proc.stdout.count("step    1") == 1  # rank 1 prints nothing
+
+
+def _descendants(pid: int) -> list[int]:
+    """Every process below ``pid`` (from /proc)."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(entry.name))
+    out, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            out.append(child)
+            todo.append(child)
+    return out
+
+
+def test_a_trainer_node_that_dies_stops_the_run_with_one_line(
+    tmp_path: Path, tiny_model_path: str, hand_started_server: str
+) -> None:
+    """Two torchrun "nodes" of one rank each train SFT; after 3 steps the second node dies
+    (its torchrun and its rank SIGKILLed, as a machine that goes down). The first node's
+    torchrun exits non-zero within a minute (no hang) and rank 0 says what happened in
+    one line, naming what it was doing."""
+    import os
+    import signal
+
+    cfg = sft_config(tmp_path, tiny_model_path, "sft_dead_node", rows=4000, batch=8)
+    cfg.setdefault("trainer", {})["nnodes"] = 2
+    path = write_config(cfg, tmp_path / "sft.yaml")
+    run_dir = tmp_path / "run"
+    trainer = [*CLI[1:], "trainer", "--config", str(path), "--nats-url", hand_started_server]
+    trainer += ["--run-dir", str(run_dir)]
+    multi = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2"]
+    multi += ["--nproc-per-node=1", "--master-addr=127.0.0.1", f"--master-port={free_port()}"]
+    env = user_env(tiny_model_path)
+    logs = [tmp_path / f"node{k}.log" for k in range(2)]
+    nodes = []
+    for k, log_path in enumerate(logs):
+        with open(log_path, "w") as log:
+            nodes.append(
+                subprocess.Popen(
+                    [*multi, f"--node-rank={k}", *trainer],
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    env=env,
+                    start_new_session=True,
+                )
+            )
+    metrics = run_dir / "metrics.jsonl"
+    try:
+        deadline = time.time() + 180
+        while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 3):
+            assert nodes[0].poll() is None, logs[0].read_text()[-3000:]
+            assert time.time() < deadline, logs[0].read_text()[-3000:]
+            time.sleep(0.1)
+        for pid in [nodes[1].pid, *_descendants(nodes[1].pid)]:
+            os.kill(pid, signal.SIGKILL)
+        killed = time.time()
+        code = nodes[0].wait(timeout=60)
+        stopped_after = time.time() - killed
+    finally:
+        for node in nodes:
+            if node.poll() is None:
+                for pid in [node.pid, *_descendants(node.pid)]:
+                    os.kill(pid, signal.SIGKILL)
+    out = logs[0].read_text()
+    assert code != 0, out[-3000:]
+    lines = [x for x in out.splitlines() if "another rank stopped answering" in x]
+    assert len(lines) == 1, out[-3000:]
+    assert lines[0].startswith("error: trainer rank 0 of 2: another rank stopped answering while ")
+    assert "a node died, a rank was killed" in lines[0]
+    assert "Traceback" not in out.split(lines[0])[0]  # rank 0's own error is that line alone
+    assert stopped_after < 60

@@ -36,6 +36,7 @@ from rftstream.experience import EID, Experience
 from rftstream.runtime import prepare_run
 from rftstream.training.engine import PolicyTrainer
 from rftstream.weights import load_weights, save_weights
+from tests.integration._ranks_worker import release
 from tests.integration._util import kl_entropy_config
 
 STAGES = (0, 1, 2, 3)
@@ -86,7 +87,9 @@ def trained(stage: int, model_path: str, tmp: str) -> dict[str, Any]:
     losses = [trainer.train_step(batch())["actor/loss"] for _ in range(3)]
     state = trainer.state_dict()
     checkpoint = trainer.save_hf_checkpoint(root / "hf")
-    return {"losses": losses, "state": state, "checkpoint": checkpoint, "vocab": trainer.vocab_size}
+    vocab = trainer.vocab_size
+    release(trainer)  # a ZeRO-3 engine's buckets: gigabytes of address space in this process
+    return {"losses": losses, "state": state, "checkpoint": checkpoint, "vocab": vocab}
 
 
 @pytest.fixture(scope="module")
@@ -149,6 +152,7 @@ def test_critic_weights_are_whole(stage: int, tiny_model_path: str, tmp_path: Pa
         e.advantages = None
     trainer.train_step(exps)
     critic = trainer.critic_state_dict()
+    release(trainer)
     assert critic is not None
     initial = AutoModelForCausalLM.from_pretrained(tiny_model_path).state_dict()
     assert critic["value_head.weight"].shape == (1, 64)

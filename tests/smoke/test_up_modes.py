@@ -81,3 +81,22 @@ buffer:
     assert "2 evaluations" in out
     records = [json.loads(x) for x in (tmp_path / "run" / "eval.jsonl").read_text().splitlines()]
     assert [(r["step"], r["checkpoint"]) for r in records] == [(0, None), (1, str(ckpt))]
+
+
+def test_up_train_mode_with_two_trainer_ranks(tmp_path: Path, tiny_model_path: str) -> None:
+    """``mode: train`` (SFT on a dataset file) with ``trainer.n_gpus_per_node`` 2: up starts
+    rank 1 beside the trainer (rank 0), and each step's 8 rows are split 4 and 4."""
+    import yaml
+
+    from tests.integration._util import sft_config
+
+    cfg = sft_config(tmp_path, tiny_model_path, "up_train_ranks", rows=16, batch=8)
+    cfg.setdefault("trainer", {})["n_gpus_per_node"] = 2
+    proc = _up(tmp_path, tiny_model_path, yaml.safe_dump(cfg))
+    assert "trainer ranks 1..1 run in processes" in " ".join(proc.stdout.split())
+    records = [
+        json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().split("\n") if x
+    ]
+    assert [r["step"] for r in records] == [1, 2]
+    assert all(r["trainer/rank_rows/0"] == r["trainer/rank_rows/1"] == 4 for r in records)
+    assert (tmp_path / "run" / "logs" / "trainer-rank-1.log").exists()

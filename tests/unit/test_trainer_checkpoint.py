@@ -131,3 +131,17 @@ def test_weights_of_two_incarnations_do_not_collide(tmp_path: Path) -> None:
     m1 = save_weights("memory", "rm", 3, second, tmp_path, step=3, incarnation=1)
     assert torch.equal(load_weights(m0, "rm")["w"], first["w"])
     assert torch.equal(load_weights(m1, "rm")["w"], second["w"])
+
+
+def test_trained_digests_round_trip_and_a_short_file_is_named(tmp_path: Path) -> None:
+    from rftstream.experience import uid_digests
+
+    digests = np.unique(uid_digests([f"0/{i}/0/0/abc" for i in range(50)]))
+    tag_dir = tmp_path / ckpt.RESUME_DIR / ckpt.tag_for(3)
+    tag_dir.mkdir(parents=True)
+    assert len(ckpt.read_trained_digests(tmp_path, 3)) == 0  # a checkpoint without the file
+    (tag_dir / ckpt.TRAINED_FILE).write_bytes(digests.astype("<u8").tobytes())
+    np.testing.assert_array_equal(ckpt.read_trained_digests(tmp_path, 3), digests)
+    (tag_dir / ckpt.TRAINED_FILE).write_bytes(b"\0" * 12)
+    with pytest.raises(ckpt.CheckpointError, match=ckpt.TRAINED_FILE):
+        ckpt.read_trained_digests(tmp_path, 3)

@@ -84,12 +84,9 @@ def trainer_for(tmp_path: Path, tiny_model_path: str, **sections: Any) -> Policy
 
 # ------------------------------------------------------------------ balanced micro-batches
 
-LENGTHS = [1, 2, 3, 4, 5, 6, 7, 8]  # 2 + r tokens per row: 3 .. 10, best split 4 x 13
 
-
-def test_balanced_micro_batches_hold_equal_token_counts(
-    tmp_path: Path, tiny_model_path: str
-) -> None:
+def spy_trainer_of_4_micro_batches_of_2(tmp_path: Path, tiny_model_path: str) -> PolicyTrainer:
+    """GRPO with the spying loss, batches of 8 in balanced micro-batches of 2."""
     trainer = trainer_for(
         tmp_path,
         tiny_model_path,
@@ -98,6 +95,16 @@ def test_balanced_micro_batches_hold_equal_token_counts(
         trainer={"ppo_micro_batch_size_per_gpu": 2, "balance_batch": True},
     )
     assert trainer.gas == 4
+    return trainer
+
+
+LENGTHS = [1, 2, 3, 4, 5, 6, 7, 8]  # 2 + r tokens per row: 3 .. 10, best split 4 x 13
+
+
+def test_balanced_micro_batches_hold_equal_token_counts(
+    tmp_path: Path, tiny_model_path: str
+) -> None:
+    trainer = spy_trainer_of_4_micro_batches_of_2(tmp_path, tiny_model_path)
     out = trainer.train_step([exp(r, i) for i, r in enumerate(LENGTHS)])
     assert len(SEEN) == 4 and sorted(r for mb in SEEN for r in mb) == LENGTHS
     # each micro-batch: 2 rows of 2 prompt tokens + responses summing to 9 -> 13 tokens
@@ -126,6 +133,23 @@ def test_without_balancing_the_order_is_kept(
     out = trainer.train_step([exp(r, i) for i, r in enumerate(order)])
     assert SEEN == [[8, 1], [7, 2], [6, 3], [5, 4]]
     assert "actor/micro_batch_token_spread" not in out
+
+
+def test_a_batch_larger_than_train_batch_size_keeps_micro_batches_at_their_size(
+    tmp_path: Path, tiny_model_path: str
+) -> None:
+    """12 rows where train_batch_size says 8 (a rank's shard of whole groups can exceed
+    its even share): 6 micro-batches of 2 rows, not DeepSpeed's 4 of 3, and still one
+    optimizer step."""
+    trainer = spy_trainer_of_4_micro_batches_of_2(tmp_path, tiny_model_path)
+    steps = trainer.engine.global_steps
+    out = trainer.train_step([exp(1 + i % 8, i) for i in range(12)])
+    assert [len(mb) for mb in SEEN] == [2] * 6 and out["actor/micro_batches"] == 6
+    assert trainer.engine.global_steps == steps + 1
+    SEEN.clear()
+    trainer.train_step([exp(1 + i % 8, i) for i in range(8)])  # back to gas: one step more
+    assert [len(mb) for mb in SEEN] == [2] * 4
+    assert trainer.engine.global_steps == steps + 2
 
 
 def test_dpo_pairs_are_never_split(tmp_path: Path, tiny_model_path: str) -> None:
