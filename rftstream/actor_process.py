@@ -338,17 +338,16 @@ def trainer_rank_processes(
 
 def follow_trainer_rank(run: Any) -> int:
     """This process as a trainer rank other than 0: build the policy, follow rank 0 until it
-    says stop, then end the process with exit code 0
-    (:func:`~rftstream.training.ranks.end_follower_process`). Blocks; returns only by
-    raising."""
+    says stop. Blocks; returns 0. The caller then ends the process with
+    :func:`~rftstream.training.ranks.end_follower_process` (after its own last words)."""
     from rftstream.training.engine import PolicyTrainer
-    from rftstream.training.ranks import end_follower_process, follow_leader
+    from rftstream.training.ranks import follow_leader
     from rftstream.training.world import env_rank
 
     policy = PolicyTrainer(run.cfg, run.model_path, run.algorithm)
     steps = follow_leader(policy)
     log.info("trainer rank %d: %d steps", env_rank(), steps)
-    end_follower_process()
+    return 0
 
 
 # ------------------------------------------------------------------ child side
@@ -482,6 +481,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"error: {type(exc).__name__}: {exc}", flush=True)
         return 1
     log.info("done after %.1fs (exit %d)", time.time() - t0, code)
+    if roles == (TRAINER_RANK_ROLE,) and code == 0:
+        from rftstream.training.ranks import end_follower_process
+
+        end_follower_process()  # no interpreter teardown racing gloo's threads
     return code
 
 

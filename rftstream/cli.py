@@ -634,8 +634,10 @@ def _launched_ranks(args: argparse.Namespace) -> tuple[int | None, Any]:
         )
         return None, run
     from rftstream.actor_process import follow_trainer_rank
+    from rftstream.training.ranks import end_follower_process
 
-    return follow_trainer_rank(run), run
+    follow_trainer_rank(run)
+    end_follower_process()  # no interpreter teardown racing gloo's threads
 
 
 def cmd_actor(args: argparse.Namespace) -> int:
