@@ -609,29 +609,19 @@ def _launched_ranks(args: argparse.Namespace) -> tuple[int | None, Any]:
 
     slurm = adopt_slurm_env()
     world = env_world_size()
-    if world == 1:
-        run = _prepare(args, roles=("trainer",))
-        t = run.cfg.trainer
-        if t.nnodes * t.n_gpus_per_node > 1:
-            raise RftError(
-                f"config keys `trainer.nnodes` x `trainer.n_gpus_per_node` ask for "
-                f"{t.nnodes} x {t.n_gpus_per_node} trainer ranks, but this trainer runs as one "
-                "process: start it under a launcher on every node (`torchrun --nnodes N "
-                "--nproc-per-node G ... -m rftstream.cli trainer ...`, or one `srun` task "
-                "per rank), or set both keys to 1"
-            )
-        return None, run
     rank = env_rank()
     if rank > 0:
         console.quiet = True  # the launcher's terminal shows rank 0; errors still print
     run = _prepare(args, roles=("trainer",))
     check_declared_world(run.cfg.trainer.nnodes, run.cfg.trainer.n_gpus_per_node, world)
     if rank == 0:
-        nodes = f" on {run.cfg.trainer.nnodes} nodes" if run.cfg.trainer.nnodes > 1 else ""
-        how = f" (srun tasks, rendezvous {slurm.master})" if slurm is not None else ""
-        console.print(
-            f"trainer rank 0 of {world}{nodes}{how}: reads the bus and feeds ranks 1..{world - 1}"
-        )
+        if world > 1:
+            nodes = f" on {run.cfg.trainer.nnodes} nodes" if run.cfg.trainer.nnodes > 1 else ""
+            how = f" (srun tasks, rendezvous {slurm.master})" if slurm is not None else ""
+            console.print(
+                f"trainer rank 0 of {world}{nodes}{how}: reads the bus and feeds ranks "
+                f"1..{world - 1}"
+            )
         return None, run
     from rftstream.actor_process import follow_trainer_rank
     from rftstream.training.ranks import end_follower_process

@@ -666,10 +666,7 @@ class PolicyTrainer:
                 unit=self.pair_unit,
                 reorder=self.can_reorder,
             )
-            if self.world_size > 1:
-                count = torch.tensor([len(parts)], device=self.engine.device)
-                torch.distributed.all_reduce(count, op=torch.distributed.ReduceOp.MAX)
-                parts += [[] for _ in range(int(count.item()) - len(parts))]
+            parts += [[] for _ in range(self._most_over_ranks(len(parts)) - len(parts))]
         else:
             count = self._fixed_micro_batches(batch.size)
             if self.balance:
@@ -688,12 +685,16 @@ class PolicyTrainer:
         if self.verl_scaling is not None:
             return self.gas  # the loss weights its micro-batches by verl's own arithmetic
         per = max(self.pair_unit, self.micro - self.micro % self.pair_unit)
-        count = max(self.gas, math.ceil(rows / per))
-        if self.world_size > 1:
-            most = torch.tensor([count], device=self.engine.device)
-            torch.distributed.all_reduce(most, op=torch.distributed.ReduceOp.MAX)
-            count = int(most.item())
-        return count
+        return self._most_over_ranks(max(self.gas, math.ceil(rows / per)))
+
+    def _most_over_ranks(self, count: int) -> int:
+        """The largest ``count`` of any rank (a collective with several ranks; ``count``
+        itself on one)."""
+        if self.world_size == 1:
+            return count
+        most = torch.tensor([count], device=self.engine.device)
+        torch.distributed.all_reduce(most, op=torch.distributed.ReduceOp.MAX)
+        return int(most.item())
 
     def _mark_boundary(self, is_boundary: bool) -> None:
         """Tell the engines whether the next pass ends the optimizer step (fixed micro-batch

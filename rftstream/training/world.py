@@ -143,14 +143,24 @@ def adopt_slurm_env(environ: MutableMapping[str, str] | None = None) -> AdoptedS
 
 
 def check_declared_world(nnodes: int, n_gpus_per_node: int, world: int) -> None:
-    """A launched trainer's ranks (``WORLD_SIZE`` ``world``) against the config:
-    ``trainer.nnodes`` x ``trainer.n_gpus_per_node`` must equal ``world`` unless both are
-    1 (then the launcher alone decides).
+    """A trainer's ranks (``WORLD_SIZE`` ``world``; 1 without a launcher) against the
+    config: ``trainer.nnodes`` x ``trainer.n_gpus_per_node`` must equal ``world`` unless
+    both are 1 (then the launcher alone decides).
 
     Raises:
-        ConfigError: they disagree (the keys and the launcher's count named).
+        ConfigError: they disagree (the keys and the launcher's count named), or they ask
+            for several ranks of a trainer started as one process (how to launch it named).
     """
     declared = max(1, nnodes) * max(1, n_gpus_per_node)
+    if declared > 1 and world == 1:
+        raise ConfigError(
+            "trainer.nnodes",
+            f"trainer.nnodes x trainer.n_gpus_per_node ask for {nnodes} x {n_gpus_per_node} "
+            "trainer ranks, but this trainer runs as one process: start it under a launcher "
+            "on every node (`torchrun --nnodes N --nproc-per-node G ... -m rftstream.cli "
+            "trainer ...`, or one `srun` task per rank), or set both keys to 1",
+            value=nnodes,
+        )
     if declared not in (1, world):
         raise ConfigError(
             "trainer.nnodes",

@@ -148,6 +148,9 @@ def test_declared_ranks_must_match_the_launcher() -> None:
     check_declared_world(1, 4, 4)
     with pytest.raises(ConfigError, match=r"trainer.nnodes.*2 x 2 = 4 ranks.*started 6"):
         check_declared_world(2, 2, 6)
+    check_declared_world(1, 1, 1)  # a trainer on its own
+    with pytest.raises(ConfigError, match=r"2 x 1 trainer ranks.*runs as one process.*torchrun"):
+        check_declared_world(2, 1, 1)
 
 
 def test_up_refuses_several_nodes_with_the_way_to_run_them() -> None:
