@@ -6,13 +6,15 @@ A *version* is the policy's tensors in the wire dtype (the rollout engine's
 a :class:`Manifest` (JSON, readable with ``nats stream view``) published after
 its chunks. Each tensor is encoded on its own (:class:`TensorEntry`):
 
-* ``full``: its bytes, or, where that is smaller, its bytes split into byte
-  planes (every element's first byte, then every second byte, ...) and
-  compressed with zstd;
+* ``full``: its bytes, or, where that at least halves them (see ``_PAYS``), its
+  bytes split into byte planes (every element's first byte, then every second
+  byte, ...) and compressed with zstd;
 * ``delta``: the bytewise XOR against the same tensor of the *base* version (the
   previous one), byte planes, zstd. Between two RL steps most bf16 weights do
   not change at all and the others change in their low mantissa bits, so the
-  XOR is mostly zero bytes and compresses to a few percent;
+  XOR is mostly zero bytes and compresses to a few percent (float32 deltas save
+  too little and go as ``full``: a tensor whose compression did not pay is sent
+  plain for :data:`RETRY_COMPRESSION_AFTER` versions);
 * ``same``: no bytes: identical to the base's.
 
 A version with a base is a delta version; one without is a *keyframe*. The
@@ -89,8 +91,16 @@ SMALL_VERSION_BYTES = 1 << 20
 Encoding = Literal["full", "delta", "same"]
 Codec = Literal["none", "zstd"]
 
-#: a compressed tensor is sent compressed only when it is at most this share of its bytes
-_PAYS = 0.95
+#: a compressed tensor is sent compressed only when it is at most this share of its bytes.
+#: zstd (level 1) compresses at about 1 GB/s and decompresses at about 2.5 GB/s on one
+#: core, plus the XOR and byte planes: saving less than half the bytes costs the two
+#: ends more time than moving those bytes takes on a link of a few Gb/s or faster.
+#: bf16 deltas between RL steps are a few percent of the weights and always pay; float32
+#: deltas (every weight's low two bytes change) are about 50-70% and are sent plain
+_PAYS = 0.5
+#: a tensor whose compression did not pay is sent as it is for this many versions before
+#: it is tried again (the attempt costs as much as a compression that pays)
+RETRY_COMPRESSION_AFTER = 16
 
 
 # ------------------------------------------------------------------ records
@@ -321,6 +331,8 @@ class Encoder:
         self._keyframe_bytes = 0
         self._since_keyframe = 0
         self._chain: list[ChainLink] = []
+        # (tensor, encoding) -> the first version at which compressing it so is tried again
+        self._plain_until: dict[tuple[str, Encoding], int] = {}
 
     def forget(self) -> None:
         """Drop the base: the next version is a keyframe (after a version failed to go out,
@@ -388,13 +400,22 @@ class Encoder:
         if base is not None and base.nbytes == raw.nbytes:
             if self._base_hashes.get(name) == digest:
                 return EncodedTensor(entry("same", "none", 0), b"")
-            packed = self._zstd.compress(_planes(_xor(raw, base), t.element_size()))
+            if self._worth_compressing(name, "delta", plan.version):
+                packed = self._zstd.compress(_planes(_xor(raw, base), t.element_size()))
+                if len(packed) <= _PAYS * raw.nbytes:
+                    return EncodedTensor(entry("delta", "zstd", len(packed)), packed)
+                self._plain_until[name, "delta"] = plan.version + RETRY_COMPRESSION_AFTER
+        if self._worth_compressing(name, "full", plan.version):
+            packed = self._zstd.compress(_planes(raw, t.element_size()))
             if len(packed) <= _PAYS * raw.nbytes:
-                return EncodedTensor(entry("delta", "zstd", len(packed)), packed)
-        packed = self._zstd.compress(_planes(raw, t.element_size()))
-        if len(packed) <= _PAYS * raw.nbytes:
-            return EncodedTensor(entry("full", "zstd", len(packed)), packed)
+                return EncodedTensor(entry("full", "zstd", len(packed)), packed)
+            self._plain_until[name, "full"] = plan.version + RETRY_COMPRESSION_AFTER
         return EncodedTensor(entry("full", "none", raw.nbytes), memoryview(raw))
+
+    def _worth_compressing(self, name: str, encoding: Encoding, version: int) -> bool:
+        """False while compressing ``name`` as ``encoding`` did not pay lately (it failed less
+        than :data:`RETRY_COMPRESSION_AFTER` versions before ``version``)."""
+        return version >= self._plain_until.get((name, encoding), 0)
 
     def commit(
         self, plan: VersionPlan, snapshot: dict[str, torch.Tensor], manifest_seq: int

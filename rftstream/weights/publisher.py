@@ -50,6 +50,7 @@ import torch
 
 from rftstream.bus.client import Bus
 from rftstream.bus.state import RunState
+from rftstream.bus.transport import Unsubscribe
 from rftstream.errors import BusError, WeightSyncError
 from rftstream.experience import H_ACTOR, H_SCHEMA
 from rftstream.weights.codec import (
@@ -65,7 +66,7 @@ from rftstream.weights.codec import (
     version_digest,
     wire_dtype_name,
 )
-from rftstream.wire import WEIGHTS_KEYFRAME, WeightsPointer
+from rftstream.wire import WEIGHTS_KEYFRAME, KeyframeRequest, WeightsPointer
 
 log = logging.getLogger(__name__)
 
@@ -156,6 +157,10 @@ class WeightPublisher:
         # (first stream sequence, when) of each keyframe whose predecessors are still stored
         self._purge_pending: list[tuple[int, float]] = []
         self._keyframe_ts = 0.0  # wall clock of the newest keyframe (keyframe requests)
+        # KV weights.keyframe_request is read again only after a write of it was seen
+        self._request_writes: Unsubscribe | None = None
+        self._request_written = True
+        self._request: KeyframeRequest | None = None
         self._chain_checked = 0.0
         self.versions_total = 0
         self.bytes_total = 0
@@ -376,15 +381,32 @@ class WeightPublisher:
             await send_chunk(bytes(buf))
         return entries, seqs
 
+    async def _keyframe_request(self) -> KeyframeRequest | None:
+        """The newest keyframe request in KV. Read at the first version, then only after a
+        write of the key was seen (a subscription on it, made at the first version and
+        kept while the connection lasts): a round trip per version saved. A read that
+        fails is tried again at the next version."""
+        if self._request_writes is None:
+            kv = await self.bus.kv()
+
+            async def written() -> None:
+                self._request_written = True
+
+            self._request_writes = await kv.on_write((WEIGHTS_KEYFRAME.name,), written)
+        if self._request_written:
+            self._request_written = False
+            try:
+                self._request = await self.state.get(WEIGHTS_KEYFRAME)
+            except BusError:
+                self._request_written = True
+        return self._request
+
     async def _keyframe_needed(self) -> str:
         """Why the next version must be a keyframe, or "" for a delta: an explorer asked for
         one (KV ``weights.keyframe_request``, newer than our last keyframe), or the chain
         is gone from the stream (a server restart of a ``storage: memory`` stream, a
         user's purge). The stream is asked at most every :data:`CHAIN_CHECK_S`."""
-        try:
-            request = await self.state.get(WEIGHTS_KEYFRAME)
-        except BusError:
-            request = None
+        request = await self._keyframe_request()
         if request is not None and request.ts > self._keyframe_ts:
             return f"{request.actor} asked for one ({request.reason})"
         now = time.monotonic()

@@ -5,6 +5,7 @@ its weights, LoRA adapters are merged on the explorer's side."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from typing import Any
@@ -21,7 +22,7 @@ from rftstream.subjects import RunNames
 from rftstream.weights.codec import LoraWire, decode_manifest, encode_manifest
 from rftstream.weights.fetcher import WeightFetcher
 from rftstream.weights.publisher import WeightPublisher
-from rftstream.wire import WEIGHTS_KEYFRAME
+from rftstream.wire import WEIGHTS_KEYFRAME, KeyframeRequest
 
 pytestmark = [pytest.mark.integration, pytest.mark.anyio]
 
@@ -326,11 +327,45 @@ async def test_an_explorer_that_lost_the_chain_gets_a_keyframe(
             tg.start_soon(fetcher.run)
             await _until(lambda: fetcher.failures == 1)
             assert not fetcher.coming((0, 2)) and not fetcher.coming((0, 3))
+            # the request's write reaches the trainer's subscription on its own connection
+            await _until(lambda: publisher._request_written)
             third = await publisher.publish_now(3, 3, _trained(engine, 3))
             assert third.keyframe  # asked for: the deltas after v2 could not be rebuilt
             await _until(lambda: fetcher.held == (0, 3))
             tg.cancel_scope.cancel()
         assert fetcher.failures == 1
+
+
+async def test_the_keyframe_request_is_read_only_after_it_was_written(
+    nats_url: str, tiny_model_path: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The trainer reads KV weights.keyframe_request at its first version and then only
+    when a write of it arrives (no round trip per version), and still answers it."""
+    engine = _engine(tiny_model_path)
+    reads: list[str] = []
+    real_get = RunState.get
+
+    async def counted(self: RunState, key: Any) -> Any:
+        reads.append(key.name)
+        return await real_get(self, key)
+
+    monkeypatch.setattr(RunState, "get", counted)
+    async with _bus(nats_url, "trainer") as tbus, _bus(nats_url, "explorer") as ebus:
+        publisher = WeightPublisher(tbus, RunState(await tbus.kv()), keyframe_ratio=100.0)
+        for v in (1, 2, 3, 4):
+            record = await publisher.publish_now(v, v, _trained(engine, v))
+            assert record.keyframe == (v == 1)
+        assert reads.count(WEIGHTS_KEYFRAME.name) == 1
+        await RunState(await ebus.kv()).put(
+            WEIGHTS_KEYFRAME,
+            KeyframeRequest(
+                actor="explorer", incarnation=0, version=4, reason="test", ts=time.time()
+            ),
+        )
+        await _until(lambda: publisher._request_written)
+        assert (await publisher.publish_now(5, 5, _trained(engine, 5))).keyframe
+        assert (await publisher.publish_now(6, 6, _trained(engine, 6))).keyframe is False
+        assert reads.count(WEIGHTS_KEYFRAME.name) == 2
 
 
 async def test_a_read_that_fails_for_nats_reasons_is_tried_again(

@@ -343,3 +343,30 @@ def test_a_declared_field_missing_from_the_batch_is_named(
     # config time passed (declared); a batch without it (a plain list) fails by name
     with pytest.raises(RuntimeError, match="NeedsWeight needs field 'row_weight'"):
         trainer.train_step([exp(2, 0), exp(3, 1)])
+
+
+@pytest.mark.parametrize("dynamic", [False, True])
+def test_clipping_done_by_the_trainer_matches_deepspeeds_and_reports_the_norm(
+    tmp_path: Path, tiny_model_path: str, monkeypatch: pytest.MonkeyPatch, dynamic: bool
+) -> None:
+    """One rank at ZeRO 0 in fp32: the trainer clips with torch's multi-tensor
+    ``clip_grad_norm_`` instead of DeepSpeed; the weights after two steps are DeepSpeed's,
+    and ``actor/grad_norm`` (DeepSpeed reported none there) is the norm before the clip."""
+    trainer = {"grad_clip": 1e-4, "ppo_micro_batch_size_per_gpu": 2, "use_dynamic_bsz": dynamic}
+    ours = trainer_for(tmp_path / "ours", tiny_model_path, trainer=trainer)
+    assert ours._own_clipping, "one fp32 rank at ZeRO 0: clipping is the trainer's"
+    monkeypatch.setattr(PolicyTrainer, "_clipping_outside_deepspeed", lambda *_: None)
+    theirs = trainer_for(tmp_path / "theirs", tiny_model_path, trainer=trainer)
+    assert not theirs._own_clipping
+    batch = [exp(2 + i % 3, i, reward=float(i % 2)) for i in range(6)]
+    for _ in range(2):
+        mine = ours.train_step(batch)
+        ds = theirs.train_step(batch)
+    assert mine["actor/grad_norm"] > 1e-3  # the clip acted
+    assert "actor/grad_norm" not in ds
+    assert mine["actor/micro_batches"] == ds["actor/micro_batches"]
+    assert dynamic or mine["actor/micro_batches"] > 1  # clipped once, at the boundary
+    for (name, a), b in zip(
+        ours.engine.module.named_parameters(), theirs.engine.module.parameters(), strict=True
+    ):
+        assert torch.allclose(a, b, rtol=0, atol=1e-7), name

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import msgspec
 import numpy as np
 import pytest
 import torch
 
 from rftstream.errors import WeightSyncError
+from rftstream.weights import codec
 from rftstream.weights.codec import (
     ChainLink,
     Decoder,
@@ -85,7 +88,11 @@ def _equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float16])
-def test_a_chain_of_deltas_rebuilds_every_version_exactly(dtype: torch.dtype) -> None:
+def test_a_chain_of_deltas_rebuilds_every_version_exactly(
+    dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # float32 deltas save under half the bytes and would go plain: compress every one here
+    monkeypatch.setattr(codec, "_PAYS", 0.95)
     encoder, decoder = Encoder(keyframe_ratio=10.0), Decoder()
     state = _weights(dtype=dtype)
     for version in range(1, 6):
@@ -120,6 +127,39 @@ def test_a_keyframe_follows_once_the_deltas_outweigh_the_ratio() -> None:
         manifest, _ = _encode(encoder, version, state, version)
         kinds.append(manifest.base is None)
     assert kinds[0] and any(kinds[1:]) and not all(kinds)
+
+
+class _CountingCompressor:
+    def __init__(self, inner: Any) -> None:
+        self.inner, self.calls = inner, 0
+
+    def compress(self, data: Any) -> bytes:
+        self.calls += 1
+        return bytes(self.inner.compress(data))
+
+
+def test_tensors_whose_compression_does_not_pay_go_plain_and_are_tried_again_later() -> None:
+    encoder, decoder = Encoder(keyframe_ratio=100.0), Decoder()
+    state = _weights(dtype=torch.float32)  # float32 deltas: about half the bytes
+    zstd = _CountingCompressor(encoder._zstd)
+    encoder._zstd = zstd
+    compressed: list[int] = []  # versions that ran zstd
+    for version in range(1, 3 + codec.RETRY_COMPRESSION_AFTER):
+        state = _step(state, 1e-4, version)
+        before = zstd.calls
+        manifest, payload = _encode(encoder, version, state, version)
+        if zstd.calls > before:
+            compressed.append(version)
+        entry = {e.name: e for e in manifest.tensors}["model.embed_tokens.weight"]
+        assert (entry.encoding, entry.codec) == ("full", "none")
+        assert _equal(_decode(decoder, manifest, payload), state)
+    # tried at the keyframe (full) and the first delta, then not until the retry is due
+    assert compressed == [
+        1,
+        2,
+        1 + codec.RETRY_COMPRESSION_AFTER,
+        2 + codec.RETRY_COMPRESSION_AFTER,
+    ]
 
 
 def test_without_deltas_every_version_is_a_keyframe() -> None:
