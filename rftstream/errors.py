@@ -7,7 +7,12 @@ client errors are translated into :class:`BusError` subclasses at the bus adapte
 
 from __future__ import annotations
 
+import re
+import sys
 from typing import Any
+
+if sys.version_info < (3, 11):  # pragma: no cover - anyio depends on the backport there
+    from exceptiongroup import BaseExceptionGroup
 
 
 class RftError(Exception):
@@ -126,3 +131,56 @@ class OperatorError(RftError):
 
 class ReportError(RftError):
     """A run directory lacks what a report needs (``metrics.jsonl``); names the path."""
+
+
+def first_leaf(exc: BaseException) -> BaseException:
+    """The first exception inside ``exc``'s (nested) exception groups; ``exc`` itself when
+    it is not a group."""
+    while isinstance(exc, BaseExceptionGroup):
+        exc = exc.exceptions[0]
+    return exc
+
+
+def _leaves(exc: BaseException) -> int:
+    if isinstance(exc, BaseExceptionGroup):
+        return sum(_leaves(e) for e in exc.exceptions)
+    return 1
+
+
+def error_text(exc: BaseException) -> str:
+    """``Type: message`` of what went wrong, for dead-letter reasons and console lines. An
+    exception group (anyio's ``unhandled errors in a TaskGroup``, which names nothing) is
+    unwrapped to its first exception, with how many others it held."""
+    leaf = first_leaf(exc)
+    more = _leaves(exc) - 1
+    return f"{type(leaf).__name__}: {leaf}" + (f" (and {more} more)" if more else "")
+
+
+_CREDENTIALS_RE = re.compile(
+    r"api[ _-]?key|credential|unauthori[sz]ed|authenticat|permission denied|access denied"
+    r"|\b(status|http|code)\W{0,3}40[13]\b",
+    re.IGNORECASE,
+)
+
+
+def lacks_credentials(exc: BaseException) -> bool:
+    """Whether ``exc``, or an exception it wraps (cause, context, group), says credentials
+    are missing or refused: an API key not set, a 401/403, an ``AuthenticationError`` or
+    ``PermissionDeniedError`` of an API client. Such an error fails every batch alike, so
+    retrying and dead-lettering batch after batch only hides it."""
+    seen: set[int] = set()
+    todo = [exc]
+    while todo:
+        e = todo.pop()
+        if id(e) in seen:
+            continue
+        seen.add(id(e))
+        name = type(e).__name__
+        if "Authentication" in name or "PermissionDenied" in name:
+            return True
+        if _CREDENTIALS_RE.search(str(e)):
+            return True
+        if isinstance(e, BaseExceptionGroup):
+            todo.extend(e.exceptions)
+        todo.extend(x for x in (e.__cause__, e.__context__) if x is not None)
+    return False

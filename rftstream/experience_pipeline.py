@@ -38,7 +38,7 @@ from typing import Any
 import anyio.to_thread
 
 from rftstream.config.schema import OperatorConfig
-from rftstream.errors import ConfigError, OperatorError, RegistryError, RftError
+from rftstream.errors import ConfigError, OperatorError, RegistryError, RftError, error_text
 from rftstream.experience import Experience
 from rftstream.registry import Registry
 
@@ -197,7 +197,7 @@ class ExperiencePipeline:
             except Exception as exc:
                 raise OperatorError(
                     f"operator [{i}] {name!r} ({type(op).__name__}) failed on a batch of "
-                    f"{n_in} experiences: {type(exc).__name__}: {exc}"
+                    f"{n_in} experiences: {error_text(exc)}"
                 ) from exc
             if not (
                 isinstance(result, tuple)

@@ -33,6 +33,7 @@ from rftstream.config.secrets import redact_url
 from rftstream.config.validate import (
     check_run_inputs,
     eval_tasksets,
+    placeholder_hint,
     run_id_from_name,
     training_tasksets,
     validate_config,
@@ -271,7 +272,7 @@ def resolve_model_path(cfg: Config, progress: Callable[[str], None] | None = Non
     if not Path(path).exists():
         raise ConfigError(
             "model.model_path",
-            "no such directory (models are loaded from local paths only)",
+            "no such directory (models are loaded from local paths only)" + placeholder_hint(path),
             value=path,
         )
     return path

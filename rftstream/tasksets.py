@@ -43,7 +43,7 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from rftstream.config.schema import TasksetConfig
 from rftstream.errors import ConfigError
@@ -51,6 +51,7 @@ from rftstream.errors import ConfigError
 __all__ = [
     "BUILTIN_TASKSETS",
     "DATA_SUFFIXES",
+    "DataLocation",
     "PlannedTask",
     "TasksetPlan",
     "builtin_arithmetic_tasks",
@@ -117,8 +118,27 @@ def load_taskset(cfg: TasksetConfig, key: str = DEFAULT_KEY) -> list[dict[str, A
     return rows
 
 
-def taskset_files(cfg: TasksetConfig, key: str = DEFAULT_KEY) -> list[Path]:
-    """The data files a file-based taskset reads, in order (see the module docstring).
+class DataLocation(Protocol):
+    """Where a taskset or a trainer dataset lies: a file or a dataset directory, the split
+    and the subset (Trinity's ``path``, ``split``, ``subset_name``)."""
+
+    @property
+    def path(self) -> str: ...
+    @property
+    def split(self) -> str: ...
+    @property
+    def subset_name(self) -> str | None: ...
+
+
+def read_data_file(f: Path, key: str) -> list[dict[str, Any]]:
+    """The rows of one data file (jsonl, json, parquet, csv, arrow). Errors name ``key``'s
+    ``path`` and the file. Blocks."""
+    return _read_file(f, key)
+
+
+def taskset_files(cfg: DataLocation, key: str = DEFAULT_KEY) -> list[Path]:
+    """The data files a file-based taskset (or trainer dataset) reads, in order (see the
+    module docstring).
 
     Touches only the directory listing (and HF's small JSON metadata), not the data.
     """
@@ -147,7 +167,7 @@ def taskset_files(cfg: TasksetConfig, key: str = DEFAULT_KEY) -> list[Path]:
     return _dir_files(p, cfg, key)
 
 
-def _dir_files(root: Path, cfg: TasksetConfig, key: str) -> list[Path]:
+def _dir_files(root: Path, cfg: DataLocation, key: str) -> list[Path]:
     d = root
     if cfg.subset_name:
         d = root / cfg.subset_name

@@ -59,7 +59,7 @@ import anyio
 import anyio.to_thread
 import msgspec
 
-from rftstream.errors import WorkflowError
+from rftstream.errors import WorkflowError, error_text
 from rftstream.experience import Experience
 from rftstream.workflow import Task, Workflow, _workflow_limiter, construct_workflow
 
@@ -124,7 +124,7 @@ class WorkflowRunner:
         try:
             cls = task.workflow_cls
         except WorkflowError as exc:
-            result.error = f"{type(exc).__name__}: {exc}"
+            result.error = error_text(exc)
             result.metrics = self._metrics([], 0, time.perf_counter() - t0)
             return result
         exps: list[Experience] | None = None
@@ -133,7 +133,7 @@ class WorkflowRunner:
                 await self.model.start_openai_server()
                 self._api_started = True
             except Exception as exc:  # noqa: BLE001 - reported as the task's error
-                result.error = f"{type(exc).__name__}: cannot start the OpenAI API server: {exc}"
+                result.error = f"cannot start the OpenAI API server: {error_text(exc)}"
                 result.metrics = self._metrics([], 0, time.perf_counter() - t0)
                 return result
         for attempt in range(1, self.max_retry_times + 2):
@@ -150,7 +150,7 @@ class WorkflowRunner:
                     )
             except Exception as exc:  # noqa: BLE001 - a workflow may raise anything; cancellation is BaseException
                 exps = None
-                result.error = f"{type(exc).__name__}: {exc}"
+                result.error = error_text(exc)
                 log.debug(
                     "workflow %s raised on task %s", cls.__name__, task.task_id, exc_info=True
                 )

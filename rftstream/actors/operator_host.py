@@ -62,7 +62,15 @@ from rftstream.actors.common import InProgressTicker, drain_step, heartbeat_loop
 from rftstream.bus.client import Bus
 from rftstream.bus.state import END_STATUSES, RunState
 from rftstream.bus.transport import Delivery, PullSubscription
-from rftstream.errors import BusError, ConfigError, PayloadTooLargeError, SchemaError
+from rftstream.errors import (
+    BusError,
+    ConfigError,
+    OperatorError,
+    PayloadTooLargeError,
+    SchemaError,
+    error_text,
+    lacks_credentials,
+)
 from rftstream.experience import H_MSG_ID, Experience, decode_group, experience_problem
 
 log = logging.getLogger(__name__)
@@ -440,6 +448,12 @@ class OperatorHost:
                 )
             except Exception as exc:  # noqa: BLE001 - user operators may raise anything
                 last = exc
+                if lacks_credentials(exc):  # no batch can succeed: stop the run, say why
+                    raise OperatorError(
+                        f"{self.name} stage {self.from_stage}->{self.to_stage}: {exc} (an "
+                        "operator without its credentials cannot process any batch, so the "
+                        "run stops; the message stays unacked for when it can)"
+                    ) from exc
             stats.failed_batches += 1
             log.warning(
                 "%s: pipeline failed (attempt %d/%d): %s", self.name, attempt + 1, retries + 1, last
@@ -447,12 +461,11 @@ class OperatorHost:
             if attempt < retries:
                 await anyio.sleep(delay)
                 delay = min(delay * 2, max(MAX_BACKOFF_S, self.retry_backoff))
-        reason = (
-            f"{self.name} stage {self.from_stage}->{self.to_stage}: {type(last).__name__}: {last}"
-        )
-        cause = last.__cause__ if last is not None else None
-        if cause is not None:
-            reason += f" (caused by {type(cause).__name__}: {cause})"
+        assert last is not None
+        reason = f"{self.name} stage {self.from_stage}->{self.to_stage}: {error_text(last)}"
+        cause = last.__cause__
+        if cause is not None and error_text(cause) not in reason:
+            reason += f" (caused by {error_text(cause)})"
         if retries:
             reason += f" [{retries + 1} attempts]"
         return None, {}, reason

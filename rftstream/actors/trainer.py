@@ -547,7 +547,8 @@ class Trainer:
         schema: str,
         epochs: int | None,
     ) -> DatasetSource:
-        """Tokenise ``storage`` (a jsonl/json file) in a worker thread; errors name ``key_path``."""
+        """Tokenise ``storage`` (a data file or dataset directory) in a worker thread; errors
+        name ``key_path``."""
         mp = self.cfg.model
 
         def load() -> list[Any]:

@@ -215,12 +215,35 @@ def _parse_override_key(key: str, item: str) -> list[PathPart]:
     return parts
 
 
+def _override_value(key: str, raw: str) -> Any:
+    """An override's value: YAML where it is clearly meant as YAML (``3`` an int, ``true``,
+    ``null``, ``[a, b]``, ``{k: v}``), else the text itself: ``Answer: $Answer`` and
+    ``- x`` stay strings (a block mapping or list is never written on one line on purpose),
+    as does a value with `` #`` (YAML would drop the rest as a comment); empty is ``""``.
+    Raises :class:`ConfigError` for a flow value that is not valid YAML."""
+    text = raw.strip()
+    if not text:
+        return ""
+    try:
+        value = yaml.load(raw, Loader=ConfigYamlLoader)
+    except yaml.YAMLError as exc:
+        if text[0] in "[{":
+            raise ConfigError(key, f"override value is not valid YAML: {exc}", value=raw) from exc
+        return raw
+    if isinstance(value, dict | list) and text[0] not in "[{":
+        return raw
+    if " #" in raw and not isinstance(value, dict | list):
+        return raw
+    return value
+
+
 def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
     """Return a copy of ``data`` with dotted ``key.path=value`` overrides applied.
 
-    The value is parsed as YAML (``buffer.total_steps=3`` sets an int,
-    ``model.model_path=`` sets ``""``). Missing intermediate mappings are
-    created; ``[i]`` indexes an existing list item. ``data`` is not modified.
+    The value is YAML where it is clearly meant so (``buffer.total_steps=3`` sets an
+    int, ``model.model_path=`` sets ``""``, ``x=Answer: $Answer`` a string: see
+    :func:`_override_value`). Missing intermediate mappings are created; ``[i]`` (or
+    ``.i.``) indexes an existing list item. ``data`` is not modified.
     Raises :class:`ConfigError` for a malformed override or a path that goes
     through a non-mapping value.
     """
@@ -233,14 +256,14 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
                 key or ROOT, f"malformed override {item!r}: expected `key.path=value`"
             )
         parts = _parse_override_key(key, item)
-        try:
-            value = yaml.load(raw, Loader=ConfigYamlLoader) if raw.strip() else ""
-        except yaml.YAMLError as exc:
-            raise ConfigError(key, f"override value is not valid YAML: {exc}", value=raw) from exc
+        value = _override_value(key, raw)
         node: Any = result
         for depth, part in enumerate(parts):
             last = depth == len(parts) - 1
             here = fmt_path(parts[:depth]) if depth else ROOT
+            if isinstance(part, str) and part.isdigit() and isinstance(node, list):
+                part = int(part)  # `tasksets.0.path`, as OmegaConf and Hydra write it
+                parts[depth] = part
             if isinstance(part, int):
                 if not isinstance(node, list) or not 0 <= part < len(node):
                     raise ConfigError(
@@ -253,9 +276,15 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
                     node = node[part]
                 continue
             if not isinstance(node, dict):
+                hint = (
+                    f" but a list of {len(node)}: index it, `{here}[0].{fmt_path(parts[depth:])}` "
+                    f"or `{here}.0.{fmt_path(parts[depth:])}`"
+                    if isinstance(node, list)
+                    else ""
+                )
                 raise ConfigError(
                     here,
-                    f"override {item!r}: `{here}` is not a mapping",
+                    f"override {item!r}: `{here}` is not a mapping{hint}",
                     value=node,
                     has_value=True,
                 )

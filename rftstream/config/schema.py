@@ -196,7 +196,10 @@ class TasksetConfig(_Base):
 
 class StorageConfig(_Base):
     """A dataset read by the trainer (``buffer.trainer_input.experience_buffer`` or
-    ``buffer.trainer_input.auxiliary_buffers.<name>``): a local jsonl/json file.
+    ``buffer.trainer_input.auxiliary_buffers.<name>``): a local data file (jsonl, json,
+    parquet, csv, arrow) or a dataset directory, read as a taskset's ``path`` is (a
+    folder of shards, a ``save_to_disk`` copy; ``split`` and ``subset_name`` pick
+    within it).
 
     ``total_epochs``: passes over the file (``experience_buffer`` in ``mode:
     train``; an auxiliary buffer, e.g. MIX's expert data, is cycled for as long
@@ -209,6 +212,7 @@ class StorageConfig(_Base):
     schema_type: str | None = None
     path: str = ""
     split: str = "train"
+    subset_name: str | None = None
     total_epochs: int | None = None  # None: buffer.total_epochs (experience_buffer)
     shuffle: bool = False
     seed: int = 42

@@ -6,6 +6,7 @@ declare is either :class:`Mapped` (converted onto our key paths) or
 :class:`Ignored` (dropped with one :class:`TrinityConfigWarning` naming the key
 and why). Keys that both schemas declare pass through untouched, except the few
 values in :data:`VALUE_RULES` (``synchronizer.sync_method: nccl`` without CUDA,
+``engine_type: vllm`` without CUDA,
 ``monitor.monitor_type: swanlab`` ...).
 
 :func:`translate_trinity` applies the table to a raw mapping (after overrides
@@ -278,7 +279,7 @@ def _storage_type(source: str, value: Any, ctx: _Ctx) -> None:
             "rft.<run>.exp.train); a file is read only in mode: train"
         )
     else:
-        reason = "a local jsonl/json file the trainer reads in mode: train"
+        reason = "a local data file or dataset directory the trainer reads in mode: train"
     ctx.notes.append(KeyNote(source, "mapped", reason, value))
 
 
@@ -381,6 +382,19 @@ def _trainer_type(source: str, value: Any, ctx: _Ctx) -> None:
 
 def _engine_type(source: str, value: Any, ctx: _Ctx) -> None:
     new = "vllm" if isinstance(value, str) and value.startswith("vllm") else value
+    if new == "vllm" and not ctx.cuda_available():
+        # refused here at once, not after the explorer processes started and failed
+        ctx.notes.append(
+            KeyNote(
+                source,
+                "replaced",
+                "vLLM needs a CUDA device and this machine has none; the `transformers` engine "
+                "(the same interface, on the CPU) runs instead",
+                value,
+                ((source, "transformers"),),
+            )
+        )
+        new = "transformers"
     ctx.assign(source, source, new, "vLLM's async engine is the `vllm` engine here", _EXPLICIT)
 
 
@@ -549,7 +563,6 @@ def _storage_rules(prefix: str) -> dict[str, Rule]:
         ),
         f"{prefix}.max_retry_times": Ignored(_SQL),
         f"{prefix}.max_retry_interval": Ignored(_SQL),
-        f"{prefix}.subset_name": Ignored("trainer datasets are local files here"),
         f"{prefix}.enable_progress_bar": Ignored("no progress bar for loading data here"),
         f"{prefix}.data_selector": Mapped(
             "selector_type sequential|shuffle -> shuffle, seed -> seed", _data_selector
@@ -1110,7 +1123,8 @@ def translate_trinity(
     :func:`rftstream.config.loader.load_config`). Raises
     :class:`~rftstream.errors.ConfigError` for a Trinity value that cannot run
     here (a ``queue`` taskset), naming ``source``. ``cuda_available`` (default: ask torch, only
-    when ``sync_method`` is ``nccl``) decides the ``nccl`` fallback.
+    when ``sync_method`` is ``nccl`` or an engine is vLLM) decides the ``nccl`` and
+    vLLM fallbacks.
     """
     ctx = _Ctx(data, cuda_available or _torch_cuda_available, source)
     out = copy.deepcopy(data)

@@ -375,8 +375,51 @@ def check_run_inputs(
     the model is found, before anything of the run is written. Blocks (``stat`` calls,
     reading the model's ``config.json``). ``roles``: the actors this process runs (None:
     all the mode has); a trainer on a host without the taskset is fine."""
+    check_output_dirs(cfg, source=source)
     check_data_paths(cfg, source=source, roles=roles)
     check_model_context(cfg, model_path, source=source)
+
+
+#: ``/PATH/TO/...``, ``path/to/...``: what Trinity-RFT's examples and most READMEs write
+#: where a path of the user's own goes
+_PLACEHOLDER_RE = re.compile(r"(^|/)path/to(/|$)", re.IGNORECASE)
+
+
+def placeholder_hint(path: str) -> str:
+    """A sentence for an error about ``path`` when it is an example's placeholder, else ""."""
+    if _PLACEHOLDER_RE.search(path.strip()):
+        return " (`/PATH/TO/...` is an example's placeholder: put a path of yours there)"
+    return ""
+
+
+def check_output_dirs(cfg: Config, *, source: str | None = None) -> None:
+    """``checkpoint_root_dir``, when set, is a directory this process can create and write:
+    not an example's placeholder (``/PATH/TO/CHECKPOINT/``, which would make directories
+    at the filesystem root), and its nearest existing ancestor a writable directory.
+    Blocks for a few ``stat`` calls; creates nothing. Raises :class:`ConfigError` at
+    ``checkpoint_root_dir``."""
+    root = cfg.checkpoint_root_dir
+    if not root:
+        return
+    c = _Checker(source)
+    unset = "or remove the key: checkpoints then go under <run_dir>/checkpoints"
+    if placeholder_hint(root):
+        c.fail(
+            "checkpoint_root_dir",
+            f"is an example's placeholder, not a directory: set a directory of yours, {unset}",
+            root,
+        )
+    existing = Path(root).expanduser().absolute()
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        c.fail("checkpoint_root_dir", f"{existing} is a file, not a directory; {unset}", root)
+    if not os.access(existing, os.W_OK | os.X_OK):
+        c.fail(
+            "checkpoint_root_dir",
+            f"cannot be created or written: {existing} is not writable by this user; {unset}",
+            root,
+        )
 
 
 def check_data_paths(
@@ -397,7 +440,7 @@ def check_data_paths(
     directory (``~`` expanded), as :func:`rftstream.tasksets.load_taskset` reads it.
     Trainer datasets (``buffer.trainer_input``: ``experience_buffer`` when the trainer
     reads a dataset, every ``auxiliary_buffers.<name>`` whenever a trainer runs;
-    ``storage_type: queue`` reads no file) are one local jsonl/json file each.
+    ``storage_type: queue`` reads no file) are a local data file or dataset directory each.
     Relative paths are relative to the working directory, as the actors read them.
     ``roles`` (the actors this process runs; None: every one): tasksets only where an
     explorer runs, datasets only where a trainer does.
@@ -439,17 +482,18 @@ def _check_taskset_path(c: _Checker, key: str, value: str) -> None:
             )
         return
     if not Path(path).expanduser().exists():
-        c.fail(key, f"no such file or directory{_hub_hint(path)}", value)
+        c.fail(key, f"no such file or directory{placeholder_hint(path) or _hub_hint(path)}", value)
 
 
 def _check_dataset_path(c: _Checker, key: str, value: str) -> None:
-    p = Path(value)
+    p = Path(value).expanduser()
     if not value:
-        c.fail(key, "names no dataset file (a local jsonl or json file)", value)
-    elif p.is_dir():
-        c.fail(key, "is a directory; a trainer dataset is one local jsonl or json file", value)
-    elif not p.is_file():
-        c.fail(key, f"no such dataset file (a local jsonl or json file){_hub_hint(value)}", value)
+        c.fail(key, "names no dataset (a local data file or dataset directory)", value)
+    elif not p.exists():
+        hint = placeholder_hint(value) or _hub_hint(value)
+        c.fail(
+            key, f"no such file or directory (a local data file or dataset directory){hint}", value
+        )
 
 
 def _hub_hint(path: str) -> str:

@@ -1,7 +1,9 @@
 """Datasets the trainer reads directly: SFT / DPO data and MIX's expert data.
 
 A :class:`~rftstream.config.schema.StorageConfig` names a local jsonl (or json
-list) file. :func:`load_dataset_experiences` tokenises every row into
+list) file, another data file (parquet, csv, arrow) or a dataset directory (shards,
+a ``save_to_disk`` copy; ``split`` and ``subset_name`` pick within it, as for a
+taskset). :func:`load_dataset_experiences` tokenises every row into
 :class:`Experience` objects:
 
 * ``sft`` schema: a chat list (``format.messages_key``, default ``messages``;
@@ -35,6 +37,30 @@ from rftstream.experience import EID, Experience
 def read_rows(path: str | Path, key_path: str) -> list[dict[str, Any]]:
     """The rows of a jsonl file (or a json list). Errors name ``key_path``, the file and the line."""
     return [row for _where, row in read_numbered_rows(path, key_path)]
+
+
+def dataset_rows(storage: StorageConfig, key_path: str) -> list[tuple[str, dict[str, Any]]]:
+    """``(where, row)`` of every row of the dataset ``storage`` names: a jsonl/json file
+    (``where`` names its line or item), or any other data file or a dataset directory,
+    found and read as a taskset's (:func:`rftstream.tasksets.taskset_files`: shards,
+    ``save_to_disk`` copies, ``split``, ``subset_name``; ``where`` names the file and
+    row). Errors name ``key_path``. Blocks (file I/O)."""
+    from rftstream.tasksets import read_data_file, taskset_files
+
+    p = Path(storage.path).expanduser()
+    if p.is_file() and p.suffix in (".jsonl", ".json") and not storage.subset_name:
+        return read_numbered_rows(p, f"{key_path}.path")
+    numbered = [
+        (f"{f} row {i + 1}", row)
+        for f in taskset_files(storage, key_path)
+        for i, row in enumerate(read_data_file(f, key_path))
+    ]
+    for where, row in numbered:
+        if not isinstance(row, dict):
+            raise ConfigError(f"{key_path}.path", f"{where}: a {type(row).__name__}, not an object")
+    if not numbered:
+        raise ConfigError(f"{key_path}.path", f"{p}: the dataset is empty", value=storage.path)
+    return numbered
 
 
 def read_numbered_rows(path: str | Path, key_path: str) -> list[tuple[str, dict[str, Any]]]:
@@ -180,7 +206,7 @@ def load_dataset_experiences(
         raise ConfigError(
             key_path, f"cannot read a dataset for schema {schema!r} (sft, dpo or cpt)"
         )
-    rows = read_numbered_rows(storage.path, f"{key_path}.path")
+    rows = dataset_rows(storage, key_path)
     fmt = storage.format
     render = _Renderer(tokenizer, fmt, max_prompt, max_response)
     messages_key = fmt.messages_key or "messages"

@@ -478,6 +478,40 @@ def test_override_list_index_out_of_range() -> None:
     assert err.key_path == "a[3]"
 
 
+def test_list_items_are_indexed_either_way() -> None:
+    data = {"eval": [{"path": "a"}, {"path": "b"}]}
+    assert apply_overrides(data, ["eval[1].path=x"]) == apply_overrides(data, ["eval.1.path=x"])
+    assert apply_overrides(data, ["eval.1.path=x"])["eval"][1] == {"path": "x"}
+    err = raises_config_error(apply_overrides, data, ["eval.path=x"])
+    assert err.key_path == "eval" and "eval[0].path" in str(err) and "eval.0.path" in str(err)
+    err = raises_config_error(apply_overrides, data, ["eval.5.path=x"])
+    assert err.key_path == "eval[5]"
+
+
+@pytest.mark.parametrize(
+    ("raw", "value"),
+    [
+        ("3", 3),
+        ("1e-4", 1e-4),
+        ("true", True),
+        ("", ""),
+        ("[a, b]", ["a", "b"]),
+        ("{k: 1}", {"k": 1}),
+        ("Answer: $Answer", "Answer: $Answer"),  # not a mapping: a prompt template
+        ("- first", "- first"),
+        ("The answer is #1", "The answer is #1"),  # YAML would cut at the comment
+        ("a: b: c", "a: b: c"),  # not YAML at all: taken as written
+    ],
+)
+def test_override_values_are_yaml_only_where_clearly_meant(raw: str, value: object) -> None:
+    assert apply_overrides({}, [f"x={raw}"]) == {"x": value}
+
+
+def test_a_broken_flow_value_is_refused() -> None:
+    err = raises_config_error(apply_overrides, {}, ["x=[a, b"])
+    assert err.key_path == "x" and "not valid YAML" in str(err)
+
+
 # ------------------------------------------------------------------ validation
 
 

@@ -548,3 +548,57 @@ def test_cpt_row_without_text_names_the_row(tmp_path: Path, tok: Any) -> None:
     path = write_jsonl(tmp_path / "corpus.jsonl", [{"text": "ok"}, {"body": "no text key"}])
     with pytest.raises(ConfigError, match=r"corpus.jsonl:2.*'text'"):
         load_dataset_experiences(storage(path), tok, schema="cpt", key_path=KP)
+
+
+def _sft_rows(n: int, start: int = 0) -> list[dict[str, Any]]:
+    return [{"messages": [user(f"{i}+1="), assistant(str(i + 1))]} for i in range(start, start + n)]
+
+
+def test_a_dataset_directory_is_read_as_a_taskset_directory_is(tmp_path: Path, tok: Any) -> None:
+    """A folder of jsonl/parquet shards, a split picked by file name, and a ``save_to_disk``
+    DatasetDict with ``subset_name``/``split`` (Trinity's SFT and DPO examples point there)."""
+    import datasets
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    one_file = load_dataset_experiences(
+        storage(write_jsonl(tmp_path / "all.jsonl", _sft_rows(6))), tok, schema="sft", key_path=KP
+    )
+    shards = tmp_path / "shards"
+    shards.mkdir()
+    write_jsonl(shards / "train-00000.jsonl", _sft_rows(3))
+    pq.write_table(pa.Table.from_pylist(_sft_rows(3, start=3)), shards / "train-00001.parquet")
+    write_jsonl(shards / "test-00000.jsonl", _sft_rows(2, start=50))
+    from_shards = load_dataset_experiences(storage(shards), tok, schema="sft", key_path=KP)
+    assert [e.tokens.tolist() for e in from_shards] == [e.tokens.tolist() for e in one_file]
+
+    saved = tmp_path / "hub_copy"
+    datasets.DatasetDict(
+        {
+            "train": datasets.Dataset.from_list(_sft_rows(6)),
+            "test": datasets.Dataset.from_list(_sft_rows(1)),
+        }
+    ).save_to_disk(str(saved / "main"))
+    cfg = StorageConfig(path=str(saved), subset_name="main", split="train")
+    from_disk = load_dataset_experiences(cfg, tok, schema="sft", key_path=KP)
+    assert [e.tokens.tolist() for e in from_disk] == [e.tokens.tolist() for e in one_file]
+    with pytest.raises(ConfigError) as ei:
+        load_dataset_experiences(
+            StorageConfig(path=str(saved), subset_name="main", split="validation"),
+            tok,
+            schema="sft",
+            key_path=KP,
+        )
+    assert ei.value.key_path == f"{KP}.split" and "has no split 'validation'" in str(ei.value)
+
+
+def test_a_bad_row_in_a_shard_names_the_file_and_row(tmp_path: Path, tok: Any) -> None:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    shards = tmp_path / "d"
+    shards.mkdir()
+    pq.write_table(pa.Table.from_pylist([{"text": "x"}, {"text": "y"}]), shards / "train.parquet")
+    with pytest.raises(ConfigError) as ei:
+        load_dataset_experiences(storage(shards), tok, schema="sft", key_path=KP)
+    assert "train.parquet row 1" in str(ei.value)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import subprocess
 import sys
 import warnings
@@ -29,6 +30,7 @@ from rftstream.config.validate import (
     ConfigWarning,
     check_data_paths,
     check_model_context,
+    check_output_dirs,
     check_run_name,
 )
 from rftstream.default_run import DEFAULT_CONFIG
@@ -234,7 +236,50 @@ def test_only_what_the_mode_reads_is_checked(tmp_path: Path) -> None:
     assert err.key_path == f"{TASKSET}.path"
 
 
-def test_trainer_datasets_are_single_existing_files(tmp_path: Path) -> None:
+@pytest.mark.parametrize("root", ["/PATH/TO/CHECKPOINT/", "/path/to/ckpt", "path/to/checkpoints"])
+def test_a_placeholder_checkpoint_root_is_refused_before_anything_is_made(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, root: str
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    err = error_of(check_output_dirs, cfg_of({"checkpoint_root_dir": root}), source="c.yaml")
+    assert err.key_path == "checkpoint_root_dir" and "placeholder" in str(err)
+    assert "<run_dir>/checkpoints" in str(err) and "c.yaml" in str(err)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_an_unwritable_checkpoint_root_is_refused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    (tmp_path / "file").write_text("x")
+    err = error_of(check_output_dirs, cfg_of({"checkpoint_root_dir": str(tmp_path / "file" / "c")}))
+    assert err.key_path == "checkpoint_root_dir" and "is a file" in str(err)
+    check_output_dirs(cfg_of({"checkpoint_root_dir": str(tmp_path / "new" / "deeper")}))
+    check_output_dirs(cfg_of({}))  # unset: under the run dir
+    # a directory this user may not write (asked of the OS, which lets root write anywhere)
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    real = os.access
+    monkeypatch.setattr(
+        "rftstream.config.validate.os.access",
+        lambda p, mode: False if Path(p) == locked else real(p, mode),
+    )
+    err = error_of(check_output_dirs, cfg_of({"checkpoint_root_dir": str(locked / "c")}))
+    assert f"{locked} is not writable" in str(err)
+
+
+def test_a_placeholder_data_or_model_path_says_so(tmp_path: Path) -> None:
+    err = error_of(
+        check_data_paths,
+        cfg_of({"buffer": {"explorer_input": {"taskset": {"path": "/PATH/TO/DATASET/"}}}}),
+    )
+    assert "placeholder" in str(err)
+    from rftstream.runtime import resolve_model_path
+
+    err = error_of(resolve_model_path, cfg_of({"model": {"model_path": "/PATH/TO/MODEL/"}}))
+    assert err.key_path == "model.model_path" and "placeholder" in str(err)
+
+
+def test_trainer_datasets_are_existing_files_or_directories(tmp_path: Path) -> None:
     key = "buffer.trainer_input.experience_buffer.path"
 
     def train(path: str, **storage: Any) -> Config:
@@ -242,7 +287,7 @@ def test_trainer_datasets_are_single_existing_files(tmp_path: Path) -> None:
         return cfg_of({"mode": "train", "buffer": {"trainer_input": {"experience_buffer": eb}}})
 
     assert error_of(check_data_paths, train(str(tmp_path / "sft.jsonl"))).key_path == key
-    assert "is a directory" in str(error_of(check_data_paths, train(str(tmp_path))))
+    check_data_paths(train(str(tmp_path)))  # a dataset directory: read as a taskset's
     (tmp_path / "sft.jsonl").write_text('{"messages": []}\n')
     check_data_paths(train(str(tmp_path / "sft.jsonl")))
     check_data_paths(train("", storage_type="queue"))  # the experience stream: no file

@@ -231,6 +231,75 @@ async def test_a_hanging_operator_is_timed_out_and_dead_lettered(
     assert _total(records, "operator/failed_batches") == 2
 
 
+class NeedsAnApiKey(ExperienceOperator):
+    """An LLM-judged filter without its key, as Data-Juicer's llm_quality_score_filter
+    fails; counts calls."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def process(self, exps):
+        self.calls += 1
+        raise RuntimeError("The api_key client option must be set (OPENAI_API_KEY)")
+
+
+class FailsInsideItsOwnGroup(ExperienceOperator):
+    """Fails inside a task group of its own: the error arrives as an ExceptionGroup."""
+
+    def process(self, exps):
+        async def check() -> None:
+            raise ValueError("prompt of 209 tokens leaves no room in the context of 128")
+
+        async def main() -> None:
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(check)
+
+        anyio.run(main)
+        return exps, {}
+
+
+async def test_an_operator_without_credentials_stops_the_run_at_its_first_failure(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Not retried batch after batch and dead-lettered: the host raises at once, naming the
+    operator and the missing key, and acks nothing (the messages wait for a fixed run)."""
+    from rftstream.errors import OperatorError
+
+    server = serve_in_memory(monkeypatch)
+    run = _run(tmp_path, max_retries=5, retry_backoff=0.01)
+    op = NeedsAnApiKey()
+    await provision(run, MEMORY_URL)
+    bus = await Bus.connect(MEMORY_URL, run.names, run.cfg.nats, "producer")
+    for g in _groups(range(0, 3)):
+        await bus.publish_group("raw", g, msg_id=f"raw-{g[0].eid.task}")
+    with anyio.fail_after(10), pytest.raises(BaseException) as info:
+        await run_operator(run, MEMORY_URL, pipeline=ExperiencePipeline([op]))
+    from rftstream.errors import first_leaf
+
+    err = first_leaf(info.value)
+    assert isinstance(err, OperatorError), repr(info.value)
+    assert "NeedsAnApiKey" in str(err) and "api_key client option" in str(err)
+    assert "credentials" in str(err)
+    assert op.calls == 1
+    assert await _dead_letters(server, run.names) == []
+    assert await _train_uids(server, run.names) == []
+
+
+async def test_an_exception_group_is_dead_lettered_as_the_error_inside_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    server = serve_in_memory(monkeypatch)
+    run = _run(tmp_path, max_retries=0, batch_messages=1)
+    await _operate(
+        server, run, ExperiencePipeline([FailsInsideItsOwnGroup()]), _groups(range(0, 1))
+    )
+    dead = await _dead_letters(server, run.names)
+    reason = (dead[0].headers or {})[H_DLQ_REASON]
+    assert "ValueError: prompt of 209 tokens leaves no room" in reason, reason
+    assert "unhandled errors" not in reason and "ExceptionGroup" not in reason
+    assert reason.count("prompt of 209") == 1  # the cause once, not again as "caused by"
+
+
 def test_retry_settings_are_checked_with_their_key() -> None:
     class _NoBus:  # the constructor only checks its settings
         names = RunNames("itest")

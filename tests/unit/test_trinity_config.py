@@ -92,6 +92,28 @@ def test_vllm_async_engines_are_the_vllm_engine_for_rollout_and_auxiliary_models
     assert messages == []  # a value we map, not a key we drop: nothing to warn about
 
 
+@pytest.mark.parametrize("engine", ["vllm", "vllm_async"])
+def test_vllm_without_cuda_falls_back_to_transformers_at_load_with_one_warning(engine: str) -> None:
+    """Refused at config time, not after the explorer processes started (Trinity's
+    examples all say vllm); the rollout model and each auxiliary model say so once."""
+    cfg, messages = load_warned(
+        {
+            "explorer": {
+                "rollout_model": {"engine_type": engine},
+                "auxiliary_models": [{"model_path": "/judge", "engine_type": engine}],
+            }
+        },
+        cuda=False,
+    )
+    assert cfg.explorer.rollout_model.engine_type == "transformers"
+    assert cfg.explorer.auxiliary_models[0].engine_type == "transformers"
+    assert warned_keys(messages) == [
+        "explorer.rollout_model.engine_type",
+        "explorer.auxiliary_models[0].engine_type",
+    ]
+    assert all("needs a CUDA device" in m and "transformers" in m for m in messages)
+
+
 @pytest.mark.parametrize("kind", ["wandb", "tensorboard", "mlflow"])
 def test_monitor_backends_pass_through_with_their_args(kind: str) -> None:
     data = {"group": "g1", "monitor": {"monitor_type": kind, "monitor_args": {}}}
