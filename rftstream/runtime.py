@@ -42,7 +42,7 @@ from rftstream.errors import BucketNotFound, ConfigError, RegistryError, RftErro
 from rftstream.experience_pipeline import EXPERIENCE_OPERATORS, ExperiencePipeline, create_operators
 from rftstream.monitors import check_monitor_packages
 from rftstream.plugin_registries import ALGORITHM_RESOLVERS, ALGORITHM_TYPE, REWARD_FUNCTIONS
-from rftstream.subjects import KV_HEARTBEAT_PREFIX, RunNames
+from rftstream.subjects import KV_EXPLORER_DONE, KV_HEARTBEAT_PREFIX, RunNames
 from rftstream.training.schedule import lr_schedule
 from rftstream.wire import TRAINER_DONE
 from rftstream.workflow import WORKFLOWS
@@ -377,10 +377,16 @@ async def start_fresh(
         run.cfg.mode == "train" and not run.cfg.trainer_reads_dataset
     )
     async with await Bus.connect(url, names, run.cfg.nats, "starter") as bus:
-        if half_of_a_pair and await _run_status(bus) not in END_STATUSES:
-            # the other half (mode: train / explore) started it, or is provisioning it
-            # right now (streams made, status not yet written): join, never replace
-            return None
+        if half_of_a_pair:
+            status = await _run_status(bus)
+            if status not in END_STATUSES:
+                # the other half (mode: train / explore) started it, or is provisioning it
+                # right now (streams made, status not yet written): join, never replace
+                return None
+            if run.cfg.mode == "train" and status == "finished":
+                joined = await _join_a_finished_explorer(bus)
+                if joined:
+                    return joined
         present = []
         for stream in names.streams:
             try:
@@ -429,6 +435,25 @@ async def start_fresh(
         for stream in present:
             await bus.transport.delete_stream(stream)
     return f"replaced the earlier run {names.run!r} on this server (status {status or 'unknown'})"
+
+
+async def _join_a_finished_explorer(bus: Bus) -> str | None:
+    """A trainer half started after its explorer half finished (Trinity-RFT's ``run.sh``
+    starts the explorer first): the run is ``finished`` with every explorer's done record
+    and no trainer's, and its experience waits on the stream. Sets the status back to
+    ``running`` and returns a note; None (replace the run) when a trainer already ended
+    it or no explorer finished it."""
+    state = RunState(await bus.transport.kv(bus.names.kv_bucket, create=False))
+    values = await state.all()
+    head, _, tail = KV_EXPLORER_DONE.partition("{name}")
+    done = [k for k in values if k.startswith(head) and k.endswith(tail)]
+    if not done or TRAINER_DONE.name in values:
+        return None
+    await state.set_status("running")
+    return (
+        f"joined run {bus.names.run!r}: its explorer finished before this trainer started; "
+        "training on the experience it left on the stream"
+    )
 
 
 def task_ack_wait(cfg: Config) -> float:

@@ -92,16 +92,36 @@ def test_trinity_config_runs_two_steps(config: str, tmp_path: Path, tiny_model_p
     assert (tmp_path / "checkpoints").is_dir() or (run_dir / "checkpoints").is_dir()
 
 
+@pytest.mark.parametrize("first", ["trainer", "explorer"])
 def test_trinity_async_pair_trains_on_the_explorers_queue(
-    tmp_path: Path, tiny_model_path: str, nats_url: str
+    tmp_path: Path, tiny_model_path: str, nats_url: str, first: str
 ) -> None:
     """Trinity's asynchronous setup: ``mode: explore`` and ``mode: train`` with a queue
     experience buffer, started one after the other against one server, are one run: the
     second joins the first (nothing replaced), the trainer trains on what the explorer
-    published and the explorer finishes its steps."""
+    published and the explorer finishes its steps. Either order: Trinity's ``run.sh``
+    starts the explorer first, and here it has finished before the trainer starts."""
     env = user_env(tiny_model_path)
+    trainer_cmd = _up(
+        "async_trainer", tiny_model_path, tmp_path / "trainer", [], "--nats-url", nats_url
+    )
+    explorer_cmd = _up(
+        "async_explorer",
+        tiny_model_path,
+        tmp_path / "explorer",
+        [(TASKSET, "arithmetic.jsonl")],
+        "--nats-url",
+        nats_url,
+    )
+
+    def run_explorer() -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            explorer_cmd, capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path
+        )
+
+    explorer = run_explorer() if first == "explorer" else None
     trainer = subprocess.Popen(
-        _up("async_trainer", tiny_model_path, tmp_path / "trainer", [], "--nats-url", nats_url),
+        trainer_cmd,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
@@ -109,21 +129,8 @@ def test_trinity_async_pair_trains_on_the_explorers_queue(
         cwd=tmp_path,
     )
     try:
-        explorer = subprocess.run(
-            _up(
-                "async_explorer",
-                tiny_model_path,
-                tmp_path / "explorer",
-                [(TASKSET, "arithmetic.jsonl")],
-                "--nats-url",
-                nats_url,
-            ),
-            capture_output=True,
-            text=True,
-            timeout=300,
-            env=env,
-            cwd=tmp_path,
-        )
+        if explorer is None:
+            explorer = run_explorer()
         trainer_out, _ = trainer.communicate(timeout=300)
     finally:
         trainer.kill()
@@ -131,6 +138,8 @@ def test_trinity_async_pair_trains_on_the_explorers_queue(
     assert trainer.returncode == 0, trainer_out[-3000:]
     assert "replaced the earlier run" not in explorer.stdout + trainer_out
     assert "2 explorer steps" in explorer.stdout
+    if first == "explorer":
+        assert "its explorer finished before this trainer started" in trainer_out
     records = _trained_steps(tmp_path / "trainer")
     assert [r["step"] for r in records] == [1, 2]
     # train_batch_size = batch_size x repeat_times = 16 rollouts a step, all from the explorer
