@@ -17,7 +17,7 @@ from algorithms.policy_loss_fn.mix_policy_loss import (
 )
 from algorithms.policy_loss_fn.policy_loss_fn import POLICY_LOSS_FN, PolicyLossFn
 from algorithms.policy_loss_fn.ppo_policy_loss import PPOPolicyLossFn
-from algorithms.policy_loss_fn.sft_loss import SFTLossFn
+from algorithms.policy_loss_fn.sft_loss import SFTLossFn, token_level_mode
 from algorithms.utils import masked_loss
 
 
@@ -105,7 +105,9 @@ class MIXCHORDPolicyLossFn(PolicyLossFn):
     strategy provides it; every row must carry the same step, ValueError
     otherwise) and the SFT part ``sft_phi`` (``enable_phi_function``, default)
     or plain ``sft``. Modes: ``grpo_loss_agg_mode`` / ``sft_loss_agg_mode``,
-    each defaulting to ``loss_agg_mode``.
+    each defaulting to ``loss_agg_mode``; ``use_token_level_loss_in_sft`` (Trinity-RFT
+    0.2.1-0.3.0), when given, sets the SFT mode (True: ``token-mean``, False:
+    ``seq-mean-token-mean``).
 
     Metrics: ``usual/*``, ``expert/*`` (scaled like their parts), ``loss``, ``mu``.
     """
@@ -131,8 +133,11 @@ class MIXCHORDPolicyLossFn(PolicyLossFn):
         sft_loss_agg_mode: str | None = None,
         grpo_loss_agg_mode: str | None = None,
         repeat_times: int | None = None,
+        use_token_level_loss_in_sft: bool | None = None,
     ) -> None:
         super().__init__(backend=backend, loss_agg_mode=loss_agg_mode)
+        if use_token_level_loss_in_sft is not None:  # Trinity-RFT 0.2.1-0.3.0's flag
+            sft_loss_agg_mode = token_level_mode(bool(use_token_level_loss_in_sft))
         if mu_warmup_steps < 0 or mu_decay_steps < 0:
             raise ValueError(
                 f"mu_warmup_steps and mu_decay_steps must be >= 0, got "

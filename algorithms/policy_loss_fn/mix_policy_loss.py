@@ -137,7 +137,8 @@ class MIXPolicyLossFn(PolicyLossFn):
     Metrics: the PPO metrics prefixed ``usual/`` and the SFT metrics prefixed
     ``expert/`` (each scaled like its loss) and ``loss``. ``repeat_times`` is
     accepted and ignored (the guide's example YAML puts it under
-    ``policy_loss_fn_args``).
+    ``policy_loss_fn_args``). ``read_batch_size_usual`` / ``read_batch_size_expert``
+    are Trinity-RFT 0.2.0's names of ``train_batch_size_usual`` / ``_expert``.
     """
 
     def __init__(
@@ -158,8 +159,15 @@ class MIXPolicyLossFn(PolicyLossFn):
         sft_loss_agg_mode: str | None = None,
         grpo_loss_agg_mode: str | None = None,
         repeat_times: int | None = None,
+        read_batch_size_usual: int | None = None,
+        read_batch_size_expert: int | None = None,
     ) -> None:
         super().__init__(backend=backend, loss_agg_mode=loss_agg_mode)
+        # Trinity-RFT 0.2.0's names of train_batch_size_usual / _expert (renamed in 0.2.1)
+        if read_batch_size_usual is not None and train_batch_size_usual == 1:
+            train_batch_size_usual = int(read_batch_size_usual)
+        if read_batch_size_expert is not None and train_batch_size_expert == 1:
+            train_batch_size_expert = int(read_batch_size_expert)
         self.mu = mu
         self.use_dynamic_bsz = use_dynamic_bsz
         self.batch_weights = MixedBatchWeights.build(

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from rftstream.config.legacy import upgrade_layout
 from rftstream.config.loader import (
     _read_yaml,
     apply_overrides,
@@ -91,7 +92,7 @@ def explain_file(path: str, overrides: list[str] | None = None) -> tuple[list[st
     import warnings
 
     try:
-        data = _read_yaml(path) or {}
+        data, overrides = upgrade_layout(_read_yaml(path) or {}, list(overrides or []), path)
         if not isinstance(data, dict):
             raise ConfigError("(root)", "the top level must be a mapping", source=path)
         if has_stages(data):

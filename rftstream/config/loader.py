@@ -28,6 +28,7 @@ from typing import Any
 import msgspec
 import yaml
 
+from rftstream.config.legacy import upgrade_layout
 from rftstream.config.paths import (
     ROOT,
     PathPart,
@@ -511,6 +512,7 @@ def load_config(
     source = os.fspath(path) if path is not None else None
     data: Any = {} if source is None else _read_yaml(source)
     data = _as_mapping(data, "the top level of a config file", source)
+    data, overrides = upgrade_layout(data, list(overrides or []), source)
     if overrides:
         data = apply_overrides(data, list(overrides))
     data = interpolate_env(data, source)

@@ -357,7 +357,16 @@ def loss_batch_args(
     }
     if use_dynamic_bsz:
         derived["use_dynamic_bsz"] = True
-    fill = {k: v for k, v in derived.items() if k in params and k not in args}
+    # Trinity-RFT 0.2.0's MIX names of the two batch sizes: given, the newer ones stay unfilled
+    older = {
+        "train_batch_size_usual": "read_batch_size_usual",
+        "train_batch_size_expert": "read_batch_size_expert",
+    }
+    fill = {
+        k: v
+        for k, v in derived.items()
+        if k in params and k not in args and args.get(older.get(k, "")) is None
+    }
     if "ppo_mini_batch_size" not in params:
         return fill, None
 

@@ -28,6 +28,7 @@ import warnings
 from dataclasses import dataclass
 from typing import Any
 
+from rftstream.config.legacy import upgrade_layout
 from rftstream.config.loader import (
     _parse_override_key,
     _read_yaml,
@@ -370,7 +371,7 @@ def load_stages(
     :func:`~rftstream.config.loader.load_config` would report.
     """
     source = os.fspath(path)
-    data = _read_yaml(source)
+    data, overrides = upgrade_layout(_read_yaml(source), list(overrides or []), source)
     if data is None or not has_stages(data):
         return []
     if not isinstance(data, dict):  # pragma: no cover - has_stages needs a mapping

@@ -516,6 +516,75 @@ def _inference_model_rules(prefix: str, *, rollout: bool) -> dict[str, Rule]:
     return rules
 
 
+def _release(kept: str, note: str) -> str:
+    """A reason for a key of older Trinity-RFT releases: which kept it, and what became of it."""
+    return f"Trinity-RFT {kept} ({note})"
+
+
+_STORAGE_ALGORITHM = _release(
+    "0.1-0.2", "chose the storage's schema; 0.3 replaced it by schema_type"
+)
+
+
+def _storage_algorithm_type(source: str, value: Any, ctx: _Ctx) -> None:
+    """A dataset's ``algorithm_type`` (0.1-0.2): ``sft``/``dpo`` data -> ``schema_type``."""
+    storage = source.rsplit(".", 1)[0]
+    if value in ("sft", "dpo"):
+        ctx.assign(source, f"{storage}.schema_type", value, _STORAGE_ALGORITHM, priority=40)
+    else:
+        ctx.ignore(source, value, _STORAGE_ALGORITHM + "; the algorithm's own schema applies")
+
+
+def _sft_warmup_dataset(source: str, value: Any, ctx: _Ctx) -> None:
+    """0.1-0.3.0's ``sft_warmup_dataset``: MIX/CHORD's expert data -> the auxiliary buffer
+    ``sft_dataset`` (a warm-up of other algorithms became ``stages:`` when the file was
+    read, :mod:`rftstream.config.legacy`; what is left here has 0 warm-up steps)."""
+    algorithm = ctx.get("algorithm.algorithm_type")
+    if algorithm in ("mix", "mix_chord") and isinstance(value, dict):
+        data = {k: v for k, v in value.items() if k not in ("algorithm_type", "name")}
+        data.setdefault("schema_type", "sft")
+        for key, item in data.items():
+            ctx.assign(
+                source,
+                f"buffer.trainer_input.auxiliary_buffers.sft_dataset.{key}",
+                item,
+                _release("0.2-0.3.0", "MIX's expert data; 0.3.1 moved it to auxiliary_buffers"),
+                priority=40,
+            )
+        return
+    ctx.ignore(
+        source,
+        value,
+        _release(
+            "0.1-0.3.0",
+            "SFT warm-up, moved to `stages:` in 0.3.1; with sft_warmup_steps > 0 it runs as a "
+            "sft_warmup stage, here it has no steps",
+        ),
+    )
+
+
+def _loss_agg_from_token_level(source: str, value: Any, ctx: _Ctx) -> None:
+    mode = "token-mean" if value else "seq-mean-token-mean"
+    ctx.assign(
+        source,
+        "algorithm.loss_agg_mode",
+        mode,
+        _release("0.2-0.3.0", "never read outside its UI; 0.4 has algorithm.loss_agg_mode"),
+        priority=40,
+    )
+
+
+def _explore_batch_size(source: str, value: Any, ctx: _Ctx) -> None:
+    ctx.assign(
+        source,
+        "buffer.batch_size",
+        value,
+        "a pre-release name of buffer.batch_size (Trinity-RFT's config manager writes its "
+        "'Task Batch Size' there)",
+        priority=30,
+    )
+
+
 def _format_rules(prefix: str) -> dict[str, Rule]:
     return {
         f"{prefix}.system_prompt_key": Ignored(
@@ -541,6 +610,7 @@ def _taskset_rules(prefix: str) -> dict[str, Rule]:
         ),
         f"{prefix}.max_retry_times": Ignored(_SQL),
         f"{prefix}.max_retry_interval": Ignored(_SQL),
+        f"{prefix}.algorithm_type": Ignored(_STORAGE_ALGORITHM + "; tasks have none"),
         f"{prefix}.enable_progress_bar": Ignored("no progress bar for loading tasks here"),
         f"{prefix}.index": Ignored(_AUTO),
         f"{prefix}.batch_size": Ignored(_AUTO + " (buffer.batch_size)"),
@@ -563,6 +633,19 @@ def _storage_rules(prefix: str) -> dict[str, Rule]:
         ),
         f"{prefix}.max_retry_times": Ignored(_SQL),
         f"{prefix}.max_retry_interval": Ignored(_SQL),
+        f"{prefix}.algorithm_type": Mapped("sft|dpo -> schema_type", _storage_algorithm_type),
+        f"{prefix}.use_priority_queue": Ignored(
+            _release("0.2-0.3.1", "0.3.2 moved it to replay_buffer")
+            + "; replay of stored experience is not supported"
+        ),
+        f"{prefix}.reuse_cooldown_time": Ignored(
+            _release("0.2-0.3.1", "0.3.2 moved it to replay_buffer")
+            + "; replay of stored experience is not supported"
+        ),
+        f"{prefix}.replay_buffer_kwargs": Ignored(
+            _release("0.2-0.3.1", "0.3.2 moved it to replay_buffer")
+            + "; replay of stored experience is not supported"
+        ),
         f"{prefix}.enable_progress_bar": Ignored("no progress bar for loading data here"),
         f"{prefix}.data_selector": Mapped(
             "selector_type sequential|shuffle -> shuffle, seed -> seed", _data_selector
@@ -683,6 +766,48 @@ def _build_table() -> dict[str, Rule]:
         ),
         # buffer
         "buffer.explorer_output": Ignored(_AUTO),
+        "buffer.max_retry_times": Ignored(
+            _release("0.1-0.2", "SQL sessions' retries; 0.3 moved it onto each storage")
+            + "; "
+            + _SQL
+        ),
+        "buffer.max_retry_interval": Ignored(
+            _release("0.1-0.2", "SQL sessions' retries; 0.3 moved it onto each storage")
+            + "; "
+            + _SQL
+        ),
+        "buffer.explore_batch_size": Mapped("-> buffer.batch_size", _explore_batch_size),
+        "buffer.trainer_input.sft_warmup_dataset": Mapped(
+            "MIX/CHORD: -> auxiliary_buffers.sft_dataset; others: stages", _sft_warmup_dataset
+        ),
+        "buffer.trainer_input.sft_warmup_steps": Ignored(
+            _release("0.1-0.3.0", "SFT warm-up steps, moved to `stages:` in 0.3.1")
+            + "; with a warm-up dataset and steps > 0 the file runs a sft_warmup stage first"
+        ),
+        "model.max_token_len": Ignored(
+            "not a key of any Trinity-RFT release: the context length is model.max_model_len, "
+            "a trainer GPU's token budget trainer.max_token_len_per_gpu"
+        ),
+        "data_processor.data_processor_url": Ignored(
+            _release("0.2", "a data-processor server; removed in 0.3")
+            + "; operators run in the operator host (data_processor.experience_pipeline)"
+        ),
+        "data_processor.data_workflow_url": Ignored(
+            _release("0.1", "a data-processor server; removed in 0.3")
+            + "; operators run in the operator host (data_processor.experience_pipeline)"
+        ),
+        "algorithm.use_token_level_loss": Mapped(
+            "true -> loss_agg_mode token-mean, false -> seq-mean-token-mean",
+            _loss_agg_from_token_level,
+        ),
+        "algorithm.add_strategy": Ignored(
+            _release("0.2", "removed in 0.3: algorithm.advantage_fn: step_wise_grpo")
+            + "; set advantage_fn"
+        ),
+        "algorithm.add_strategy_args": Ignored(
+            _release("0.2", "removed in 0.3: algorithm.advantage_fn_args")
+            + "; set advantage_fn_args"
+        ),
         "buffer.tokenizer_path": Ignored(_AUTO),
         "buffer.cache_dir": Ignored(_AUTO),
         "buffer.explorer_input.default_workflow_type": _defaults_for_tasksets(

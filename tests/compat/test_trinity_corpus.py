@@ -43,6 +43,15 @@ CORPUS: dict[str, list[tuple[str, str]]] = {
     "sft": [(DATASET, "sft_messages.jsonl")],
     "multi_step": [(TASKSET, "guess_number.jsonl")],
     "dapo": [(TASKSET, "dapo_math.jsonl")],
+    # older releases' keys and layouts (Trinity-RFT 0.2.0 MIX, 0.3.0 CHORD)
+    "mix_0_2": [
+        (TASKSET, "arithmetic.jsonl"),
+        ("buffer.trainer_input.sft_warmup_dataset.path", "sft_messages.jsonl"),
+    ],
+    "chord_0_3": [
+        (TASKSET, "arithmetic.jsonl"),
+        ("buffer.trainer_input.auxiliary_buffers.sft_dataset.path", "sft_shards"),
+    ],
 }
 
 # config -> what the tiny model cannot take as Trinity wrote it: its context is 128
@@ -145,3 +154,36 @@ def test_trinity_async_pair_trains_on_the_explorers_queue(
     # train_batch_size = batch_size x repeat_times = 16 rollouts a step, all from the explorer
     assert [r["experience/trained"] for r in records] == [16, 16]
     assert all(r["experience/trained_from/train"] == 16 for r in records)
+
+
+def test_a_sft_warmup_of_trinity_0_2_runs_as_two_stages(
+    tmp_path: Path, tiny_model_path: str
+) -> None:
+    """``sft_warmup_dataset`` with ``sft_warmup_steps`` (Trinity-RFT 0.1-0.3.0) runs an SFT
+    stage, then the file's GRPO run from its final checkpoint; the dataset path given on
+    the command line by its old key reaches the SFT stage."""
+    run_dir = tmp_path / "run"
+    cmd = _up(
+        "grpo_warmup_0_2",
+        tiny_model_path,
+        run_dir,
+        [
+            (TASKSET, "arithmetic.jsonl"),
+            ("buffer.trainer_input.sft_warmup_dataset.path", "sft_messages.jsonl"),
+        ],
+    )
+    out = subprocess.run(
+        cmd,
+        capture_output=True,
+        text=True,
+        timeout=420,
+        env=user_env(tiny_model_path),
+        cwd=tmp_path,
+    )
+    text = out.stdout + out.stderr
+    assert out.returncode == 0, text[-4000:]
+    assert "0.3.1 moved the SFT warm-up to `stages:`" in text
+    assert "all 2 stages finished" in out.stdout
+    warm, rft = _trained_steps(run_dir / "sft_warmup"), _trained_steps(run_dir / "rft")
+    assert [r["step"] for r in warm] == [1, 2] and [r["step"] for r in rft] == [1, 2]
+    assert all(r["experience/trained"] > 0 for r in warm + rft)
