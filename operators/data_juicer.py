@@ -454,16 +454,41 @@ class DataJuicerOperator(ExperienceOperator):
             return self._process(exps)
 
     def _process(self, exps: list[Experience]) -> tuple[list[Experience], dict]:
-        assert self._ops is not None
-        base = self._base
-        metrics: dict[str, float] = {}
         samples: dict[str, list[Any]] = {
             "text": [self._text(e) for e in exps],
             "prompt_text": [e.prompt_text for e in exps],
             "response_text": [e.response_text for e in exps],
             "reward": [e.reward for e in exps],
         }
-        index = list(range(len(exps)))  # samples row -> position in exps
+        index, samples, metrics = self._run_ops(samples, len(exps))
+        kept = [exps[j] for j in index]
+        if self.stats_to_info and _STATS in samples:
+            for exp, stat in zip(kept, samples[_STATS], strict=True):
+                for key, value in stat.items():
+                    exp.info[str(key)] = _plain(value)
+        metrics["filtered_count"] = float(len(exps) - len(kept))
+        metrics["kept_count"] = float(len(kept))
+        return kept, metrics
+
+    def run_samples(
+        self, samples: dict[str, list[Any]]
+    ) -> tuple[list[int], dict[str, list[Any]], dict[str, float]]:
+        """Run the ops over a batch of samples (columns of equal length, as Data-Juicer's
+        batched ops take them): ``(kept row indices, the kept samples as the mappers left
+        them, metrics)``. Blocking, CPU-bound; builds the ops on first use. The task
+        pipeline (:mod:`rftstream.task_pipeline`) runs its rows through it."""
+        n = len(next(iter(samples.values()), []))
+        with self._lock:
+            self._build()
+            return self._run_ops(dict(samples), n)
+
+    def _run_ops(
+        self, samples: dict[str, list[Any]], total: int
+    ) -> tuple[list[int], dict[str, list[Any]], dict[str, float]]:
+        assert self._ops is not None
+        base = self._base
+        metrics: dict[str, float] = {}
+        index = list(range(total))  # samples row -> position in the input
         stat_sums: dict[str, list[float]] = {}
         for name, op, kind in zip(self.op_names, self._ops, self._kinds, strict=True):
             n = len(index)
@@ -498,18 +523,11 @@ class DataJuicerOperator(ExperienceOperator):
             else:
                 metrics[f"{name}/mapped_count"] = float(n)
             metrics[f"{name}/time"] = time.perf_counter() - start
-        kept = [exps[j] for j in index]
-        if self.stats_to_info and _STATS in samples:
-            for exp, stat in zip(kept, samples[_STATS], strict=True):
-                for key, value in stat.items():
-                    exp.info[str(key)] = _plain(value)
         for key, values in stat_sums.items():
             finite = [v for v in values if math.isfinite(v)]
             if finite:
                 metrics[f"stats/{key}/mean"] = sum(finite) / len(finite)
-        metrics["filtered_count"] = float(len(exps) - len(kept))
-        metrics["kept_count"] = float(len(kept))
-        return kept, metrics
+        return index, samples, metrics
 
     @staticmethod
     def _check_rows(samples: Any, n: int, name: str) -> dict[str, list[Any]]:

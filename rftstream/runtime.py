@@ -323,6 +323,7 @@ def prepare_run(
     )
     rdir = Path(cfg.run_dir)
     model_path = resolve_model_path(cfg, progress)
+    _run_task_pipeline(cfg, progress)  # writes the taskset the checks below look for
     check_run_inputs(cfg, model_path, source=source, roles=roles)  # data files, model context
     return PreparedRun(
         cfg=cfg,
@@ -331,6 +332,29 @@ def prepare_run(
         model_path=model_path,
         run_dir=rdir,
     )
+
+
+def _run_task_pipeline(cfg: Config, progress: Callable[[str], None] | None) -> None:
+    """``data_processor.task_pipeline``, when set (:mod:`rftstream.task_pipeline`); says
+    what it did through ``progress``. Blocks."""
+    from rftstream.task_pipeline import run_task_pipeline
+
+    if cfg.data_processor.task_pipeline is None:
+        return
+    if progress is not None:
+        progress("running the task pipeline (data_processor.task_pipeline)")
+    result = run_task_pipeline(cfg)
+    if result is None:
+        return
+    what = (
+        f"task pipeline: {result.output} made earlier from the same inputs ({result.rows_out} "
+        "tasks)"
+        if result.reused
+        else f"task pipeline: {result.rows_out} of {result.rows_in} tasks kept in {result.output}"
+    )
+    log.info("%s", what)
+    if progress is not None:
+        progress(what)
 
 
 ACTIVE_HEARTBEAT_S = 30.0

@@ -10,13 +10,13 @@ from __future__ import annotations
 
 from typing import Any
 
-from rftstream.config.legacy import upgrade_layout
 from rftstream.config.loader import (
     _read_yaml,
     apply_overrides,
     config_from_dict,
     interpolate_env,
     translate_config,
+    upgraded,
 )
 from rftstream.config.paths import PathPart, config_info, fmt_path, type_at
 from rftstream.config.secrets import mask_value
@@ -92,7 +92,7 @@ def explain_file(path: str, overrides: list[str] | None = None) -> tuple[list[st
     import warnings
 
     try:
-        data, overrides = upgrade_layout(_read_yaml(path) or {}, list(overrides or []), path)
+        data, overrides = upgraded(_read_yaml(path) or {}, list(overrides or []), path)
         if not isinstance(data, dict):
             raise ConfigError("(root)", "the top level must be a mapping", source=path)
         if has_stages(data):

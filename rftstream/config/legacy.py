@@ -25,7 +25,14 @@ from typing import Any
 from rftstream.config.paths import ROOT
 from rftstream.errors import ConfigError
 
-__all__ = ["MIX_FAMILY", "check_pre_release_layout", "sft_warmup_as_stages", "upgrade_layout"]
+__all__ = [
+    "MIX_FAMILY",
+    "check_pre_release_layout",
+    "moving_overrides",
+    "sft_warmup_as_stages",
+    "sft_warmup_as_stages_needed",
+    "upgrade_layout",
+]
 
 #: algorithms whose ``sft_warmup_dataset`` was their expert data (Trinity-RFT 0.2-0.3.0)
 MIX_FAMILY = ("mix", "mix_chord")
@@ -70,13 +77,9 @@ def sft_warmup_as_stages(data: dict[str, Any]) -> dict[str, Any]:
     ``data`` itself when there is nothing to move). Warns once saying so. Left alone: a file
     that has ``stages`` already, an algorithm of the MIX family (its dataset is the expert
     data), and a warm-up of 0 steps (then the key is only reported as ignored)."""
-    tin = (data.get("buffer") or {}).get("trainer_input")
-    if not isinstance(tin, dict) or data.get("stages"):
+    if not sft_warmup_as_stages_needed(data):
         return data
-    dataset, steps = tin.get("sft_warmup_dataset"), tin.get("sft_warmup_steps") or 0
-    algorithm = (data.get("algorithm") or {}).get("algorithm_type")
-    if not isinstance(dataset, dict) or algorithm in MIX_FAMILY or not steps:
-        return data
+    steps = data["buffer"]["trainer_input"]["sft_warmup_steps"]
     out = copy.deepcopy(data)
     out_tin = out["buffer"]["trainer_input"]
     warmup_data = out_tin.pop("sft_warmup_dataset")
@@ -112,25 +115,34 @@ def sft_warmup_as_stages(data: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def upgrade_layout(
-    data: Any, overrides: list[str] | None = None, source: str | None = None
-) -> tuple[Any, list[str]]:
-    """A config file's raw mapping in today's layout, and the overrides still to apply:
-    :func:`check_pre_release_layout`, then :func:`sft_warmup_as_stages`. The overrides of
-    keys that move (``buffer.trainer_input.sft_warmup_dataset.path=...``: the command
-    line names the file's keys) are applied first. Anything not a mapping is returned
-    as it is."""
-    from rftstream.config.loader import apply_overrides
+def moving_overrides(data: Any, overrides: list[str]) -> list[str]:
+    """The ``overrides`` that name keys :func:`upgrade_layout` moves (the command line names
+    the file's own keys, ``buffer.trainer_input.sft_warmup_dataset.path=...``): to be
+    applied before it."""
+    if not isinstance(data, dict) or sft_warmup_as_stages_needed(data) is False:
+        return []
+    return [o for o in overrides if o.startswith(_WARMUP_KEYS)]
 
-    remaining = list(overrides or [])
+
+def sft_warmup_as_stages_needed(data: dict[str, Any]) -> bool:
+    """Whether :func:`sft_warmup_as_stages` would rewrite ``data`` (no warning issued)."""
+    tin = (data.get("buffer") or {}).get("trainer_input")
+    if not isinstance(tin, dict) or data.get("stages"):
+        return False
+    algorithm = (data.get("algorithm") or {}).get("algorithm_type")
+    return (
+        isinstance(tin.get("sft_warmup_dataset"), dict)
+        and algorithm not in MIX_FAMILY
+        and bool(tin.get("sft_warmup_steps"))
+    )
+
+
+def upgrade_layout(data: Any, source: str | None = None) -> Any:
+    """A config file's raw mapping in today's layout: :func:`check_pre_release_layout`,
+    then :func:`sft_warmup_as_stages`. Anything not a mapping is returned as it is. Apply
+    :func:`moving_overrides` first."""
     check_pre_release_layout(data, source)
-    if not isinstance(data, dict):
-        return data, remaining
-    moving = [o for o in remaining if o.startswith(_WARMUP_KEYS)]
-    if moving and sft_warmup_as_stages(data) is not data:
-        data = apply_overrides(data, moving)
-        remaining = [o for o in remaining if o not in moving]
-    return sft_warmup_as_stages(data), remaining
+    return sft_warmup_as_stages(data) if isinstance(data, dict) else data
 
 
 _WARMUP_KEYS = (

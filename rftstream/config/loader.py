@@ -28,7 +28,7 @@ from typing import Any
 import msgspec
 import yaml
 
-from rftstream.config.legacy import upgrade_layout
+from rftstream.config.legacy import moving_overrides, upgrade_layout
 from rftstream.config.paths import (
     ROOT,
     PathPart,
@@ -437,6 +437,17 @@ def dump_config_yaml(cfg: Config) -> str:
 # --------------------------------------------------------------------------- files
 
 
+def upgraded(data: Any, overrides: list[str], source: str | None) -> tuple[Any, list[str]]:
+    """A config file's raw mapping in today's layout (Trinity-RFT's pre-0.3 layouts,
+    :mod:`rftstream.config.legacy`) and the overrides still to apply: those naming keys
+    that move are applied first."""
+    moving = moving_overrides(data, overrides)
+    if moving:
+        data = apply_overrides(data, moving)
+        overrides = [o for o in overrides if o not in moving]
+    return upgrade_layout(data, source), overrides
+
+
 def _read_yaml(path: str) -> Any:
     """The YAML document in the file at ``path`` (``None`` for an empty one). Blocks (reads it).
 
@@ -512,7 +523,7 @@ def load_config(
     source = os.fspath(path) if path is not None else None
     data: Any = {} if source is None else _read_yaml(source)
     data = _as_mapping(data, "the top level of a config file", source)
-    data, overrides = upgrade_layout(data, list(overrides or []), source)
+    data, overrides = upgraded(data, list(overrides or []), source)
     if overrides:
         data = apply_overrides(data, list(overrides))
     data = interpolate_env(data, source)

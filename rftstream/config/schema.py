@@ -411,12 +411,36 @@ class ExperiencePipelineConfig(_Base):
     process_timeout: float | None = None  # seconds one pipeline call may take (None: no limit)
 
 
+class TaskPipelineConfig(_Base):
+    """``data_processor.task_pipeline`` (Trinity-RFT's): Data-Juicer ops over the raw task
+    files before exploring, written where the explorer reads its taskset.
+
+    ``operators`` (``[{name: <dj op>, args: {...}}]``) or ``config_path`` (a Data-Juicer
+    recipe) run in process over the rows of ``inputs`` (local data files), each row's
+    ``target_fields`` kept (all its fields when empty); the kept rows go to
+    ``output.path`` (default: the first training taskset's path; for SFT/DPO in mode
+    train, the experience buffer's). ``num_process`` is accepted and unused;
+    ``priority_weights``/``top_k`` (the ranking Trinity-RFT's Data-Juicer server does)
+    are refused when set. See :mod:`rftstream.task_pipeline`.
+    """
+
+    operators: list[OperatorConfig] = msgspec.field(default_factory=list)
+    num_process: int = 4
+    config_path: str | None = None
+    inputs: list[str] = msgspec.field(default_factory=list)
+    output: TasksetConfig | None = None
+    target_fields: list[str] = msgspec.field(default_factory=list)
+    priority_weights: dict[str, float] = msgspec.field(default_factory=dict)
+    top_k: int = -1
+
+
 class DataProcessorConfig(_Base):
     """``data_processor``."""
 
     experience_pipeline: ExperiencePipelineConfig = msgspec.field(
         default_factory=ExperiencePipelineConfig
     )
+    task_pipeline: TaskPipelineConfig | None = None
 
 
 # ----------------------------------------------------------------- trainer

@@ -28,13 +28,13 @@ import warnings
 from dataclasses import dataclass
 from typing import Any
 
-from rftstream.config.legacy import upgrade_layout
 from rftstream.config.loader import (
     _parse_override_key,
     _read_yaml,
     apply_overrides,
     config_from_dict,
     interpolate_env,
+    upgraded,
 )
 from rftstream.config.paths import ROOT
 from rftstream.config.resolve import resolve_config
@@ -371,7 +371,7 @@ def load_stages(
     :func:`~rftstream.config.loader.load_config` would report.
     """
     source = os.fspath(path)
-    data, overrides = upgrade_layout(_read_yaml(source), list(overrides or []), source)
+    data, overrides = upgraded(_read_yaml(source), list(overrides or []), source)
     if data is None or not has_stages(data):
         return []
     if not isinstance(data, dict):  # pragma: no cover - has_stages needs a mapping

@@ -699,7 +699,10 @@ def _build_table() -> dict[str, Rule]:
         "checkpoint_job_dir": Ignored(_AUTO),
         "ray_namespace": Ignored(_RAY),
         "ignore_validator_suggestions": Ignored("there is no GPU-memory validator here"),
-        "service": Ignored("outside services (Data-Juicer server) are not started by rftstream"),
+        "service": Ignored(
+            "no service is started or contacted: the Data-Juicer ops of "
+            "data_processor.task_pipeline and of the data_juicer operator run in process"
+        ),
         "log": Ignored(
             "logging is set with --log-level; the run log is <run_dir>/logs/rftstream.log"
         ),
@@ -856,9 +859,60 @@ def _build_table() -> dict[str, Rule]:
             "in-flight experience is bounded by synchronizer.max_staleness here"
         ),
         # data processor
-        "data_processor.task_pipeline": Ignored(
-            "task pipelines are not run; prepare the taskset file beforehand"
-        ),
+        **{
+            f"data_processor.task_pipeline.{k}": Ignored(
+                _release(
+                    "0.2",
+                    "the data-processor server's pipeline, replaced in 0.3 by operators, "
+                    "inputs and target_fields",
+                )
+            )
+            for k in (
+                "input_buffers",
+                "output_buffer",
+                "format",
+                "dj_config_path",
+                "dj_process_desc",
+                "agent_model_name",
+                "agent_model_config",
+                "clean_strategy",
+                "min_size_ratio",
+                "min_priority_score",
+                "data_dist",
+                "db_url",
+                "max_retry_times",
+                "max_retry_interval",
+            )
+        },
+        **{
+            f"data_processor.experience_pipeline.{k}": Ignored(
+                _release(
+                    "0.2",
+                    "the data-processor server's pipeline, replaced in 0.3 by operators: "
+                    "[{name, args}]",
+                )
+                + "; list the operators under data_processor.experience_pipeline.operators "
+                "(reward_shaping_mapper, Data-Juicer ops)"
+            )
+            for k in (
+                "input_buffers",
+                "output_buffer",
+                "format",
+                "dj_config_path",
+                "dj_process_desc",
+                "agent_model_name",
+                "agent_model_config",
+                "clean_strategy",
+                "min_size_ratio",
+                "min_priority_score",
+                "priority_weights",
+                "data_dist",
+                "reward_shaping",
+                "db_url",
+                "max_retry_times",
+                "max_retry_interval",
+            )
+        },
         "data_processor.experience_pipeline.save_input": Ignored(
             "every stage is kept in the stream RFT_<RUN>_EXP (`rftstream tail raw`)"
         ),

@@ -43,6 +43,7 @@ CORPUS: dict[str, list[tuple[str, str]]] = {
     "sft": [(DATASET, "sft_messages.jsonl")],
     "multi_step": [(TASKSET, "guess_number.jsonl")],
     "dapo": [(TASKSET, "dapo_math.jsonl")],
+    "grpo_task_pipeline": [("data_processor.task_pipeline.inputs[0]", "arithmetic.jsonl")],
     # older releases' keys and layouts (Trinity-RFT 0.2.0 MIX, 0.3.0 CHORD)
     "mix_0_2": [
         (TASKSET, "arithmetic.jsonl"),
