@@ -585,6 +585,33 @@ def _explore_batch_size(source: str, value: Any, ctx: _Ctx) -> None:
     )
 
 
+# the keys of Trinity-RFT 0.2's pipelines, run by its data-processor server
+_OLD_PIPELINE_KEYS = (
+    "input_buffers",
+    "output_buffer",
+    "format",
+    "dj_config_path",
+    "dj_process_desc",
+    "agent_model_name",
+    "agent_model_config",
+    "clean_strategy",
+    "min_size_ratio",
+    "min_priority_score",
+    "data_dist",
+    "db_url",
+    "max_retry_times",
+    "max_retry_interval",
+)
+
+
+def _old_pipeline_rules(
+    prefix: str, since: str, more: tuple[str, ...], *, release: str = "0.2"
+) -> dict[str, Rule]:
+    """Trinity-RFT 0.1-0.2's keys of the pipeline at ``prefix``: named with their release."""
+    reason = _release(release, f"the data-processor server's pipeline, replaced in 0.3 by {since}")
+    return {f"{prefix}.{k}": Ignored(reason) for k in (*_OLD_PIPELINE_KEYS, *more)}
+
+
 def _format_rules(prefix: str) -> dict[str, Rule]:
     return {
         f"{prefix}.system_prompt_key": Ignored(
@@ -799,6 +826,18 @@ def _build_table() -> dict[str, Rule]:
             _release("0.1", "a data-processor server; removed in 0.3")
             + "; operators run in the operator host (data_processor.experience_pipeline)"
         ),
+        # Trinity-RFT 0.1's trainer and data-processor keys
+        "trainer.actor_use_kl_loss": Mapped(
+            "false -> algorithm.kl_loss_fn: none (0.1; verl's use_kl_loss)",
+            lambda s, v, c: _use_kl_loss(s, v, c),
+        ),
+        "trainer.actor_kl_loss_coef": _to("algorithm.kl_loss_fn_args.kl_coef", priority=40),
+        **_old_pipeline_rules(
+            "data_processor",
+            "data_processor.task_pipeline / experience_pipeline",
+            ("source_data_path", "priority_weights", "reward_shaping"),
+            release="0.1",
+        ),
         "algorithm.use_token_level_loss": Mapped(
             "true -> loss_agg_mode token-mean, false -> seq-mean-token-mean",
             _loss_agg_from_token_level,
@@ -859,60 +898,14 @@ def _build_table() -> dict[str, Rule]:
             "in-flight experience is bounded by synchronizer.max_staleness here"
         ),
         # data processor
-        **{
-            f"data_processor.task_pipeline.{k}": Ignored(
-                _release(
-                    "0.2",
-                    "the data-processor server's pipeline, replaced in 0.3 by operators, "
-                    "inputs and target_fields",
-                )
-            )
-            for k in (
-                "input_buffers",
-                "output_buffer",
-                "format",
-                "dj_config_path",
-                "dj_process_desc",
-                "agent_model_name",
-                "agent_model_config",
-                "clean_strategy",
-                "min_size_ratio",
-                "min_priority_score",
-                "data_dist",
-                "db_url",
-                "max_retry_times",
-                "max_retry_interval",
-            )
-        },
-        **{
-            f"data_processor.experience_pipeline.{k}": Ignored(
-                _release(
-                    "0.2",
-                    "the data-processor server's pipeline, replaced in 0.3 by operators: "
-                    "[{name, args}]",
-                )
-                + "; list the operators under data_processor.experience_pipeline.operators "
-                "(reward_shaping_mapper, Data-Juicer ops)"
-            )
-            for k in (
-                "input_buffers",
-                "output_buffer",
-                "format",
-                "dj_config_path",
-                "dj_process_desc",
-                "agent_model_name",
-                "agent_model_config",
-                "clean_strategy",
-                "min_size_ratio",
-                "min_priority_score",
-                "priority_weights",
-                "data_dist",
-                "reward_shaping",
-                "db_url",
-                "max_retry_times",
-                "max_retry_interval",
-            )
-        },
+        **_old_pipeline_rules(
+            "data_processor.task_pipeline", "operators, inputs and target_fields", ()
+        ),
+        **_old_pipeline_rules(
+            "data_processor.experience_pipeline",
+            "operators: [{name, args}] (reward_shaping_mapper, Data-Juicer ops)",
+            ("priority_weights", "reward_shaping"),
+        ),
         "data_processor.experience_pipeline.save_input": Ignored(
             "every stage is kept in the stream RFT_<RUN>_EXP (`rftstream tail raw`)"
         ),

@@ -432,9 +432,12 @@ def token_budget_partitions(
     ``w`` tokens takes every following row while rows x ``2w`` fit. Each micro-batch
     lists its rows in ascending order; micro-batches come longest first. Pure.
 
+    A block that alone needs more than ``budget`` tokens gets a micro-batch of its own
+    (over the budget: the budget is the configured maxima's, rows are rarely that long;
+    verl fails the step instead).
+
     Raises:
-        ValueError: a block alone needs more than ``budget`` tokens, or the lengths
-            differ in number.
+        ValueError: the lengths differ in number.
     """
     n = len(prompt_lengths)
     if len(response_lengths) != n:
@@ -452,11 +455,12 @@ def token_budget_partitions(
         alone = padded_tokens(
             [prompt_lengths[i] for i in block], [response_lengths[i] for i in block]
         )
-        if alone > budget:
-            raise ValueError(
-                f"rows {block} need {alone} padded tokens, more than the micro-batch token "
-                f"budget {budget}"
-            )
+        if alone > budget:  # a micro-batch of its own, over the budget
+            if current:
+                parts.append(sorted(current))
+            parts.append(sorted(block))
+            current = []
+            continue
         grown = current + block
         if current and (
             padded_tokens([prompt_lengths[i] for i in grown], [response_lengths[i] for i in grown])

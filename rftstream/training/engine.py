@@ -300,22 +300,24 @@ class PolicyTrainer:
         self.global_step = 0
 
     def _check_dynamic_bsz(self, cfg: Config) -> None:
-        """Refuse what ``trainer.use_dynamic_bsz`` cannot train correctly.
+        """Refuse what ``trainer.use_dynamic_bsz`` cannot train correctly; log a warning when
+        the longest row (a DPO pair: two) does not fit the budget (it will train alone, over
+        the budget).
 
         Raises:
-            ConfigError: at ``trainer.max_token_len_per_gpu`` when the longest row (a
-                DPO pair: two) does not fit the budget; at
-                ``algorithm.policy_loss_fn_args.use_dynamic_bsz`` for a loss that weights
-                its micro-batches verl-style by a fixed accumulation count.
+            ConfigError: at ``algorithm.policy_loss_fn_args.use_dynamic_bsz`` for a loss
+                that weights its micro-batches verl-style by a fixed accumulation count.
         """
         row = cfg.model.max_prompt_tokens + cfg.model.max_response_tokens
         if self.token_budget < self.pair_unit * row:
             what = "a DPO pair (2 rows)" if self.pair_unit > 1 else "the longest row"
-            raise ConfigError(
-                "trainer.max_token_len_per_gpu",
-                f"the micro-batch token budget {self.token_budget} cannot hold {what} of "
-                f"model.max_prompt_tokens + model.max_response_tokens = {row} tokens each",
-                value=self.token_budget,
+            log.warning(
+                "trainer.max_token_len_per_gpu: the micro-batch token budget %d cannot hold %s "
+                "of model.max_prompt_tokens + model.max_response_tokens = %d tokens each; "
+                "what is longer than the budget trains in a micro-batch of its own",
+                self.token_budget,
+                what,
+                row,
             )
         shape = self.verl_scaling
         if shape is not None and not shape.use_dynamic_bsz:

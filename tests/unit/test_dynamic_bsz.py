@@ -124,9 +124,11 @@ def test_partitions_keep_pairs_together() -> None:
             assert all(i - 1 in part for i in part if i % 2 == 1)
 
 
-def test_a_row_over_the_budget_is_an_error() -> None:
-    with pytest.raises(ValueError, match="more than the micro-batch token budget 10"):
-        token_budget_partitions([2, 4], [3, 8], 10)
+def test_a_row_over_the_budget_trains_alone() -> None:
+    """Trinity-RFT's examples set budgets below their maxima: the rare row longer than the
+    budget gets a micro-batch of its own (verl would fail the step)."""
+    assert token_budget_partitions([2, 4, 1], [3, 8, 2], 10) == [[1], [0, 2]]
+    assert token_budget_partitions([2, 4, 1], [3, 8, 2], 10, reorder=False) == [[0], [1], [2]]
     with pytest.raises(ValueError, match="1 prompt lengths but 2 response lengths"):
         token_budget_partitions([2], [3, 4], 10)
 
@@ -263,15 +265,14 @@ def test_short_rows_share_micro_batches(tmp_path: Path, tiny_model_path: str) ->
 # ------------------------------------------------------------------ config errors
 
 
-def test_a_budget_below_the_longest_row_is_a_config_error(
-    tmp_path: Path, tiny_model_path: str
-) -> None:
+def test_a_budget_below_the_longest_row_is_a_warning(tmp_path: Path, tiny_model_path: str) -> None:
+    from rftstream.config.validate import ConfigWarning
+
     data = small_config(tmp_path, tiny_model_path)
     data["model"].update(max_prompt_tokens=4, max_response_tokens=12)
     data["trainer"].update(use_dynamic_bsz=True, max_token_len_per_gpu=15)
-    with pytest.raises(ConfigError, match="max_prompt_tokens") as ei:
+    with pytest.warns(ConfigWarning, match="trains in a micro-batch of its own"):
         validate_config(config_from_dict(data))
-    assert ei.value.key_path == "trainer.max_token_len_per_gpu"
     data["trainer"]["max_token_len_per_gpu"] = 16
     cfg = config_from_dict(data)
     validate_config(cfg)
@@ -288,7 +289,9 @@ def test_a_budget_below_the_longest_row_is_a_config_error(
     assert ei.value.key_path == "trainer.max_token_len_per_gpu"
 
 
-def test_a_dpo_pair_over_the_budget_is_a_config_error(tmp_path: Path, tiny_model_path: str) -> None:
+def test_a_dpo_pair_over_the_budget_is_said_and_trains_alone(
+    tmp_path: Path, tiny_model_path: str, caplog: pytest.LogCaptureFixture
+) -> None:
     import json
 
     rows = tmp_path / "dpo.jsonl"
@@ -300,8 +303,18 @@ def test_a_dpo_pair_over_the_budget_is_a_config_error(tmp_path: Path, tiny_model
     data["buffer"].update(
         train_batch_size=4, trainer_input={"experience_buffer": {"path": str(rows)}}
     )
+    data["buffer"]["trainer_input"]["experience_buffer"]["format"] = {"prompt_key": "prompt"}
     data["trainer"].update(use_dynamic_bsz=True, max_token_len_per_gpu=20)
     run = prepare_run(config_from_dict(data))
-    with pytest.raises(ConfigError, match="DPO pair") as ei:
-        PolicyTrainer(run.cfg, run.model_path, run.algorithm)
-    assert ei.value.key_path == "trainer.max_token_len_per_gpu"
+    trainer = PolicyTrainer(run.cfg, run.model_path, run.algorithm)
+    assert "cannot hold a DPO pair (2 rows)" in caplog.text
+    from rftstream.training.datasets import load_dataset_experiences
+
+    pairs = load_dataset_experiences(
+        run.cfg.buffer.trainer_input.experience_buffer,
+        trainer.tokenizer,
+        schema="dpo",
+        key_path="buffer.trainer_input.experience_buffer",
+    )
+    out = trainer.train_step(pairs * 2)  # 2 pairs: each over the budget, each alone
+    assert out["actor/micro_batches"] == 2
