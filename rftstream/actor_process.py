@@ -49,7 +49,7 @@ from rftstream.console import (
     child_console_handler,
     show_warning_via,
 )
-from rftstream.errors import RftError
+from rftstream.errors import RftError, error_text, mendable_by_restart
 from rftstream.signals import run_with_signals
 
 log = logging.getLogger(__name__)
@@ -82,6 +82,12 @@ def _log_tail(path: Path, lines: int = 8) -> str:
     except OSError:
         return ""
     return "\n".join(text[-lines:])
+
+
+#: the exit code of an actor process that failed in a way a restart cannot mend (a config
+#: error, missing credentials: :func:`rftstream.errors.mendable_by_restart`); ``up`` does
+#: not restart it
+EXIT_NOT_MENDABLE = 3
 
 
 def how_it_ended(code: int | None) -> str:
@@ -259,8 +265,10 @@ class ActorProcess:
 
     def failure(self, code: int | None) -> RftError:
         """The error of a failed exit ``code``: the child, its code and its log's tail."""
+        why = " (not restarted: it would fail the same way again)"
         return RftError(
-            f"the {self.name} process ({'+'.join(self.roles)}) {how_it_ended(code)}; "
+            f"the {self.name} process ({'+'.join(self.roles)}) {how_it_ended(code)}"
+            f"{why if code == EXIT_NOT_MENDABLE else ''}; "
             f"its log {self.log_path} ends with:\n{_log_tail(self.log_path)}"
         )
 
@@ -478,8 +486,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             code = run_with_signals(actors)
     except Exception as exc:  # noqa: BLE001 - the parent reads the reason off the log
         log.exception("failed: %s", exc, extra={"console": False})  # the parent reports it
-        print(f"error: {type(exc).__name__}: {exc}", flush=True)
-        return 1
+        print(f"error: {error_text(exc)}", flush=True)
+        return 1 if mendable_by_restart(exc) else EXIT_NOT_MENDABLE
     log.info("done after %.1fs (exit %d)", time.time() - t0, code)
     if roles == (TRAINER_RANK_ROLE,) and code == 0:
         from rftstream.training.ranks import end_follower_process

@@ -129,6 +129,11 @@ class OperatorError(RftError):
     """An experience operator raised on a batch."""
 
 
+class CredentialsError(OperatorError):
+    """An operator (or a task pipeline op) cannot work without credentials it lacks (see
+    :func:`lacks_credentials`): retrying or restarting cannot mend it."""
+
+
 class ReportError(RftError):
     """A run directory lacks what a report needs (``metrics.jsonl``); names the path."""
 
@@ -184,3 +189,10 @@ def lacks_credentials(exc: BaseException) -> bool:
             todo.extend(e.exceptions)
         todo.extend(x for x in (e.__cause__, e.__context__) if x is not None)
     return False
+
+
+def mendable_by_restart(exc: BaseException) -> bool:
+    """Whether a process that failed with ``exc`` may recover when started again: not for a
+    config error or missing credentials (a restart meets them again), yes for anything
+    else (a lost connection, a crash)."""
+    return not isinstance(first_leaf(exc), ConfigError | CredentialsError)

@@ -88,7 +88,8 @@ def _resolve_algorithm(algorithm: AlgorithmConfig, buffer: BufferConfig) -> Any:
 
 
 def _check_components(cfg: Config) -> None:
-    """Names that only resolve at run time, checked now so the error names the key."""
+    """Names that only resolve at run time, and the operators' arguments, checked now so
+    the error names the key."""
     inp = cfg.buffer.explorer_input
     for key, ts in [*training_tasksets(inp), *eval_tasksets(inp)]:
         try:
@@ -104,6 +105,9 @@ def _check_components(cfg: Config) -> None:
                 raise ConfigError(
                     f"{key}.default_reward_fn_type", str(exc), value=ts.default_reward_fn_type
                 ) from exc
+    # built now (constructors check their arguments and files; the work starts in
+    # prepare()), so a bad argument fails here, not in the operator host after it started
+    create_operators(cfg.data_processor.experience_pipeline.operators)
     if cfg.synchronizer.sync_method == "nccl":
         raise ConfigError(
             "synchronizer.sync_method",

@@ -12,6 +12,8 @@ s (at most 30 s); each restart is one console line and is counted in the end-of-
 summary (:meth:`Supervisor.summary`). Past the limit, the part's error ends the run
 with one line naming the part and why it died. Trainer rank processes are not
 restarted (their collective with rank 0 cannot be rejoined): their death ends the run.
+Nor is a part that exited with :data:`~rftstream.actor_process.EXIT_NOT_MENDABLE` (a
+config error or missing credentials: it would fail the same way again).
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from typing import TYPE_CHECKING
 
 import anyio
 
-from rftstream.actor_process import how_it_ended
+from rftstream.actor_process import EXIT_NOT_MENDABLE, how_it_ended
 from rftstream.errors import RftError
 
 if TYPE_CHECKING:
@@ -67,6 +69,8 @@ class Supervisor:
             if not proc.failed(code):
                 return
             part = proc.name
+            if code == EXIT_NOT_MENDABLE:  # a config error, missing credentials: the same again
+                raise proc.failure(code)
             if not restart or self.restarts[part] >= self.max_restarts:
                 error = proc.failure(code)
                 if restart:

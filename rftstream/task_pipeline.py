@@ -31,7 +31,13 @@ from pathlib import Path
 from typing import Any
 
 from rftstream.config.schema import Config, StorageConfig, TaskPipelineConfig, TasksetConfig
-from rftstream.errors import ConfigError, RftError, error_text
+from rftstream.errors import (
+    ConfigError,
+    CredentialsError,
+    RftError,
+    error_text,
+    lacks_credentials,
+)
 
 __all__ = ["OUTPUT_FILE", "RECORD_FILE", "TaskPipelineResult", "run_task_pipeline"]
 
@@ -170,7 +176,8 @@ def run_task_pipeline(cfg: Config) -> TaskPipelineResult | None:
     except ConfigError:
         raise
     except Exception as exc:  # noqa: BLE001 - a Data-Juicer op may raise anything
-        raise RftError(f"{KEY}: the Data-Juicer ops failed: {error_text(exc)}") from exc
+        kind = CredentialsError if lacks_credentials(exc) else RftError
+        raise kind(f"{KEY}: the Data-Juicer ops failed: {error_text(exc)}") from exc
     out.mkdir(parents=True)
     with (out / OUTPUT_FILE).open("w", encoding="utf-8") as fh:
         for i, j in enumerate(index):

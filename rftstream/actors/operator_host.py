@@ -65,7 +65,7 @@ from rftstream.bus.transport import Delivery, PullSubscription
 from rftstream.errors import (
     BusError,
     ConfigError,
-    OperatorError,
+    CredentialsError,
     PayloadTooLargeError,
     SchemaError,
     error_text,
@@ -449,7 +449,7 @@ class OperatorHost:
             except Exception as exc:  # noqa: BLE001 - user operators may raise anything
                 last = exc
                 if lacks_credentials(exc):  # no batch can succeed: stop the run, say why
-                    raise OperatorError(
+                    raise CredentialsError(
                         f"{self.name} stage {self.from_stage}->{self.to_stage}: {exc} (an "
                         "operator without its credentials cannot process any batch, so the "
                         "run stops; the message stays unacked for when it can)"

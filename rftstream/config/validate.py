@@ -458,6 +458,10 @@ def check_data_paths(
         tasksets += eval_tasksets(cfg.buffer.explorer_input)
     for key, ts in tasksets:
         _check_taskset_path(c, f"{key}.path", ts.path)
+        if ts.path and not ts.path.startswith("builtin:"):
+            from rftstream.tasksets import taskset_files  # imports the schema: not at top
+
+            taskset_files(ts, key)  # the files it reads (a directory listing, no data)
     tin = cfg.buffer.trainer_input
     datasets: list[tuple[str, StorageConfig]] = []
     if trainer and cfg.trainer_reads_dataset and tin.experience_buffer is not None:

@@ -76,6 +76,8 @@ def test_gpu_example_configs_load_and_validate(
     (model / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 32768}))
     monkeypatch.setenv("MODEL_PATH", tiny_model_path)
     monkeypatch.delenv("TASKSET_PATH", raising=False)
+    # loaded as on a GPU machine: without CUDA a vllm engine becomes transformers at load
+    monkeypatch.setattr("rftstream.config.trinity._torch_cuda_available", lambda: True)
     with pytest.raises(ConfigError, match="model.max_response_tokens"):
         prepare_run(load_config(path), run_dir=str(tmp_path / "run"))
     monkeypatch.setenv("MODEL_PATH", str(model))

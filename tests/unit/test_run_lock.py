@@ -190,6 +190,38 @@ def test_the_supervisor_restarts_until_its_limit(monkeypatch: pytest.MonkeyPatch
         anyio.run(lambda: rank.child(_Proc([3]), restart=False), backend="asyncio")  # type: ignore[arg-type]
 
 
+def test_a_part_that_cannot_mend_by_restarting_is_not_restarted(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A config error or missing credentials: the child exits EXIT_NOT_MENDABLE and the run
+    ends with its error at once, not after every restart met it again."""
+    from rftstream.actor_process import EXIT_NOT_MENDABLE
+
+    monkeypatch.setattr("rftstream.supervise.BACKOFF_S", (0.0,))
+    said: list[str] = []
+    sup = Supervisor(said.append, max_restarts=5)
+    proc = _Proc([EXIT_NOT_MENDABLE, 0])
+    with pytest.raises(RftError, match=f"exited with code {EXIT_NOT_MENDABLE}"):
+        anyio.run(sup.child, proc, backend="asyncio")  # type: ignore[arg-type]
+    assert proc.starts == 0 and said == [] and sup.summary() is None
+
+
+def test_errors_a_restart_meets_again_are_told_apart() -> None:
+    from rftstream.errors import (
+        ConfigError,
+        CredentialsError,
+        mendable_by_restart,
+    )
+
+    def grouped(exc: Exception) -> Exception:
+        return ExceptionGroup("unhandled errors in a TaskGroup", [exc])  # noqa: F821 (3.11+)
+
+    assert not mendable_by_restart(ConfigError("model.model_path", "no such directory"))
+    assert not mendable_by_restart(grouped(grouped(CredentialsError("no api key"))))
+    assert mendable_by_restart(grouped(ConnectionError("nats gone")))
+    assert mendable_by_restart(RftError("lost"))
+
+
 def test_how_it_ended() -> None:
     assert how_it_ended(-9) == "was killed by SIGKILL"
     assert how_it_ended(2) == "exited with code 2"

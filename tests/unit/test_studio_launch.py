@@ -27,8 +27,8 @@ from rftstream.studio.live import smoothed_curve
 from rftstream.studio.server import Studio, make_app
 
 WAITS_FOR_SIGINT = """#!/bin/sh
-echo "fake up: $@"
 trap 'echo "fake up: stopping"; exit 130' INT
+echo "fake up: $@"
 while true; do sleep 0.05; done
 """
 FAILS = """#!/bin/sh
