@@ -1203,11 +1203,32 @@ def _monitor_type(source: str, value: Any, ctx: _Ctx) -> Any:
     return value
 
 
+def _checkpoint_root(source: str, value: Any, ctx: _Ctx) -> Any:
+    """An example's placeholder (``/PATH/TO/CHECKPOINT/``, which would make directories at
+    the filesystem root) -> unset: checkpoints go under the run directory."""
+    from rftstream.config.validate import placeholder_hint
+
+    if isinstance(value, str) and placeholder_hint(value):
+        ctx.notes.append(
+            KeyNote(
+                source,
+                "replaced",
+                "an example's placeholder, not a directory: checkpoints go under "
+                "<run_dir>/checkpoints (set a directory of yours to put them elsewhere)",
+                value,
+                ((source, ""),),
+            )
+        )
+        return ""
+    return value
+
+
 ValueRule = Callable[[str, Any, _Ctx], Any]
 
 VALUE_RULES: dict[str, ValueRule] = {
     "synchronizer.sync_method": _sync_method,
     "monitor.monitor_type": _monitor_type,
+    "checkpoint_root_dir": _checkpoint_root,
 }
 
 TRINITY_KEYS: dict[str, Rule] = _build_table()

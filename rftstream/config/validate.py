@@ -397,21 +397,15 @@ def placeholder_hint(path: str) -> str:
 
 def check_output_dirs(cfg: Config, *, source: str | None = None) -> None:
     """``checkpoint_root_dir``, when set, is a directory this process can create and write:
-    not an example's placeholder (``/PATH/TO/CHECKPOINT/``, which would make directories
-    at the filesystem root), and its nearest existing ancestor a writable directory.
-    Blocks for a few ``stat`` calls; creates nothing. Raises :class:`ConfigError` at
+    its nearest existing ancestor a writable directory (an example's placeholder,
+    ``/PATH/TO/CHECKPOINT/``, was unset at load: :mod:`rftstream.config.trinity`). Blocks
+    for a few ``stat`` calls; creates nothing. Raises :class:`ConfigError` at
     ``checkpoint_root_dir``."""
     root = cfg.checkpoint_root_dir
     if not root:
         return
     c = _Checker(source)
     unset = "or remove the key: checkpoints then go under <run_dir>/checkpoints"
-    if placeholder_hint(root):
-        c.fail(
-            "checkpoint_root_dir",
-            f"is an example's placeholder, not a directory: set a directory of yours, {unset}",
-            root,
-        )
     existing = Path(root).expanduser().absolute()
     while not existing.exists() and existing != existing.parent:
         existing = existing.parent
