@@ -145,7 +145,12 @@ def build_parser() -> argparse.ArgumentParser:
     for role in ("explorer", "operator", "trainer"):
         p = sub.add_parser(role, help=f"run the {role} actor alone against an existing NATS server")
         _common(p, need_url=True)
-        p.add_argument("--name", default=role, help="actor name (unique per replica)")
+        p.add_argument(
+            "--name",
+            default=None,
+            help=f"actor name, unique in the run (default: {role}; a spliced operator: "
+            "<operator>-<stage>); an explorer or operator is refused while a live actor has it",
+        )
     op = sub.choices["operator"]
     op.add_argument(
         "operator",
@@ -644,6 +649,7 @@ def cmd_actor(args: argparse.Namespace) -> int:
             return code
     if run is None:
         run = _prepare(args, roles=(args.command,))
+    args.name = args.name or default_actor_name(args)
     url = args.nats_url or ",".join(server_urls(run.cfg.nats))  # else nats.url / nats.servers
     check_standalone_sync(run.cfg, args.command)
     console.print(
@@ -696,8 +702,23 @@ def cmd_actor(args: argparse.Namespace) -> int:
             args.to_stage = args.unsplice
         pipelines = [_operator_pipeline(args) for _ in range(args.replicas)]
 
+    async def name_is_free(*, unless_resuming: str | None = None) -> None:
+        """Refuse a name a live actor has; ``unless_resuming``: a stage whose splice record
+        exists is being resumed (the splice protocol's claim refuses a second live one)."""
+        from rftstream.actors.common import refuse_a_live_name
+        from rftstream.bus.client import Bus
+        from rftstream.wire import STAGE
+
+        async with await Bus.connect(url, run.names, run.cfg.nats, f"{args.name}-start") as bus:
+            state = RunState(await bus.kv())
+            if unless_resuming and await state.get(STAGE.of(stage=unless_resuming)) is not None:
+                return
+            await refuse_a_live_name(state, args.name, args.command)
+
     async def main() -> None:
         await runtime.provision(run, url)
+        if args.command != "trainer":  # one trainer a run; a launcher restarts it at once
+            await name_is_free()
         if args.command == "explorer":
             await runtime.run_explorer(run, url, name=args.name, on_progress=explorer_progress)
         elif args.command == "operator":
@@ -717,6 +738,8 @@ def cmd_actor(args: argparse.Namespace) -> int:
         from rftstream.actors.spliced import run_spliced
 
         await runtime.provision(run, url)
+        if not args.unsplice:  # a resumed unsplice takes over a gone operator's name
+            await name_is_free(unless_resuming=args.to_stage)
         progress.update(task, info="asking the trainer to splice this operator in…")
         outcome = await run_spliced(
             run,
@@ -739,6 +762,18 @@ def cmd_actor(args: argparse.Namespace) -> int:
         if args.command == "operator" and (args.splice or args.unsplice):
             return _run_graceful(spliced)
         return run_with_signals(main)
+
+
+def default_actor_name(args: argparse.Namespace) -> str:
+    """An actor command's name when ``--name`` is not given: the role, and for a spliced
+    operator ``<operator>-<stage>`` (``reward_filter-filtered``; a ``module:Class`` gives
+    its class name in lower case), which cannot collide with ``up``'s operator host."""
+    operator = getattr(args, "operator", None)
+    stage = getattr(args, "to_stage", None)
+    if args.command == "operator" and operator and (args.splice or args.unsplice):
+        short = operator.rsplit(":", 1)[-1].rsplit(".", 1)[-1].lower()
+        return f"{short}-{stage}" if stage else short
+    return str(args.command)
 
 
 def cmd_unsplice(args: argparse.Namespace) -> int:

@@ -12,17 +12,21 @@ from __future__ import annotations
 import gc
 import logging
 import math
+import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, NamedTuple
 
 import anyio
+import msgspec
 
 from rftstream.bus.client import Bus
 from rftstream.bus.state import END_STATUSES, RunState
 from rftstream.bus.transport import Delivery, PullSubscription, Unsubscribe
-from rftstream.errors import BusError, BusTimeout, ConsumerNotFound
+from rftstream.errors import BusError, BusTimeout, ConsumerNotFound, RftError
+from rftstream.subjects import KV_HEARTBEAT
+from rftstream.wire import Heartbeat
 
 log = logging.getLogger(__name__)
 
@@ -58,6 +62,31 @@ async def heartbeat_loop(
         except Exception as exc:  # noqa: BLE001 - a missed heartbeat must not kill the actor
             log.debug("%s: heartbeat failed: %s", actor, exc)
         await anyio.sleep(interval)
+
+
+#: an actor whose heartbeat is younger than this is alive (it writes one every 5 s)
+LIVE_HEARTBEAT_S = 15.0
+
+
+async def refuse_a_live_name(state: RunState, name: str, role: str) -> None:
+    """Raise :class:`~rftstream.errors.RftError` when an actor named ``name`` wrote its
+    heartbeat in the last :data:`LIVE_HEARTBEAT_S` s: a second one would overwrite its
+    heartbeat, its ``status`` row and its splice records. For the standalone actor
+    commands (``up``'s restarted children keep their names). One KV read."""
+    raw = await state.get_raw(KV_HEARTBEAT.format(actor=name))
+    if raw is None:
+        return
+    try:
+        beat = Heartbeat.from_value(msgspec.json.decode(raw), name)
+    except (msgspec.DecodeError, TypeError, ValueError):
+        return
+    age = time.time() - beat.ts
+    if 0 <= age < LIVE_HEARTBEAT_S:
+        raise RftError(
+            f"actor name {name!r} is taken: a live {beat.role} of this run has it (heartbeat "
+            f"{age:.0f}s ago); give this {role} another --name (if that actor is gone, its "
+            f"name is free {LIVE_HEARTBEAT_S - age:.0f}s from now)"
+        )
 
 
 async def wait_for_run_end(state: RunState, poll: float = 0.5) -> str:

@@ -125,3 +125,51 @@ def test_an_actors_error_inside_a_task_group_is_one_line(monkeypatch, capsys) ->
     monkeypatch.setattr(cli, "cmd_status", lambda args: anyio.run(bug) or 0)
     with pytest.raises(BaseException, match="unhandled errors"):  # a bug keeps its traceback
         cli.main(["status", "--nats-url", "nats://127.0.0.1:9"])
+
+
+@pytest.mark.parametrize(
+    ("argv", "name"),
+    [
+        (["operator", "reward_filter", "--splice", "--to", "filtered"], "reward_filter-filtered"),
+        (["operator", "my_ops:DropFlat", "--splice", "--to", "flat"], "dropflat-flat"),
+        (["operator", "my.ops.DropFlat", "--unsplice", "flat"], "dropflat-flat"),
+        (["operator"], "operator"),  # the configured pipeline: up's operator host's name
+        (["explorer"], "explorer"),
+        (["operator", "reward_filter", "--splice", "--to", "f", "--name", "mine"], "mine"),
+    ],
+)
+def test_a_spliced_operators_default_name_is_its_operator_and_stage(
+    argv: list[str], name: str
+) -> None:
+    """Not `operator`, the name of up's operator host: a spliced stage's heartbeat, status
+    row and messages' producer would be taken for the host's."""
+    from rftstream.cli import build_parser, default_actor_name
+
+    args = build_parser().parse_args([*argv, "--nats-url", "nats://127.0.0.1:4222"])
+    if getattr(args, "unsplice", None) and args.operator:
+        args.to_stage = args.unsplice  # as cmd_actor sets it
+    assert (args.name or default_actor_name(args)) == name
+
+
+def test_a_name_a_live_actor_has_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    import time
+
+    import anyio
+
+    from rftstream.actors.common import LIVE_HEARTBEAT_S, refuse_a_live_name
+    from rftstream.bus.memory import MemoryTransport
+    from rftstream.bus.state import RunState
+
+    async def main() -> None:
+        server = MemoryTransport()
+        state = RunState(await server.connection().kv("KV_test", create=True))
+        await refuse_a_live_name(state, "operator", "operator")  # nobody has it
+        await state.heartbeat("operator", "operator", messages_in=3)
+        with pytest.raises(RftError, match="actor name 'operator' is taken") as info:
+            await refuse_a_live_name(state, "operator", "operator")
+        assert "another --name" in str(info.value)
+        real = time.time
+        monkeypatch.setattr(time, "time", lambda: real() + LIVE_HEARTBEAT_S + 1)
+        await refuse_a_live_name(state, "operator", "operator")  # its actor is gone
+
+    anyio.run(main)
