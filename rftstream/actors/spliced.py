@@ -36,6 +36,7 @@ from rftstream.bus.client import Bus
 from rftstream.bus.state import RunState
 from rftstream.errors import ConsumerNotFound, NotFound, RftError
 from rftstream.splice import operator_side, protocol
+from rftstream.subjects import KV_HEARTBEAT
 from rftstream.wire import (
     SPLICE,
     STAGE,
@@ -188,6 +189,12 @@ async def run_spliced(
             tg.start_soon(hosts)
             tg.start_soon(operator_side.refresh_owner, state, to_stage, claimed.owner)
             tg.start_soon(trigger)
+        if outcome == "removed":  # a removed stage's operator leaves no row in `status`
+            replicas = (
+                [name] if len(pipelines) == 1 else [f"{name}-{i}" for i in range(len(pipelines))]
+            )
+            for replica in replicas:
+                await state.delete(KV_HEARTBEAT.format(actor=replica))
         return outcome
 
 

@@ -244,7 +244,11 @@ def test_splice_kill_resume_unsplice_resplice_sigint(
         assert p2.wait(timeout=60) == 0, log2.read_text()[-3000:]
         assert "removed" in log2.read_text()
         job.wait_trained(24)  # unfiltered again
-        assert status()["chain"] == "raw -> train -> trainer"
+        after = status()
+        assert after["chain"] == "raw -> train -> trainer"
+        # the removed operator's row is gone from `status` (the killed one's stays: it
+        # left no word)
+        assert "filter2" not in {h["actor"] for h in after["heartbeats"]}
 
         # splice again, then Ctrl-C: it removes itself and exits 0
         p3, log3 = start(3)
