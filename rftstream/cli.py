@@ -27,6 +27,7 @@ import copy
 import dataclasses
 import json
 import logging
+import os
 import signal
 import sys
 import warnings
@@ -389,8 +390,14 @@ def _prepare(
             roles=roles,
         )
     run.plugin_dirs = tuple(str(Path(d).resolve()) for d in args.plugin_dir or ())
+    run.log_dir = run.run_dir / "logs"
+    if roles == ("operator",) and not (args.run_dir or cfg.run_dir):
+        # an operator joining a run from here writes nothing of the run: no runs/<name>/
+        # in the working directory, its log under the user's state directory
+        state = Path(os.environ.get("XDG_STATE_HOME") or Path.home() / ".local" / "state")
+        run.log_dir = state / "rftstream" / run.names.run / "operator" / "logs"
     if start_logging:
-        _setup_logging(run.run_dir, args.log_level)
+        _setup_logging(run.log_dir.parent, args.log_level)
     return run
 
 
@@ -654,7 +661,7 @@ def cmd_actor(args: argparse.Namespace) -> int:
     check_standalone_sync(run.cfg, args.command)
     console.print(
         f"[bold]{args.command}[/] [cyan]{args.name}[/] of run [cyan]{escape(run.names.display)}[/] "
-        f"on {escape(redact_url(url))}; library output in {escape(str(run.run_dir / 'logs'))}",
+        f"on {escape(redact_url(url))}; library output in {escape(str(run.log_dir))}",
         soft_wrap=True,
     )
     progress = Progress(

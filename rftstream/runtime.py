@@ -62,6 +62,7 @@ class PreparedRun:
     model_path: str
     run_dir: Path
     plugin_dirs: tuple[str, ...] = ()  # --plugin-dir, for actors started in other processes
+    log_dir: Path | None = None  # where this process logs (the CLI sets it; <run_dir>/logs)
 
     @property
     def stages(self) -> list[tuple[str, str]]:

@@ -136,8 +136,8 @@ def test_splice_kill_resume_unsplice_resplice_sigint(
     data["name"] = "splicecli"
     data["buffer"].update({"total_steps": None, "train_batch_size": 8})
     data["nats"] = {"ack_wait": 5.0}  # the killed process's batch comes back after 5 s
-    cfg_path = tmp_path / "run.yaml"
-    cfg_path.write_text(yaml.safe_dump(data))
+    cfg_path = tmp_path / "run.yaml"  # the commands': no run_dir (they join the run)
+    cfg_path.write_text(yaml.safe_dump({k: v for k, v in data.items() if k != "run_dir"}))
     run = prepare_run(config_from_dict(data))
     job = Job(run, nats_url)
     real_step = PolicyTrainer.train_step
@@ -163,6 +163,10 @@ def test_splice_kill_resume_unsplice_resplice_sigint(
     ]
     procs: list[subprocess.Popen[bytes]] = []
 
+    workdir = tmp_path / "cwd"  # where the operators are started: they leave nothing there
+    workdir.mkdir()
+    env = {**env, "XDG_STATE_HOME": str(tmp_path / "state")}
+
     def start(n: int, *extra: str) -> tuple[subprocess.Popen[bytes], Path]:
         log = tmp_path / f"op{n}.log"
         with open(log, "w") as out:
@@ -171,6 +175,7 @@ def test_splice_kill_resume_unsplice_resplice_sigint(
                 stdout=out,
                 stderr=subprocess.STDOUT,
                 env=env,
+                cwd=workdir,
             )
         procs.append(p)
         return p, log
@@ -270,6 +275,9 @@ def test_splice_kill_resume_unsplice_resplice_sigint(
 
     final = status()
     assert final["status"] == "finished" and final["chain"] == "raw -> train -> trainer"
+    # no runs/<name>/ where they were started; their logs are under the user's state dir
+    assert list(workdir.iterdir()) == []
+    assert list((tmp_path / "state" / "rftstream").glob("*/operator/logs/rftstream.log"))
     topology = _kv(nats_url, run, KV_TOPOLOGY)
     assert [e["op"] for e in topology] == ["splice", "unsplice", "splice", "unsplice"]
     cuts = [int(e["seq"]) for e in topology]
