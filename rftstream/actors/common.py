@@ -64,29 +64,46 @@ async def heartbeat_loop(
         await anyio.sleep(interval)
 
 
-#: an actor whose heartbeat is younger than this is alive (it writes one every 5 s)
+#: a heartbeat older than this has no live actor behind it (one is written every 5 s)
 LIVE_HEARTBEAT_S = 15.0
+#: how long a younger one is watched for the next write: a killed actor writes none
+HEARTBEAT_WATCH_S = 6.0
 
 
-async def refuse_a_live_name(state: RunState, name: str, role: str) -> None:
-    """Raise :class:`~rftstream.errors.RftError` when an actor named ``name`` wrote its
-    heartbeat in the last :data:`LIVE_HEARTBEAT_S` s: a second one would overwrite its
-    heartbeat, its ``status`` row and its splice records. For the standalone actor
-    commands (``up``'s restarted children keep their names). One KV read."""
+async def refuse_a_live_name(
+    state: RunState, name: str, role: str, *, watch_s: float = HEARTBEAT_WATCH_S
+) -> None:
+    """Raise :class:`~rftstream.errors.RftError` when a live actor of the run is named
+    ``name``: a second one would overwrite its heartbeat, its ``status`` row and its splice
+    records. A heartbeat younger than :data:`LIVE_HEARTBEAT_S` is watched for up to
+    ``watch_s`` s: rewritten, its actor is alive (refused); not, it was killed and the
+    name is free (a crashed actor restarted at once under its name). For the standalone
+    actor commands (``up``'s restarted children keep their names). Blocks for KV reads,
+    ``watch_s`` at most."""
+    first = await _heartbeat_ts(state, name)
+    if first is None or not 0 <= time.time() - first < LIVE_HEARTBEAT_S:
+        return
+    deadline = time.monotonic() + watch_s
+    while time.monotonic() < deadline:
+        await anyio.sleep(min(0.5, watch_s))
+        latest = await _heartbeat_ts(state, name)
+        if latest is not None and latest > first:
+            raise RftError(
+                f"actor name {name!r} is taken: a live actor of this run has it (its "
+                f"heartbeat was written {time.time() - latest:.0f}s ago); give this {role} "
+                "another --name"
+            )
+    log.info("%s: the earlier actor named %r is gone (no heartbeat since)", role, name)
+
+
+async def _heartbeat_ts(state: RunState, name: str) -> float | None:
     raw = await state.get_raw(KV_HEARTBEAT.format(actor=name))
     if raw is None:
-        return
+        return None
     try:
-        beat = Heartbeat.from_value(msgspec.json.decode(raw), name)
+        return Heartbeat.from_value(msgspec.json.decode(raw), name).ts
     except (msgspec.DecodeError, TypeError, ValueError):
-        return
-    age = time.time() - beat.ts
-    if 0 <= age < LIVE_HEARTBEAT_S:
-        raise RftError(
-            f"actor name {name!r} is taken: a live {beat.role} of this run has it (heartbeat "
-            f"{age:.0f}s ago); give this {role} another --name (if that actor is gone, its "
-            f"name is free {LIVE_HEARTBEAT_S - age:.0f}s from now)"
-        )
+        return None
 
 
 async def wait_for_run_end(state: RunState, poll: float = 0.5) -> str:

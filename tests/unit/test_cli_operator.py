@@ -151,12 +151,10 @@ def test_a_spliced_operators_default_name_is_its_operator_and_stage(
     assert (args.name or default_actor_name(args)) == name
 
 
-def test_a_name_a_live_actor_has_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
-    import time
-
+def test_a_name_a_live_actor_has_is_refused_and_a_killed_ones_is_free() -> None:
     import anyio
 
-    from rftstream.actors.common import LIVE_HEARTBEAT_S, refuse_a_live_name
+    from rftstream.actors.common import refuse_a_live_name
     from rftstream.bus.memory import MemoryTransport
     from rftstream.bus.state import RunState
 
@@ -164,12 +162,23 @@ def test_a_name_a_live_actor_has_is_refused(monkeypatch: pytest.MonkeyPatch) -> 
         server = MemoryTransport()
         state = RunState(await server.connection().kv("KV_test", create=True))
         await refuse_a_live_name(state, "operator", "operator")  # nobody has it
+        # a live actor: its heartbeat is written again while the newcomer watches
         await state.heartbeat("operator", "operator", messages_in=3)
-        with pytest.raises(RftError, match="actor name 'operator' is taken") as info:
-            await refuse_a_live_name(state, "operator", "operator")
+
+        async def beating() -> None:
+            while True:
+                await anyio.sleep(0.1)
+                await state.heartbeat("operator", "operator", messages_in=4)
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(beating)
+            with pytest.raises(RftError, match="actor name 'operator' is taken") as info:
+                await refuse_a_live_name(state, "operator", "operator", watch_s=1.0)
+            tg.cancel_scope.cancel()
         assert "another --name" in str(info.value)
-        real = time.time
-        monkeypatch.setattr(time, "time", lambda: real() + LIVE_HEARTBEAT_S + 1)
-        await refuse_a_live_name(state, "operator", "operator")  # its actor is gone
+        # killed: its last heartbeat is young but never written again; the name is free
+        await state.heartbeat("explorer", "explorer")
+        with anyio.fail_after(5):
+            await refuse_a_live_name(state, "explorer", "explorer", watch_s=0.5)
 
     anyio.run(main)
