@@ -55,7 +55,10 @@ def test_the_handed_command_line_runs_with_its_log_file(tmp_path: Path) -> None:
             return await proc.wait()
 
     code = anyio.run(wait)
-    assert code == 1 and proc.returncode == 1
+    # a config error: the exit code that tells up not to restart it
+    from rftstream.actor_process import EXIT_NOT_MENDABLE
+
+    assert code == EXIT_NOT_MENDABLE and proc.returncode == EXIT_NOT_MENDABLE
     text = log.read_text()
     assert "error:" in text and "nowhere.yaml" in text, text[-2000:]
 
