@@ -50,7 +50,7 @@ from rftstream.console import (
     print_warning_on,
     show_warning_via,
 )
-from rftstream.errors import BusError, ConfigError, RftError, SchemaError
+from rftstream.errors import BusError, ConfigError, RftError, SchemaError, first_leaf
 from rftstream.signals import run_with_signals
 from rftstream.step_lines import format_number, step_line
 from rftstream.subjects import RunNames
@@ -1142,12 +1142,6 @@ def cmd_debug(args: argparse.Namespace) -> int:
     return 0
 
 
-def _first_leaf(group: BaseException) -> BaseException:
-    while isinstance(group, BaseExceptionGroup):
-        group = group.exceptions[0]
-    return group
-
-
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     warnings.showwarning = show_warning_via(print_warning_on(console))
@@ -1191,7 +1185,7 @@ def main(argv: list[str] | None = None) -> int:
         if errors is None or rest is not None:
             terminal.restore()
             raise
-        exc = _first_leaf(errors)
+        exc = first_leaf(errors)
         console.print(f"[bold red]error:[/] {escape(str(exc))}", soft_wrap=True)
         return 2
     except KeyboardInterrupt:  # Ctrl-C before the actors started (model build, config)

@@ -25,7 +25,7 @@ from rich.markup import escape
 
 from rftstream.config.schema import TRAINER_MODES, Config
 from rftstream.config.stages import StageConfig
-from rftstream.errors import RftError
+from rftstream.errors import RftError, first_leaf
 from rftstream.runtime import PreparedRun
 from rftstream.weights import checkpoint_dir
 
@@ -68,9 +68,7 @@ def _only_rft_errors(group: BaseExceptionGroup) -> RftError | None:
     errors, rest = group.split(RftError)
     if errors is None or rest is not None:
         return None
-    leaf: BaseException = errors
-    while isinstance(leaf, BaseExceptionGroup):
-        leaf = leaf.exceptions[0]
+    leaf = first_leaf(errors)
     return leaf if isinstance(leaf, RftError) else None
 
 

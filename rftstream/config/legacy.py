@@ -23,10 +23,10 @@ import warnings
 from typing import Any
 
 from rftstream.config.paths import ROOT
+from rftstream.config.trinity import MIX_FAMILY, TrinityConfigWarning
 from rftstream.errors import ConfigError
 
 __all__ = [
-    "MIX_FAMILY",
     "check_pre_release_layout",
     "moving_overrides",
     "sft_warmup_as_stages",
@@ -34,8 +34,11 @@ __all__ = [
     "upgrade_layout",
 ]
 
-#: algorithms whose ``sft_warmup_dataset`` was their expert data (Trinity-RFT 0.2-0.3.0)
-MIX_FAMILY = ("mix", "mix_chord")
+# the keys the SFT warm-up moves into a stage (their command-line overrides go first)
+_WARMUP_KEYS = (
+    "buffer.trainer_input.sft_warmup_dataset",
+    "buffer.trainer_input.sft_warmup_steps",
+)
 
 # the pre-0.1 ``data:`` keys users meet most, and where Trinity-RFT 0.1.0 put them
 _PRE_RELEASE_KEYS = {
@@ -102,8 +105,6 @@ def sft_warmup_as_stages(data: dict[str, Any]) -> dict[str, Any]:
         },
         {"stage_name": "rft"},
     ]
-    from rftstream.config.trinity import TrinityConfigWarning
-
     warnings.warn(
         f"config keys `buffer.trainer_input.sft_warmup_dataset` and `sft_warmup_steps` "
         f"(Trinity-RFT 0.1-0.3.0; 0.3.1 moved the SFT warm-up to `stages:`) -> stages "
@@ -119,7 +120,7 @@ def moving_overrides(data: Any, overrides: list[str]) -> list[str]:
     """The ``overrides`` that name keys :func:`upgrade_layout` moves (the command line names
     the file's own keys, ``buffer.trainer_input.sft_warmup_dataset.path=...``): to be
     applied before it."""
-    if not isinstance(data, dict) or sft_warmup_as_stages_needed(data) is False:
+    if not isinstance(data, dict) or not sft_warmup_as_stages_needed(data):
         return []
     return [o for o in overrides if o.startswith(_WARMUP_KEYS)]
 
@@ -143,9 +144,3 @@ def upgrade_layout(data: Any, source: str | None = None) -> Any:
     :func:`moving_overrides` first."""
     check_pre_release_layout(data, source)
     return sft_warmup_as_stages(data) if isinstance(data, dict) else data
-
-
-_WARMUP_KEYS = (
-    "buffer.trainer_input.sft_warmup_dataset",
-    "buffer.trainer_input.sft_warmup_steps",
-)

@@ -535,12 +535,16 @@ def _storage_algorithm_type(source: str, value: Any, ctx: _Ctx) -> None:
         ctx.ignore(source, value, _STORAGE_ALGORITHM + "; the algorithm's own schema applies")
 
 
+#: algorithms whose ``sft_warmup_dataset`` was their expert data (Trinity-RFT 0.2-0.3.0)
+MIX_FAMILY = ("mix", "mix_chord")
+
+
 def _sft_warmup_dataset(source: str, value: Any, ctx: _Ctx) -> None:
     """0.1-0.3.0's ``sft_warmup_dataset``: MIX/CHORD's expert data -> the auxiliary buffer
     ``sft_dataset`` (a warm-up of other algorithms became ``stages:`` when the file was
     read, :mod:`rftstream.config.legacy`; what is left here has 0 warm-up steps)."""
     algorithm = ctx.get("algorithm.algorithm_type")
-    if algorithm in ("mix", "mix_chord") and isinstance(value, dict):
+    if algorithm in MIX_FAMILY and isinstance(value, dict):
         data = {k: v for k, v in value.items() if k not in ("algorithm_type", "name")}
         data.setdefault("schema_type", "sft")
         for key, item in data.items():
@@ -661,18 +665,13 @@ def _storage_rules(prefix: str) -> dict[str, Rule]:
         f"{prefix}.max_retry_times": Ignored(_SQL),
         f"{prefix}.max_retry_interval": Ignored(_SQL),
         f"{prefix}.algorithm_type": Mapped("sft|dpo -> schema_type", _storage_algorithm_type),
-        f"{prefix}.use_priority_queue": Ignored(
-            _release("0.2-0.3.1", "0.3.2 moved it to replay_buffer")
-            + "; replay of stored experience is not supported"
-        ),
-        f"{prefix}.reuse_cooldown_time": Ignored(
-            _release("0.2-0.3.1", "0.3.2 moved it to replay_buffer")
-            + "; replay of stored experience is not supported"
-        ),
-        f"{prefix}.replay_buffer_kwargs": Ignored(
-            _release("0.2-0.3.1", "0.3.2 moved it to replay_buffer")
-            + "; replay of stored experience is not supported"
-        ),
+        **{
+            f"{prefix}.{k}": Ignored(
+                _release("0.2-0.3.1", "0.3.2 moved it to replay_buffer")
+                + "; replay of stored experience is not supported"
+            )
+            for k in ("use_priority_queue", "reuse_cooldown_time", "replay_buffer_kwargs")
+        },
         f"{prefix}.enable_progress_bar": Ignored("no progress bar for loading data here"),
         f"{prefix}.data_selector": Mapped(
             "selector_type sequential|shuffle -> shuffle, seed -> seed", _data_selector
@@ -796,16 +795,14 @@ def _build_table() -> dict[str, Rule]:
         ),
         # buffer
         "buffer.explorer_output": Ignored(_AUTO),
-        "buffer.max_retry_times": Ignored(
-            _release("0.1-0.2", "SQL sessions' retries; 0.3 moved it onto each storage")
-            + "; "
-            + _SQL
-        ),
-        "buffer.max_retry_interval": Ignored(
-            _release("0.1-0.2", "SQL sessions' retries; 0.3 moved it onto each storage")
-            + "; "
-            + _SQL
-        ),
+        **{
+            f"buffer.{k}": Ignored(
+                _release("0.1-0.2", "SQL sessions' retries; 0.3 moved it onto each storage")
+                + "; "
+                + _SQL
+            )
+            for k in ("max_retry_times", "max_retry_interval")
+        },
         "buffer.explore_batch_size": Mapped("-> buffer.batch_size", _explore_batch_size),
         "buffer.trainer_input.sft_warmup_dataset": Mapped(
             "MIX/CHORD: -> auxiliary_buffers.sft_dataset; others: stages", _sft_warmup_dataset

@@ -55,11 +55,20 @@ def dataset_rows(storage: StorageConfig, key_path: str) -> list[tuple[str, dict[
         for f in taskset_files(storage, key_path)
         for i, row in enumerate(read_data_file(f, key_path))
     ]
+    return _objects(numbered, p, f"{key_path}.path", value=storage.path)
+
+
+def _objects(
+    numbered: list[tuple[str, Any]], source: Path, key_path: str, *, value: str | None = None
+) -> list[tuple[str, dict[str, Any]]]:
+    """``numbered`` when it is not empty and every row is an object; a
+    :class:`ConfigError` at ``key_path`` naming the row (or ``source``, and ``value``)
+    otherwise."""
     for where, row in numbered:
         if not isinstance(row, dict):
-            raise ConfigError(f"{key_path}.path", f"{where}: a {type(row).__name__}, not an object")
+            raise ConfigError(key_path, f"{where}: a {type(row).__name__}, not an object")
     if not numbered:
-        raise ConfigError(f"{key_path}.path", f"{p}: the dataset is empty", value=storage.path)
+        raise ConfigError(key_path, f"{source}: the dataset is empty", value=value)
     return numbered
 
 
@@ -86,12 +95,7 @@ def read_numbered_rows(path: str | Path, key_path: str) -> list[tuple[str, dict[
                 numbered.append((f"{p}:{lineno}", json.loads(line)))
             except json.JSONDecodeError as exc:
                 raise ConfigError(key_path, f"{p}:{lineno}: not valid JSON: {exc}") from exc
-    for where, row in numbered:
-        if not isinstance(row, dict):
-            raise ConfigError(key_path, f"{where}: a {type(row).__name__}, not an object")
-    if not numbered:
-        raise ConfigError(key_path, f"{p}: the dataset is empty")
-    return numbered
+    return _objects(numbered, p, key_path)
 
 
 class _Renderer:
