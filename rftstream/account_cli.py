@@ -73,6 +73,7 @@ def print_account(account: RunAccount, console: Console, *, title: str) -> None:
         console.print(tasks)
     table = Table(title=f"run {escape(title)}: experiences by stage")
     table.add_column("stage")
+    table.add_column("sequences")
     table.add_column("durable")
     for col in ("in", "out / trained", "filtered", "dead-lettered", "pending", "malformed"):
         table.add_column(col, justify="right")
@@ -82,6 +83,7 @@ def print_account(account: RunAccount, console: Console, *, title: str) -> None:
             mal += f" ({s.malformed_dead} dead, {s.malformed_pending} pending)"
         table.add_row(
             f"{s.from_stage} -> {'trained' if s.trainer else s.to_stage}",
+            "all" if s.whole else s.sequences(),
             s.durable,
             str(s.experiences_in),
             str(s.out),
@@ -106,7 +108,7 @@ def print_account(account: RunAccount, console: Console, *, title: str) -> None:
         )
     if not account.purged:
         console.print("every stored experience checked by id (nothing purged)", markup=False)
-    for note in account.floor_notes():
+    for note in [*account.notes, *account.floor_notes()]:
         console.print(note, markup=False)
     for (stage, reason), n in account.dead_by.most_common(8):
         console.print(f"dead letters at {stage} ({n}x): {reason}", markup=False)

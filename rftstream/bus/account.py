@@ -36,6 +36,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import Counter, defaultdict
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -43,12 +44,21 @@ import msgspec
 
 from rftstream.bus.client import Bus
 from rftstream.bus.purged import PurgedPrefix, read_purged
+from rftstream.bus.reader_history import TRAINED, Segment, durable_range, reader_segments
 from rftstream.bus.state import RunState
 from rftstream.bus.transport import ConsumerState
 from rftstream.errors import BusError, SchemaError, StreamNotFound
 from rftstream.experience import H_COUNT, decode_group_msg
 from rftstream.subjects import META_TO_STAGE, RAW_STAGE, TRAIN_STAGE
-from rftstream.wire import H_DLQ_REASON, H_DLQ_SEQ, H_DLQ_STAGE, H_DLQ_SUBJECT, MetricsMsg
+from rftstream.wire import (
+    H_DLQ_REASON,
+    H_DLQ_SEQ,
+    H_DLQ_STAGE,
+    H_DLQ_SUBJECT,
+    TOPOLOGY,
+    MetricsMsg,
+    TopologyEdge,
+)
 
 TRAINED_TOTAL = "experience/trained_total"
 log = logging.getLogger(__name__)
@@ -124,6 +134,18 @@ class StageAccount:
     # messages past the durable's ack floor that are acked all the same (the floor lags, see
     # Durable.delivered); its unacked ones are taken to be the latest delivered
     acked_above_floor: int = 0
+    # the stream sequences of exp.<from> this reader read, [lo, hi) (hi None: to the end);
+    # a splice hands part of a stage to an operator (see rftstream.bus.reader_history)
+    segments: list[tuple[int, int | None]] = field(default_factory=lambda: [(0, None)])
+
+    @property
+    def whole(self) -> bool:
+        """Whether this reader read its stage from the first message on."""
+        return self.segments == [(0, None)]
+
+    def sequences(self) -> str:
+        """Its segments as text, e.g. ``1-50, 91-``."""
+        return ", ".join(f"{max(lo, 1)}-{'' if hi is None else hi - 1}" for lo, hi in self.segments)
 
 
 @dataclass(frozen=True)
@@ -168,6 +190,10 @@ class RunAccount:
     dead_by: Counter[tuple[str, str]] = field(default_factory=Counter)  # (stage, reason)
     purged: dict[str, PurgedPrefix] = field(default_factory=dict)  # stage -> purge record
     tasks: TaskAccount | None = None
+    notes: list[str] = field(default_factory=list)  # what the reader should know, not a fault
+    # experiences trained whose messages the trainer still holds unacked (pending at its
+    # stage until its next resumable checkpoint): counted as trained, not as pending
+    trained_held: int = 0
 
     @property
     def filtered(self) -> int:
@@ -180,7 +206,8 @@ class RunAccount:
 
     @property
     def pending(self) -> int:
-        return sum(s.pending for s in self.stages)
+        """Experiences not settled yet (less those trained and held: they count as trained)."""
+        return sum(s.pending for s in self.stages) - self.trained_held
 
     @property
     def malformed_dead(self) -> int:
@@ -193,7 +220,7 @@ class RunAccount:
     @property
     def settled(self) -> bool:
         """Nothing is pending anywhere (a finished run's account)."""
-        return self.pending == 0 and self.malformed_pending == 0
+        return sum(s.pending for s in self.stages) == 0 and self.malformed_pending == 0
 
     @property
     def balanced(self) -> bool:
@@ -215,12 +242,14 @@ class RunAccount:
             "filtered": self.filtered,
             "dead_lettered": self.dead_lettered,
             "pending": self.pending,
+            "trained_held": self.trained_held,
             "malformed": self.malformed,
             "malformed_dead_lettered": self.malformed_dead,
             "dead_letters": self.dead_letters,
             "balanced": self.balanced,
             "settled": self.settled,
             "problems": list(self.problems),
+            "notes": [*self.notes, *self.floor_notes()],
             "tasks": None
             if self.tasks is None
             else {
@@ -235,6 +264,7 @@ class RunAccount:
                     "messages": r.messages,
                     "experiences": r.experiences,
                     "malformed": r.malformed,
+                    "splits": {str(seq): list(n) for seq, n in sorted(r.splits.items())},
                 }
                 for stage, r in self.purged.items()
             },
@@ -256,6 +286,7 @@ class RunAccount:
                     "purged_experiences": s.purged_experiences,
                     "checked_by_id_from_seq": s.checked_from_seq,
                     "acked_above_floor": s.acked_above_floor,
+                    "sequences": [[lo, hi] for lo, hi in s.segments],
                     "dead_reasons": dict(s.dead_reasons),
                 }
                 for s in self.stages
@@ -301,7 +332,11 @@ class RunAccount:
                 f"  exp.{stage} purged below sequence {rec.below_seq}: {rec.messages} messages, "
                 f"{rec.experiences} experiences counted from the purge record"
             )
-        lines.extend(f"  {note}" for note in self.floor_notes())
+        for s in self.stages:
+            if not s.whole:
+                reader = "the trainer" if s.trainer else f"the operator writing exp.{s.to_stage}"
+                lines.append(f"  exp.{s.from_stage} sequences {s.sequences()}: read by {reader}")
+        lines.extend(f"  {note}" for note in [*self.notes, *self.floor_notes()])
         for (stage, reason), n in self.dead_by.most_common(8):
             lines.append(f"  dead letters at {stage} ({n}x): {reason}")
         lines.extend(f"  problem: {p}" for p in self.problems)
@@ -318,6 +353,7 @@ def reconcile(
     trained: int | None,
     purged: dict[str, PurgedPrefix] | None = None,
     tasks: TaskAccount | None = None,
+    topology: Sequence[TopologyEdge] = (),
 ) -> RunAccount:
     """Build the account from what the streams hold (pure: no I/O).
 
@@ -325,6 +361,10 @@ def reconcile(
     ``below_seq`` as purged: its messages are counted from the record (every
     consumer of the subject had acked them, the purge's precondition), stored
     messages below it are ignored, and the rest is checked by experience id.
+    ``topology`` (the KV list of splices and unsplices, oldest first) says which
+    stream sequences of a stage the trainer read and which a spliced operator
+    read (:mod:`rftstream.bus.reader_history`): each reader gets its own row, and
+    the trainer's rows together must add up to what it trained.
     """
     purged = purged or {}
     by_stage: dict[str, list[StoredMessage]] = defaultdict(list)
@@ -332,6 +372,7 @@ def reconcile(
         if m.seq >= _below(purged, m.stage):
             by_stage[m.stage].append(m)
     problems: list[str] = []
+    notes: list[str] = []
     uids_on: dict[str, set[str]] = {}
     for stage, msgs in by_stage.items():
         counts = Counter(u for m in msgs if m.uids is not None for u in m.uids)
@@ -342,8 +383,8 @@ def reconcile(
             )
         uids_on[stage] = set(counts)
     dead_seqs: dict[str, dict[int, str]] = defaultdict(dict)
-    dead_purged: Counter[str] = Counter()  # stage -> experiences dead-lettered from its prefix
-    dead_purged_malformed: Counter[str] = Counter()
+    # stage -> (original sequence, experiences or None: malformed) dead-lettered from its prefix
+    dead_purged: dict[str, list[tuple[int, int | None]]] = defaultdict(list)
     dead_by: Counter[tuple[str, str]] = Counter()
     for d in dead_letters:
         dead_by[(d.stage, d.reason)] += 1
@@ -351,10 +392,7 @@ def reconcile(
         if stage is None or d.seq is None:
             continue
         if d.seq < _below(purged, stage):
-            if d.experiences is None:
-                dead_purged_malformed[stage] += 1
-            else:
-                dead_purged[stage] += d.experiences
+            dead_purged[stage].append((d.seq, d.experiences))
         else:
             dead_seqs[stage][d.seq] = d.reason
     for stage, rec in purged.items():
@@ -364,22 +402,45 @@ def reconcile(
                     f"exp.{stage} was purged below sequence {rec.below_seq} but durable "
                     f"{dur.name} had acked only up to {dur.ack_floor}: unacked experience purged"
                 )
+    readers = reader_segments(
+        {(d.from_stage, d.to_stage) for d in durables if not d.trainer},
+        _trainer_stage(durables),
+        topology,
+    )
     stages: list[StageAccount] = []
-    for dur in sorted(durables, key=lambda d: _stage_order(d, durables)):
-        trainer = dur.trainer
-        acc = StageAccount(dur.from_stage, dur.to_stage, dur.name, trainer)
-        rec = purged.get(dur.from_stage, PurgedPrefix())
-        acc.purged_messages, acc.purged_experiences = rec.messages, rec.experiences
+    for (from_stage, reader), segments in sorted(
+        readers.items(), key=lambda kv: _chain_order(kv[0], kv[1], readers)
+    ):
+        trainer = reader == TRAINED
+        live = [
+            d
+            for d in durables
+            if d.from_stage == from_stage
+            and d.trainer == trainer
+            and (trainer or d.to_stage == reader)
+        ]
+        acc = StageAccount(from_stage, reader, ", ".join(d.name for d in live) or "-", trainer)
+        acc.segments = [(s.lo, s.hi) for s in segments]
+        rec = purged.get(from_stage, PurgedPrefix())
+        p_msgs, p_exps, p_malformed, split_known = _purged_part(rec, segments)
+        if not split_known:
+            notes.append(
+                f"exp.{from_stage} was purged past a splice's cut before the cut was recorded "
+                "(a run of an older release): its purged prefix is counted at its first reader"
+            )
+        acc.purged_messages, acc.purged_experiences = p_msgs, p_exps
         acc.checked_from_seq = rec.below_seq
-        msgs = by_stage.get(dur.from_stage, [])
-        acc.messages_in = len(msgs) + rec.messages
-        in_uids = uids_on.get(dur.from_stage, set())
-        acc.experiences_in = len(in_uids) + rec.experiences
-        dead_here = dead_seqs.get(dur.from_stage, {})
+        msgs = [m for m in by_stage.get(from_stage, []) if _holds(segments, m.seq)]
+        acc.messages_in = len(msgs) + p_msgs
+        in_uids = {u for m in msgs if m.uids is not None for u in m.uids}
+        acc.experiences_in = len(in_uids) + p_exps
+        dead_here = dead_seqs.get(from_stage, {})
+        prefix_dead = [n for seq, n in dead_purged.get(from_stage, []) if _holds(segments, seq)]
+        dead_from_prefix = sum(n for n in prefix_dead if n is not None)
         dead_uids: set[str] = set()
-        unacked: list[StoredMessage] = []  # past the ack floor, not dead-lettered
-        acc.malformed_in = rec.malformed
-        acc.malformed_dead = dead_purged_malformed[dur.from_stage]
+        not_dead: list[StoredMessage] = []
+        acc.malformed_in = p_malformed
+        acc.malformed_dead = sum(n is None for n in prefix_dead)
         for m in msgs:
             if m.seq in dead_here:
                 if m.uids is None:
@@ -387,62 +448,64 @@ def reconcile(
                 else:
                     dead_uids.update(m.uids)
                 acc.dead_reasons[dead_here[m.seq]] += 1
-            elif m.seq > dur.ack_floor:
-                unacked.append(m)
+            else:
+                not_dead.append(m)
             if m.uids is None:
                 acc.malformed_in += 1
         out_uids: set[str] = set()
         from_prefix = 0  # experiences out of this stage that came from its purged prefix
-        if trainer:
-            acc.out = trained or 0
-        else:
-            downstream = uids_on.get(dur.to_stage, set())
+        if not trainer:
+            downstream = uids_on.get(reader, set())
             out_uids = downstream & in_uids
             nowhere = downstream - in_uids
-            if not _fed_by_others(dur, durables):
-                down_rec = purged.get(dur.to_stage, PurgedPrefix())
-                if rec.messages:  # by id, these may come from the purged prefix
+            if not _fed_by_others((from_stage, reader), readers):
+                down_rec = purged.get(reader, PurgedPrefix())
+                if p_msgs:  # by id, these may come from the purged prefix
                     from_prefix = len(nowhere)
                 elif nowhere:
                     problems.append(
-                        f"{len(nowhere)} experience(s) on exp.{dur.to_stage} were never on "
-                        f"exp.{dur.from_stage} (e.g. {sorted(nowhere)[0]})"
+                        f"{len(nowhere)} experience(s) on exp.{reader} were never on "
+                        f"exp.{from_stage} (e.g. {sorted(nowhere)[0]})"
                     )
                 from_prefix += down_rec.experiences
             acc.out = len(out_uids) + from_prefix
-        pending_msgs, acc.acked_above_floor = _unacked_messages(dur, unacked, out_uids)
+        pending_msgs: list[StoredMessage] = []
+        for dur in live:  # a reader whose durable is gone acked all it read
+            served = durable_range(segments, dur.ack_floor)
+            past_floor = [
+                m
+                for m in not_dead
+                if m.seq > dur.ack_floor and served is not None and served.holds(m.seq)
+            ]
+            held, acked_above = _unacked_messages(dur, past_floor, out_uids)
+            pending_msgs.extend(held)
+            acc.acked_above_floor += acked_above
         pending_uids = {u for m in pending_msgs if m.uids is not None for u in m.uids}
         acc.malformed_pending = sum(m.uids is None for m in pending_msgs)
         pending_uids -= out_uids | dead_uids
-        acc.dead = len(dead_uids) + dead_purged[dur.from_stage]
+        acc.dead = len(dead_uids) + dead_from_prefix
         acc.pending = len(pending_uids)
         if trainer:
-            left = acc.experiences_in - acc.dead - acc.pending - acc.out
-            if trained is None:
-                problems.append("the trainer published no experience/trained_total record")
-            elif left < 0:
-                problems.append(
-                    f"the trainer trained {acc.out} experiences but only "
-                    f"{acc.experiences_in - acc.dead - acc.pending} reached it and were not "
-                    f"dead-lettered or pending: {-left} trained twice (or counted twice)"
-                )
-            elif left > 0:
-                problems.append(
-                    f"{left} experience(s) on exp.{dur.from_stage} were neither trained, "
-                    "dead-lettered nor pending: lost"
-                )
+            acc.out = acc.experiences_in - acc.dead - acc.pending  # what reached it, settled
         else:
             by_id = len(in_uids - out_uids - dead_uids - pending_uids)
-            acc.filtered = by_id + rec.experiences - dead_purged[dur.from_stage] - from_prefix
+            acc.filtered = by_id + p_exps - dead_from_prefix - from_prefix
             if acc.filtered < 0:
                 problems.append(
-                    f"{-acc.filtered} more experience(s) left exp.{dur.from_stage} for "
-                    f"exp.{dur.to_stage} than arrived (counted from the purged prefix): "
+                    f"{-acc.filtered} more experience(s) left exp.{from_stage} for "
+                    f"exp.{reader} than arrived (counted from the purged prefix): "
                     "from nowhere or stored twice"
                 )
                 acc.filtered = 0
         stages.append(acc)
-    if not any(s.trainer for s in stages):
+    trainer_problems, trained_held = _trainer_problems([s for s in stages if s.trainer], trained)
+    problems.extend(trainer_problems)
+    if trained_held:
+        notes.append(
+            f"{trained_held} pending experience(s) at the trainer are trained already: it holds "
+            "their messages unacked until its next resumable checkpoint (counted as trained)"
+        )
+    if not any(d.trainer for d in durables):
         problems.append("no trainer durable on the experience stream")
     if not any(s.from_stage == RAW_STAGE for s in stages):
         problems.append("no durable reads exp.raw")
@@ -461,7 +524,39 @@ def reconcile(
         dead_by=dead_by,
         purged=dict(purged),
         tasks=tasks,
+        notes=list(dict.fromkeys(notes)),
+        trained_held=trained_held,
     )
+
+
+def _trainer_problems(rows: list[StageAccount], trained: int | None) -> tuple[list[str], int]:
+    """What the trainer's rows (one per stage it read) and its trained count cannot both be,
+    and how many experiences it trained that are still pending (held unacked until its next
+    resumable checkpoint: a running account).
+
+    One row: it trained what it was given (its ``out`` becomes ``trained``). Several (a run
+    that spliced an operator in front of it): together they must add up to ``trained``.
+    Trained beyond what reached it is "trained twice" only past what is pending there."""
+    if not rows:
+        return [], 0
+    if trained is None:
+        return ["the trainer published no experience/trained_total record"], 0
+    reached = sum(s.out for s in rows)
+    if len(rows) == 1:
+        rows[0].out = trained
+    held = min(max(0, trained - reached), sum(s.pending for s in rows))
+    where = " and ".join(f"exp.{s.from_stage}" for s in rows)
+    if reached + held < trained:
+        return [
+            f"the trainer trained {trained} experiences but only {reached + held} reached it and "
+            f"were not dead-lettered: {trained - reached - held} trained twice (or counted twice)"
+        ], held
+    if reached > trained:
+        return [
+            f"{reached - trained} experience(s) on {where} were neither trained, dead-lettered "
+            "nor pending: lost"
+        ], held
+    return [], held
 
 
 def _below(purged: dict[str, PurgedPrefix], stage: str) -> int:
@@ -470,18 +565,55 @@ def _below(purged: dict[str, PurgedPrefix], stage: str) -> int:
     return rec.below_seq if rec is not None else 0
 
 
-def _stage_order(dur: Durable, durables: list[Durable]) -> tuple[int, int, str]:
-    """Order stages along the chain from ``raw``; the trainer's last."""
-    nxt = {d.from_stage: d.to_stage for d in durables if not d.trainer}
-    depth, stage = 0, RAW_STAGE
-    while stage != dur.from_stage and stage in nxt and depth <= len(durables):
-        stage = nxt[stage]
-        depth += 1
-    return int(dur.trainer), depth, dur.name
+def _holds(segments: list[Segment], seq: int) -> bool:
+    return any(s.holds(seq) for s in segments)
 
 
-def _fed_by_others(dur: Durable, durables: list[Durable]) -> bool:
-    return any(d is not dur and d.to_stage == dur.to_stage for d in durables)
+def _purged_part(rec: PurgedPrefix, segments: list[Segment]) -> tuple[int, int, int, bool]:
+    """``(messages, experiences, malformed)`` of ``rec``'s purged prefix inside ``segments``,
+    and whether the record knew every cut needed (if not, the part before an unknown cut
+    counts at the first segment)."""
+    total = [0, 0, 0]
+    known = True
+    for s in segments:
+        if s.lo >= rec.below_seq:
+            continue
+        top = rec.below_seq if s.hi is None else min(s.hi, rec.below_seq)
+        high, low = rec.below(top), rec.below(s.lo)
+        if high is None or low is None:
+            known = False
+            high = high if high is not None else rec.below(rec.below_seq)
+            low = low if low is not None else rec.below(rec.below_seq)
+            assert high is not None and low is not None
+        for i in range(3):
+            total[i] += high[i] - low[i]
+    return total[0], total[1], total[2], known
+
+
+def _trainer_stage(durables: list[Durable]) -> str | None:
+    """The stage the trainer reads when no splice was recorded (None: no trainer durable)."""
+    stages = [d.from_stage for d in durables if d.trainer]
+    if TRAIN_STAGE in stages:
+        return TRAIN_STAGE
+    return stages[0] if stages else None
+
+
+def _chain_order(
+    key: tuple[str, str], segments: list[Segment], readers: dict[tuple[str, str], list[Segment]]
+) -> tuple[int, int, int, str]:
+    """Order readers along the chain from ``raw`` (by the depth of the stage they read, then
+    their first sequence); the trainer's last."""
+    depth: dict[str, int] = {RAW_STAGE: 0}
+    for _ in range(len(readers)):
+        for stage, reader in readers:
+            if stage in depth and reader != TRAINED and reader not in depth:
+                depth[reader] = depth[stage] + 1
+    stage, reader = key
+    return int(reader == TRAINED), depth.get(stage, len(readers)), segments[0].lo, reader
+
+
+def _fed_by_others(key: tuple[str, str], readers: dict[tuple[str, str], list[Segment]]) -> bool:
+    return any(k != key and k[1] == key[1] for k in readers)
 
 
 async def _read_all(bus: Bus, stream: str, subject: str) -> list[Any]:
@@ -676,6 +808,7 @@ async def account_run(bus: Bus) -> RunAccount:
     state = RunState(await bus.kv(create=False))
     # the purge records first: a purge after this read leaves stored what it recorded
     purged = await read_purged(state)
+    topology = await state.get(TOPOLOGY) or []
     # the durables next: a message stored after its ack floor was read counts as pending
     try:
         infos = await bus.transport.consumers(names.exp_stream)
@@ -708,7 +841,16 @@ async def account_run(bus: Bus) -> RunAccount:
                 experiences=int(count) if count.isdigit() else None,
             )
         )
-    account = reconcile(names.run, messages, dead, durables, trained, purged, await _tasks(bus))
+    account = reconcile(
+        names.run,
+        messages,
+        dead,
+        durables,
+        trained,
+        purged,
+        await _tasks(bus),
+        topology=topology,
+    )
     unreachable = bus.transport.unreachable_durables(names.exp_stream)
     if unreachable:  # their stages are missing from the account, not lost
         account.problems.append(

@@ -37,12 +37,13 @@ from typing import Any
 import anyio
 
 from rftstream.bus.purged import record_purge
+from rftstream.bus.reader_history import cut_seqs
 from rftstream.bus.state import RunState
 from rftstream.bus.transport import Transport
 from rftstream.config.schema import ExperienceStreamConfig, StreamLimitsConfig, StreamsConfig
 from rftstream.errors import BusError, SchemaError
 from rftstream.fault_points import fault_point
-from rftstream.wire import TRAINER_ACKED_BELOW, AckedBelow
+from rftstream.wire import TOPOLOGY, TRAINER_ACKED_BELOW, AckedBelow
 
 log = logging.getLogger(__name__)
 
@@ -312,11 +313,23 @@ async def purge_acked(
     if not points:
         return result
     try:
+        # read after the floors: a cut below a point they allow was recorded before them
+        edges = (await state.get(TOPOLOGY) or []) if state is not None else []
         for subject, point in points.items():
             if state is not None:
                 stored = int(st.subjects.get(subject, 0))
                 stage = subject[len(subject_prefix) :]
-                await record_purge(state, transport, stream, subject, stage, first, point, stored)
+                await record_purge(
+                    state,
+                    transport,
+                    stream,
+                    subject,
+                    stage,
+                    first,
+                    point,
+                    stored,
+                    cut_seqs(edges, stage),
+                )
                 fault_point("purge")  # chaos tests kill the run here
             await transport.purge(stream, subject, point)
         after = await transport.stream_state(stream)

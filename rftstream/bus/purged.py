@@ -15,6 +15,10 @@ a record whose prefix is still partly stored, and the account ignores stored
 messages below ``below_seq`` (they were counted). Several purgers of one
 subject serialize on the key's revision (compare-and-put); each adds only the
 messages at or above the sequence the record it replaces ends at.
+
+A stage whose reader changed at a splice's cut (:mod:`rftstream.bus.reader_history`)
+was read by two parties; the record also keeps its counts below each such cut
+(``splits``), so the account can tell what each reader was given.
 """
 
 from __future__ import annotations
@@ -38,12 +42,24 @@ class PurgedPrefix(msgspec.Struct, frozen=True):
     """Every message of one stage's subject below ``below_seq``: gone (or going) from the stream.
 
     ``experiences`` sums their ``Rft-Count`` headers; ``malformed`` counts those without one.
+    ``splits``: for a sequence at which the stage changed reader (a splice's cut), the
+    ``(messages, experiences, malformed)`` below it.
     """
 
     below_seq: int = 1
     messages: int = 0
     experiences: int = 0
     malformed: int = 0
+    splits: dict[int, tuple[int, int, int]] = msgspec.field(default_factory=dict)
+
+    def below(self, seq: int) -> tuple[int, int, int] | None:
+        """``(messages, experiences, malformed)`` of the purged messages below ``seq``
+        (None: a cut this record did not keep, recorded after the purge passed it)."""
+        if seq >= self.below_seq:
+            return (self.messages, self.experiences, self.malformed)
+        if seq <= 1:
+            return (0, 0, 0)
+        return self.splits.get(seq)
 
 
 def purged_key(stage: str) -> str:
@@ -51,19 +67,32 @@ def purged_key(stage: str) -> str:
     return f"{PURGED_PREFIX}{stage}"
 
 
-def extend(prev: PurgedPrefix, rows: Sequence[tuple[int, int | None]], point: int) -> PurgedPrefix:
+def extend(
+    prev: PurgedPrefix,
+    rows: Sequence[tuple[int, int | None]],
+    point: int,
+    cuts: Sequence[int] = (),
+) -> PurgedPrefix:
     """``prev`` extended to every message below ``point``: ``rows`` are ``(seq, count)`` of
     the subject's stored messages (``count`` None: no ``Rft-Count``); only those at or above
-    ``prev.below_seq`` and below ``point`` are added. Pure."""
+    ``prev.below_seq`` and below ``point`` are added. ``cuts``: the sequences at which the
+    stage changed reader; each one from ``prev.below_seq`` to ``point`` gets its split. Pure."""
     if point <= prev.below_seq:
         return prev
     new = [(seq, n) for seq, n in rows if prev.below_seq <= seq < point]
-    return PurgedPrefix(
-        below_seq=point,
-        messages=prev.messages + len(new),
-        experiences=prev.experiences + sum(n for _, n in new if n is not None),
-        malformed=prev.malformed + sum(1 for _, n in new if n is None),
-    )
+
+    def totals(below: int) -> tuple[int, int, int]:
+        part = [n for seq, n in new if seq < below]
+        return (
+            prev.messages + len(part),
+            prev.experiences + sum(n for n in part if n is not None),
+            prev.malformed + sum(1 for n in part if n is None),
+        )
+
+    splits = dict(prev.splits)
+    splits.update({c: totals(c) for c in cuts if prev.below_seq <= c <= point and c > 1})
+    messages, experiences, malformed = totals(point)
+    return PurgedPrefix(point, messages, experiences, malformed, splits)
 
 
 def _count(headers: dict[str, str] | None) -> int | None:
@@ -105,24 +134,25 @@ async def record_purge(
     first_seq: int,
     point: int,
     stored: int,
+    cuts: Sequence[int] = (),
 ) -> PurgedPrefix:
     """Record that ``exp.<stage>`` (``subject``) is purged below ``point``, before the purge.
 
     ``first_seq`` is the stream's first sequence and ``stored`` the subject's message count
-    (0: nothing to read). Retries a lost compare-and-put race with the winner's record.
+    (0: nothing to read); ``cuts``: where the stage changed reader (see :func:`extend`). Retries a lost compare-and-put race with the winner's record.
     Returns the record written (or the newer one found). Raises :class:`BusError`.
     """
     key = purged_key(stage)
     rows: list[tuple[int, int | None]] | None = None
     for _ in range(_CAS_TRIES):
         raw, revision = await state.get_entry(key)
-        prev = PurgedPrefix() if raw is None else msgspec.convert(raw, PurgedPrefix)
+        prev = PurgedPrefix() if raw is None else msgspec.convert(raw, PurgedPrefix, str_keys=True)
         if point <= prev.below_seq:
             return prev
         start = max(prev.below_seq, first_seq)
         if rows is None or (rows and rows[0][0] > start):
             rows = await read_counts(transport, stream, subject, start, point) if stored else []
-        new = extend(prev, rows, point)
+        new = extend(prev, rows, point, cuts)
         if await state.compare_and_put(key, msgspec.to_builtins(new), revision) is not None:
             return new
     raise BusError(f"KV key {key}: {_CAS_TRIES} purgers raced to record {subject}; gave up")
@@ -134,5 +164,5 @@ async def read_purged(state: RunState) -> dict[str, PurgedPrefix]:
     for key in await state.keys(PURGED_PREFIX):
         raw = await state.get_json(key)
         if raw is not None:
-            out[key[len(PURGED_PREFIX) :]] = msgspec.convert(raw, PurgedPrefix)
+            out[key[len(PURGED_PREFIX) :]] = msgspec.convert(raw, PurgedPrefix, str_keys=True)
     return out

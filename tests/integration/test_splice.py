@@ -2,7 +2,9 @@
 
 From the cut on, the trainer reads only what the filter passed, and every
 raw experience is accounted for exactly once: trained, filtered or
-dead-lettered.
+dead-lettered. ``rftstream account`` says so too (BALANCED, exit 0) for a run
+that ends spliced, with replicas, while acked experience is purged; and NOT
+BALANCED (exit 1) once an experience is really lost.
 """
 
 from __future__ import annotations
@@ -21,6 +23,8 @@ import nats.js.errors
 import pytest
 import yaml
 
+from rftstream.bus.account import RunAccount, account_run
+from rftstream.bus.client import Bus
 from rftstream.bus.jetstream import JetStreamTransport
 from rftstream.bus.state import RunState
 from rftstream.config import config_from_dict
@@ -64,6 +68,24 @@ async def _trainer_step(url: str, run) -> int:
         return await RunState(kv).trainer_step()
     except BucketNotFound:
         return 0  # not provisioned yet
+    finally:
+        await nc.close()
+
+
+async def _lose_one_group(url: str, run, trainer_durable: str) -> None:
+    """Publish one group of 4 as if it had passed every stage (exp.raw, exp.train,
+    exp.filtered), then take it from the trainer's durable and ack it without training it."""
+    from tests.integration._util import _group
+
+    group = _group(10_000, 1.0, 4)
+    async with await Bus.connect(url, run.names, run.cfg.nats, "tamper") as bus:
+        for stage in ("raw", "train", "filtered"):
+            await bus.publish_group(stage, group, msg_id=f"lost-{stage}")
+    nc = await nats.connect(url)
+    try:
+        sub = await nc.jetstream().pull_subscribe_bind(trainer_durable, run.names.exp_stream)
+        for msg in await sub.fetch(1, timeout=10):
+            await msg.ack_sync()
     finally:
         await nc.close()
 
@@ -119,9 +141,19 @@ def test_spliced_reward_filter_gates_the_trainer_and_counts_add_up(
 
     check_gate_and_accounts(run, nats_url)
 
+    async def account() -> RunAccount:
+        async with await Bus.connect(nats_url, run.names, run.cfg.nats, "account") as bus:
+            return await account_run(bus)
 
-def check_gate_and_accounts(run, nats_url: str) -> None:
-    """From the cut on the trainer reads only what passed; raw = trained + filtered + dead-lettered."""
+    # the run ended spliced: the account agrees with the streams
+    acc = anyio.run(account)
+    assert acc.balanced and acc.settled and not acc.problems, str(acc)
+    assert acc.filtered > 0 and [s.trainer for s in acc.stages].count(True) == 2, str(acc)
+
+
+def check_gate_and_accounts(run, nats_url: str, whole_streams: bool = True) -> None:
+    """From the cut on the trainer reads only what passed; raw = trained + filtered +
+    dead-lettered, counted from the streams (``whole_streams``: nothing was purged)."""
     records = [json.loads(x) for x in (run.run_dir / "metrics.jsonl").read_text().splitlines()]
     assert records and records[-1]["step"] > 2
     sources = [
@@ -139,6 +171,9 @@ def check_gate_and_accounts(run, nats_url: str) -> None:
     for r, (old, _new) in zip(records, sources, strict=True):
         if old == 0:
             assert r["reward/train_min"] >= THRESHOLD, r
+    assert all(r["experience/duplicates_dropped"] == 0 for r in records)
+    if not whole_streams:
+        return
 
     async def accounts() -> tuple[int, int, int, int]:
         raw = await _count(nats_url, f"rft.{run.names.run}.exp.raw")
@@ -156,7 +191,6 @@ def check_gate_and_accounts(run, nats_url: str) -> None:
     assert raw == trained + filtered + dlq, (raw, trained, filtered, dlq)
     # everything the filter passed was trained, nothing twice
     assert sum(new for _, new in sources) == passed
-    assert all(r["experience/duplicates_dropped"] == 0 for r in records)
 
 
 def test_rftstream_operator_splice_against_a_running_up(
@@ -170,6 +204,9 @@ def test_rftstream_operator_splice_against_a_running_up(
     data["name"] = "splicecli"
     # long enough for the operator process to start mid-run
     data["buffer"]["total_epochs"] = 4
+    # acked experience is purged (keeping only the newest 8 of each stage): the account
+    # counts the purged part of exp.train from its record, split at the splice's cut
+    data["nats"]["streams"]["experience"] = {"purge_acked": True, "keep_acked_msgs": 8}
     cfg_path = tmp_path / "run.yaml"
     cfg_path.write_text(yaml.safe_dump(data))
     run = prepare_run(config_from_dict(data))
@@ -195,6 +232,8 @@ def test_rftstream_operator_splice_against_a_running_up(
                     "--splice",
                     "--to",
                     "filtered",
+                    "--replicas",
+                    "2",
                     "--plugin-dir",
                     str(plugin_dir),
                     *common,
@@ -210,4 +249,28 @@ def test_rftstream_operator_splice_against_a_running_up(
             if proc is not None and proc.poll() is None:
                 proc.kill()
     assert "spliced in: reads exp.train" in (tmp_path / "op.log").read_text()
-    check_gate_and_accounts(run, nats_url)
+    check_gate_and_accounts(run, nats_url, whole_streams=False)
+
+    def account() -> tuple[int, dict]:
+        out = subprocess.run(
+            [*CLI, "account", "--json", *common], capture_output=True, text=True, env=env
+        )
+        assert out.returncode in (0, 1), out.stdout + out.stderr
+        return out.returncode, json.loads(out.stdout)
+
+    rc, doc = account()
+    assert rc == 0 and doc["balanced"] and doc["settled"] and not doc["problems"], doc
+    assert doc["filtered"] > 0 and doc["trained"] + doc["filtered"] == doc["explored"], doc
+    rows = {(s["from"], s["to"]): s for s in doc["stages"]}
+    assert rows[("train", "filtered")]["filtered"] == doc["filtered"]
+    cut = rows[("train", "filtered")]["sequences"][0][0]
+    assert rows[("train", "trained")]["sequences"] == [[0, cut]]
+    # the purge passed the cut: its record split exp.train there
+    assert doc["purged"]["train"]["below_seq"] > cut, doc["purged"]
+    assert str(cut) in doc["purged"]["train"]["splits"], doc["purged"]
+
+    # an experience the trainer acks and never trains is lost: NOT BALANCED, exit 1
+    anyio.run(_lose_one_group, nats_url, run, rows[("filtered", "trained")]["durable"])
+    rc, doc = account()
+    assert rc == 1 and not doc["balanced"], doc
+    assert any("lost" in p for p in doc["problems"]), doc["problems"]

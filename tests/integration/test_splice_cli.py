@@ -1,12 +1,14 @@
 """A user's session against a live trainer, with the real CLI and a real DeepSpeed trainer:
 
 ``rftstream operator reward_filter --splice`` (2 replicas) -> SIGKILL -> ``rftstream status``
-says what to do -> the same command resumes it -> ``rftstream operator --unsplice`` removes
-it -> splice again -> Ctrl-C (SIGINT) removes it -> the run ends. Experiences keep flowing
-all along. Checked by experience id (a spy on the trainer's step records what each step
-trained): nothing trained twice, raw = trained + filtered + dead-lettered, the filter applied
-exactly to the messages between each splice's cut and its removal's cut, and unfiltered
-experiences reach the trainer again after each removal.
+says what to do -> the same command resumes it -> ``rftstream account`` balances while it
+runs -> ``rftstream operator --unsplice`` removes it -> splice again -> Ctrl-C (SIGINT)
+removes it -> the run ends. Experiences keep flowing (exp.raw, through the operator host, to
+exp.train) all along. Checked by experience id (a spy on the trainer's step records what
+each step trained): nothing trained twice, raw = trained + filtered + dead-lettered, the
+filter applied exactly to the messages between each splice's cut and its removal's cut, and
+unfiltered experiences reach the trainer again after each removal; and ``rftstream account``
+says the same: BALANCED, exit 0.
 """
 
 from __future__ import annotations
@@ -46,7 +48,8 @@ def _mixed(i: int) -> list:
 
 
 class Job:
-    """The trainer (in a thread, spied on) and a producer of groups on exp.train."""
+    """The trainer and the operator host (in a thread, the trainer spied on) and a producer
+    of groups on exp.raw."""
 
     def __init__(self, run: Any, url: str) -> None:
         self.run = run
@@ -60,7 +63,10 @@ class Job:
 
     def _trainer(self) -> None:
         try:
-            anyio.run(lambda: run_actors(self.run, self.url, roles=("trainer",)), backend="asyncio")
+            anyio.run(
+                lambda: run_actors(self.run, self.url, roles=("operator", "trainer")),
+                backend="asyncio",
+            )
         except BaseException as exc:  # noqa: BLE001 - reported by the test
             self.errors.append(exc)
 
@@ -73,7 +79,7 @@ class Job:
                 i = 0
                 while not self.stop.is_set():
                     group = _mixed(i)
-                    await bus.publish_group("train", group, msg_id=f"g{i}")
+                    await bus.publish_group("raw", group, msg_id=f"g{i}")
                     self.published.update({e.eid.uid: float(e.reward) for e in group})
                     i += 1
                     await anyio.sleep(0.3)
@@ -180,6 +186,17 @@ def test_splice_kill_resume_unsplice_resplice_sigint(
         procs.append(p)
         return p, log
 
+    def account() -> tuple[int, dict[str, Any]]:
+        out = subprocess.run(
+            [*CLI, "account", "--json", *common],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            env=env,
+        )
+        assert out.returncode in (0, 1), out.stdout + out.stderr
+        return out.returncode, json.loads(out.stdout)
+
     def status() -> dict[str, Any]:
         out = subprocess.run(
             [*CLI, "status", "--json", *common], capture_output=True, text=True, timeout=60, env=env
@@ -235,6 +252,11 @@ def test_splice_kill_resume_unsplice_resplice_sigint(
         )
         assert "resuming exp.filtered" in log2.read_text()
         _wait(lambda: _kv(nats_url, run, KV_TRAINER_WAITING) is None, "waiting cleared")
+        # the account of the running, spliced run: what the filter dropped is filtered
+        rc, doc = account()
+        assert rc == 0 and doc["balanced"] and not doc["problems"], doc
+        readers = {(s["from"], s["to"]) for s in doc["stages"]}
+        assert {("train", "filtered"), ("train", "trained"), ("filtered", "trained")} <= readers
 
         # --unsplice from another shell: the running operator drains and exits
         out = subprocess.run(
@@ -275,6 +297,9 @@ def test_splice_kill_resume_unsplice_resplice_sigint(
 
     final = status()
     assert final["status"] == "finished" and final["chain"] == "raw -> train -> trainer"
+    rc, doc = account()
+    assert rc == 0 and doc["balanced"] and doc["settled"] and not doc["problems"], doc
+    assert doc["filtered"] > 0 and doc["trained"] == doc["explored"] - doc["filtered"], doc
     # no runs/<name>/ where they were started; their logs are under the user's state dir
     assert list(workdir.iterdir()) == []
     assert list((tmp_path / "state" / "rftstream").glob("*/operator/logs/rftstream.log"))
