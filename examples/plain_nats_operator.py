@@ -1,10 +1,12 @@
-"""A pipeline stage written against plain nats-py: the only rftstream import is the schema decoder.
+"""A pipeline stage written against plain nats-py and msgspec: no rftstream import at all.
 
 It reads experience groups from ``rft.<run>.exp.<src>`` through its own durable
 pull consumer, drops groups in which every rollout failed (all rewards 0: they
 carry no GRPO signal), and republishes the others unchanged, body and summary
 headers, to ``rft.<run>.exp.<dst>``. Acks come after the republish, and the
 ``Nats-Msg-Id`` is derived from the input's, so a crash never loses or doubles a group.
+The body is msgpack (schema ``rft.experience.v1``, ``rftstream schema`` prints it): the
+two structs below read the rewards and ignore every other field.
 It stops when the run's KV status says the run has ended.
 
 Splice it into a run by making the configured pipeline read its output stage::
@@ -22,11 +24,22 @@ import asyncio
 import json
 import sys
 
+import msgspec
 import nats
 import nats.errors
 import nats.js.errors
 
-from rftstream.experience import decode_group  # the schema decoder: the only rftstream import
+
+class Rewarded(msgspec.Struct):
+    reward: float | None = None
+
+
+class Group(msgspec.Struct):
+    schema: str
+    experiences: list[Rewarded]
+
+
+DECODER = msgspec.msgpack.Decoder(Group)
 
 
 async def main(url: str, run: str, src: str, dst: str) -> int:
@@ -50,7 +63,7 @@ async def main(url: str, run: str, src: str, dst: str) -> int:
                 break
             continue
         for msg in msgs:
-            rewards = [e.reward or 0.0 for e in decode_group(msg.data)]
+            rewards = [e.reward or 0.0 for e in DECODER.decode(msg.data).experiences]
             if any(r > 0 for r in rewards):
                 headers = dict(msg.headers or {})
                 headers["Nats-Msg-Id"] = (

@@ -235,6 +235,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--set", action="append", default=[], metavar="KEY=VALUE", help="override a config key"
     )
     sub.add_parser("decode", help="read one message body on stdin, print a one-line JSON summary")
+    sub.add_parser(
+        "schema",
+        help="print the JSON Schema of an experience message body (rft.experience.v1: fields, "
+        "dtypes, shapes, headers)",
+    )
     rep = sub.add_parser(
         "report", help="write RUN_DIR/report.html again (curves, summary, resolved config)"
     )
@@ -1168,6 +1173,11 @@ def main(argv: list[str] | None = None) -> int:
             return _inspecting(args, lambda: cmd_tail(args))
         if args.command == "decode":
             return cmd_decode()
+        if args.command == "schema":
+            from rftstream.wire_schema import published_schema
+
+            sys.stdout.write(published_schema())
+            return 0
         if args.command == "report":
             return cmd_report(args)
         if args.command == "debug":

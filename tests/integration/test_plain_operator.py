@@ -1,18 +1,26 @@
-"""examples/plain_nats_operator.py — a stage written with plain nats-py — spliced into a live run."""
+"""examples/plain_nats_operator.py (a stage written with plain nats-py and msgspec) spliced into a
+live run; then the run's real messages read by the two decoders in examples/decoders (Python
+with msgspec, JavaScript with @msgpack/msgpack), neither importing rftstream, and checked
+against rftstream's own decoder and the published JSON Schema."""
 
 from __future__ import annotations
 
+import base64
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import anyio
+import jsonschema
+import msgspec
 import pytest
 
 from rftstream.config import config_from_dict
-from rftstream.experience import decode_group
+from rftstream.experience import decode_group, decode_group_msg
 from rftstream.runtime import prepare_run, provision
+from rftstream.wire_schema import published_schema
 from tests.integration._util import (
     read_experiences,
     read_stream,
@@ -24,6 +32,7 @@ from tests.integration._util import (
 pytestmark = pytest.mark.integration
 
 SCRIPT = Path(__file__).resolve().parents[2] / "examples" / "plain_nats_operator.py"
+DECODERS = Path(__file__).resolve().parents[2] / "examples" / "decoders"
 
 
 def test_plain_nats_operator_feeds_the_trainer(
@@ -69,3 +78,100 @@ def test_plain_nats_operator_feeds_the_trainer(
         assert set(groups) <= plain_ids
 
     anyio.run(check, backend="asyncio")
+    bodies = anyio.run(_bodies, nats_url, backend="asyncio")
+    check_decoders(tmp_path, bodies)
+
+
+async def _bodies(url: str) -> list[bytes]:
+    """The bodies of the run's messages on exp.train (advantages set) and exp.raw."""
+    msgs = await read_stream(url, "rft.itest.exp.train") + await read_stream(
+        url, "rft.itest.exp.raw"
+    )
+    return [bytes(m.data) for m in msgs]
+
+
+def _expected(bodies: list[bytes]) -> list[dict]:
+    """What rftstream's own decoder reads from ``bodies``, as the example decoders print it."""
+    out = []
+    for body in bodies:
+        msg = decode_group_msg(body)
+        for e in decode_group(body):
+            out.append(
+                {
+                    "uid": e.eid.uid,
+                    "group_id": msg.group_id,
+                    "producer": msg.producer,
+                    "prompt_length": e.prompt_length,
+                    "reward": e.reward,
+                    "model_version": e.model_version,
+                    "tokens": e.tokens.tolist(),
+                    "logprobs": None if e.logprobs is None else e.logprobs.tolist(),
+                    "advantages": None if e.advantages is None else e.advantages.tolist(),
+                    "action_mask": e.action_mask.int().tolist(),
+                    "metrics": e.metrics,
+                }
+            )
+    return out
+
+
+def _as_json_mirror(value: object) -> object:
+    """A decoded msgpack value with its bin fields as base64 text (the schema's JSON view)."""
+    if isinstance(value, bytes):
+        return base64.b64encode(value).decode()
+    if isinstance(value, dict):
+        return {k: _as_json_mirror(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_as_json_mirror(v) for v in value]
+    return value
+
+
+def check_decoders(tmp_path: Path, bodies: list[bytes]) -> None:
+    assert len(bodies) >= 4
+    files = []
+    for i, body in enumerate(bodies):
+        path = tmp_path / f"body{i}.msgpack"
+        path.write_bytes(body)
+        files.append(str(path))
+    expected = _expected(bodies)
+    assert any(e["advantages"] is not None for e in expected)
+    assert any(e["logprobs"] is not None for e in expected)
+
+    # every real message is valid against the published schema
+    validator = jsonschema.Draft202012Validator(json.loads(published_schema()))
+    for body in bodies:
+        validator.validate(_as_json_mirror(msgspec.msgpack.decode(body)))
+
+    # Python with msgspec, rftstream made unimportable
+    blocker = (
+        "import runpy, sys; sys.modules['rftstream'] = None; "
+        f"sys.argv = ['decode_experience.py', *{files!r}]; "
+        f"runpy.run_path({str(DECODERS / 'decode_experience.py')!r}, run_name='__main__')"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", blocker], capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == 0, out.stderr
+    assert [json.loads(line) for line in out.stdout.splitlines()] == expected
+
+    # JavaScript with @msgpack/msgpack, installed from its lock file as a user would
+    js = tmp_path / "js"
+    js.mkdir()
+    for name in ("package.json", "package-lock.json", "decode_experience.mjs"):
+        shutil.copy(DECODERS / "js" / name, js / name)
+    npm = subprocess.run(
+        ["npm", "ci", "--no-audit", "--no-fund"],
+        cwd=js,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert npm.returncode == 0, npm.stdout + npm.stderr
+    out = subprocess.run(
+        ["node", "decode_experience.mjs", *files],
+        cwd=js,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 0, out.stderr
+    assert [json.loads(line) for line in out.stdout.splitlines()] == expected
