@@ -1015,6 +1015,7 @@ def cmd_streams(args: argparse.Namespace) -> int:
     consumers = Table(title=f"run {escape(names.display)}: consumers")
     for col in ("stream", "consumer", "filter", "lag (pending)", "unacked", "redelivered"):
         consumers.add_column(col, overflow="fold")
+    consumers.add_column("reader", overflow="fold")
     for r in rows:
         shown = list(r.subjects.items())
         subjects = ", ".join(f"{k} ({v})" for k, v in shown[:SUBJECTS_SHOWN]) or "-"
@@ -1023,7 +1024,13 @@ def cmd_streams(args: argparse.Namespace) -> int:
         streams.add_row(r.name, str(r.messages), f"{r.bytes:,}", subjects, r.description)
         for c in r.consumers:
             consumers.add_row(
-                r.name, c.name, c.filter, str(c.pending), str(c.ack_pending), str(c.redelivered)
+                r.name,
+                c.name if c.durable else f"{c.name} (ephemeral)",
+                c.filter,
+                str(c.pending),
+                str(c.ack_pending),
+                str(c.redelivered),
+                c.description,
             )
     console.print(streams)
     console.print(consumers)

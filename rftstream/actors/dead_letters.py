@@ -177,6 +177,8 @@ class DeadLetterWatcher:
             on_msg,
             start_time=datetime.fromtimestamp(time.time(), UTC),
             headers_only=True,
+            description=f"run {self.bus.names.run}: the dead-letter watch of {self.bus.actor} "
+            "(monitor.max_dead_letter_share) reads the headers of new dead letters",
         )
 
     def _raise_if(self, why: str | None) -> None:

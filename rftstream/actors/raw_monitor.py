@@ -125,11 +125,18 @@ class RawMonitor:
                 on_raw,
                 start_seq=since("raw"),
                 headers_only=True,
+                description=f"run {n.run}: the trainer's monitor reads the headers of exp.raw "
+                "(rewards, groups, failed tasks); acks nothing",
             )
         )
         self._subs.append(
             await bus.transport.watch(
-                n.metrics_stream, n.metrics_wildcard, on_metric, start_seq=since("metrics")
+                n.metrics_stream,
+                n.metrics_wildcard,
+                on_metric,
+                start_seq=since("metrics"),
+                description=f"run {n.run}: the trainer's monitor reads the actors' metrics "
+                "(filtered, advantages); acks nothing",
             )
         )
 

@@ -637,7 +637,13 @@ async def _read_all(bus: Bus, stream: str, subject: str) -> list[Any]:
             return out
         if not out and not sum(info.subjects.values()):
             return out  # nothing stored on the subject
-        reader = await bus.transport.read(stream, subject, start_seq=after + 1)
+        reader = await bus.transport.read(
+            stream,
+            subject,
+            start_seq=after + 1,
+            description=f"rftstream account of run {bus.names.run}: reads every message of "
+            f"{subject} once, acks nothing",
+        )
         caught_up = False
         try:
             while True:

@@ -107,7 +107,14 @@ async def read_counts(
     read headers-only by an ordered ephemeral consumer (bodies are never sent). Blocks for
     one consumer's life, plus ``_READ_IDLE_S`` when no message of the subject is at or
     after ``start`` (the read ends when none comes for that long)."""
-    reader = await transport.read(stream, subject, start_seq=max(1, start), headers_only=True)
+    reader = await transport.read(
+        stream,
+        subject,
+        start_seq=max(1, start),
+        headers_only=True,
+        description=f"purge ledger: counts the experiences of {subject} below sequence {point} "
+        "before they are purged (headers only)",
+    )
     rows: list[tuple[int, int | None]] = []
     try:
         while True:

@@ -24,7 +24,8 @@ class ConsumerRow:
     pending: int  # not yet delivered ("lag")
     ack_pending: int  # delivered, not yet acked
     redelivered: int
-    description: str
+    description: str  # who reads and why (an ephemeral reader's name is the server's)
+    durable: bool = True
 
 
 @dataclass
@@ -63,6 +64,7 @@ async def streams_report(bus: Bus) -> list[StreamRow]:
                     ack_pending=c.num_ack_pending,
                     redelivered=c.num_redelivered,
                     description=c.description,
+                    durable=c.durable,
                 )
             )
         rows.append(row)
@@ -85,7 +87,12 @@ async def tail(
     messages emitted when not following (cancel it to stop following).
     """
     try:
-        reader = await bus.transport.read(None, subject)
+        reader = await bus.transport.read(
+            None,
+            subject,
+            description=f"rftstream tail of run {bus.names.run} ({bus.actor}): reads {subject}, "
+            "acks nothing",
+        )
     except StreamNotFound as exc:
         raise BusError(
             f"{bus.actor}: no stream holds {subject} on this server: the run "

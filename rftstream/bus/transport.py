@@ -323,10 +323,17 @@ class Transport(Protocol):
         ...
 
     async def read(
-        self, stream: str | None, subject: str, *, start_seq: int = 1, headers_only: bool = False
+        self,
+        stream: str | None,
+        subject: str,
+        *,
+        start_seq: int = 1,
+        headers_only: bool = False,
+        description: str = "",
     ) -> OrderedReader:
         """Read ``subject`` (wildcards allowed) of ``stream`` (None: the stream that holds
-        ``subject``) in order from ``start_seq``. Raises ``StreamNotFound``."""
+        ``subject``) in order from ``start_seq``; ``description`` says who reads and why
+        (an ephemeral consumer's name is the server's). Raises ``StreamNotFound``."""
         ...
 
     async def watch(
@@ -338,9 +345,11 @@ class Transport(Protocol):
         start_seq: int | None = None,
         start_time: datetime | None = None,
         headers_only: bool = False,
+        description: str = "",
     ) -> Watch:
         """Push ``subject`` of ``stream`` to ``callback`` in order, from ``start_seq`` (or
-        messages stored from ``start_time``; neither: the whole stream)."""
+        messages stored from ``start_time``; neither: the whole stream); ``description`` as
+        for :meth:`read`."""
         ...
 
     # -- provisioning and state

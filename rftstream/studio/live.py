@@ -84,7 +84,11 @@ class MetricsReader:
             series = self._runs[names.run] = _Series()
         if last > series.last_seq:
             reader = await transport.read(
-                names.metrics_stream, names.metrics_wildcard, start_seq=series.last_seq + 1
+                names.metrics_stream,
+                names.metrics_wildcard,
+                start_seq=series.last_seq + 1,
+                description=f"rftstream studio: reads the metrics of run {names.run} for its "
+                "curves",
             )
             try:
                 while series.last_seq < last:

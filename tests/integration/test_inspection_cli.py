@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import anyio
@@ -99,9 +100,34 @@ def test_operator_name_from_to_then_streams_tail_decode(
     assert len(filtered) == 2 and len(exps) == 6 and all(e.reward == 1.0 for e in exps)
 
     env = user_env(tiny_model_path)
-    streams = subprocess.run(
-        [*CLI, "streams", "--json", *common], capture_output=True, text=True, timeout=60, env=env
-    )
+    # a reader that stays: `tail` follows exp.raw through an ephemeral (ordered) consumer
+    tail_log = tmp_path / "tail.log"
+    with open(tail_log, "w") as out:
+        follower = subprocess.Popen(
+            [*CLI, "tail", "raw", "--json", *common], stdout=out, stderr=subprocess.STDOUT, env=env
+        )
+    try:
+        deadline = time.monotonic() + 60
+        while len(tail_log.read_text().splitlines()) < 3:
+            assert follower.poll() is None and time.monotonic() < deadline, tail_log.read_text()
+            time.sleep(0.2)
+        streams = subprocess.run(
+            [*CLI, "streams", "--json", *common],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            env=env,
+        )
+        human = subprocess.run(  # wide enough that no cell folds
+            [*CLI, "streams", *common],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            env={**env, "COLUMNS": "300"},
+        )
+    finally:
+        follower.kill()
+        follower.wait(timeout=30)
     assert streams.returncode == 0, streams.stderr
     report = {r["name"]: r for r in json.loads(streams.stdout)["streams"]}
     assert set(report) == {
@@ -121,10 +147,16 @@ def test_operator_name_from_to_then_streams_tail_decode(
     assert (
         consumers["op_raw_to_train"]["pending"] == 3
     )  # nobody ran the configured pipeline: its lag
-    human = subprocess.run(
-        [*CLI, "streams", *common], capture_output=True, text=True, timeout=60, env=env
-    )
+    # every consumer says who reads: the durables, and the tail's ephemeral reader
+    # every consumer of the run says who reads: the durables, and the tail's ephemeral reader
+    # (the test's own read of exp.filtered above, plain nats-py, is the one without)
+    assert all(c["description"] for c in exp["consumers"] if c["durable"]), exp["consumers"]
+    (ephemeral,) = [
+        c for c in exp["consumers"] if c["filter"].endswith(".raw") and not c["durable"]
+    ]
+    assert ephemeral["description"].startswith("rftstream tail of run itest"), ephemeral
     assert human.returncode == 0 and "RFT_ITEST_EXP" in human.stdout and "consumers" in human.stdout
+    assert "(ephemeral)" in human.stdout and "rftstream tail of run itest" in human.stdout
 
     tail = subprocess.run(
         [*CLI, "tail", "filtered", "--no-follow", "--json", "-n", "1", *common],

@@ -242,18 +242,23 @@ class _OrderedWatch:
             pass
 
 
-def _start(start_seq: int | None, start_time: datetime | None) -> api.ConsumerConfig | None:
-    """Where an ordered consumer starts: ``start_seq``, ``start_time`` or (None) the stream's start."""
+def _start(
+    start_seq: int | None, start_time: datetime | None, description: str = ""
+) -> api.ConsumerConfig | None:
+    """An ordered consumer's config: where it starts (``start_seq``, ``start_time`` or, with
+    neither, the stream's start) and its ``description`` (shown by ``nats consumer info``
+    and ``rftstream streams`` beside its server-made name). None: all defaults."""
+    kw: dict[str, Any] = {"description": description} if description else {}
     if start_seq is not None and start_seq > 1:
         return api.ConsumerConfig(
-            deliver_policy=api.DeliverPolicy.BY_START_SEQUENCE, opt_start_seq=max(1, start_seq)
+            deliver_policy=api.DeliverPolicy.BY_START_SEQUENCE, opt_start_seq=start_seq, **kw
         )
     if start_time is not None:
         stamp = start_time.isoformat().replace("+00:00", "Z")
         return api.ConsumerConfig(
-            deliver_policy=api.DeliverPolicy.BY_START_TIME, opt_start_time=stamp
+            deliver_policy=api.DeliverPolicy.BY_START_TIME, opt_start_time=stamp, **kw
         )
-    return None
+    return api.ConsumerConfig(**kw) if kw else None
 
 
 class JetStreamTransport:
@@ -367,7 +372,13 @@ class JetStreamTransport:
         return JetStreamPull(sub, stream, durable, self.connection)
 
     async def read(
-        self, stream: str | None, subject: str, *, start_seq: int = 1, headers_only: bool = False
+        self,
+        stream: str | None,
+        subject: str,
+        *,
+        start_seq: int = 1,
+        headers_only: bool = False,
+        description: str = "",
     ) -> _OrderedRead:
         with self._api(f"reading {subject} of stream {stream or '?'}", StreamNotFound):
             sub = await self.js.subscribe(
@@ -375,7 +386,7 @@ class JetStreamTransport:
                 stream=stream,
                 ordered_consumer=True,
                 headers_only=headers_only or None,
-                config=_start(start_seq, None),
+                config=_start(start_seq, None, description),
             )
         self._note_reader(stream, sub)
         return _OrderedRead(sub)
@@ -389,6 +400,7 @@ class JetStreamTransport:
         start_seq: int | None = None,
         start_time: datetime | None = None,
         headers_only: bool = False,
+        description: str = "",
     ) -> _OrderedWatch:
         what = f"watching {subject} of stream {stream}"
         with self._api(what, StreamNotFound):
@@ -398,7 +410,7 @@ class JetStreamTransport:
                 cb=callback,
                 ordered_consumer=True,
                 headers_only=headers_only or None,
-                config=_start(start_seq, start_time),
+                config=_start(start_seq, start_time, description),
             )
         self._note_reader(stream, sub)
         return _OrderedWatch(sub, what)

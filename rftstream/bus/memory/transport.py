@@ -105,7 +105,13 @@ class MemoryTransport:
         return Pull(self._consumer(stream, durable), stream)
 
     async def read(
-        self, stream: str | None, subject: str, *, start_seq: int = 1, headers_only: bool = False
+        self,
+        stream: str | None,
+        subject: str,
+        *,
+        start_seq: int = 1,
+        headers_only: bool = False,
+        description: str = "",
     ) -> Reader:
         found = self._holding(subject) if stream is None else self._streams.get(stream)
         if found is None:
@@ -121,6 +127,7 @@ class MemoryTransport:
         start_seq: int | None = None,
         start_time: datetime | None = None,
         headers_only: bool = False,
+        description: str = "",
     ) -> PushWatch:
         found = self._stream(stream)
         start = max(1, start_seq or 1)
