@@ -72,8 +72,10 @@ def print_account(account: RunAccount, console: Console, *, title: str) -> None:
         tasks.add_row(str(t.published), str(t.explored), str(t.failed), str(t.queued))
         console.print(tasks)
     table = Table(title=f"run {escape(title)}: experiences by stage")
+    spliced = any(not s.whole for s in account.stages)  # who read which sequences
     table.add_column("stage")
-    table.add_column("sequences")
+    if spliced:
+        table.add_column("sequences")
     table.add_column("durable")
     for col in ("in", "out / trained", "filtered", "dead-lettered", "pending", "malformed"):
         table.add_column(col, justify="right")
@@ -83,7 +85,7 @@ def print_account(account: RunAccount, console: Console, *, title: str) -> None:
             mal += f" ({s.malformed_dead} dead, {s.malformed_pending} pending)"
         table.add_row(
             f"{s.from_stage} -> {'trained' if s.trainer else s.to_stage}",
-            "all" if s.whole else s.sequences(),
+            *(["all" if s.whole else s.sequences()] if spliced else []),
             s.durable,
             str(s.experiences_in),
             str(s.out),

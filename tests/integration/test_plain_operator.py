@@ -31,8 +31,9 @@ from tests.integration._util import (
 
 pytestmark = pytest.mark.integration
 
-SCRIPT = Path(__file__).resolve().parents[2] / "examples" / "plain_nats_operator.py"
-DECODERS = Path(__file__).resolve().parents[2] / "examples" / "decoders"
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPT = ROOT / "examples" / "plain_nats_operator.py"
+DECODERS = ROOT / "examples" / "decoders"
 
 
 def test_plain_nats_operator_feeds_the_trainer(
@@ -80,6 +81,46 @@ def test_plain_nats_operator_feeds_the_trainer(
     anyio.run(check, backend="asyncio")
     bodies = anyio.run(_bodies, nats_url, backend="asyncio")
     check_decoders(tmp_path, bodies)
+    check_nats_cli_view(nats_url)
+
+
+def check_nats_cli_view(url: str) -> None:
+    """tools/nats_cli_view.py on the finished run: what docs/monitoring.md says the NATS CLI
+    shows (stream and consumer names, descriptions, metadata, KV keys, metrics bodies)."""
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "tools" / "nats_cli_view.py"), url, "itest"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 0, out.stderr
+    sections = {
+        head: body.strip()
+        for head, _, body in (
+            part.partition("\n") for part in ("\n" + out.stdout).split("\n$ ")[1:]
+        )
+    }
+    assert sections["nats stream ls --names"].split() == [
+        f"RFT_ITEST_{s}" for s in ("DLQ", "EXP", "METRICS", "TASKS", "WEIGHTS")
+    ]
+    info = json.loads(sections["nats stream info RFT_ITEST_EXP --json"])
+    assert info["config"]["metadata"]["rft.schema"] == "rft.experience.v1"
+    assert info["config"]["description"].startswith("rftstream run itest: experience groups")
+    assert set(info["state"]["subjects"]) >= {"rft.itest.exp.raw", "rft.itest.exp.train"}
+    consumers = sections["nats consumer ls RFT_ITEST_EXP --names"].split()
+    assert {"trainer", "op_plain_to_train", "plain_raw_to_plain"} <= set(consumers)
+    trainer = json.loads(sections["nats consumer info RFT_ITEST_EXP trainer --json"])
+    assert trainer["config"]["description"] == "run itest: the trainer reads exp.train"
+    assert trainer["config"]["metadata"]["rft.role"] == "trainer"
+    keys = sections["nats kv ls rft_itest_state"].split()
+    assert {"status", "trainer.step", "weights.latest", "heartbeat.trainer"} <= set(keys)
+    for line in sections["nats sub 'rft.itest.metrics.>' --raw"].splitlines():
+        record = json.loads(line)
+        assert record["schema"] == "rft.metrics.v1" and {"actor", "role", "step"} <= set(record)
+    # the page shows these commands
+    page = (ROOT / "docs" / "monitoring.md").read_text()
+    for command in sections:
+        assert f"$ {command.replace('itest', 'default').replace('ITEST', 'DEFAULT')}" in page
 
 
 async def _bodies(url: str) -> list[bytes]:
