@@ -23,6 +23,7 @@ Pure; no I/O.
 
 from __future__ import annotations
 
+import base64
 import json
 from importlib import resources
 from typing import Any
@@ -193,6 +194,18 @@ def experience_schema() -> dict[str, Any]:
             "WireEID": eid,
         },
     }
+
+
+def json_view(value: Any) -> Any:
+    """A decoded msgpack body (``msgspec.msgpack.decode(body)``) as the schema's JSON view:
+    every bin value base64 text, so a JSON Schema validator checks it. Pure."""
+    if isinstance(value, bytes | bytearray | memoryview):
+        return base64.b64encode(value).decode()
+    if isinstance(value, dict):
+        return {k: json_view(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [json_view(v) for v in value]
+    return value
 
 
 def schema_text() -> str:

@@ -5,7 +5,6 @@ against rftstream's own decoder and the published JSON Schema."""
 
 from __future__ import annotations
 
-import base64
 import json
 import shutil
 import subprocess
@@ -20,7 +19,7 @@ import pytest
 from rftstream.config import config_from_dict
 from rftstream.experience import decode_group, decode_group_msg
 from rftstream.runtime import prepare_run, provision
-from rftstream.wire_schema import published_schema
+from rftstream.wire_schema import json_view, published_schema
 from tests.integration._util import (
     read_experiences,
     read_stream,
@@ -155,17 +154,6 @@ def _expected(bodies: list[bytes]) -> list[dict]:
     return out
 
 
-def _as_json_mirror(value: object) -> object:
-    """A decoded msgpack value with its bin fields as base64 text (the schema's JSON view)."""
-    if isinstance(value, bytes):
-        return base64.b64encode(value).decode()
-    if isinstance(value, dict):
-        return {k: _as_json_mirror(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_as_json_mirror(v) for v in value]
-    return value
-
-
 def check_decoders(tmp_path: Path, bodies: list[bytes]) -> None:
     assert len(bodies) >= 4
     files = []
@@ -180,7 +168,7 @@ def check_decoders(tmp_path: Path, bodies: list[bytes]) -> None:
     # every real message is valid against the published schema
     validator = jsonschema.Draft202012Validator(json.loads(published_schema()))
     for body in bodies:
-        validator.validate(_as_json_mirror(msgspec.msgpack.decode(body)))
+        validator.validate(json_view(msgspec.msgpack.decode(body)))
 
     # Python with msgspec, rftstream made unimportable
     blocker = (
