@@ -1,4 +1,4 @@
-"""``rftstream account``: the run's account (:mod:`rftstream.bus.account`) as tables.
+"""``rftstream account``: the run's account (:mod:`rftstream.operations.account`) as tables.
 
 One table of the tasks, one row per pipeline stage (experiences in, out, filtered,
 dead-lettered, pending, malformed messages; the trainer's row shows what it
@@ -17,8 +17,8 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from rftstream.bus.account import RunAccount
 from rftstream.config.schema import Config
+from rftstream.operations.account import RunAccount
 from rftstream.subjects import RunNames
 
 
@@ -27,8 +27,8 @@ def cmd_account(args: argparse.Namespace, console: Console, cfg: Config, names: 
     created or acked), print its account and return 0 when it balances, 1 when not. Blocks
     until the account is read. Raises :class:`~rftstream.errors.RunNotFoundError` when the
     run has no state on the server."""
-    from rftstream.bus.account import account_run
     from rftstream.bus.client import Bus
+    from rftstream.operations.account import account_run
 
     async def main() -> RunAccount:
         async with await Bus.connect(args.nats_url, names, cfg.nats, "account") as bus:

@@ -988,7 +988,7 @@ def cmd_streams(args: argparse.Namespace) -> int:
     from rich.table import Table
 
     from rftstream.bus.client import Bus
-    from rftstream.bus.stream_view import streams_report
+    from rftstream.operations.stream_view import streams_report
 
     cfg, names = _names(args)
 
@@ -1039,7 +1039,7 @@ def cmd_streams(args: argparse.Namespace) -> int:
 
 def cmd_tail(args: argparse.Namespace) -> int:
     from rftstream.bus.client import Bus
-    from rftstream.bus.stream_view import tail
+    from rftstream.operations.stream_view import tail
 
     cfg, names = _names(args)
     subject = names.dlq_subject(args.stage) if args.dlq else names.exp_subject(args.stage)

@@ -10,7 +10,6 @@ runs one). Actors never call each other: they share only the bus.
 
 from __future__ import annotations
 
-import functools
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -31,7 +30,6 @@ from rftstream.config.resolve import (
 from rftstream.config.schema import TRAINER_MODES, AlgorithmConfig, BufferConfig, Config
 from rftstream.config.secrets import redact_url
 from rftstream.config.validate import (
-    check_run_inputs,
     eval_tasksets,
     placeholder_hint,
     run_id_from_name,
@@ -42,6 +40,7 @@ from rftstream.errors import BucketNotFound, ConfigError, RegistryError, RftErro
 from rftstream.experience_pipeline import EXPERIENCE_OPERATORS, ExperiencePipeline, create_operators
 from rftstream.monitors import check_monitor_packages
 from rftstream.plugin_registries import ALGORITHM_RESOLVERS, ALGORITHM_TYPE, REWARD_FUNCTIONS
+from rftstream.run_inputs import check_run_inputs
 from rftstream.subjects import KV_EXPLORER_DONE, KV_HEARTBEAT_PREFIX, RunNames
 from rftstream.training.schedule import lr_schedule
 from rftstream.wire import TRAINER_DONE
@@ -544,25 +543,19 @@ async def run_operator(
     start_seq: int | None = None,
     control: Any = None,
 ) -> None:
-    from rftstream.actors.operator_host import OperatorHost
-
-    p = run.cfg.data_processor.experience_pipeline
-    async with await Bus.connect(url, run.names, run.cfg.nats, name) as bus:
-        host = OperatorHost(
-            bus,
-            pipeline if pipeline is not None else run.build_pipeline(),
-            from_stage=from_stage or p.input_stage,
-            to_stage=to_stage or p.output_stage,
-            name=name,
-            batch_messages=p.batch_messages,
-            max_retries=p.max_retries,
-            retry_backoff=p.retry_backoff,
-            process_timeout=p.process_timeout,
-            on_progress=on_progress,
-            start_seq=start_seq,
-            control=control,
-        )
-        await host.run()
+    """One operator host of ``run`` (``pipeline`` None: the configured one); see
+    :func:`~rftstream.actors.operator_host.run_hosts`."""
+    await run_operator_replicas(
+        run,
+        url,
+        [pipeline if pipeline is not None else run.build_pipeline()],
+        name=name,
+        from_stage=from_stage,
+        to_stage=to_stage,
+        on_progress=on_progress,
+        start_seq=start_seq,
+        control=control,
+    )
 
 
 async def run_operator_replicas(
@@ -573,20 +566,14 @@ async def run_operator_replicas(
     name: str = "operator",
     **host_args: Any,
 ) -> None:
-    """One :func:`run_operator` per pipeline, concurrently, sharing the stage's durable.
-
-    The hosts are named ``name`` (one pipeline) or ``<name>-<i>``; ``host_args``
-    go to every :func:`run_operator`. Returns when all hosts have returned;
-    cancelling cancels them all.
+    """One operator host per pipeline, concurrently, sharing the stage's durable: named
+    ``name`` (one pipeline) or ``<name>-<i>``; ``host_args`` go to every host (see
+    :func:`~rftstream.actors.operator_host.run_hosts`). Returns when all hosts have
+    returned; cancelling cancels them all.
     """
-    async with anyio.create_task_group() as tg:
-        for i, pipeline in enumerate(pipelines):
-            replica = name if len(pipelines) == 1 else f"{name}-{i}"
-            tg.start_soon(
-                functools.partial(
-                    run_operator, run, url, name=replica, pipeline=pipeline, **host_args
-                )
-            )
+    from rftstream.actors.operator_host import run_hosts
+
+    await run_hosts(url, run.names, run.cfg, pipelines, name=name, **host_args)
 
 
 async def splice_in(run: PreparedRun, url: str, operator: str, to_stage: str) -> Any:

@@ -116,7 +116,7 @@ def build_shaped_model(name: str, out_dir: str | Path) -> dict[str, Any]:
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    from rftstream.engines.transformers_engine import quiet_progress_bars
+    from rftstream.model_loading import quiet_progress_bars
     from rftstream.tiny_model import IM_START, _set_tokenizer_class, build_tokenizer
 
     out = Path(out_dir)

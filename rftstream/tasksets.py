@@ -136,6 +136,17 @@ def read_data_file(f: Path, key: str) -> list[dict[str, Any]]:
     return _read_file(f, key)
 
 
+def hub_hint(path: str) -> str:
+    """A sentence for a missing ``path`` that looks like a hub dataset id (``org/name``),
+    else "": nothing is downloaded here."""
+    if not re.fullmatch(r"[\w.-]+/[\w.-]+", path):
+        return ""
+    return (
+        " (hub dataset ids are not downloaded: save the dataset with `datasets`' "
+        "save_to_disk, or download its files, and point path there)"
+    )
+
+
 def taskset_files(cfg: DataLocation, key: str = DEFAULT_KEY) -> list[Path]:
     """The data files a file-based taskset (or trainer dataset) reads, in order (see the
     module docstring).
@@ -157,13 +168,9 @@ def taskset_files(cfg: DataLocation, key: str = DEFAULT_KEY) -> list[Path]:
             )
         return [p]
     if not p.is_dir():
-        hint = ""
-        if re.fullmatch(r"[\w.-]+/[\w.-]+", path):
-            hint = (
-                " (hub dataset ids are not downloaded: save the dataset with "
-                "`datasets`' save_to_disk, or download its files, and point path there)"
-            )
-        raise ConfigError(f"{key}.path", f"no such file or directory: {p}{hint}", value=path)
+        raise ConfigError(
+            f"{key}.path", f"no such file or directory: {p}{hub_hint(path)}", value=path
+        )
     return _dir_files(p, cfg, key)
 
 

@@ -44,7 +44,7 @@ import os
 import shutil
 import tempfile
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -57,7 +57,6 @@ __all__ = [
     "build_tiny_model",
     "build_tokenizer",
     "ensure_tiny_model",
-    "evaluate_accuracy",
     "tiny_model_version",
 ]
 
@@ -253,7 +252,7 @@ def build_tiny_model(
     Returns the metadata also written to ``rftstream_tiny.json`` (recipe,
     build time, the exact expected accuracy at temperature 1).
     """
-    from rftstream.engines.transformers_engine import quiet_progress_bars
+    from rftstream.model_loading import quiet_progress_bars
 
     say = progress or (lambda _msg: None)
     out = Path(out_dir)
@@ -279,66 +278,6 @@ def build_tiny_model(
     (out / _MARKER).write_text(json.dumps(meta, indent=2, sort_keys=True) + "\n")
     say(f"tiny model trained in {meta['build_seconds']} s; expected accuracy {expected:.3f}")
     return meta
-
-
-def evaluate_accuracy(
-    model_dir: str | Path,
-    tasks: Sequence[dict[str, Any]],
-    n_samples: int,
-    temperature: float = 1.0,
-    *,
-    seed: int = 0,
-    max_tokens: int = 8,
-    prompt_key: str = "question",
-    response_key: str = "answer",
-) -> float:
-    """Fraction of sampled answers equal to the truth (``n_samples`` per task). Blocks.
-
-    Prompts are rendered like ``math_workflow`` does by default (one user
-    message, chat template, generation prompt); a sample is correct when its
-    text without special tokens, stripped, equals ``task[response_key]``.
-    """
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from rftstream.engines.transformers_engine import (
-        SequenceSpec,
-        quiet_progress_bars,
-        sample_sequences,
-    )
-
-    if n_samples < 1 or not tasks:
-        raise ValueError("evaluate_accuracy needs tasks and n_samples >= 1")
-    with quiet_progress_bars():
-        tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
-        model = AutoModelForCausalLM.from_pretrained(str(model_dir)).eval()
-    eos = {int(tokenizer.eos_token_id)}
-    gen = torch.Generator().manual_seed(seed)
-    seqs, truths = [], []
-    for task in tasks:
-        text = tokenizer.apply_chat_template(
-            [{"role": "user", "content": str(task[prompt_key])}],
-            tokenize=False,
-            add_generation_prompt=True,
-        )
-        ids = tokenizer.encode(text, add_special_tokens=False)
-        for _ in range(n_samples):
-            seqs.append(
-                SequenceSpec(prompt=ids, max_new_tokens=max_tokens, temperature=temperature)
-            )
-            truths.append(str(task[response_key]).strip())
-    correct = 0
-    chunk = 512
-    for start in range(0, len(seqs), chunk):
-        comps = sample_sequences(
-            model,
-            seqs[start : start + chunk],
-            eos_token_ids=eos,
-            pad_token_id=tokenizer.pad_token_id,
-            generator=gen,
-        )
-        for comp, truth in zip(comps, truths[start : start + chunk], strict=True):
-            correct += tokenizer.decode(comp.token_ids, skip_special_tokens=True).strip() == truth
-    return correct / len(seqs)
 
 
 # ---------------------------------------------------------------------------

@@ -2,10 +2,14 @@
 
 ``python tools/import_graph.py [ROOT]`` (``just imports``) prints the core → plugin
 edges (``rftstream`` importing ``operators``, ``algorithms`` or ``workflows``), the
-number of imports made inside functions, and the import cycles. Every import counts:
-module level, inside functions and under ``if TYPE_CHECKING:`` (a type-only import
-that closes a circle with a runtime one is still a circle). Exits 1 when there is a
-core → plugin edge or a cycle, else 0. Imports nothing it reads; pure file reading.
+number of imports made inside functions, the import cycles between modules, and the
+cycles between packages (a package: ``rftstream.<name>``, a subpackage or a loose module
+of the core, or a plugin package; ``bus`` importing ``config`` and a module of ``config``
+importing one of ``bus`` is a package cycle even where no two modules form one). Every
+import counts: module level, inside functions and under ``if TYPE_CHECKING:`` (a
+type-only import that closes a circle with a runtime one is still a circle). Exits 1 when
+there is a core → plugin edge or a cycle of either kind, else 0. Imports nothing it reads;
+pure file reading.
 """
 
 from __future__ import annotations
@@ -58,6 +62,29 @@ class ImportGraph:
         """The strongly connected components of more than one module, each sorted."""
         graph = {m: self.targets(m) for m in self.modules}
         return sorted(sorted(c) for c in _strongly_connected(graph) if len(c) > 1)
+
+    def package_cycles(self) -> list[list[str]]:
+        """Packages (:func:`package_of`) that import each other in a loop, each sorted."""
+        graph: dict[str, set[str]] = {package_of(m): set() for m in self.modules}
+        for e in self.edges:
+            source, target = package_of(e.source), package_of(e.target)
+            if source != target:
+                graph[source].add(target)
+        return sorted(sorted(c) for c in _strongly_connected(graph) if len(c) > 1)
+
+    def package_edges(self, a: str, b: str) -> list[Edge]:
+        """The module imports from package ``a`` into package ``b``, sorted."""
+        return sorted(
+            (e for e in self.edges if package_of(e.source) == a and package_of(e.target) == b),
+            key=lambda e: (e.source, e.target),
+        )
+
+
+def package_of(module: str) -> str:
+    """The package a module counts in: ``rftstream.<name>`` for the core (a subpackage or a
+    loose module), the top-level name for a plugin package."""
+    parts = module.split(".")
+    return ".".join(parts[:2]) if parts[0] == CORE else parts[0]
 
 
 def _top(module: str) -> str:
@@ -180,7 +207,15 @@ def main(argv: list[str] | None = None) -> int:
     print(f"import cycles: {len(cycles)}")
     for cycle in cycles:
         print("  " + " <-> ".join(cycle))
-    return 1 if core_to_plugin or cycles else 0
+    package_cycles = graph.package_cycles()
+    print(f"package cycles: {len(package_cycles)}")
+    for cycle in package_cycles:
+        print("  " + " <-> ".join(cycle))
+        for a in cycle:
+            for b in cycle:
+                for e in graph.package_edges(a, b) if a != b else []:
+                    print(f"    {e.source} -> {e.target} ({e.where})")
+    return 1 if core_to_plugin or cycles or package_cycles else 0
 
 
 if __name__ == "__main__":

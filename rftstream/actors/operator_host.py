@@ -52,7 +52,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -62,6 +62,7 @@ from rftstream.actors.common import InProgressTicker, drain_step, heartbeat_loop
 from rftstream.bus.client import Bus
 from rftstream.bus.state import END_STATUSES, RunState
 from rftstream.bus.transport import Delivery, PullSubscription
+from rftstream.config.schema import Config
 from rftstream.errors import (
     BusError,
     ConfigError,
@@ -72,6 +73,7 @@ from rftstream.errors import (
     lacks_credentials,
 )
 from rftstream.experience import H_MSG_ID, Experience, decode_group, experience_problem
+from rftstream.subjects import RunNames
 
 log = logging.getLogger(__name__)
 
@@ -469,3 +471,48 @@ class OperatorHost:
         if retries:
             reason += f" [{retries + 1} attempts]"
         return None, {}, reason
+
+
+async def run_hosts(
+    url: str,
+    names: RunNames,
+    cfg: Config,
+    pipelines: Sequence[Any],
+    *,
+    name: str = "operator",
+    from_stage: str | None = None,
+    to_stage: str | None = None,
+    on_progress: Callable[[dict[str, Any]], None] | None = None,
+    start_seq: int | None = None,
+    control: DrainControl | None = None,
+) -> None:
+    """One :class:`OperatorHost` per pipeline, concurrently, each on its own connection to
+    ``url``, sharing the stage's durable (``from_stage``/``to_stage``: the pipeline's
+    ``input_stage``/``output_stage`` when not given; retries, batch and timeout from
+    ``data_processor.experience_pipeline``).
+
+    The hosts are named ``name`` (one pipeline) or ``<name>-<i>``. Blocks until every host
+    has returned (the run ended, or ``control`` drained them); cancelling cancels them all,
+    their batches unacked (redelivered after ``ack_wait``)."""
+    p = cfg.data_processor.experience_pipeline
+
+    async def host(replica: str, pipeline: Any) -> None:
+        async with await Bus.connect(url, names, cfg.nats, replica) as bus:
+            await OperatorHost(
+                bus,
+                pipeline,
+                from_stage=from_stage or p.input_stage,
+                to_stage=to_stage or p.output_stage,
+                name=replica,
+                batch_messages=p.batch_messages,
+                max_retries=p.max_retries,
+                retry_backoff=p.retry_backoff,
+                process_timeout=p.process_timeout,
+                on_progress=on_progress,
+                start_seq=start_seq,
+                control=control,
+            ).run()
+
+    async with anyio.create_task_group() as tg:
+        for i, pipeline in enumerate(pipelines):
+            tg.start_soon(host, name if len(pipelines) == 1 else f"{name}-{i}", pipeline)

@@ -31,7 +31,7 @@ from typing import Any
 
 import anyio
 
-from rftstream.actors.operator_host import DrainControl
+from rftstream.actors.operator_host import DrainControl, run_hosts
 from rftstream.bus.client import Bus
 from rftstream.bus.state import RunState
 from rftstream.errors import ConsumerNotFound, NotFound, RftError
@@ -86,8 +86,6 @@ async def run_spliced(
     the trainer answered the splice). ``unsplice_now``: resume the stage only
     to remove it (``rftstream operator NAME --unsplice Y``).
     """
-    from rftstream.runtime import run_operator_replicas
-
     n = run.names
     async with await Bus.connect(url, n, run.cfg.nats, f"{name}-splice") as bus:
         state = RunState(await bus.kv())
@@ -158,9 +156,10 @@ async def run_spliced(
         async with anyio.create_task_group() as tg:
 
             async def hosts() -> None:
-                await run_operator_replicas(
-                    run,
+                await run_hosts(
                     url,
+                    n,
+                    run.cfg,
                     pipelines,
                     name=name,
                     from_stage=from_stage,

@@ -1,6 +1,6 @@
 """The ledger of purged experience: what :func:`rftstream.bus.limits.purge_acked` removed.
 
-The run's account (:mod:`rftstream.bus.account`) counts experiences by id from
+The run's account (:mod:`rftstream.operations.account`) counts experiences by id from
 what the experience stream holds. Purging acked experience
 (``nats.streams.experience.purge_acked``) removes the oldest part of each
 subject, so before purging a subject below a sequence the purger records, in

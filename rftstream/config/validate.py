@@ -8,10 +8,10 @@ offending value. Values derived from other keys (aliases, defaults) are filled i
 by :mod:`rftstream.config.resolve`. :func:`run_id_from_name` turns ``name`` (any
 length) into the run id that scopes every stream, subject and bucket.
 
-:func:`check_run_inputs` (:func:`check_data_paths`, :func:`check_model_context`) runs
-the checks that look at files: the tasksets and datasets a run reads exist, and the token
-budget fits the model's context; :func:`rftstream.runtime.prepare_run` calls it before
-anything of the run is written. Everything else here does no I/O.
+:func:`check_model_context` and :func:`check_output_dirs` look at files (the model's
+context, where checkpoints go); :func:`rftstream.run_inputs.check_run_inputs` runs them
+with the data-path checks, which need the taskset readers, before anything of the run is
+written. Everything else here does no I/O.
 """
 
 from __future__ import annotations
@@ -22,11 +22,10 @@ import logging
 import os
 import re
 import warnings
-from collections.abc import Collection
 from pathlib import Path
 from typing import Any
 
-from rftstream import monitors  # a module, not its names: rftstream.monitors imports the schema
+from rftstream.config.monitor_keys import check_monitor_config
 from rftstream.config.paths import choice_message
 from rftstream.config.resolve import weights_wire_dtype
 from rftstream.config.schema import (
@@ -44,9 +43,9 @@ from rftstream.config.schema import (
     ExplorerInput,
     LoRAConfig,
     NatsConfig,
-    StorageConfig,
     TasksetConfig,
 )
+from rftstream.config.stream_limits import STREAM_KEYS, StreamLimitWarning, limit_warnings
 from rftstream.errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -54,9 +53,8 @@ log = logging.getLogger(__name__)
 __all__ = [
     "TASKSET_NAME_RE",
     "ConfigWarning",
-    "check_data_paths",
     "check_model_context",
-    "check_run_inputs",
+    "check_output_dirs",
     "check_run_name",
     "eval_tasksets",
     "run_id_from_name",
@@ -72,10 +70,6 @@ RUN_ID_PREFIX_LEN = RUN_ID_MAX_LEN - RUN_ID_HASH_LEN - 1
 _RUN_ID_RE = re.compile(rf"[a-z0-9_]{{1,{RUN_ID_MAX_LEN}}}")
 TASKSET_NAME_RE = re.compile(r"[A-Za-z0-9_.-]{1,64}")
 _INPUT = "buffer.explorer_input"
-_TRAINER_INPUT = "buffer.trainer_input"
-_EXPLORER_MODES = ("both", "explore")  # modes that publish the training tasksets
-_EVAL_MODES = ("both", "explore", "bench")  # modes that read the eval tasksets
-_HUB_ID_RE = re.compile(r"[\w.-]+/[\w.-]+")
 
 
 class ConfigWarning(UserWarning):
@@ -161,7 +155,7 @@ def check_run_name(name: Any, *, source: str | None = None) -> None:
         )
 
 
-class _Checker:
+class Checker:
     def __init__(self, source: str | None) -> None:
         self.source = source
 
@@ -194,10 +188,10 @@ def validate_config(cfg: Config, source: str | None = None) -> None:
 
     Raises :class:`ConfigError` naming the first invalid key path and its value;
     ``source`` (the config file) is included in the message. Warns
-    (:class:`~rftstream.bus.limits.StreamLimitWarning`) for stream limits that can
+    (:class:`~rftstream.config.stream_limits.StreamLimitWarning`) for stream limits that can
     lose unprocessed messages.
     """
-    c = _Checker(source)
+    c = Checker(source)
     c.choice("mode", cfg.mode, MODES)
     check_run_name(cfg.name, source=source)
 
@@ -231,7 +225,7 @@ def validate_config(cfg: Config, source: str | None = None) -> None:
         c.choice("algorithm.loss_agg_mode", cfg.algorithm.loss_agg_mode, LOSS_AGG_MODES)
     c.at_least("algorithm.repeat_times", cfg.algorithm.repeat_times, 1, optional=True)
 
-    monitors.check_monitor_config(cfg.monitor, source=source)
+    check_monitor_config(cfg.monitor, source=source)
     c.at_least("monitor.dead_letter_window", cfg.monitor.dead_letter_window, 0)
     share = cfg.monitor.max_dead_letter_share
     if not 0 < share <= 1:
@@ -281,10 +275,9 @@ def validate_config(cfg: Config, source: str | None = None) -> None:
     _check_nats_security(c, cfg.nats)
 
 
-def _check_stream_limits(c: _Checker, cfg: Config) -> None:
+def _check_stream_limits(c: Checker, cfg: Config) -> None:
     """``nats.streams.<stream>``: limits NATS accepts, and a warning for each that can lose
     messages nobody processed yet (see :mod:`rftstream.bus.limits`)."""
-    from rftstream.bus.limits import STREAM_KEYS, StreamLimitWarning, limit_warnings
 
     for name in STREAM_KEYS:
         limits = getattr(cfg.nats.streams, name)
@@ -307,7 +300,7 @@ def _check_stream_limits(c: _Checker, cfg: Config) -> None:
         warnings.warn(line, StreamLimitWarning, stacklevel=3)
 
 
-def _check_token_budget(c: _Checker, cfg: Config) -> None:
+def _check_token_budget(c: Checker, cfg: Config) -> None:
     """``trainer.max_token_len_per_gpu`` is at least 1, and a warning when it cannot hold the
     longest row the trainer can see (``max_prompt_tokens + max_response_tokens``: collate
     cuts rows to them): such a row trains in a micro-batch of its own, over the budget
@@ -329,7 +322,7 @@ def _check_token_budget(c: _Checker, cfg: Config) -> None:
         )
 
 
-def _check_tasksets(c: _Checker, inp: ExplorerInput) -> None:
+def _check_tasksets(c: Checker, inp: ExplorerInput) -> None:
     """Check every taskset's values and name uniqueness."""
     for group, entries in (
         ("training", training_tasksets(inp)),
@@ -366,23 +359,6 @@ def _check_tasksets(c: _Checker, inp: ExplorerInput) -> None:
                 )
 
 
-def check_run_inputs(
-    cfg: Config,
-    model_path: str,
-    *,
-    source: str | None = None,
-    roles: Collection[str] | None = None,
-) -> None:
-    """The checks of a run about to start that look at files: :func:`check_data_paths`
-    and :func:`check_model_context`. :func:`rftstream.runtime.prepare_run` calls it once
-    the model is found, before anything of the run is written. Blocks (``stat`` calls,
-    reading the model's ``config.json``). ``roles``: the actors this process runs (None:
-    all the mode has); a trainer on a host without the taskset is fine."""
-    check_output_dirs(cfg, source=source)
-    check_data_paths(cfg, source=source, roles=roles)
-    check_model_context(cfg, model_path, source=source)
-
-
 #: ``/PATH/TO/...``, ``path/to/...``: what Trinity-RFT's examples and most READMEs write
 #: where a path of the user's own goes
 _PLACEHOLDER_RE = re.compile(r"(^|/)path/to(/|$)", re.IGNORECASE)
@@ -404,7 +380,7 @@ def check_output_dirs(cfg: Config, *, source: str | None = None) -> None:
     root = cfg.checkpoint_root_dir
     if not root:
         return
-    c = _Checker(source)
+    c = Checker(source)
     unset = "or remove the key: checkpoints then go under <run_dir>/checkpoints"
     existing = Path(root).expanduser().absolute()
     while not existing.exists() and existing != existing.parent:
@@ -417,93 +393,6 @@ def check_output_dirs(cfg: Config, *, source: str | None = None) -> None:
             f"cannot be created or written: {existing} is not writable by this user; {unset}",
             root,
         )
-
-
-def check_data_paths(
-    cfg: Config, *, source: str | None = None, roles: Collection[str] | None = None
-) -> None:
-    """The local files the run's actors will read exist now (``stat`` only, no reading);
-    a :class:`ConfigError` names the first key whose file is missing.
-
-    Not part of :func:`validate_config`, which checks values only (a config can be
-    checked, explained or converted on a machine without its data);
-    :func:`rftstream.runtime.prepare_run` runs it (:func:`check_run_inputs`), so a
-    missing file fails in a second, before the run directory is written, instead of
-    inside an actor.
-
-    Tasksets (read by the explorer in modes both and explore; the eval tasksets in
-    bench too): ``path`` empty or ``builtin:<name>`` names a built-in taskset
-    (:data:`rftstream.tasksets.BUILTIN_TASKSETS`); any other value is a local file or
-    directory (``~`` expanded), as :func:`rftstream.tasksets.load_taskset` reads it.
-    Trainer datasets (``buffer.trainer_input``: ``experience_buffer`` when the trainer
-    reads a dataset, every ``auxiliary_buffers.<name>`` whenever a trainer runs;
-    ``storage_type: queue`` reads no file) are a local data file or dataset directory each.
-    Relative paths are relative to the working directory, as the actors read them.
-    ``roles`` (the actors this process runs; None: every one): tasksets only where an
-    explorer runs, datasets only where a trainer does.
-    """
-    c = _Checker(source)
-    explorer = roles is None or "explorer" in roles
-    trainer = roles is None or "trainer" in roles
-    tasksets: list[tuple[str, TasksetConfig]] = []
-    if explorer and cfg.mode in _EXPLORER_MODES:
-        tasksets += training_tasksets(cfg.buffer.explorer_input)
-    if explorer and cfg.mode in _EVAL_MODES:
-        tasksets += eval_tasksets(cfg.buffer.explorer_input)
-    for key, ts in tasksets:
-        _check_taskset_path(c, f"{key}.path", ts.path)
-        if ts.path and not ts.path.startswith("builtin:"):
-            from rftstream.tasksets import taskset_files  # imports the schema: not at top
-
-            taskset_files(ts, key)  # the files it reads (a directory listing, no data)
-    tin = cfg.buffer.trainer_input
-    datasets: list[tuple[str, StorageConfig]] = []
-    if trainer and cfg.trainer_reads_dataset and tin.experience_buffer is not None:
-        if tin.experience_buffer.path:  # an empty one: runtime._preset_check_config says why
-            datasets.append((f"{_TRAINER_INPUT}.experience_buffer", tin.experience_buffer))
-    if trainer and cfg.mode in TRAINER_MODES:
-        datasets += [
-            (f"{_TRAINER_INPUT}.auxiliary_buffers.{name}", aux)
-            for name, aux in tin.auxiliary_buffers.items()
-            if aux.storage_type == "file"
-        ]
-    for key, storage in datasets:
-        _check_dataset_path(c, f"{key}.path", storage.path)
-
-
-def _check_taskset_path(c: _Checker, key: str, value: str) -> None:
-    from rftstream.tasksets import BUILTIN_TASKSETS  # imports the schema: not at module level
-
-    path = (value or "").strip()
-    if not path or path.startswith("builtin:"):
-        name = path.split(":", 1)[1] if path else "arithmetic"
-        if name not in BUILTIN_TASKSETS:
-            c.fail(
-                key, f"unknown built-in taskset {name!r}; known: {sorted(BUILTIN_TASKSETS)}", value
-            )
-        return
-    if not Path(path).expanduser().exists():
-        c.fail(key, f"no such file or directory{placeholder_hint(path) or _hub_hint(path)}", value)
-
-
-def _check_dataset_path(c: _Checker, key: str, value: str) -> None:
-    p = Path(value).expanduser()
-    if not value:
-        c.fail(key, "names no dataset (a local data file or dataset directory)", value)
-    elif not p.exists():
-        hint = placeholder_hint(value) or _hub_hint(value)
-        c.fail(
-            key, f"no such file or directory (a local data file or dataset directory){hint}", value
-        )
-
-
-def _hub_hint(path: str) -> str:
-    if not _HUB_ID_RE.fullmatch(path):
-        return ""
-    return (
-        " (hub dataset ids are not downloaded: save the dataset with `datasets`' "
-        "save_to_disk, or download its files, and point path there)"
-    )
 
 
 def check_model_context(cfg: Config, model_path: str, *, source: str | None = None) -> None:
@@ -526,7 +415,7 @@ def check_model_context(cfg: Config, model_path: str, *, source: str | None = No
         context, where = cfg.model.max_model_len, "model.max_model_len"
     if context is None:
         return
-    c = _Checker(source)
+    c = Checker(source)
     budgets = [("model.max_response_tokens", cfg.model.max_response_tokens)]
     inp = cfg.buffer.explorer_input
     budgets += [
@@ -573,7 +462,7 @@ def _model_context(model_path: str) -> tuple[int | None, str]:
     return None, str(path)
 
 
-def _check_lora(c: _Checker, configs: list[LoRAConfig] | None) -> None:
+def _check_lora(c: Checker, configs: list[LoRAConfig] | None) -> None:
     """At most one adapter (as in Trinity-RFT), with a rank, alpha and dropout peft accepts."""
     if not configs:
         return
@@ -596,7 +485,7 @@ def _check_lora(c: _Checker, configs: list[LoRAConfig] | None) -> None:
 _NATS_SCHEMES = ("nats", "tls", "ws", "wss")
 
 
-def _check_nats_security(c: _Checker, nats: NatsConfig) -> None:
+def _check_nats_security(c: Checker, nats: NatsConfig) -> None:
     """``nats.servers`` / ``nats.url`` (one or the other), the credential files (they must
     exist), ``user`` with ``password``, ``tls.cert`` with ``tls.key``, ``reconnect_window``.
     Secret values (``token``, ``password``) are never put in an error."""

@@ -20,6 +20,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from rftstream.config.monitor_keys import MONITOR_ARGS
 from rftstream.monitors.base import Monitor, RunInfo
 
 log = logging.getLogger(__name__)
@@ -46,7 +47,7 @@ class MlflowMonitor(Monitor):
     name = "mlflow"
     package = "mlflow"
     extra = "mlflow"
-    args = ("uri", "username", "password")
+    args = MONITOR_ARGS["mlflow"]
 
     def __init__(self, run: RunInfo) -> None:
         super().__init__(run)

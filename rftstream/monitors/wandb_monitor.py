@@ -19,6 +19,7 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
+from rftstream.config.monitor_keys import MONITOR_ARGS
 from rftstream.errors import ConfigError
 from rftstream.monitors.base import Monitor, RunInfo
 
@@ -49,7 +50,7 @@ class WandbMonitor(Monitor):
     name = "wandb"
     package = "wandb"
     extra = "wandb"
-    args = ("base_url", "api_key", "mode", "entity", "tags")
+    args = MONITOR_ARGS["wandb"]
 
     def __init__(self, run: RunInfo) -> None:
         super().__init__(run)

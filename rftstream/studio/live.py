@@ -2,7 +2,7 @@
 
 Reads only (no durable consumer is created, nothing is acked): the runs on the
 server (:func:`rftstream.clean.find_runs`), a run's streams with per-subject
-depths and each consumer's lag (:func:`rftstream.bus.stream_view.streams_report`),
+depths and each consumer's lag (:func:`rftstream.operations.stream_view.streams_report`),
 its KV bucket (steps, staleness, heartbeats, the stage chain:
 :func:`rftstream.message_summaries.status_report`), the trainer's reward and staleness per
 step from the metrics stream (the reward also smoothed as ``metrics.png`` smooths it:
@@ -19,12 +19,12 @@ import msgspec
 
 from rftstream.bus.client import Bus
 from rftstream.bus.state import RunState
-from rftstream.bus.stream_view import streams_report
 from rftstream.bus.transport import Transport
 from rftstream.clean import find_runs
 from rftstream.config.schema import NatsConfig
 from rftstream.errors import BucketNotFound, BusError, MessageNotFound, StreamNotFound
 from rftstream.message_summaries import status_report, summarize_message
+from rftstream.operations.stream_view import streams_report
 from rftstream.plot import RAW_ALPHA, ema, smoothing_alpha
 from rftstream.subjects import RunNames
 from rftstream.wire import MetricsMsg

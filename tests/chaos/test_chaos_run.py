@@ -1,6 +1,6 @@
 """One run, abused: every actor kind and the nats-server SIGKILLed mid-run and restarted,
 and 500 malformed messages published on exp.raw. The run must finish and its account
-(:func:`rftstream.bus.account.account_run`) balance exactly.
+(:func:`rftstream.operations.account.account_run`) balance exactly.
 
 One run carries every case (CI time): the module fixture drives it, in this order,
 while the actors run as separate ``rftstream explorer|operator|trainer`` processes:
@@ -38,11 +38,11 @@ import nats
 import nats.errors
 import pytest
 
-from rftstream.bus.account import RunAccount, account_run
 from rftstream.bus.client import Bus
 from rftstream.bus.server import free_port
 from rftstream.config import config_from_dict
 from rftstream.experience import EID, Experience, encode_group
+from rftstream.operations.account import RunAccount, account_run
 from rftstream.subjects import RunNames
 from tests.integration._util import (
     actor_config,

@@ -7,10 +7,10 @@ from __future__ import annotations
 import anyio
 import pytest
 
-from rftstream.bus.account import account_run
 from rftstream.bus.client import Bus
 from rftstream.config.schema import NatsConfig
 from rftstream.errors import RunNotFoundError
+from rftstream.operations.account import account_run
 from rftstream.subjects import RunNames
 
 pytestmark = pytest.mark.anyio

@@ -16,10 +16,10 @@ import anyio
 import msgspec
 import pytest
 
-from rftstream.bus.account import account_run
 from rftstream.bus.client import Bus
 from rftstream.bus.cluster import LocalNatsCluster
 from rftstream.config import config_from_dict
+from rftstream.operations.account import account_run
 from rftstream.runtime import (
     PreparedRun,
     prepare_run,

@@ -23,13 +23,13 @@ import nats.js.errors
 import pytest
 import yaml
 
-from rftstream.bus.account import RunAccount, account_run
 from rftstream.bus.client import Bus
 from rftstream.bus.jetstream import JetStreamTransport
 from rftstream.bus.state import RunState
 from rftstream.config import config_from_dict
 from rftstream.errors import BucketNotFound
 from rftstream.experience import decode_group
+from rftstream.operations.account import RunAccount, account_run
 from rftstream.plugin_loader import load_plugins
 from rftstream.runtime import prepare_run, run_actors, run_operator, splice_in
 from tests.integration._util import read_metrics, read_stream, small_config, user_env

@@ -1,4 +1,4 @@
-"""The run's account (:func:`rftstream.bus.account.reconcile`), the purge ledger's arithmetic
+"""The run's account (:func:`rftstream.operations.account.reconcile`), the purge ledger's arithmetic
 and :func:`rftstream.experience.experience_problem`: pure, with expected numbers worked out
 here by hand from the streams each test builds."""
 
@@ -11,9 +11,9 @@ import torch
 from rich.console import Console
 
 from rftstream.account_cli import print_account, verdict
-from rftstream.bus.account import DeadLetter, Durable, StoredMessage, TaskAccount, reconcile
 from rftstream.bus.purged import PurgedPrefix, extend
 from rftstream.experience import EID, Experience, experience_problem
+from rftstream.operations.account import DeadLetter, Durable, StoredMessage, TaskAccount, reconcile
 
 RAW_OP = Durable("op_raw_to_train", "raw", "train", ack_floor=0, pending_messages=0)
 TRAINER = Durable("trainer", "train", "trained", ack_floor=0, pending_messages=0, trainer=True)
@@ -293,7 +293,7 @@ def _info(name: str, subject: str, meta: dict[str, str] | None = None) -> object
 def test_a_durables_stages_come_from_its_filter_and_metadata_not_its_name() -> None:
     from types import SimpleNamespace
 
-    from rftstream.bus.account import _durable
+    from rftstream.operations.account import _durable
     from rftstream.subjects import RunNames
 
     bus = SimpleNamespace(names=RunNames("r"))

@@ -8,13 +8,13 @@ import anyio
 import msgspec
 import pytest
 
-from rftstream.bus.account import account_run
 from rftstream.bus.client import Bus
 from rftstream.bus.limits import ExperienceRoom
 from rftstream.bus.purged import read_purged
 from rftstream.bus.state import RunState
 from rftstream.config.schema import NatsConfig
 from rftstream.experience import EID, Experience, encode_group, summary_headers
+from rftstream.operations.account import account_run
 from rftstream.subjects import RunNames
 
 pytestmark = pytest.mark.anyio

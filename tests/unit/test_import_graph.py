@@ -47,6 +47,12 @@ def test_the_repository_has_no_import_cycles(repository: Any) -> None:
     assert repository.cycles() == []
 
 
+def test_the_repository_has_no_package_cycles(repository: Any) -> None:
+    """Packages (``rftstream.bus``, ``rftstream.config``, a loose module...) do not import
+    each other in a loop either, whatever modules the imports are in."""
+    assert repository.package_cycles() == []
+
+
 def test_the_core_imports_no_plugin_package(repository: Any) -> None:
     """``rftstream`` finds ``operators``, ``algorithms`` and ``workflows`` through its
     registries (by name), never by an import statement."""
@@ -98,8 +104,31 @@ def test_a_core_import_of_a_plugin_is_found_and_the_reverse_is_allowed(tmp_path:
     assert import_graph.main([str(root)]) == 1
 
 
+def test_a_package_cycle_without_a_module_cycle_is_found(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    root = _tree(
+        tmp_path,
+        {
+            "rftstream/loose.py": "def f():\n    from rftstream.sub.b import g\n",
+            "rftstream/other.py": "import json\n",
+        },
+    )
+    (root / "rftstream" / "sub").mkdir()
+    (root / "rftstream" / "sub" / "__init__.py").write_text("")
+    (root / "rftstream" / "sub" / "a.py").write_text("from rftstream import loose\n")
+    (root / "rftstream" / "sub" / "b.py").write_text("g = 1\n")
+    graph = import_graph.build_graph(root)
+    assert graph.cycles() == []  # sub.a -> loose -> sub.b: no two modules in a loop
+    assert graph.package_cycles() == [["rftstream.loose", "rftstream.sub"]]
+    assert import_graph.main([str(root)]) == 1
+    out = capsys.readouterr().out
+    assert "package cycles: 1" in out and "rftstream.loose -> rftstream.sub.b (function)" in out
+
+
 def test_a_clean_tree_passes(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     root = _tree(tmp_path, {"workflows/flow.py": "from rftstream import runtime\n"})
     (root / "rftstream" / "runtime.py").write_text("import json\n")
     assert import_graph.main([str(root)]) == 0
-    assert "import cycles: 0" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "import cycles: 0" in out and "package cycles: 0" in out

@@ -5,7 +5,7 @@
 * token budgets are at least 1 and leave room for a prompt in the model's context
   (:func:`rftstream.config.validate.check_model_context`);
 * the local tasksets and datasets a run reads exist
-  (:func:`rftstream.config.validate.check_data_paths`), which
+  (:func:`rftstream.run_inputs.check_data_paths`), which
   :func:`rftstream.runtime.prepare_run` checks before the run directory is written;
 * a config file that is binary, not UTF-8 or bad YAML is one error naming the file,
   an empty one a warning naming it.
@@ -28,13 +28,13 @@ from rftstream.config import config_from_dict, load_config, validate_config
 from rftstream.config.schema import Config
 from rftstream.config.validate import (
     ConfigWarning,
-    check_data_paths,
     check_model_context,
     check_output_dirs,
     check_run_name,
 )
 from rftstream.default_run import DEFAULT_CONFIG
 from rftstream.errors import ConfigError
+from rftstream.run_inputs import check_data_paths
 
 TASKSET = "buffer.explorer_input.taskset"
 

@@ -8,11 +8,11 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from rftstream.engines.accuracy import evaluate_accuracy
 from rftstream.tasksets import builtin_arithmetic_tasks
 from rftstream.tiny_model import (
     arithmetic_problems,
     ensure_tiny_model,
-    evaluate_accuracy,
     tiny_model_version,
 )
 
