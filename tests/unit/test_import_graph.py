@@ -132,3 +132,31 @@ def test_a_clean_tree_passes(tmp_path: Path, capsys: pytest.CaptureFixture[str])
     assert import_graph.main([str(root)]) == 0
     out = capsys.readouterr().out
     assert "import cycles: 0" in out and "package cycles: 0" in out
+
+
+def test_architecture_md_layers_hold(repository: Any) -> None:
+    """ARCHITECTURE.md's table names every package of the core once, and no package
+    imports one of a higher layer."""
+    import re
+
+    layer_of: dict[str, int] = {}
+    for line in (ROOT / "ARCHITECTURE.md").read_text().splitlines():
+        m = re.match(r"\| (\d+) \| (.+?) \|", line)
+        if m:
+            for name in re.findall(r"`([\w/]+)`", m.group(2)):
+                key = f"rftstream.{name.rstrip('/')}"
+                assert key not in layer_of, f"{key} is listed twice"
+                layer_of[key] = int(m.group(1))
+    packages = {
+        import_graph.package_of(m) for m in repository.modules if m.startswith("rftstream.")
+    }
+    assert packages - set(layer_of) == set(), "packages missing from ARCHITECTURE.md"
+    assert set(layer_of) - packages == set(), "ARCHITECTURE.md names packages that do not exist"
+    upward = [
+        f"{e.source} (layer {layer_of[a]}) -> {e.target} (layer {layer_of[b]})"
+        for e in repository.edges
+        if (a := import_graph.package_of(e.source)) in layer_of
+        and (b := import_graph.package_of(e.target)) in layer_of
+        and layer_of[a] < layer_of[b]
+    ]
+    assert upward == []
