@@ -29,6 +29,8 @@ import msgspec
 
 from rftstream.errors import SchemaError
 from rftstream.subjects import (
+    KV_EVAL_FINAL,
+    KV_EVAL_STEP,
     KV_EXPLORER_DONE,
     KV_EXPLORER_STEP,
     KV_HEARTBEAT,
@@ -536,12 +538,25 @@ class Heartbeat(msgspec.Struct, kw_only=True):
         )
 
 
+class EvalClaim(msgspec.Struct, kw_only=True):
+    """KV record ``eval.step.<n>`` / ``eval.final`` (``bench.step.<n>`` in mode bench): the
+    explorer ``by`` evaluates that step with weights ``model_version``; created only if
+    absent, so exactly one explorer does."""
+
+    by: str
+    step: int
+    model_version: int
+    ts: float
+
+
 TASKSET_PUBLISHED: Key[TasksetRecord] = Key(KV_TASKSET, TasksetRecord)
 TASKSET_CLAIM: Key[TasksetClaim] = Key(KV_TASKSET_CLAIM, TasksetClaim)
 TRAINER_STARVING: Key[TrainerStarving] = Key(KV_TRAINER_STARVING, TrainerStarving)
 EXPLORER_STEP: Key[int] = Key(KV_EXPLORER_STEP, int)  # the explorer's last step, a JSON int
 EXPLORER_DONE: Key[ExplorerDone] = Key(KV_EXPLORER_DONE, ExplorerDone)
 HEARTBEAT: Key[Heartbeat] = Key(KV_HEARTBEAT, Heartbeat)  # read with Heartbeat.from_value
+EVAL_STEP: Key[EvalClaim] = Key(KV_EVAL_STEP, EvalClaim)  # EVAL_STEP.of(step=...)
+EVAL_FINAL: Key[EvalClaim] = Key(KV_EVAL_FINAL, EvalClaim)
 
 # --- the run's status and the trainer's progress records
 STATUS: Key[str] = Key(KV_STATUS, str)  # running | finished | failed | stopped

@@ -28,7 +28,7 @@ from rftstream.bus.state import RunState
 from rftstream.config.resolve import taskset_repeat_times
 from rftstream.config.schema import Config, TasksetConfig
 from rftstream.errors import RftError
-from rftstream.subjects import KV_EVAL_FINAL, KV_EVAL_STEP
+from rftstream.wire import EVAL_FINAL, EVAL_STEP, EvalClaim, Key
 
 log = logging.getLogger(__name__)
 
@@ -103,18 +103,22 @@ class Evaluator:
         """
         if final and self._last == (step, version):
             return
-        key = claim_key or (KV_EVAL_FINAL if final else KV_EVAL_STEP.format(step=step))
-        claim = {"by": self.name, "step": step, "model_version": version, "ts": time.time()}
-        if not await state.claim(key, claim):
+        key = (
+            Key(claim_key, EvalClaim)
+            if claim_key
+            else (EVAL_FINAL if final else EVAL_STEP.of(step=str(step)))
+        )
+        claim = EvalClaim(by=self.name, step=step, model_version=version, ts=time.time())
+        if not await state.create(key, claim):
             return
         try:
             values, record = await self._evaluate_claimed(step, final, version, extra, runner)
         except BaseException:
             with anyio.CancelScope(shield=True), anyio.move_on_after(5.0):
                 try:
-                    await state.delete(key)
+                    await state.delete(key.name)
                 except Exception as exc:  # noqa: BLE001 - the connection may be gone
-                    log.warning("%s: could not release the claim %s: %s", self.name, key, exc)
+                    log.warning("%s: could not release the claim %s: %s", self.name, key.name, exc)
             raise
         self._last = (step, version)
         log.info(

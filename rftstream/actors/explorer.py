@@ -252,7 +252,7 @@ class Explorer:
 
         await self.evaluator.load_tasksets()
         step_key = EXPLORER_STEP.of(name=self.name)
-        self.step = int(await state.get_json(step_key.name, step_key.type) or 0)
+        self.step = int(await state.get(step_key) or 0)
         if self.step:
             log.info("%s: resuming after step %d", self.name, self.step)
         consumer = await self.bus.pull(self.names.tasks_stream, self.names.explorer_consumer)
@@ -549,7 +549,7 @@ class Explorer:
         if step > self._step_recorded:
             self._step_recorded = step
             assert self.state is not None
-            await self.state.put_json(EXPLORER_STEP.of(name=self.name).name, step)
+            await self.state.put(EXPLORER_STEP.of(name=self.name), step)
         if self.on_progress is not None:
             self.on_progress({**self._info(), "step": step, **values})
 
@@ -557,9 +557,8 @@ class Explorer:
         """The final evaluation, the ``explorer.<name>.done`` record and, in ``mode:
         explore``, the run's end (status ``finished``: operators drain and stop)."""
         await self._final_eval(state, runner, why)
-        await state.put_json(
-            EXPLORER_DONE.of(name=self.name).name,
-            ExplorerDone(step=self.step, ts=time.time(), why=why),
+        await state.put(
+            EXPLORER_DONE.of(name=self.name), ExplorerDone(step=self.step, ts=time.time(), why=why)
         )
         if self.explore_only and await state.status() not in ("failed", "stopped"):
             await state.set_status("finished")
@@ -937,11 +936,7 @@ class Explorer:
                         continue
             ahead = queued.in_transit + in_flight
             # the record matters only with nothing ahead of the trainer: not read otherwise
-            starving = (
-                await state.get_json(TRAINER_STARVING.name, TRAINER_STARVING.type)
-                if ahead == 0
-                else None
-            )
+            starving = await state.get(TRAINER_STARVING) if ahead == 0 else None
             if self.policy.starving_trainer_overrides(
                 starving, held_by_trainer=queued.held_by_trainer, ahead_of_trainer=ahead
             ):

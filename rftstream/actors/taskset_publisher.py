@@ -161,7 +161,7 @@ class TasksetPublisher:
         raise TypeError(f"not an I/O action: {action!r}")
 
     async def _look(self, state: RunState) -> Observed:
-        if await state.get_json(TASKSET_PUBLISHED.name, TASKSET_PUBLISHED.type) is not None:
+        if await state.get(TASKSET_PUBLISHED) is not None:
             return Observed(published=True)
         try:
             value, revision = await state.get_entry(TASKSET_CLAIM.name)
@@ -180,7 +180,7 @@ class TasksetPublisher:
         claim = TasksetClaim(
             by=self.name, ts=time.time(), seq=action.seq, taken_over_from=action.taken_over_from
         )
-        rev = await state.compare_and_put(TASKSET_CLAIM.name, claim, action.revision)
+        rev = await state.cas(TASKSET_CLAIM, claim, action.revision)
         return None if rev is None else int(rev)
 
     async def _record(self, state: RunState, event: Progressed | Tick) -> None:
@@ -267,8 +267,8 @@ class TasksetPublisher:
             if done < len(plan):
                 await self._stay_ahead(state)
         per_set = {p.name: p.rows * p.epochs for p in plans}
-        await state.put_json(
-            TASKSET_PUBLISHED.name,
+        await state.put(
+            TASKSET_PUBLISHED,
             TasksetRecord(
                 count=len(plan),
                 epochs=max(p.epochs for p in plans),

@@ -112,9 +112,6 @@ from rftstream.config.resolve import dataset_epochs, weights_wire_dtype
 from rftstream.config.schema import Config, StorageConfig
 from rftstream.errors import ConfigError
 from rftstream.monitors import MonitorSet
-from rftstream.subjects import (
-    KV_TRAINER_STARVING,
-)
 from rftstream.sync import SyncPolicy
 from rftstream.training import checkpoint as ckpt
 from rftstream.training.datasets import DatasetSource, load_dataset_experiences
@@ -127,6 +124,7 @@ from rftstream.wire import (
     TRAINER_CHECKPOINT,
     TRAINER_DONE,
     TRAINER_STARTED,
+    TRAINER_STARVING,
     TRAINER_STEP,
     TRAINER_UNACKED,
     WEIGHTS_PENDING,
@@ -333,8 +331,8 @@ class Trainer:
         ticker = InProgressTicker(self.cfg.nats.ack_wait / 3)
 
         async def starving(flag: bool, held: int) -> None:
-            await state.put_json(
-                KV_TRAINER_STARVING, TrainerStarving(since=time.time() if flag else None, held=held)
+            await state.put(
+                TRAINER_STARVING, TrainerStarving(since=time.time() if flag else None, held=held)
             )
 
         watcher = DeadLetterWatcher(

@@ -31,6 +31,7 @@ from rftstream.bus.state import RunState
 from rftstream.bus.transport import Transport
 from rftstream.errors import BusError
 from rftstream.headers import H_COUNT
+from rftstream.wire import Key
 
 #: KV key prefix of the purge records: ``purged.<stage>``
 PURGED_PREFIX = "purged."
@@ -62,9 +63,13 @@ class PurgedPrefix(msgspec.Struct, frozen=True):
         return self.splits.get(seq)
 
 
+#: the KV record of one stage's purge: ``PURGED.of(stage=...)``
+PURGED: Key[PurgedPrefix] = Key(PURGED_PREFIX + "{stage}", PurgedPrefix)
+
+
 def purged_key(stage: str) -> str:
     """The KV key of one stage's purge record."""
-    return f"{PURGED_PREFIX}{stage}"
+    return PURGED.of(stage=stage).name
 
 
 def extend(
@@ -149,27 +154,28 @@ async def record_purge(
     (0: nothing to read); ``cuts``: where the stage changed reader (see :func:`extend`). Retries a lost compare-and-put race with the winner's record.
     Returns the record written (or the newer one found). Raises :class:`BusError`.
     """
-    key = purged_key(stage)
+    key = PURGED.of(stage=stage)
     rows: list[tuple[int, int | None]] | None = None
     for _ in range(_CAS_TRIES):
-        raw, revision = await state.get_entry(key)
-        prev = PurgedPrefix() if raw is None else msgspec.convert(raw, PurgedPrefix, str_keys=True)
+        found, revision = await state.entry(key)
+        prev = found or PurgedPrefix()
         if point <= prev.below_seq:
             return prev
         start = max(prev.below_seq, first_seq)
         if rows is None or (rows and rows[0][0] > start):
             rows = await read_counts(transport, stream, subject, start, point) if stored else []
         new = extend(prev, rows, point, cuts)
-        if await state.compare_and_put(key, msgspec.to_builtins(new), revision) is not None:
+        if await state.cas(key, new, revision) is not None:
             return new
-    raise BusError(f"KV key {key}: {_CAS_TRIES} purgers raced to record {subject}; gave up")
+    raise BusError(f"KV key {key.name}: {_CAS_TRIES} purgers raced to record {subject}; gave up")
 
 
 async def read_purged(state: RunState) -> dict[str, PurgedPrefix]:
     """Every stage's purge record (empty when nothing was ever purged)."""
     out: dict[str, PurgedPrefix] = {}
     for key in await state.keys(PURGED_PREFIX):
-        raw = await state.get_json(key)
-        if raw is not None:
-            out[key[len(PURGED_PREFIX) :]] = msgspec.convert(raw, PurgedPrefix, str_keys=True)
+        stage = key[len(PURGED_PREFIX) :]
+        record = await state.get(PURGED.of(stage=stage))
+        if record is not None:
+            out[stage] = record
     return out

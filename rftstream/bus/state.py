@@ -180,6 +180,10 @@ class RunState:
         """Write the record at ``key`` (see :meth:`put_json`)."""
         await self.put_json(key.name, value)
 
+    async def create(self, key: Key[T], value: T) -> bool:
+        """Write the record only if ``key`` is absent; False when someone else was first."""
+        return await self.compare_and_put(key.name, value, None) is not None
+
     async def cas(self, key: Key[T], value: T, revision: int | None) -> int | None:
         """Write the record only if ``key`` is at ``revision`` (see :meth:`compare_and_put`)."""
         return await self.compare_and_put(key.name, value, revision)

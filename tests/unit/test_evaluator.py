@@ -7,11 +7,13 @@ from pathlib import Path
 from typing import Any
 
 import anyio
+import msgspec
 import pytest
 
 from rftstream.actors.evaluation import Evaluator
 from rftstream.config.schema import Config, TasksetConfig
 from rftstream.experience import Experience
+from rftstream.wire import Key
 from rftstream.workflow_runner import TaskResult
 
 pytestmark = pytest.mark.anyio
@@ -23,10 +25,10 @@ class FakeState:
     def __init__(self) -> None:
         self.claims: dict[str, dict[str, Any]] = {}
 
-    async def claim(self, key: str, value: dict[str, Any]) -> bool:
-        if key in self.claims:
+    async def create(self, key: Key[Any], value: Any) -> bool:
+        if key.name in self.claims:
             return False
-        self.claims[key] = value
+        self.claims[key.name] = msgspec.to_builtins(value)
         return True
 
     async def delete(self, key: str) -> None:
