@@ -418,7 +418,7 @@ async def start_fresh(
         present = []
         for stream in names.streams:
             try:
-                await bus.transport.stream_state(stream)
+                await bus.stream_state(stream)
                 present.append(stream)
             except StreamNotFound:
                 pass

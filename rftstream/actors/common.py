@@ -252,7 +252,7 @@ async def experience_backlog(bus: Bus, stream: str, exclude: tuple[str, ...] = (
     API round trip for the list, then one per consumer.
     """
     try:
-        listed = await bus.transport.consumers(stream)
+        listed = await bus.consumers(stream)
     except BusTimeout:
         raise
     except BusError:  # no such stream (yet), or the server refused the listing
@@ -261,7 +261,7 @@ async def experience_backlog(bus: Bus, stream: str, exclude: tuple[str, ...] = (
     total = held = working = 0
     for name in pipeline_order(consumers):
         try:
-            info = await bus.transport.consumer_state(stream, name)
+            info = await bus.consumer_state(stream, name)
         except ConsumerNotFound:
             continue  # deleted meanwhile (a splice retired it): its messages were handed on
         pending, unacked = info.num_pending, info.num_ack_pending
@@ -276,7 +276,7 @@ async def experience_backlog(bus: Bus, stream: str, exclude: tuple[str, ...] = (
 async def consumer_drained(bus: Bus, stream: str, durable: str) -> bool:
     """True if the durable has nothing left to deliver and nothing unacked."""
     try:
-        info = await bus.transport.consumer_state(stream, durable)
+        info = await bus.consumer_state(stream, durable)
     except ConsumerNotFound:
         return True
     return info.num_pending == 0 and info.num_ack_pending == 0

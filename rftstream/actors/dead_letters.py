@@ -171,7 +171,7 @@ class DeadLetterWatcher:
             except Exception:  # noqa: BLE001 - no JetStream metadata
                 pass
 
-        self._sub = await self.bus.transport.watch(
+        self._sub = await self.bus.watch(
             self.bus.names.dlq_stream,
             self.bus.names.dlq_wildcard,
             on_msg,
@@ -205,7 +205,7 @@ class DeadLetterWatcher:
         DeadLetterThresholdError: see :meth:`DeadLetterWindow.final_verdict`."""
         if self.window.size == 0 or self._sub is None:
             return
-        last = (await self.bus.transport.stream_state(self.bus.names.dlq_stream)).last_seq
+        last = (await self.bus.stream_state(self.bus.names.dlq_stream)).last_seq
         with anyio.move_on_after(5.0):
             while self._last_seq < last:
                 try:

@@ -193,7 +193,7 @@ class ExperienceFeed:
                 continue
             await r.consumer.unsubscribe()
             try:
-                await self.bus.transport.delete_consumer(r.consumer.stream, r.consumer.durable)
+                await self.bus.delete_consumer(r.consumer.stream, r.consumer.durable)
             except Exception as exc:  # noqa: BLE001 - best effort; it only costs space
                 log.warning("could not delete retired consumer %s: %s", r.consumer.durable, exc)
             self.retired.remove(r)

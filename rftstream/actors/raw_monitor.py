@@ -119,7 +119,7 @@ class RawMonitor:
 
         n = bus.names
         self._subs.append(
-            await bus.transport.watch(
+            await bus.watch(
                 n.exp_stream,
                 n.exp_subject(RAW_STAGE),
                 on_raw,
@@ -130,7 +130,7 @@ class RawMonitor:
             )
         )
         self._subs.append(
-            await bus.transport.watch(
+            await bus.watch(
                 n.metrics_stream,
                 n.metrics_wildcard,
                 on_metric,

@@ -54,7 +54,7 @@ log = logging.getLogger(__name__)
 async def last_seq_on(bus: Bus, stage: str) -> int:
     """The stream sequence of the last message on ``exp.<stage>`` (0: none)."""
     try:
-        msg = await bus.transport.last_msg(bus.names.exp_stream, bus.names.exp_subject(stage))
+        msg = await bus.last_msg(bus.names.exp_stream, bus.names.exp_subject(stage))
     except NotFound:
         return 0
     return msg.seq
@@ -219,7 +219,7 @@ async def unsplice(
         control.stop()
         say(f"removing exp.{to_stage}: every replica finishes the batch in hand…")
         await control.all_parked.wait()
-        info = await bus.transport.consumer_state(n.exp_stream, durable)
+        info = await bus.consumer_state(n.exp_stream, durable)
         cut = info.delivered
         say(f"cut at sequence {cut} of exp.{from_stage}; asking the trainer to read it again")
         await operator_side.request_unsplice(
@@ -245,7 +245,7 @@ async def unsplice(
     await control.all_drained.wait()
     end = await last_seq_on(bus, to_stage)
     try:
-        await bus.transport.delete_consumer(n.exp_stream, durable)
+        await bus.delete_consumer(n.exp_stream, durable)
     except ConsumerNotFound:
         pass
     await operator_side.finish_unsplice(state, splice_id, to_stage, end)

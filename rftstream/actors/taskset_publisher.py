@@ -295,7 +295,7 @@ class TasksetPublisher:
         n = self.names
         while True:
             try:
-                info = await self.bus.transport.consumer_state(n.tasks_stream, n.explorer_consumer)
+                info = await self.bus.consumer_state(n.tasks_stream, n.explorer_consumer)
                 waiting = info.num_pending
             except BusError as exc:
                 log.warning("%s: task queue info: %s; publishing on", self.name, exc)

@@ -196,11 +196,11 @@ class TrainerTopology:
         name = protocol.trainer_durable(stage)
         in_use = {self.feed.consumer.durable} | self.feed.retired_names
         try:
-            await self.bus.transport.consumer_state(n.exp_stream, name)
+            await self.bus.consumer_state(n.exp_stream, name)
             if name in in_use:
                 name = f"{name}_{start_seq}"
             else:  # left over (e.g. by a trainer that died mid-switch): nobody reads it
-                await self.bus.transport.delete_consumer(n.exp_stream, name)
+                await self.bus.delete_consumer(n.exp_stream, name)
         except ConsumerNotFound:
             pass
         await self.bus.ensure_consumer(
@@ -246,7 +246,7 @@ class TrainerTopology:
             info = await self.feed.consumer.info()
             cut = info.delivered
             start_seq = cut + 1
-            last = (await self.bus.transport.stream_state(self.names.exp_stream)).last_seq
+            last = (await self.bus.stream_state(self.names.exp_stream)).last_seq
             new = await self._new_durable(to_stage, last + 1, f"spliced by {request.operator}")
             await self.feed.switch_to(new, cut, splice_id=request.id)
             self.stage = to_stage

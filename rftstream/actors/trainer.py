@@ -304,7 +304,7 @@ class Trainer:
         n = self.names
         if not await consumer_drained(self.bus, n.tasks_stream, n.explorer_consumer):
             return False
-        infos = await self.bus.transport.consumers(n.exp_stream)
+        infos = await self.bus.consumers(n.exp_stream)
         mine = self.feed.consumer.durable if self.feed is not None else n.trainer_consumer
         for info in infos:
             pending = info.num_pending

@@ -25,7 +25,8 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
+from datetime import datetime
 from typing import TYPE_CHECKING, Any
 
 import anyio
@@ -36,12 +37,17 @@ from rftstream.bus.memory import MemoryTransport
 from rftstream.bus.state import RunState
 from rftstream.bus.transport import (
     ConsumerSpec,
+    ConsumerState,
     Delivery,
     KeyValueStore,
+    OrderedReader,
     PubAck,
     PullSubscription,
+    StoredMsg,
     StreamSpec,
+    StreamState,
     Transport,
+    Watch,
 )
 from rftstream.config.schema import NatsConfig
 from rftstream.errors import (
@@ -331,6 +337,84 @@ class Bus:
     async def state(self, *, create: bool = True) -> RunState:
         """The run's :class:`RunState` (see :meth:`kv`)."""
         return RunState(await self.kv(create=create))
+
+    # -- streams and consumers: what actors and operations look at or remove ------------
+    # (each one JetStream API round trip, or the in-memory twin's; see Transport)
+
+    async def stream_state(self, stream: str, subjects_filter: str | None = None) -> StreamState:
+        """The stream's state (messages per subject with ``subjects_filter``). Raises
+        ``StreamNotFound``."""
+        return await self.transport.stream_state(stream, subjects_filter=subjects_filter)
+
+    async def consumers(self, stream: str) -> list[ConsumerState]:
+        """Every consumer of ``stream`` that answers. Raises ``StreamNotFound``."""
+        return await self.transport.consumers(stream)
+
+    def unreachable_durables(self, stream: str) -> list[str]:
+        """Durables the last :meth:`consumers` of ``stream`` left out (did not answer)."""
+        return self.transport.unreachable_durables(stream)
+
+    async def consumer_state(self, stream: str, durable: str) -> ConsumerState:
+        """Raises ``ConsumerNotFound`` (also when the stream is missing)."""
+        return await self.transport.consumer_state(stream, durable)
+
+    async def delete_consumer(self, stream: str, durable: str) -> None:
+        """Raises ``ConsumerNotFound``."""
+        await self.transport.delete_consumer(stream, durable)
+
+    async def last_msg(self, stream: str, subject: str) -> StoredMsg:
+        """The newest message on ``subject``. Raises ``MessageNotFound``."""
+        return await self.transport.last_msg(stream, subject)
+
+    async def get_msg(self, stream: str, seq: int, *, direct: bool = False) -> StoredMsg:
+        """The message at ``seq`` (``direct``: the stream's direct-get API). Raises
+        ``MessageNotFound``."""
+        return await self.transport.get_msg(stream, seq, direct=direct)
+
+    async def purge(self, stream: str, subject: str, below_seq: int) -> None:
+        """Remove the messages of ``subject`` below stream sequence ``below_seq``."""
+        await self.transport.purge(stream, subject, below_seq)
+
+    async def read(
+        self,
+        stream: str | None,
+        subject: str,
+        *,
+        start_seq: int = 1,
+        headers_only: bool = False,
+        description: str = "",
+    ) -> OrderedReader:
+        """An ordered reader of ``subject`` that acks nothing (``description``: who reads,
+        shown by ``rftstream streams``). Raises ``StreamNotFound``."""
+        return await self.transport.read(
+            stream,
+            subject,
+            start_seq=start_seq,
+            headers_only=headers_only,
+            description=description,
+        )
+
+    async def watch(
+        self,
+        stream: str,
+        subject: str,
+        callback: Callable[[Delivery], Awaitable[None]],
+        *,
+        start_seq: int | None = None,
+        start_time: datetime | None = None,
+        headers_only: bool = False,
+        description: str = "",
+    ) -> Watch:
+        """Push ``subject`` to ``callback`` in order (see :meth:`read`)."""
+        return await self.transport.watch(
+            stream,
+            subject,
+            callback,
+            start_seq=start_seq,
+            start_time=start_time,
+            headers_only=headers_only,
+            description=description,
+        )
 
     async def pull(self, stream: str, durable: str) -> PullSubscription:
         """Bind to an existing durable pull consumer (see :meth:`provision`)."""

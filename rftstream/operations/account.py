@@ -632,12 +632,12 @@ async def _read_all(bus: Bus, stream: str, subject: str) -> list[Any]:
     after = 0  # the stream sequence of the last message read
     while True:
         try:
-            info = await bus.transport.stream_state(stream, subjects_filter=subject)
+            info = await bus.stream_state(stream, subjects_filter=subject)
         except StreamNotFound:
             return out
         if not out and not sum(info.subjects.values()):
             return out  # nothing stored on the subject
-        reader = await bus.transport.read(
+        reader = await bus.read(
             stream,
             subject,
             start_seq=after + 1,
@@ -787,11 +787,11 @@ async def _trained_total(bus: Bus) -> int | None:
 async def _tasks(bus: Bus) -> TaskAccount | None:
     """The tasks stream's published and still-queued tasks, and the dead-lettered ones."""
     try:
-        info = await bus.transport.stream_state(bus.names.tasks_stream)
+        info = await bus.stream_state(bus.names.tasks_stream)
     except StreamNotFound:
         return None
     try:
-        dlq = await bus.transport.stream_state(
+        dlq = await bus.stream_state(
             bus.names.dlq_stream, subjects_filter=bus.names.dlq_subject("tasks")
         )
         failed = sum(dlq.subjects.values())
@@ -817,10 +817,8 @@ async def account_run(bus: Bus) -> RunAccount:
     topology = await state.get(TOPOLOGY) or []
     # the durables next: a message stored after its ack floor was read counts as pending
     try:
-        infos = await bus.transport.consumers(names.exp_stream)
-        exp_info = await bus.transport.stream_state(
-            names.exp_stream, subjects_filter=names.exp_wildcard
-        )
+        infos = await bus.consumers(names.exp_stream)
+        exp_info = await bus.stream_state(names.exp_stream, subjects_filter=names.exp_wildcard)
         stages = {s[len(prefix) :] for s in exp_info.subjects}
     except StreamNotFound:
         infos, stages = [], set()
@@ -857,7 +855,7 @@ async def account_run(bus: Bus) -> RunAccount:
         await _tasks(bus),
         topology=topology,
     )
-    unreachable = bus.transport.unreachable_durables(names.exp_stream)
+    unreachable = bus.unreachable_durables(names.exp_stream)
     if unreachable:  # their stages are missing from the account, not lost
         account.problems.append(
             f"consumers {', '.join(sorted(unreachable))} of {names.exp_stream} did not answer "

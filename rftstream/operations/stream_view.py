@@ -44,7 +44,7 @@ async def streams_report(bus: Bus) -> list[StreamRow]:
     rows = []
     for name in bus.names.streams:
         try:
-            info = await bus.transport.stream_state(name, subjects_filter=">")
+            info = await bus.stream_state(name, subjects_filter=">")
         except StreamNotFound:
             rows.append(StreamRow(name, "(not created yet)", 0, 0, {}, missing=True))
             continue
@@ -55,7 +55,7 @@ async def streams_report(bus: Bus) -> list[StreamRow]:
             bytes=info.bytes,
             subjects=dict(sorted(info.subjects.items())),
         )
-        for c in await bus.transport.consumers(name):
+        for c in await bus.consumers(name):
             row.consumers.append(
                 ConsumerRow(
                     name=c.name,
@@ -87,7 +87,7 @@ async def tail(
     messages emitted when not following (cancel it to stop following).
     """
     try:
-        reader = await bus.transport.read(
+        reader = await bus.read(
             None,
             subject,
             description=f"rftstream tail of run {bus.names.run} ({bus.actor}): reads {subject}, "

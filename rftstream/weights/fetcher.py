@@ -357,7 +357,7 @@ class WeightFetcher:
     async def _get(self, seq: int, what: str) -> Any:
         stream = self.bus.names.weights_stream
         try:
-            return await self.bus.transport.get_msg(stream, seq, direct=True)
+            return await self.bus.get_msg(stream, seq, direct=True)
         except MessageNotFound as exc:
             raise _Missing(
                 f"{what} is missing from {stream} (removed after a newer keyframe, or lost)"

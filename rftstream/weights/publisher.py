@@ -414,7 +414,7 @@ class WeightPublisher:
             return ""
         self._chain_checked = now
         try:
-            st = await self.bus.transport.stream_state(self.bus.names.weights_stream)
+            st = await self.bus.stream_state(self.bus.names.weights_stream)
         except BusError as exc:
             return f"the stream's state could not be read ({exc})"
         if 0 < st.first_seq <= self._keyframe_first_seq and st.last_seq >= self._last_manifest_seq:
@@ -432,6 +432,6 @@ class WeightPublisher:
         self._purge_pending = [(s, at) for s, at in self._purge_pending if s > max(due)]
         names = self.bus.names
         try:
-            await self.bus.transport.purge(names.weights_stream, names.weights_wildcard, max(due))
+            await self.bus.purge(names.weights_stream, names.weights_wildcard, max(due))
         except BusError as exc:
             log.warning("could not remove old weights from %s: %s", names.weights_stream, exc)

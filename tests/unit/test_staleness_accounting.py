@@ -130,7 +130,9 @@ def _explorer(max_staleness: int) -> Any:
 
 
 def _attach(explorer: Any, world: World) -> None:
-    explorer.bus = SimpleNamespace(names=RunNames("t"), transport=world)
+    explorer.bus = SimpleNamespace(
+        names=RunNames("t"), consumers=world.consumers, consumer_state=world.consumer_state
+    )
 
 
 def test_consumers_are_read_upstream_first() -> None:
