@@ -6,15 +6,15 @@ A *version* is the policy's tensors in the wire dtype (the rollout engine's
 a :class:`Manifest` (JSON, readable with ``nats stream view``) published after
 its chunks. Each tensor is encoded on its own (:class:`TensorEntry`):
 
-* ``full``: its bytes, or, where that at least halves them (see ``_PAYS``), its
-  bytes split into byte planes (every element's first byte, then every second
-  byte, ...) and compressed with zstd;
+* ``full``: its bytes, or, in a keyframe where that saves at least 5% (see
+  ``_FULL_PAYS``), its bytes split into byte planes (every element's first byte,
+  then every second byte, ...) and compressed with zstd;
 * ``delta``: the bytewise XOR against the same tensor of the *base* version (the
   previous one), byte planes, zstd. Between two RL steps most bf16 weights do
   not change at all and the others change in their low mantissa bits, so the
-  XOR is mostly zero bytes and compresses to a few percent (float32 deltas save
-  too little and go as ``full``: a tensor whose compression did not pay is sent
-  plain for :data:`RETRY_COMPRESSION_AFTER` versions);
+  XOR is mostly zero bytes and compresses to a few percent (a delta that does not
+  at least halve, as float32 deltas do not, goes as plain ``full``, and that
+  tensor's delta is tried again :data:`RETRY_COMPRESSION_AFTER` versions later);
 * ``same``: no bytes: identical to the base's.
 
 A version with a base is a delta version; one without is a *keyframe*. The
@@ -91,13 +91,19 @@ SMALL_VERSION_BYTES = 1 << 20
 Encoding = Literal["full", "delta", "same"]
 Codec = Literal["none", "zstd"]
 
-#: a compressed tensor is sent compressed only when it is at most this share of its bytes.
-#: zstd (level 1) compresses at about 1 GB/s and decompresses at about 2.5 GB/s on one
-#: core, plus the XOR and byte planes: saving less than half the bytes costs the two
-#: ends more time than moving those bytes takes on a link of a few Gb/s or faster.
-#: bf16 deltas between RL steps are a few percent of the weights and always pay; float32
-#: deltas (every weight's low two bytes change) are about 50-70% and are sent plain
-_PAYS = 0.5
+#: a delta (a tensor XOR its previous version) is sent compressed only when that is at
+#: most this share of its bytes. Deltas go with every version: zstd (level 1) compresses at
+#: about 1 GB/s and decompresses at about 2.5 GB/s on one core, plus the XOR and byte
+#: planes, so saving less than half the bytes costs the two ends more time than moving them
+#: on a link of a few Gb/s. bf16 deltas between RL steps are a few percent of the weights
+#: and always pay; float32 deltas (every weight's low two bytes change) are about 50-70%
+#: and go plain. A tensor whose delta does not pay goes as it is: compressing the whole
+#: tensor would do no better.
+_DELTA_PAYS = 0.5
+#: a keyframe's tensor (no base: the first version, or after ``keyframe_ratio``) is sent
+#: compressed when that saves at least 5%: keyframes are rare and the largest messages of a
+#: run (a random-weight bf16 model compresses to about 69%)
+_FULL_PAYS = 0.95
 #: a tensor whose compression did not pay is sent as it is for this many versions before
 #: it is tried again (the attempt costs as much as a compression that pays)
 RETRY_COMPRESSION_AFTER = 16
@@ -402,12 +408,14 @@ class Encoder:
                 return EncodedTensor(entry("same", "none", 0), b"")
             if self._worth_compressing(name, "delta", plan.version):
                 packed = self._zstd.compress(_planes(_xor(raw, base), t.element_size()))
-                if len(packed) <= _PAYS * raw.nbytes:
+                if len(packed) <= _DELTA_PAYS * raw.nbytes:
                     return EncodedTensor(entry("delta", "zstd", len(packed)), packed)
                 self._plain_until[name, "delta"] = plan.version + RETRY_COMPRESSION_AFTER
+            # a delta that does not pay: the whole tensor would compress no better
+            return EncodedTensor(entry("full", "none", raw.nbytes), memoryview(raw))
         if self._worth_compressing(name, "full", plan.version):
             packed = self._zstd.compress(_planes(raw, t.element_size()))
-            if len(packed) <= _PAYS * raw.nbytes:
+            if len(packed) <= _FULL_PAYS * raw.nbytes:
                 return EncodedTensor(entry("full", "zstd", len(packed)), packed)
             self._plain_until[name, "full"] = plan.version + RETRY_COMPRESSION_AFTER
         return EncodedTensor(entry("full", "none", raw.nbytes), memoryview(raw))
