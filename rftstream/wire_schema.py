@@ -175,7 +175,7 @@ def experience_schema() -> dict[str, Any]:
         item["description"] = desc
     return {
         "$schema": "https://json-schema.org/draft/2020-12/schema",
-        "$id": f"https://github.com/rftstream/rftstream/schemas/{SCHEMA_FILE}",
+        "$id": f"urn:rftstream:schema:{SCHEMA_NAME}",
         "title": SCHEMA_NAME,
         "description": (
             "The body of every message on rft.<run>.exp.<stage> and (when it decodes) "
