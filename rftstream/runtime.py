@@ -548,7 +548,7 @@ async def run_operator(
     await run_operator_replicas(
         run,
         url,
-        [pipeline if pipeline is not None else run.build_pipeline()],
+        [pipeline],
         name=name,
         from_stage=from_stage,
         to_stage=to_stage,
@@ -566,14 +566,15 @@ async def run_operator_replicas(
     name: str = "operator",
     **host_args: Any,
 ) -> None:
-    """One operator host per pipeline, concurrently, sharing the stage's durable: named
-    ``name`` (one pipeline) or ``<name>-<i>``; ``host_args`` go to every host (see
-    :func:`~rftstream.actors.operator_host.run_hosts`). Returns when all hosts have
-    returned; cancelling cancels them all.
+    """One operator host per pipeline (None: the configured one, each its own), concurrently,
+    sharing the stage's durable: named ``name`` (one pipeline) or ``<name>-<i>``;
+    ``host_args`` go to every host (see :func:`~rftstream.actors.operator_host.run_hosts`).
+    Returns when all hosts have returned; cancelling cancels them all.
     """
     from rftstream.actors.operator_host import run_hosts
 
-    await run_hosts(url, run.names, run.cfg, pipelines, name=name, **host_args)
+    built = [p if p is not None else run.build_pipeline() for p in pipelines]
+    await run_hosts(url, run.names, run.cfg, built, name=name, **host_args)
 
 
 async def splice_in(run: PreparedRun, url: str, operator: str, to_stage: str) -> Any:
