@@ -121,7 +121,8 @@ class Stream:
         self.bytes = 0
         self.dedup: dict[str, tuple[int, float]] = {}
         self.consumers: dict[str, Consumer] = {}
-        self.ephemeral: dict[int, str] = {}  # id -> subject of live readers and watches
+        # id -> (subject, description) of live readers and watches
+        self.ephemeral: dict[int, tuple[str, str]] = {}
         self.watches: list[PushWatch] = []
         self.changed = anyio.Event()
 
@@ -352,13 +353,15 @@ class Pull:
 class Reader:
     """An ordered read (:class:`~rftstream.bus.transport.OrderedReader`)."""
 
-    def __init__(self, stream: Stream, subject: str, start: int, headers_only: bool) -> None:
+    def __init__(
+        self, stream: Stream, subject: str, start: int, headers_only: bool, description: str = ""
+    ) -> None:
         self._stream = stream
         self._subject = subject
         self._next = start
         self._headers_only = headers_only
         self._delivered = 0
-        stream.ephemeral[id(self)] = subject
+        stream.ephemeral[id(self)] = (subject, description)
 
     def _take(self) -> Delivery | None:
         seqs = self._stream.matching(self._subject, self._next)
@@ -397,8 +400,9 @@ class PushWatch:
         callback: Callable[[Delivery], Awaitable[None]],
         start: int,
         headers_only: bool,
+        description: str = "",
     ) -> None:
-        self._reader = Reader(stream, subject, start, headers_only)
+        self._reader = Reader(stream, subject, start, headers_only, description)
         self._stream = stream
         self._callback = callback
         self._last = 0

@@ -116,7 +116,7 @@ class MemoryTransport:
         found = self._holding(subject) if stream is None else self._streams.get(stream)
         if found is None:
             raise StreamNotFound(f"reading {subject}: no stream {stream or 'holds it'}")
-        return Reader(found, subject, max(1, start_seq), headers_only)
+        return Reader(found, subject, max(1, start_seq), headers_only, description)
 
     async def watch(
         self,
@@ -135,7 +135,7 @@ class MemoryTransport:
             start = next(
                 (seq for seq, m in found.msgs.items() if m.stamp >= start_time), found.last_seq + 1
             )
-        watch = PushWatch(found, subject, callback, start, headers_only)
+        watch = PushWatch(found, subject, callback, start, headers_only, description)
         found.watches.append(watch)
         await watch.push()
         return watch
@@ -199,8 +199,13 @@ class MemoryTransport:
         found = self._stream(stream)
         durables = [c.state() for c in found.consumers.values()]
         ephemeral = [
-            ConsumerState(name=f"ordered-{key}", durable=False, filter_subject=subject)
-            for key, subject in found.ephemeral.items()
+            ConsumerState(
+                name=f"ordered-{key}",
+                durable=False,
+                filter_subject=subject,
+                description=description,
+            )
+            for key, (subject, description) in found.ephemeral.items()
         ]
         return durables + ephemeral
 
