@@ -67,11 +67,6 @@ class PurgedPrefix(msgspec.Struct, frozen=True):
 PURGED: Key[PurgedPrefix] = Key(PURGED_PREFIX + "{stage}", PurgedPrefix)
 
 
-def purged_key(stage: str) -> str:
-    """The KV key of one stage's purge record."""
-    return PURGED.of(stage=stage).name
-
-
 def extend(
     prev: PurgedPrefix,
     rows: Sequence[tuple[int, int | None]],

@@ -94,9 +94,9 @@ def cut_seqs(edges: Sequence[TopologyEdge], stage: str) -> list[int]:
     return sorted(cuts)
 
 
-def segment_of(segments: Sequence[Segment], seq: int) -> Segment | None:
-    """The segment of ``segments`` holding ``seq`` (None: none does)."""
-    return next((s for s in segments if s.holds(seq)), None)
+def holds(segments: Sequence[Segment], seq: int) -> bool:
+    """Whether one of ``segments`` holds stream sequence ``seq``."""
+    return any(s.holds(seq) for s in segments)
 
 
 def durable_range(segments: Sequence[Segment], ack_floor: int) -> Segment | None:

@@ -7,9 +7,13 @@ experience id:
 
 * ``explored``: the distinct experiences on ``exp.raw`` (plus the raw messages
   whose body is not an experience group: ``malformed``);
-* at each stage read by a durable (``op_<from>_to_<to>`` or the trainer's):
+* for each reader of a stage (an operator durable ``op_<from>_to_<to>``, or the trainer),
+  over the stream sequences it read (all of them, or, where a splice moved the stage
+  between the trainer and an operator, those the KV ``topology`` gives it:
+  :mod:`rftstream.bus.reader_history`):
   ``in`` (distinct experiences on ``exp.<from>``), ``out`` (those of them on
-  ``exp.<to>``, or, for the trainer, its ``experience/trained_total``),
+  ``exp.<to>``; for the trainer, what reached it, its rows together checked against its
+  ``experience/trained_total``),
   ``dead`` (in messages dead-lettered from that stage: a ``dlq.*`` copy whose
   ``Rft-Dlq-Subject`` / ``Rft-Dlq-Stream-Seq`` name the original), ``pending``
   (in messages past the durable's ack floor that the server still counts unacked: after a
@@ -22,9 +26,9 @@ experience id:
 
 The identity ``trained + filtered + dead-lettered + pending = explored`` holds
 when there is no problem (:attr:`RunAccount.balanced`). ``pending`` is exact
-when the durables ack in order; an actor that acks out of order while it runs
-(the trainer holds messages until a checkpoint) can make a running account
-show a problem that goes away once the run has finished.
+when the durables ack in order. While a run goes on, a trainer with resumable
+checkpoints holds trained messages unacked until its next checkpoint: those are
+pending at its stage and counted once, as trained (:attr:`RunAccount.trained_held`).
 
 Pure reconciliation (:func:`reconcile`) is separate from reading NATS
 (:func:`account_run`), which only reads: an ordered ephemeral consumer per
@@ -44,7 +48,13 @@ import msgspec
 
 from rftstream.bus.client import Bus
 from rftstream.bus.purged import PurgedPrefix, read_purged
-from rftstream.bus.reader_history import TRAINED, Segment, durable_range, reader_segments
+from rftstream.bus.reader_history import (
+    TRAINED,
+    Segment,
+    durable_range,
+    holds,
+    reader_segments,
+)
 from rftstream.bus.state import RunState
 from rftstream.bus.transport import ConsumerState
 from rftstream.errors import BusError, SchemaError, StreamNotFound
@@ -408,8 +418,9 @@ def reconcile(
         topology,
     )
     stages: list[StageAccount] = []
+    depth = _stage_depths(readers)
     for (from_stage, reader), segments in sorted(
-        readers.items(), key=lambda kv: _chain_order(kv[0], kv[1], readers)
+        readers.items(), key=lambda kv: _chain_order(kv[0], kv[1], depth)
     ):
         trainer = reader == TRAINED
         live = [
@@ -430,12 +441,12 @@ def reconcile(
             )
         acc.purged_messages, acc.purged_experiences = p_msgs, p_exps
         acc.checked_from_seq = rec.below_seq
-        msgs = [m for m in by_stage.get(from_stage, []) if _holds(segments, m.seq)]
+        msgs = [m for m in by_stage.get(from_stage, []) if holds(segments, m.seq)]
         acc.messages_in = len(msgs) + p_msgs
         in_uids = {u for m in msgs if m.uids is not None for u in m.uids}
         acc.experiences_in = len(in_uids) + p_exps
         dead_here = dead_seqs.get(from_stage, {})
-        prefix_dead = [n for seq, n in dead_purged.get(from_stage, []) if _holds(segments, seq)]
+        prefix_dead = [n for seq, n in dead_purged.get(from_stage, []) if holds(segments, seq)]
         dead_from_prefix = sum(n for n in prefix_dead if n is not None)
         dead_uids: set[str] = set()
         not_dead: list[StoredMessage] = []
@@ -565,28 +576,21 @@ def _below(purged: dict[str, PurgedPrefix], stage: str) -> int:
     return rec.below_seq if rec is not None else 0
 
 
-def _holds(segments: list[Segment], seq: int) -> bool:
-    return any(s.holds(seq) for s in segments)
-
-
 def _purged_part(rec: PurgedPrefix, segments: list[Segment]) -> tuple[int, int, int, bool]:
     """``(messages, experiences, malformed)`` of ``rec``'s purged prefix inside ``segments``,
     and whether the record knew every cut needed (if not, the part before an unknown cut
     counts at the first segment)."""
+    whole = (rec.messages, rec.experiences, rec.malformed)
     total = [0, 0, 0]
     known = True
     for s in segments:
         if s.lo >= rec.below_seq:
             continue
-        top = rec.below_seq if s.hi is None else min(s.hi, rec.below_seq)
-        high, low = rec.below(top), rec.below(s.lo)
-        if high is None or low is None:
-            known = False
-            high = high if high is not None else rec.below(rec.below_seq)
-            low = low if low is not None else rec.below(rec.below_seq)
-            assert high is not None and low is not None
-        for i in range(3):
-            total[i] += high[i] - low[i]
+        high = rec.below(rec.below_seq if s.hi is None else min(s.hi, rec.below_seq))
+        low = rec.below(s.lo)
+        known = known and high is not None and low is not None
+        for i, (h, lo) in enumerate(zip(high or whole, low or whole, strict=True)):
+            total[i] += h - lo
     return total[0], total[1], total[2], known
 
 
@@ -598,18 +602,23 @@ def _trainer_stage(durables: list[Durable]) -> str | None:
     return stages[0] if stages else None
 
 
-def _chain_order(
-    key: tuple[str, str], segments: list[Segment], readers: dict[tuple[str, str], list[Segment]]
-) -> tuple[int, int, int, str]:
-    """Order readers along the chain from ``raw`` (by the depth of the stage they read, then
-    their first sequence); the trainer's last."""
+def _stage_depths(readers: dict[tuple[str, str], list[Segment]]) -> dict[str, int]:
+    """How many operator stages each stage lies behind ``raw`` (``raw``: 0)."""
     depth: dict[str, int] = {RAW_STAGE: 0}
     for _ in range(len(readers)):
         for stage, reader in readers:
             if stage in depth and reader != TRAINED and reader not in depth:
                 depth[reader] = depth[stage] + 1
+    return depth
+
+
+def _chain_order(
+    key: tuple[str, str], segments: list[Segment], depth: dict[str, int]
+) -> tuple[int, int, int, str]:
+    """Order readers along the chain from ``raw`` (by the depth of the stage they read, then
+    their first sequence); the trainer's last, a stage off the chain after the chain."""
     stage, reader = key
-    return int(reader == TRAINED), depth.get(stage, len(readers)), segments[0].lo, reader
+    return int(reader == TRAINED), depth.get(stage, len(depth)), segments[0].lo, reader
 
 
 def _fed_by_others(key: tuple[str, str], readers: dict[tuple[str, str], list[Segment]]) -> bool:
