@@ -473,6 +473,11 @@ class OperatorHost:
         return None, {}, reason
 
 
+def replica_names(name: str, replicas: int) -> list[str]:
+    """The actor names of a stage's ``replicas`` hosts: ``name`` alone, else ``<name>-<i>``."""
+    return [name] if replicas == 1 else [f"{name}-{i}" for i in range(replicas)]
+
+
 async def run_hosts(
     url: str,
     names: RunNames,
@@ -491,7 +496,7 @@ async def run_hosts(
     ``input_stage``/``output_stage`` when not given; retries, batch and timeout from
     ``data_processor.experience_pipeline``).
 
-    The hosts are named ``name`` (one pipeline) or ``<name>-<i>``. Blocks until every host
+    The hosts are named as :func:`replica_names` says. Blocks until every host
     has returned (the run ended, or ``control`` drained them); cancelling cancels them all,
     their batches unacked (redelivered after ``ack_wait``)."""
     p = cfg.data_processor.experience_pipeline
@@ -514,5 +519,5 @@ async def run_hosts(
             ).run()
 
     async with anyio.create_task_group() as tg:
-        for i, pipeline in enumerate(pipelines):
-            tg.start_soon(host, name if len(pipelines) == 1 else f"{name}-{i}", pipeline)
+        for replica, pipeline in zip(replica_names(name, len(pipelines)), pipelines, strict=True):
+            tg.start_soon(host, replica, pipeline)

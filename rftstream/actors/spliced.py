@@ -31,7 +31,7 @@ from typing import Any
 
 import anyio
 
-from rftstream.actors.operator_host import DrainControl, run_hosts
+from rftstream.actors.operator_host import DrainControl, replica_names, run_hosts
 from rftstream.bus.client import Bus
 from rftstream.bus.state import RunState
 from rftstream.errors import ConsumerNotFound, NotFound, RftError
@@ -189,10 +189,7 @@ async def run_spliced(
             tg.start_soon(operator_side.refresh_owner, state, to_stage, claimed.owner)
             tg.start_soon(trigger)
         if outcome == "removed":  # a removed stage's operator leaves no row in `status`
-            replicas = (
-                [name] if len(pipelines) == 1 else [f"{name}-{i}" for i in range(len(pipelines))]
-            )
-            for replica in replicas:
+            for replica in replica_names(name, len(pipelines)):
                 await state.delete(KV_HEARTBEAT.format(actor=replica))
         return outcome
 
