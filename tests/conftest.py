@@ -37,8 +37,13 @@ def _isolated_registries() -> Iterator[None]:
 
 @pytest.fixture
 def nats_server(tmp_path: Path) -> Iterator[EmbeddedNatsServer]:
-    """A private JetStream nats-server on a free loopback port, stopped after the test."""
-    server = EmbeddedNatsServer(tmp_path / "nats")
+    """A private JetStream nats-server on a free loopback port, stopped after the test.
+
+    Its store is set to 1 TiB: each stream reserves its ``max_bytes`` (3.5 GiB a run by
+    default) and the server's own default, 75% of the free disk, would make a test with
+    several runs pass or fail with the disk's fill. What is written is small.
+    test_bounded_streams checks the refusal on a store that is really too small."""
+    server = EmbeddedNatsServer(tmp_path / "nats", max_file_store=1024**4)
     server.start()
     try:
         yield server

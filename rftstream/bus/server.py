@@ -83,6 +83,7 @@ class EmbeddedNatsServer:
         start_timeout: float = 15.0,
         monitor_port: int | None = None,
         max_memory_store: int | None = 256 * 1024**2,
+        max_file_store: int | None = None,
         user: str = "",
         password: str = "",
     ) -> None:
@@ -99,6 +100,9 @@ class EmbeddedNatsServer:
         # JetStream's memory for streams with storage: memory (nats.streams.weights.storage);
         # None: the server's default, 75% of the machine's memory
         self.max_memory_store = max_memory_store
+        # JetStream's disk for file streams; each stream reserves its max_bytes there;
+        # None: the server's default, 75% of the free disk of store_dir
+        self.max_file_store = max_file_store
         self._proc: subprocess.Popen[bytes] | None = None
         self._log_path = self.store_dir / "nats-server.log"
 
@@ -144,6 +148,11 @@ class EmbeddedNatsServer:
             + (
                 f"  max_memory_store: {int(self.max_memory_store)}\n"
                 if self.max_memory_store is not None
+                else ""
+            )
+            + (
+                f"  max_file_store: {int(self.max_file_store)}\n"
+                if self.max_file_store is not None
                 else ""
             )
             + "}\n"

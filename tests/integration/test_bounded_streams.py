@@ -222,3 +222,33 @@ async def test_long_run_stays_under_its_bound_and_trains_everything(tmp_path: Pa
     assert 5 <= final.state.messages < 2 * 5
     # the server's store on disk stays bounded too: a few of the bound, not the 0.8 MB published
     assert peak["disk"] < published / 4, (peak["disk"], published)
+
+
+async def test_a_server_without_room_for_a_streams_reservation_names_the_key(
+    tmp_path: Path,
+) -> None:
+    """Each stream reserves its max_bytes in the server's store: a store smaller than a
+    run's defaults (3.5 GiB) refuses the stream, and the error says which key reserved
+    how much and what makes room."""
+    server = EmbeddedNatsServer(tmp_path / "nats", max_file_store=64 * 1024**2)
+    server.start()
+    try:
+        async with await Bus.connect(server.url, RunNames("roomless"), NatsConfig(), "t") as bus:
+            with pytest.raises(BusError) as err:
+                await bus.provision()
+        message = str(err.value)
+        assert "insufficient storage" in message
+        assert "nats.streams." in message and ".max_bytes" in message
+        assert "bytes for nats.streams." in message
+        assert "rftstream clean" in message and "max_file_store" in message
+        # the same run with limits the store can hold provisions
+        small = _nats(
+            **{
+                s: {"max_bytes": 4 * 1024**2}
+                for s in ("tasks", "experience", "dead_letter", "metrics")
+            }
+        )
+        async with await Bus.connect(server.url, RunNames("roomy"), small, "t") as bus:
+            await bus.provision()
+    finally:
+        server.stop()

@@ -6,6 +6,7 @@ import time
 from pathlib import Path
 
 import anyio
+import msgspec
 import pytest
 
 from rftstream import cli
@@ -16,9 +17,20 @@ from rftstream.config.schema import NatsConfig
 from rftstream.subjects import RunNames
 
 
+def _small_streams() -> NatsConfig:
+    """Limits that three runs' reservations fit in on any test machine's disk (each
+    stream reserves its max_bytes in the server's store, 3.5 GiB a run by default)."""
+    return msgspec.convert(
+        {"streams": {s: {"max_bytes": 8 * 1024**2} for s in STREAMS}}, NatsConfig
+    )
+
+
+STREAMS = ("tasks", "experience", "dead_letter", "metrics")
+
+
 async def _make_run(url: str, run: str, status: str, beat_age: float | None) -> None:
     names = RunNames(run)
-    async with await Bus.connect(url, names, NatsConfig(), "t") as bus:
+    async with await Bus.connect(url, names, _small_streams(), "t") as bus:
         await bus.provision()
         await bus.publish(names.exp_subject("raw"), b"x" * 500, msg_id=f"{run}:1")
         state = RunState(await bus.kv())

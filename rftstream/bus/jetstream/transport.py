@@ -111,6 +111,21 @@ def _translated(
         raise BusError(f"{what}: {exc}") from exc
 
 
+def _no_room_hint(error: str, spec: StreamSpec, key: str) -> str:
+    """The server refused a stream because its JetStream store cannot reserve the
+    stream's ``max_bytes``: say so, with the keys and commands that make room."""
+    memory = spec.storage == "memory"
+    store = "max_memory_store" if memory else "max_file_store"
+    return (
+        f"{error}. The server reserves each stream's max_bytes ({spec.max_bytes} bytes "
+        f"for {key}.max_bytes) in its JetStream {'memory' if memory else 'store'}, and "
+        f"has less than that left under its {store} (by default 75% of the free "
+        f"{'memory' if memory else 'disk of its store_dir'}), what other streams, other "
+        f"runs' too, reserve already deducted. Lower {key}.max_bytes, remove finished runs (`rftstream clean`), "
+        f"or give the server more room ({store} in its jetstream block)"
+    )
+
+
 class _JetStreamKV:
     """A KV bucket (:class:`~rftstream.bus.transport.KeyValueStore`) over nats-py's ``KeyValue``."""
 
@@ -436,8 +451,13 @@ class JetStreamTransport:
             with self._api(f"stream {spec.name}", StreamNotFound):
                 info = await self.js.stream_info(spec.name)
         except StreamNotFound:
-            with self._api(f"cannot create stream {spec.name} ({key})"):
-                await self.js.add_stream(cfg)
+            try:
+                with self._api(f"cannot create stream {spec.name} ({key})"):
+                    await self.js.add_stream(cfg)
+            except BusError as exc:
+                if "insufficient storage" not in str(exc):
+                    raise
+                raise BusError(_no_room_hint(str(exc), spec, key)) from exc
             return
         old = info.config
         if old.retention != cfg.retention:
