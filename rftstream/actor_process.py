@@ -497,4 +497,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    _code = main()
+    _ranks = sys.modules.get("rftstream.training.ranks")  # a trainer's process loaded it
+    if _ranks is not None:
+        _ranks.exit_process(_code)
+    sys.exit(_code)

@@ -1214,5 +1214,15 @@ def main(argv: list[str] | None = None) -> int:
     return 1
 
 
+def entry() -> None:
+    """The ``rftstream`` console command: :func:`main`, then the process's exit (a trainer
+    rank's skips the interpreter's teardown: :func:`rftstream.training.ranks.exit_process`)."""
+    code = main()
+    ranks = sys.modules.get("rftstream.training.ranks")  # loaded only where torch is used
+    if ranks is not None:
+        ranks.exit_process(code)
+    sys.exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    entry()

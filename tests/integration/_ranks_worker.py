@@ -145,7 +145,12 @@ def release(trainer: PolicyTrainer) -> None:
 
 
 def main(model_path: str, out: str, case: str, zero_stage: str = "0") -> None:
-    from rftstream.training.ranks import RankLeader, end_follower_process, follow_leader
+    from rftstream.training.ranks import (
+        RankLeader,
+        end_follower_process,
+        exit_process,
+        follow_leader,
+    )
     from rftstream.training.world import env_rank
 
     rank = env_rank()
@@ -164,6 +169,7 @@ def main(model_path: str, out: str, case: str, zero_stage: str = "0") -> None:
         leader.stop()
     result["world"] = {"world_size": len(local_ranks), "local_ranks": local_ranks}
     torch.save(result, out)
+    exit_process(0)  # rank 0 too: no interpreter teardown racing gloo's threads
 
 
 if __name__ == "__main__":
