@@ -18,6 +18,7 @@ from rftstream.splice.protocol import in_flight, stage_chain
 from rftstream.subjects import KV_HEARTBEAT_PREFIX, KV_TRAINER_STEP, KV_WEIGHTS
 from rftstream.wire import (
     DLQ_HEADERS,
+    HEARTBEAT,
     METRICS_SCHEMA,
     SPLICE,
     STAGE,
@@ -25,7 +26,6 @@ from rftstream.wire import (
     TRAINER_DONE,
     TRAINER_INPUT,
     TRAINER_WAITING,
-    Heartbeat,
 )
 
 
@@ -119,16 +119,22 @@ def status_report(
     """
     heartbeats: list[dict[str, Any]] = []
     for key, value in values.items():
-        if key.startswith(KV_HEARTBEAT_PREFIX) and isinstance(value, dict):
-            beat = Heartbeat.from_value(value, actor=key[len(KV_HEARTBEAT_PREFIX) :])
-            heartbeats.append(
-                {
-                    "actor": beat.actor,
-                    "role": beat.role,
-                    "age": max(0.0, now - beat.ts),
-                    "info": beat.info,
-                }
-            )
+        if not key.startswith(KV_HEARTBEAT_PREFIX):
+            continue
+        beat = HEARTBEAT.convert(value)
+        if beat is None:  # not an rftstream heartbeat: shown as it is, without an age
+            name = key[len(KV_HEARTBEAT_PREFIX) :]
+            info = value if isinstance(value, dict) else {"value": value}
+            heartbeats.append({"actor": name, "role": "?", "age": None, "info": info})
+            continue
+        heartbeats.append(
+            {
+                "actor": beat.actor,
+                "role": beat.role,
+                "age": max(0.0, now - beat.ts),
+                "info": beat.fields(),
+            }
+        )
     heartbeats.sort(key=lambda h: (h["role"], h["actor"]))
     weights = values.get(KV_WEIGHTS) if isinstance(values.get(KV_WEIGHTS), dict) else {}
     trainer_hb = next((h for h in heartbeats if h["role"] == "trainer"), None)

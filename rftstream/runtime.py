@@ -41,7 +41,7 @@ from rftstream.experience_pipeline import EXPERIENCE_OPERATORS, ExperiencePipeli
 from rftstream.monitors import check_monitor_packages
 from rftstream.plugin_registries import ALGORITHM_RESOLVERS, ALGORITHM_TYPE, REWARD_FUNCTIONS
 from rftstream.run_inputs import check_run_inputs
-from rftstream.subjects import KV_EXPLORER_DONE, KV_HEARTBEAT_PREFIX, RunNames
+from rftstream.subjects import KV_EXPLORER_DONE, RunNames
 from rftstream.training.schedule import lr_schedule
 from rftstream.wire import TRAINER_DONE
 from rftstream.workflow import WORKFLOWS
@@ -431,13 +431,8 @@ async def start_fresh(
         status = ""
         if kv is not None:
             state = RunState(kv)
-            values = await state.all()
-            status = str(values.get("status") or "")
-            beats = [
-                v.get("ts", 0)
-                for k, v in values.items()
-                if k.startswith(KV_HEARTBEAT_PREFIX) and isinstance(v, dict)
-            ]
+            status = await state.status()
+            beats = [beat.ts for beat in (await state.heartbeats()).values()]
             age = time.time() - max(beats) if beats else None
             if (
                 not own_store
@@ -452,7 +447,7 @@ async def start_fresh(
             if continuing and status != "finished":
                 if status in END_STATUSES:
                     await state.set_status("running")
-                await state.delete(TRAINER_DONE.name)
+                await state.delete(TRAINER_DONE)
                 return (
                     f"kept run {names.run!r} on the server (status {status or 'unknown'}, "
                     f"{len(present)} streams)"

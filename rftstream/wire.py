@@ -21,7 +21,6 @@ append-only. In order:
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 from typing import Any, Generic, Literal, TypeVar
 
@@ -504,38 +503,46 @@ class ExplorerDone(msgspec.Struct, kw_only=True):
     why: str
 
 
-class Heartbeat(msgspec.Struct, kw_only=True):
+class Heartbeat(msgspec.Struct, kw_only=True, omit_defaults=True):
     """KV record ``heartbeat.<actor>``: an actor is alive, with its own progress fields.
 
-    On the bus the record is one flat JSON object: ``actor``, ``role``, ``ts`` and
-    the actor's fields (``info``: an explorer's ``step``/``model_version``/...,
-    a trainer's ``step``/``version``, an operator's counters) beside them.
+    One flat JSON object (``nats kv get``): ``actor``, ``role``, ``ts`` and the fields
+    of the actor's kind; a field another kind has is left out. Written every 5 s
+    (:func:`rftstream.actors.common.heartbeat_loop`); the trainer's last one carries
+    how it ended (``status``), which tells a finished trainer from a live one.
     """
 
     actor: str
     role: str
     ts: float
-    info: dict[str, Any] = msgspec.field(default_factory=dict)
+    # explorers (and the bench evaluator): their last step, the weights they generate
+    # with, the groups they published and the tasks that failed
+    step: int | None = None
+    model_version: int | None = None
+    groups: int | None = None
+    failed_tasks: int | None = None
+    # the trainer: its version (the weights it last published) and, last, how it ended
+    version: int | None = None
+    status: str | None = None
+    # operator hosts and spliced operators: the stages they read and write, and counts
+    from_stage: str | None = None
+    to_stage: str | None = None
+    messages_in: int | None = None
+    messages_out: int | None = None
+    experiences_in: int | None = None
+    experiences_out: int | None = None
+    dead_lettered_messages: int | None = None
+    failed_batches: int | None = None
+    publish_failures: int | None = None
+    skipped_after_cut: int | None = None
 
-    @classmethod
-    def now(cls, actor: str, role: str, **info: Any) -> Heartbeat:
-        """The heartbeat of ``actor`` stamped with the wall clock."""
-        return cls(actor=actor, role=role, ts=time.time(), info=info)
+    def fields(self) -> dict[str, Any]:
+        """The actor's own fields that it set (``rftstream status``'s ``info``)."""
+        own = msgspec.structs.asdict(self)
+        return {k: v for k, v in own.items() if v is not None and k not in _BEAT_IDENTITY}
 
-    def to_value(self) -> dict[str, Any]:
-        """The flat JSON object written to the KV."""
-        return {"actor": self.actor, "role": self.role, "ts": self.ts, **self.info}
 
-    @classmethod
-    def from_value(cls, value: dict[str, Any], actor: str = "") -> Heartbeat:
-        """A record read back (``actor``: the key's, for a record that lacks it)."""
-        info = {k: v for k, v in value.items() if k not in ("actor", "role", "ts")}
-        return cls(
-            actor=str(value.get("actor") or actor),
-            role=str(value.get("role") or ""),
-            ts=float(value.get("ts") or 0.0),
-            info=info,
-        )
+_BEAT_IDENTITY = ("actor", "role", "ts")
 
 
 class EvalClaim(msgspec.Struct, kw_only=True):
@@ -554,7 +561,7 @@ TASKSET_CLAIM: Key[TasksetClaim] = Key(KV_TASKSET_CLAIM, TasksetClaim)
 TRAINER_STARVING: Key[TrainerStarving] = Key(KV_TRAINER_STARVING, TrainerStarving)
 EXPLORER_STEP: Key[int] = Key(KV_EXPLORER_STEP, int)  # the explorer's last step, a JSON int
 EXPLORER_DONE: Key[ExplorerDone] = Key(KV_EXPLORER_DONE, ExplorerDone)
-HEARTBEAT: Key[Heartbeat] = Key(KV_HEARTBEAT, Heartbeat)  # read with Heartbeat.from_value
+HEARTBEAT: Key[Heartbeat] = Key(KV_HEARTBEAT, Heartbeat)  # HEARTBEAT.of(actor=...)
 EVAL_STEP: Key[EvalClaim] = Key(KV_EVAL_STEP, EvalClaim)  # EVAL_STEP.of(step=...)
 EVAL_FINAL: Key[EvalClaim] = Key(KV_EVAL_FINAL, EvalClaim)
 

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import logging
 import re
+import time
 from pathlib import Path
 from typing import Any
 
@@ -44,6 +45,7 @@ from rftstream.bus.state import RunState
 from rftstream.config.schema import Config
 from rftstream.errors import RftError
 from rftstream.weights import checkpoint_dir
+from rftstream.wire import Heartbeat
 
 log = logging.getLogger(__name__)
 
@@ -107,8 +109,16 @@ async def run_bench(
         def version() -> int:
             return int(getattr(model.engine, "model_version", 0) or 0)
 
-        def info() -> dict[str, Any]:  # an explorer's heartbeat: it explores nothing here
-            return {"step": step, "model_version": version(), "groups": 0, "failed_tasks": 0}
+        def beat() -> Heartbeat:  # an explorer's heartbeat: it explores nothing here
+            return Heartbeat(
+                actor=evaluator.name,
+                role=evaluator.role,
+                ts=time.time(),
+                step=step,
+                model_version=version(),
+                groups=0,
+                failed_tasks=0,
+            )
 
         can_load = bool(getattr(model.engine, "can_load_weights", True))
         if found and not can_load:
@@ -130,7 +140,7 @@ async def run_bench(
             evaluator.taskset_count,
         )
         async with anyio.create_task_group() as tg:
-            tg.start_soon(heartbeat_loop, state, evaluator.name, evaluator.role, info)
+            tg.start_soon(heartbeat_loop, state, beat)
             for step, path in plan:
                 if path is not None:
                     sd = await anyio.to_thread.run_sync(load_hf_state_dict, path)

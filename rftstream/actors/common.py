@@ -19,14 +19,12 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 import anyio
-import msgspec
 
 from rftstream.bus.client import Bus
 from rftstream.bus.state import END_STATUSES, RunState
 from rftstream.bus.transport import Delivery, PullSubscription, Unsubscribe
-from rftstream.errors import BusError, BusTimeout, ConsumerNotFound, RftError
-from rftstream.subjects import KV_HEARTBEAT
-from rftstream.wire import Heartbeat
+from rftstream.errors import BusError, BusTimeout, ConsumerNotFound, RftError, SchemaError
+from rftstream.wire import HEARTBEAT, Heartbeat
 
 log = logging.getLogger(__name__)
 
@@ -49,18 +47,16 @@ def frozen_heap() -> Iterator[None]:
 
 
 async def heartbeat_loop(
-    state: RunState,
-    actor: str,
-    role: str,
-    info: Callable[[], dict[str, Any]],
-    interval: float = 5.0,
+    state: RunState, beat: Callable[[], Heartbeat], interval: float = 5.0
 ) -> None:
-    """Write ``heartbeat.<actor>`` every ``interval`` s until cancelled. KV errors are logged, not raised."""
+    """Write ``beat()`` (``heartbeat.<actor>``) every ``interval`` s until cancelled.
+    KV errors are logged, not raised."""
     while True:
+        record = beat()
         try:
-            await state.heartbeat(actor, role, **info())
+            await state.heartbeat(record)
         except Exception as exc:  # noqa: BLE001 - a missed heartbeat must not kill the actor
-            log.debug("%s: heartbeat failed: %s", actor, exc)
+            log.debug("%s: heartbeat failed: %s", record.actor, exc)
         await anyio.sleep(interval)
 
 
@@ -97,13 +93,11 @@ async def refuse_a_live_name(
 
 
 async def _heartbeat_ts(state: RunState, name: str) -> float | None:
-    raw = await state.get_raw(KV_HEARTBEAT.format(actor=name))
-    if raw is None:
-        return None
     try:
-        return Heartbeat.from_value(msgspec.json.decode(raw), name).ts
-    except (msgspec.DecodeError, TypeError, ValueError):
+        beat = await state.get(HEARTBEAT.of(actor=name))
+    except SchemaError:
         return None
+    return None if beat is None else beat.ts
 
 
 async def wait_for_run_end(state: RunState, poll: float = 0.5) -> str:

@@ -116,7 +116,7 @@ class Evaluator:
         except BaseException:
             with anyio.CancelScope(shield=True), anyio.move_on_after(5.0):
                 try:
-                    await state.delete(key.name)
+                    await state.delete(key)
                 except Exception as exc:  # noqa: BLE001 - the connection may be gone
                     log.warning("%s: could not release the claim %s: %s", self.name, key.name, exc)
             raise

@@ -123,6 +123,7 @@ from rftstream.wire import (
     TRAINER_UNACKED,
     WEIGHTS_PENDING,
     ExplorerDone,
+    Heartbeat,
     TaskMsg,
     decode_json,
 )
@@ -275,7 +276,7 @@ class Explorer:
                 with frozen_heap():  # the model's objects stay out of GC passes
                     async with anyio.create_task_group() as tg:
                         tg.start_soon(ticker.run)
-                        tg.start_soon(heartbeat_loop, state, self.name, self.role, self._info)
+                        tg.start_soon(heartbeat_loop, state, self._heartbeat)
                         if (
                             self.cfg.synchronizer.sync_method == "jetstream"
                             and self._syncs_weights()
@@ -299,7 +300,7 @@ class Explorer:
                 await consumer.unsubscribe()
                 await self._trainer_changes.stop()
                 try:  # the last word on this explorer's step and weights (the loop's may lag)
-                    await state.heartbeat(self.name, self.role, **self._info())
+                    await state.heartbeat(self._heartbeat())
                 except Exception as exc:  # noqa: BLE001 - the connection may be gone
                     log.warning("%s: could not write the final heartbeat: %s", self.name, exc)
 
@@ -315,13 +316,16 @@ class Explorer:
                 except Exception:  # noqa: BLE001 - connection gone: ack wait redelivers them
                     pass
 
-    def _info(self) -> dict[str, Any]:
-        return {
-            "step": self.step,
-            "model_version": self._version(),
-            "groups": self.published_groups,
-            "failed_tasks": self.failed_tasks,
-        }
+    def _heartbeat(self) -> Heartbeat:
+        return Heartbeat(
+            actor=self.name,
+            role=self.role,
+            ts=time.time(),
+            step=self.step,
+            model_version=self._version(),
+            groups=self.published_groups,
+            failed_tasks=self.failed_tasks,
+        )
 
     def _version(self) -> int:
         return int(getattr(self.engine, "model_version", 0) or 0)
@@ -551,7 +555,7 @@ class Explorer:
             assert self.state is not None
             await self.state.put(EXPLORER_STEP.of(name=self.name), step)
         if self.on_progress is not None:
-            self.on_progress({**self._info(), "step": step, **values})
+            self.on_progress({**self._heartbeat().fields(), "step": step, **values})
 
     async def _explorer_done(self, state: RunState, runner: Any, why: str) -> None:
         """The final evaluation, the ``explorer.<name>.done`` record and, in ``mode:

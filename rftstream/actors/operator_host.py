@@ -53,7 +53,7 @@ import logging
 import time
 from collections import defaultdict
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import anyio
@@ -74,6 +74,7 @@ from rftstream.errors import (
 )
 from rftstream.experience import H_MSG_ID, Experience, decode_group, experience_problem
 from rftstream.subjects import RunNames
+from rftstream.wire import Heartbeat
 
 log = logging.getLogger(__name__)
 
@@ -127,6 +128,20 @@ class DrainControl:
             self.all_parked.set()
         if self._left >= self.hosts:
             self.all_drained.set()
+
+
+@dataclass
+class OperatorCounters:
+    """What a host has done since it started (its heartbeat's counts)."""
+
+    messages_in: int = 0
+    messages_out: int = 0
+    experiences_in: int = 0
+    experiences_out: int = 0
+    dead_lettered_messages: int = 0
+    failed_batches: int = 0
+    publish_failures: int = 0
+    skipped_after_cut: int = 0  # acked unprocessed after a splice's cut
 
 
 @dataclass
@@ -202,7 +217,7 @@ class OperatorHost:
         self.process_timeout = process_timeout
         self.fetch_timeout = fetch_timeout
         self.control = control
-        self.counters: dict[str, float] = defaultdict(float)
+        self.counters = OperatorCounters()
         self.batches = 0
 
     @property
@@ -234,7 +249,7 @@ class OperatorHost:
         try:
             async with anyio.create_task_group() as tg:
                 tg.start_soon(ticker.run)
-                tg.start_soon(heartbeat_loop, state, self.name, self.role, self._heartbeat)
+                tg.start_soon(heartbeat_loop, state, self._heartbeat)
                 await self._loop(consumer, state, ticker)
                 tg.cancel_scope.cancel()
         finally:
@@ -242,8 +257,23 @@ class OperatorHost:
                 await consumer.unsubscribe()
                 await self.pipeline.close()
 
-    def _heartbeat(self) -> dict[str, Any]:
-        return {**self.counters, "from_stage": self.from_stage, "to_stage": self.to_stage}
+    def _heartbeat(self) -> Heartbeat:
+        c = self.counters
+        return Heartbeat(
+            actor=self.name,
+            role=self.role,
+            ts=time.time(),
+            from_stage=self.from_stage,
+            to_stage=self.to_stage,
+            messages_in=c.messages_in,
+            messages_out=c.messages_out,
+            experiences_in=c.experiences_in,
+            experiences_out=c.experiences_out,
+            dead_lettered_messages=c.dead_lettered_messages,
+            failed_batches=c.failed_batches,
+            publish_failures=c.publish_failures,
+            skipped_after_cut=c.skipped_after_cut,
+        )
 
     async def _loop(
         self, consumer: PullSubscription, state: RunState, ticker: InProgressTicker
@@ -260,7 +290,7 @@ class OperatorHost:
                 )
                 if step.done:
                     return
-                self.counters["skipped_after_cut"] += step.skipped
+                self.counters.skipped_after_cut += step.skipped
                 if step.mine:
                     await self._process_held(step.mine, ticker)
                 continue
@@ -316,13 +346,13 @@ class OperatorHost:
         dt = time.perf_counter() - t0
         self.batches += 1
         c = self.counters
-        c["messages_in"] += stats.messages_in
-        c["messages_out"] += stats.messages_out
-        c["experiences_in"] += stats.experiences_in
-        c["experiences_out"] += stats.experiences_out
-        c["dead_lettered_messages"] += stats.dead_lettered
-        c["failed_batches"] += stats.failed_batches
-        c["publish_failures"] += stats.publish_failures
+        c.messages_in += stats.messages_in
+        c.messages_out += stats.messages_out
+        c.experiences_in += stats.experiences_in
+        c.experiences_out += stats.experiences_out
+        c.dead_lettered_messages += stats.dead_lettered
+        c.failed_batches += stats.failed_batches
+        c.publish_failures += stats.publish_failures
         values: dict[str, float] = {
             "operator/messages_in": float(stats.messages_in),
             "operator/messages_out": float(stats.messages_out),
@@ -331,11 +361,11 @@ class OperatorHost:
             "operator/experiences_filtered": float(stats.filtered),
             "operator/dead_lettered": float(stats.dead_lettered),
             "operator/dead_lettered_experiences": float(stats.dead_lettered_exps),
-            "operator/dead_lettered_total": c["dead_lettered_messages"],
+            "operator/dead_lettered_total": float(c.dead_lettered_messages),
             "operator/failed_batches": float(stats.failed_batches),
-            "operator/failed_batches_total": c["failed_batches"],
+            "operator/failed_batches_total": float(c.failed_batches),
             "operator/publish_failures": float(stats.publish_failures),
-            "operator/publish_failures_total": c["publish_failures"],
+            "operator/publish_failures_total": float(c.publish_failures),
             "time/operator_batch": dt,
             "time/operator_per_message": dt / max(1, len(msgs)),
         }
@@ -347,7 +377,7 @@ class OperatorHost:
             if key.startswith("filtered/"):
                 values[f"operator/{key}"] = value  # by the operator (reason) that dropped them
         if self.on_progress is not None:
-            self.on_progress(dict(c))
+            self.on_progress(asdict(c))
         try:
             await self.bus.publish_metrics(self.role, self.batches, values)
         except Exception as exc:  # noqa: BLE001 - metrics must not stop the stage

@@ -36,8 +36,8 @@ from rftstream.bus.client import Bus
 from rftstream.bus.state import RunState
 from rftstream.errors import ConsumerNotFound, NotFound, RftError
 from rftstream.splice import operator_side, protocol
-from rftstream.subjects import KV_HEARTBEAT
 from rftstream.wire import (
+    HEARTBEAT,
     SPLICE,
     STAGE,
     SpliceAsked,
@@ -190,7 +190,7 @@ async def run_spliced(
             tg.start_soon(trigger)
         if outcome == "removed":  # a removed stage's operator leaves no row in `status`
             for replica in replica_names(name, len(pipelines)):
-                await state.delete(KV_HEARTBEAT.format(actor=replica))
+                await state.delete(HEARTBEAT.of(actor=replica))
         return outcome
 
 

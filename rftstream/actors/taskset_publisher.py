@@ -19,13 +19,12 @@ from typing import Any
 
 import anyio
 import anyio.to_thread
-import msgspec
 
 from rftstream.bus.client import Bus
 from rftstream.bus.state import RunState
 from rftstream.config.resolve import dataset_epochs
 from rftstream.config.schema import Config, TasksetConfig
-from rftstream.errors import BusError
+from rftstream.errors import BusError, SchemaError
 from rftstream.taskset_claim import (
     Action,
     ClaimLost,
@@ -164,16 +163,10 @@ class TasksetPublisher:
         if await state.get(TASKSET_PUBLISHED) is not None:
             return Observed(published=True)
         try:
-            value, revision = await state.get_entry(TASKSET_CLAIM.name)
-        except msgspec.DecodeError:  # not JSON: a claim that does not decode, at a revision
-            return Observed(published=False, revision=-1)  # not read: wait for it to change
-        if revision is None:
-            return Observed(published=False)
-        try:
-            claim = msgspec.convert(value, TASKSET_CLAIM.type)
-        except msgspec.ValidationError:
-            claim = None
-        return Observed(published=False, claim=claim, revision=int(revision))
+            claim, revision = await state.entry(TASKSET_CLAIM)
+        except SchemaError:  # a claim that does not decode, at a revision: wait for it to change
+            return Observed(published=False, revision=await state.revision(TASKSET_CLAIM))
+        return Observed(published=False, claim=claim, revision=revision)
 
     async def _write_claim(self, state: RunState, action: WriteClaim) -> int | None:
         """Create or compare-and-set the claim; its revision, None when another was first."""

@@ -352,5 +352,5 @@ class TrainerTopology:
                 TRAINER_WAITING, TrainerWaiting(stage=dead, message=message, ts=time.time())
             )
         elif self.waiting:
-            await self.state.delete(TRAINER_WAITING.name)
+            await self.state.delete(TRAINER_WAITING)
         self.waiting = message

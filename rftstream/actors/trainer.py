@@ -130,6 +130,7 @@ from rftstream.wire import (
     WEIGHTS_PENDING,
     AckedBelow,
     CheckpointRecord,
+    Heartbeat,
     TrainedUnacked,
     TrainerDone,
     TrainerStarted,
@@ -399,13 +400,7 @@ class Trainer:
                     tg.start_soon(watcher.watch)  # raises when dead letters pass the threshold
                     if self.cfg.synchronizer.sync_method == "jetstream":
                         tg.start_soon(self._publisher(state, trainer).run)
-                    tg.start_soon(
-                        heartbeat_loop,
-                        state,
-                        self.name,
-                        self.role,
-                        lambda: {"step": self.step, "version": self.version},
-                    )
+                    tg.start_soon(heartbeat_loop, state, self._heartbeat)
                     last_end = time.perf_counter()
                     self._saved_at = time.monotonic()  # the time trigger counts from here
                     while total is None or self.step < total:
@@ -526,15 +521,24 @@ class Trainer:
                 await watcher.stop()
                 await feed.consumer.unsubscribe()
                 try:
-                    await state.heartbeat(
-                        self.name, self.role, step=self.step, version=self.version, status=status
-                    )
+                    await state.heartbeat(self._heartbeat(status))
                     await state.put(
                         TRAINER_DONE, TrainerDone(step=self.step, status=status, ts=time.time())
                     )
                     await state.set_status(status)
                 except Exception as exc:  # noqa: BLE001 - the connection may be gone
                     log.warning("%s: could not record final status: %s", self.name, exc)
+
+    def _heartbeat(self, status: str | None = None) -> Heartbeat:
+        """This trainer's heartbeat; ``status``: how it ended (its last one)."""
+        return Heartbeat(
+            actor=self.name,
+            role=self.role,
+            ts=time.time(),
+            step=self.step,
+            version=self.version,
+            status=status,
+        )
 
     async def _open_dataset(
         self,
@@ -649,7 +653,7 @@ class Trainer:
         earlier = [r.incarnation for r in (record, previous, pending) if r is not None]
         self.incarnation = max(earlier) + 1 if earlier else 0
         if pending is not None:  # an earlier trainer's version that may never go out
-            await state.delete(WEIGHTS_PENDING.name)
+            await state.delete(WEIGHTS_PENDING)
         if record is None or not self.cfg.continue_from_checkpoint:
             if record is not None:
                 log.warning(

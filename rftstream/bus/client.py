@@ -62,7 +62,6 @@ from rftstream.errors import (
 )
 from rftstream.headers import H_MSG_ID, headers_size
 from rftstream.subjects import (
-    KV_TRAINER_INPUT,
     META_TO_STAGE,
     RAW_STAGE,
     TRAIN_STAGE,
@@ -78,6 +77,7 @@ from rftstream.wire import (
     H_DLQ_SEQ,
     H_DLQ_STAGE,
     H_DLQ_SUBJECT,
+    TRAINER_INPUT,
     WEIGHTS_MANIFEST_SCHEMA,
     WEIGHTS_SCHEMA,
     MetricsMsg,
@@ -299,7 +299,7 @@ class Bus:
                 role="operator",
                 to_stage=to_stage,
             )
-        moved = await RunState(await self.kv()).get_raw(KV_TRAINER_INPUT) is not None
+        moved = await RunState(await self.kv()).present(TRAINER_INPUT)
         if not moved:  # a splice moved the trainer elsewhere: never recreate `trainer` then
             await self.ensure_consumer(
                 n.exp_stream,

@@ -9,14 +9,16 @@ Every method is one KV round trip (blocks for it). The bucket is a
 
 from __future__ import annotations
 
+import logging
 from typing import Any, TypeVar
 
 import msgspec
 
 from rftstream.bus.transport import KeyValueStore
 from rftstream.errors import BusError, CasConflict, KeyNotFound, SchemaError
-from rftstream.subjects import KV_HEARTBEAT, KV_HEARTBEAT_PREFIX
+from rftstream.subjects import KV_HEARTBEAT_PREFIX
 from rftstream.wire import (
+    HEARTBEAT,
     STATUS,
     TASKSET_PUBLISHED,
     TRAINER_STEP,
@@ -25,11 +27,11 @@ from rftstream.wire import (
     Key,
     TasksetRecord,
     WeightsPointer,
-    decode_json,
     encode_json,
 )
 
 T = TypeVar("T")
+log = logging.getLogger(__name__)
 
 
 #: run statuses after which nothing more happens in the run
@@ -42,7 +44,13 @@ def _encode(value: Any) -> bytes:
 
 
 class RunState:
-    """Run status, steps, weights pointer and heartbeats in the KV bucket."""
+    """Run status, steps, weights pointer and heartbeats in the KV bucket.
+
+    Every value goes through a typed :class:`~rftstream.wire.Key`: ``get`` /
+    ``entry`` decode it as the key's record (a :class:`SchemaError` names the key
+    when it has another shape) and ``put`` / ``create`` / ``cas`` write it as JSON.
+    :meth:`all` is the one untyped read: every key's JSON for ``rftstream status``.
+    """
 
     def __init__(self, kv: KeyValueStore) -> None:
         self.kv = kv
@@ -51,39 +59,61 @@ class RunState:
         """``<bucket>/<key>`` for error messages."""
         return f"{self.kv.bucket}/{key}"
 
-    async def get_raw(self, key: str) -> bytes | None:
+    async def _raw(self, key: str) -> bytes | None:
         try:
             return (await self.kv.get(key)).value
         except KeyNotFound:
             return None
 
-    async def put_json(self, key: str, value: Any) -> None:
-        """Write ``key`` (last value wins, so a retry is harmless). A bucket opened through a
-        :class:`~rftstream.bus.client.Bus` on NATS retries timeouts and unavailable servers
-        for ``nats.retry_window`` s; what still fails raises :class:`BusError` naming the key."""
+    def _decode(self, key: Key[T], raw: bytes) -> T:
         try:
-            await self.kv.put(key, _encode(value))
-        except BusError as exc:
-            raise BusError(f"cannot write {self._where(key)}: {exc}") from exc
+            return msgspec.json.decode(raw, type=key.type)  # type: ignore[no-any-return]
+        except msgspec.DecodeError as exc:
+            raise SchemaError(f"KV {self._where(key.name)}: not a {key.type}: {exc}") from exc
 
-    async def get_json(self, key: str, typ: type[T] | None = None) -> T | Any | None:
-        raw = await self.get_raw(key)
-        if raw is None:
+    async def get(self, key: Key[T]) -> T | None:
+        """The record at ``key`` (None: absent); :class:`SchemaError` when it has another shape."""
+        raw = await self._raw(key.name)
+        return None if raw is None else self._decode(key, raw)
+
+    async def revision(self, key: Key[Any]) -> int | None:
+        """The revision of ``key``'s value, whatever its shape (None: absent or deleted)."""
+        try:
+            got = await self.kv.get(key.name)
+        except KeyNotFound:
             return None
-        if typ is None:
-            return msgspec.json.decode(raw)
-        return decode_json(raw, typ, f"KV key {key!r}")
+        return None if got.value is None else got.revision
 
-    async def get_entry(self, key: str) -> tuple[Any | None, int | None]:
-        """``(decoded value, revision)``; ``(None, None)`` when the key is absent or deleted."""
+    async def present(self, key: Key[Any]) -> bool:
+        """Whether ``key`` holds a value (of any shape)."""
+        return await self._raw(key.name) is not None
+
+    async def entry(self, key: Key[T]) -> tuple[T | None, int | None]:
+        """``(record, revision)`` at ``key``; ``(None, None)`` when absent or deleted."""
         try:
-            entry = await self.kv.get(key)
+            got = await self.kv.get(key.name)
         except KeyNotFound:
             return None, None
-        return msgspec.json.decode(entry.value), entry.revision
+        if got.value is None:
+            return None, None
+        return self._decode(key, got.value), got.revision
 
-    async def compare_and_put(self, key: str, value: Any, revision: int | None) -> int | None:
-        """Put ``value`` only if ``key`` is still at ``revision`` (None: only if absent).
+    async def put(self, key: Key[T], value: T) -> None:
+        """Write the record at ``key`` (last value wins, so a retry is harmless). A bucket
+        opened through a :class:`~rftstream.bus.client.Bus` on NATS retries timeouts and
+        unavailable servers for ``nats.retry_window`` s; what still fails raises
+        :class:`BusError` naming the key."""
+        try:
+            await self.kv.put(key.name, _encode(value))
+        except BusError as exc:
+            raise BusError(f"cannot write {self._where(key.name)}: {exc}") from exc
+
+    async def create(self, key: Key[T], value: T) -> bool:
+        """Write the record only if ``key`` is absent; False when someone else was first."""
+        return await self.cas(key, value, None) is not None
+
+    async def cas(self, key: Key[T], value: T, revision: int | None) -> int | None:
+        """Write the record only if ``key`` is still at ``revision`` (None: only if absent).
 
         Returns the new revision, or None when someone else wrote the key first
         (the server's "wrong last sequence"). Any other failure (a timeout, a
@@ -92,33 +122,16 @@ class RunState:
         data = _encode(value)
         try:
             if revision is None:
-                return await self.kv.create(key, data)
-            return await self.kv.update(key, data, last=revision)
+                return await self.kv.create(key.name, data)
+            return await self.kv.update(key.name, data, last=revision)
         except CasConflict:
             return None
 
-    async def delete(self, key: str) -> None:
+    async def delete(self, key: Key[Any]) -> None:
         """Delete ``key`` (no error if absent)."""
-        await self.kv.delete(key)
+        await self.kv.delete(key.name)
 
-    async def heartbeats(self) -> dict[str, dict[str, Any]]:
-        """Every ``heartbeat.<actor>`` record, by actor."""
-        prefix = KV_HEARTBEAT_PREFIX
-        records = await self.all(prefix)
-        return {k[len(prefix) :]: v for k, v in records.items() if isinstance(v, dict)}
-
-    async def keys(self, prefix: str = "") -> list[str]:
-        """Keys starting with ``prefix`` that have a stored value, sorted."""
-        return list(await self.all(prefix))
-
-    async def claim(self, key: str, value: Any) -> bool:
-        """Atomically create ``key``; False if it already exists (someone else claimed it).
-
-        Any other failure raises :class:`BusError` naming the key (see :meth:`compare_and_put`).
-        """
-        return await self.compare_and_put(key, value, None) is not None
-
-    # -- typed helpers -------------------------------------------------------
+    # -- the records every actor reads ------------------------------------------------
     async def status(self) -> str:
         """The run's status (``running``, ``finished``, ...); "" before it is set."""
         return await self.get(STATUS) or ""
@@ -139,51 +152,35 @@ class RunState:
         """The trainer's last finished step (0 before the first)."""
         return await self.get(TRAINER_STEP) or 0
 
-    async def heartbeat(self, actor: str, role: str, **info: Any) -> None:
-        await self.put_json(
-            KV_HEARTBEAT.format(actor=actor), Heartbeat.now(actor, role, **info).to_value()
-        )
+    async def heartbeat(self, beat: Heartbeat) -> None:
+        """Write ``heartbeat.<beat.actor>``."""
+        await self.put(HEARTBEAT.of(actor=beat.actor), beat)
+
+    async def heartbeats(self) -> dict[str, Heartbeat]:
+        """Every actor's heartbeat, by actor. A record of another shape (written by
+        something else than rftstream) is logged and left out."""
+        out: dict[str, Heartbeat] = {}
+        for key in await self.kv.keys(KV_HEARTBEAT_PREFIX):
+            actor = key[len(KV_HEARTBEAT_PREFIX) :]
+            try:
+                beat = await self.get(HEARTBEAT.of(actor=actor))
+            except SchemaError as exc:
+                log.warning("%s", exc)
+                continue
+            if beat is not None:
+                out[actor] = beat
+        return out
+
+    async def keys(self, prefix: str = "") -> list[str]:
+        """Keys starting with ``prefix`` that have a stored value, sorted."""
+        return list(await self.all(prefix))
 
     async def all(self, prefix: str = "") -> dict[str, Any]:
-        """Every key starting with ``prefix`` and its decoded value, sorted by key;
-        deleted keys left out (for ``rftstream status``). One ``get`` per key."""
+        """Every key starting with ``prefix`` and its decoded JSON, sorted by key;
+        deleted keys left out (``rftstream status`` shows them all). One ``get`` per key."""
         out: dict[str, Any] = {}
         for key in await self.kv.keys(prefix):
-            raw = await self.get_raw(key)
+            raw = await self._raw(key)
             if raw is not None:
                 out[key] = msgspec.json.decode(raw)
         return out
-
-    # -- typed records: rftstream.wire key handles ----------------------------------
-    def _decode(self, key: Key[T], raw: bytes) -> T:
-        try:
-            return msgspec.json.decode(raw, type=key.type)  # type: ignore[no-any-return]
-        except msgspec.DecodeError as exc:
-            raise SchemaError(f"KV {self._where(key.name)}: not a {key.type}: {exc}") from exc
-
-    async def get(self, key: Key[T]) -> T | None:
-        """The record at ``key`` (None: absent); :class:`SchemaError` when it has another shape."""
-        raw = await self.get_raw(key.name)
-        return None if raw is None else self._decode(key, raw)
-
-    async def entry(self, key: Key[T]) -> tuple[T | None, int | None]:
-        """``(record, revision)`` at ``key``; ``(None, None)`` when absent or deleted."""
-        try:
-            got = await self.kv.get(key.name)
-        except KeyNotFound:
-            return None, None
-        if got.value is None:
-            return None, None
-        return self._decode(key, got.value), got.revision
-
-    async def put(self, key: Key[T], value: T) -> None:
-        """Write the record at ``key`` (see :meth:`put_json`)."""
-        await self.put_json(key.name, value)
-
-    async def create(self, key: Key[T], value: T) -> bool:
-        """Write the record only if ``key`` is absent; False when someone else was first."""
-        return await self.compare_and_put(key.name, value, None) is not None
-
-    async def cas(self, key: Key[T], value: T, revision: int | None) -> int | None:
-        """Write the record only if ``key`` is at ``revision`` (see :meth:`compare_and_put`)."""
-        return await self.compare_and_put(key.name, value, revision)

@@ -121,7 +121,7 @@ async def perform(state: RunState, actions: list[Action], revision: int | None) 
                 if await state.cas(SPLICE, record, revision) is None:
                     return False
             case DeleteStage(stage):
-                await state.delete(STAGE.of(stage=stage).name)
+                await state.delete(STAGE.of(stage=stage))
     return True
 
 

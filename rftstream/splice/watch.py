@@ -11,11 +11,12 @@ trainer is measured on that clock, so tests use a fake one.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Any, Literal, Self
+from typing import Literal, Self
 
 from rftstream.splice.ownership import owner_alive, restart_hint
 from rftstream.splice.protocol import DEFAULT_TIMING, Timing, state_of
 from rftstream.wire import (
+    Heartbeat,
     SpliceAbandoned,
     SpliceClaimed,
     SpliceDone,
@@ -242,12 +243,10 @@ class UnspliceWatch(TrainerPatience):
         return watch, KeepWaiting()
 
 
-def trainer_alive(heartbeats: dict[str, dict[str, Any]], now: float, timing: Timing) -> bool:
+def trainer_alive(heartbeats: dict[str, Heartbeat], now: float, timing: Timing) -> bool:
     """A trainer heartbeat younger than :attr:`Timing.trainer_heartbeat_s` exists, and
     it is not the trainer's last one (which carries its end ``status``)."""
     return any(
-        hb.get("role") == "trainer"
-        and not hb.get("status")
-        and now - float(hb.get("ts", 0)) < timing.trainer_heartbeat_s
+        hb.role == "trainer" and not hb.status and now - hb.ts < timing.trainer_heartbeat_s
         for hb in heartbeats.values()
     )

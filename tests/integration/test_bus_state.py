@@ -11,6 +11,7 @@ from nats.js import api
 from rftstream.bus.jetstream import JetStreamTransport
 from rftstream.bus.state import RunState
 from rftstream.errors import BusError
+from rftstream.wire import EXPLORER_STEP, Heartbeat, Key
 
 pytestmark = pytest.mark.integration
 
@@ -30,20 +31,25 @@ async def _bucket(url: str, **cfg: object) -> tuple[nats.NATS, RunState]:
     return nc, await _state(_transport(nc), "cas", **cfg)
 
 
+K: Key[dict[str, int]] = Key("k", dict[str, int])
+C: Key[dict[str, str]] = Key("c", dict[str, str])
+BIG: Key[dict[str, str]] = Key("big", dict[str, str])
+
+
 def test_compare_and_put_lost_race_is_none(nats_url: str) -> None:
     async def main() -> None:
         nc, state = await _bucket(nats_url)
         try:
-            first = await state.compare_and_put("k", {"v": 1}, None)
+            first = await state.cas(K, {"v": 1}, None)
             assert first is not None
-            assert await state.compare_and_put("k", {"v": 2}, None) is None  # exists already
-            second = await state.compare_and_put("k", {"v": 3}, first)
+            assert await state.cas(K, {"v": 2}, None) is None  # exists already
+            second = await state.cas(K, {"v": 3}, first)
             assert second is not None and second > first
-            assert await state.compare_and_put("k", {"v": 4}, first) is None  # stale revision
-            assert await state.get_json("k") == {"v": 3}
-            assert await state.claim("c", {"by": "a"})
-            assert not await state.claim("c", {"by": "b"})
-            assert await state.get_json("c") == {"by": "a"}
+            assert await state.cas(K, {"v": 4}, first) is None  # stale revision
+            assert await state.entry(K) == ({"v": 3}, second)
+            assert await state.create(C, {"by": "a"})
+            assert not await state.create(C, {"by": "b"})
+            assert await state.get(C) == {"by": "a"}
         finally:
             await nc.close()
 
@@ -56,12 +62,14 @@ def test_compare_and_put_other_failures_raise_bus_error(nats_url: str) -> None:
         try:
             big = {"value": "x" * 512}  # the server rejects it: not a lost race
             with pytest.raises(BusError, match="cas/big"):
-                await state.compare_and_put("big", big, None)
-            rev = await state.compare_and_put("big", {"v": 1}, None)
+                await state.cas(BIG, big, None)
+            rev = await state.cas(BIG, {"v": "1"}, None)
             with pytest.raises(BusError, match="cas/big"):
-                await state.compare_and_put("big", big, rev)
+                await state.cas(BIG, big, rev)
             with pytest.raises(BusError, match="cas/claimed"):
-                await state.claim("claimed", big)
+                await state.create(Key("claimed", dict[str, str]), big)
+            with pytest.raises(BusError, match="cas/put"):
+                await state.put(Key("put", dict[str, str]), big)
         finally:
             await nc.close()
 
@@ -84,26 +92,26 @@ def test_keys_lists_every_stored_key_right_after_its_put(nats_url: str) -> None:
             # missed the key here about once in 150 rounds
             for i in range(300):
                 fresh = await _state(transport, f"one{i}")
-                await fresh.heartbeat("trainer", "trainer", step=1)
+                await fresh.heartbeat(Heartbeat(actor="trainer", role="trainer", ts=1.0, step=1))
                 assert await fresh.keys() == ["heartbeat.trainer"], f"round {i}"
                 await transport.delete_kv(f"one{i}")
             assert await state.keys() == []
             assert await state.heartbeats() == {}
             for i in range(40):  # put, then list at once: every round must see the new key
-                await state.heartbeat(f"a{i}", "explorer", step=i)
+                await state.heartbeat(Heartbeat(actor=f"a{i}", role="explorer", ts=1.0, step=i))
                 listed = await state.keys("heartbeat.")
                 assert f"heartbeat.a{i}" in listed
                 assert len(listed) == i + 1
-            await state.put_json("explorer.e1.step", 3)
-            await state.put_json("explorer.e2.step", 4)
-            await state.delete("explorer.e2.step")
+            await state.put(EXPLORER_STEP.of(name="e1"), 3)
+            await state.put(EXPLORER_STEP.of(name="e2"), 4)
+            await state.delete(EXPLORER_STEP.of(name="e2"))
             assert await state.keys("explorer.") == ["explorer.e1.step"]
             assert await state.keys("explorer.e") == ["explorer.e1.step"]
             everything = await state.all()
             assert everything["explorer.e1.step"] == 3
             assert "explorer.e2.step" not in everything
             assert len([k for k in everything if k.startswith("heartbeat.")]) == 40
-            assert (await state.heartbeats())["a7"]["step"] == 7
+            assert (await state.heartbeats())["a7"].step == 7
         finally:
             await nc.close()
 

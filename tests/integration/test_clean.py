@@ -15,6 +15,7 @@ from rftstream.bus.state import RunState
 from rftstream.clean import RunResources, parse_age, refusal
 from rftstream.config.schema import NatsConfig
 from rftstream.subjects import RunNames
+from tests.kv_json import write_json
 
 
 def _small_streams() -> NatsConfig:
@@ -36,7 +37,8 @@ async def _make_run(url: str, run: str, status: str, beat_age: float | None) -> 
         state = RunState(await bus.kv())
         await state.set_status(status)
         if beat_age is not None:
-            await state.put_json(
+            await write_json(
+                state,
                 "heartbeat.trainer",
                 {"actor": "trainer", "role": "trainer", "ts": time.time() - beat_age},
             )

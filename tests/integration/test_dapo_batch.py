@@ -17,6 +17,7 @@ from rftstream.config import config_from_dict
 from rftstream.runtime import prepare_run, provision, run_actors
 from rftstream.subjects import KV_TRAINER_STARVING, KV_TRAINER_STEP
 from tests.integration._util import _group, small_config, wait_drained
+from tests.kv_json import read_json
 
 pytestmark = pytest.mark.integration
 
@@ -83,12 +84,12 @@ def test_every_step_is_a_full_batch_of_groups_with_signal(
                 )
                 while True:  # nothing more comes in: the durable stays drained meanwhile
                     no_errors()
-                    starving = await state.get_json(KV_TRAINER_STARVING)
+                    starving = await read_json(state, KV_TRAINER_STARVING)
                     if isinstance(starving, dict) and starving.get("since"):
                         break
                     await anyio.sleep(0.2)
             # everything is through the filter and the trainer waits: no short step was taken
-            assert steps == [] and await state.get_json(KV_TRAINER_STEP) is None
+            assert steps == [] and await read_json(state, KV_TRAINER_STEP) is None
             # wave 2: the rest, flat groups interleaved
             for i, g in enumerate(mixed[1:]):
                 for h in [g, flat[3 + i]]:

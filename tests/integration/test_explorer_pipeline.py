@@ -27,7 +27,9 @@ from rftstream.config.schema import NatsConfig
 from rftstream.experience import H_MSG_ID
 from rftstream.runtime import prepare_run, run_actors
 from rftstream.subjects import RunNames
+from rftstream.wire import EXPLORER_STEP, TRAINER_STEP
 from tests.integration._util import read_metrics, read_stream, small_config
+from tests.kv_json import write_json
 from workflows import WORKFLOWS, Experience, MathWorkflow
 
 pytestmark = pytest.mark.integration
@@ -115,12 +117,12 @@ async def _key_changes(url: str) -> None:
         await changes.start()
         try:
             assert not await changes.wait(0.2)
-            await state.put_json("trainer.step", 1)
+            await state.put(TRAINER_STEP, 1)
             assert await changes.wait(5.0)
             assert not await changes.wait(0.2)  # reported once
-            await state.put_json("explorer.x.step", 3)  # not watched
+            await state.put(EXPLORER_STEP.of(name="x"), 3)  # not watched
             assert not await changes.wait(0.3)
-            await state.put_json("weights.latest", {"version": 2})  # written before the wait
+            await write_json(state, "weights.latest", {"version": 2})  # written before the wait
             await anyio.sleep(0.2)
             assert await changes.wait(0.01)
         finally:

@@ -34,6 +34,7 @@ from rftstream.runtime import prepare_run, provision, run_actors
 from rftstream.subjects import KV_TASKSET, KV_TOPOLOGY, KV_TRAINER_WAITING
 from rftstream.wire import TasksetRecord
 from tests.integration._util import _group, read_stream, small_config, user_env
+from tests.kv_json import read_json, write_json
 
 pytestmark = pytest.mark.integration
 
@@ -84,7 +85,8 @@ class Job:
                     i += 1
                     await anyio.sleep(0.3)
                 state = RunState(await bus.kv())
-                await state.put_json(
+                await write_json(
+                    state,
                     KV_TASKSET,
                     TasksetRecord(count=i, epochs=1, rows=i, by="producer", ts=time.time()),
                 )
@@ -109,7 +111,7 @@ class Job:
 def _kv(url: str, run: Any, key: str) -> Any:
     async def get() -> Any:
         async with await Bus.connect(url, run.names, run.cfg.nats, "probe") as bus:
-            return await RunState(await bus.kv()).get_json(key)
+            return await read_json(RunState(await bus.kv()), key)
 
     return anyio.run(get, backend="asyncio")
 

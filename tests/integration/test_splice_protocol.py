@@ -26,6 +26,7 @@ from rftstream.errors import RftError
 from rftstream.splice import operator_side as splice
 from rftstream.splice.protocol import Timing
 from rftstream.subjects import KV_STAGE
+from tests.kv_json import json_entry, read_json, update_json, write_json
 
 pytestmark = pytest.mark.integration
 
@@ -77,7 +78,7 @@ def with_state(nats_url: str, body: Callable[[RunState], Awaitable[None]]) -> No
 def test_an_owner_taken_over_stops_serving_instead_of_overwriting(nats_url: str) -> None:
     async def body(state: RunState) -> None:
         key = KV_STAGE.format(stage=STAGE)
-        await state.put_json(key, _stage_record(_owner(_dead_pid())))
+        await write_json(state, key, _stage_record(_owner(_dead_pid())))
         mine = (await splice.claim_stage(state, STAGE, "filter-a", TIMING)).owner
         assert mine.pid == os.getpid() and mine.actor == "filter-a"
         other = {**_owner(), "actor": "filter-b", "host": "elsewhere", "token": "b"}
@@ -93,12 +94,12 @@ def test_an_owner_taken_over_stops_serving_instead_of_overwriting(nats_url: str)
             async with anyio.create_task_group() as tg:
                 tg.start_soon(serve)
                 await anyio.sleep(TIMING.owner_refresh_s * 1.5)  # it refreshed its claim
-                refreshed = (await state.get_json(key))["owner"]
+                refreshed = (await read_json(state, key))["owner"]
                 assert refreshed["token"] == mine.token and refreshed["ts"] > mine.ts
                 # another process took the stage over (it looked stale to that one)
-                record, rev = await state.get_entry(key)
-                assert await state.compare_and_put(key, {**record, "owner": other}, rev)
+                record, rev = await json_entry(state, key)
+                assert await update_json(state, key, {**record, "owner": other}, rev)
                 await stopped.wait()
-        assert (await state.get_json(key))["owner"] == other  # not overwritten
+        assert (await read_json(state, key))["owner"] == other  # not overwritten
 
     with_state(nats_url, body)

@@ -34,8 +34,9 @@ from rftstream.experience import decode_group
 from rftstream.runtime import prepare_run, provision
 from rftstream.splice import operator_side
 from rftstream.subjects import KV_TASKSET, KV_TOPOLOGY
-from rftstream.wire import STAGE, SpliceDone, SpliceDrained, TasksetRecord
+from rftstream.wire import STAGE, Heartbeat, SpliceDone, SpliceDrained, TasksetRecord
 from tests.integration._util import read_stream, small_config
+from tests.kv_json import read_json, write_json
 from tests.unit._splice_util import THRESHOLD, filter_pipelines, mixed_groups
 
 pytestmark = pytest.mark.integration
@@ -63,7 +64,7 @@ class FakeTrainer:
         await topology.attach(feed)
         async with anyio.create_task_group() as tg:
             tg.start_soon(ticker.run)
-            tg.start_soon(heartbeat_loop, state, "trainer", "trainer", lambda: {}, 1.0)
+            tg.start_soon(heartbeat_loop, state, _trainer_beat, 1.0)
             while True:
                 batch = await feed.read(BATCH)
                 if not batch:
@@ -73,6 +74,11 @@ class FakeTrainer:
                 await feed.commit()
             self.duplicates = feed.duplicates
             tg.cancel_scope.cancel()
+
+
+def _trainer_beat() -> Heartbeat:
+    """A live trainer's heartbeat (the splice waits for one)."""
+    return Heartbeat(actor="trainer", role="trainer", ts=time.time())
 
 
 def test_splice_crash_resume_unsplice_twice_exactly_once(
@@ -103,7 +109,8 @@ def test_splice_crash_resume_unsplice_twice_exactly_once(
                         i += 1
                         await anyio.sleep(0.02)
                     # the run's end: the trainer finishes once everything is drained
-                    await state.put_json(
+                    await write_json(
+                        state,
                         KV_TASKSET,
                         TasksetRecord(count=i, epochs=1, rows=i, by="producer", ts=time.time()),
                     )
@@ -196,7 +203,7 @@ def test_splice_crash_resume_unsplice_twice_exactly_once(
                     assert outcomes == ["removed"] * 3
                     await trained_more(16)
                     stop_producing.set()
-                topology = await state.get_json(KV_TOPOLOGY)
+                topology = await read_json(state, KV_TOPOLOGY)
             return trainer, topology
 
     trainer, topology = anyio.run(main, backend="asyncio")

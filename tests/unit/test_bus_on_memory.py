@@ -16,10 +16,10 @@ from rftstream.bus.memory import MemoryTransport
 from rftstream.bus.purged import read_purged
 from rftstream.bus.state import RunState
 from rftstream.config.schema import ExperienceStreamConfig, NatsConfig
-from rftstream.errors import PayloadTooLargeError, StreamFullError
+from rftstream.errors import PayloadTooLargeError, SchemaError, StreamFullError
 from rftstream.experience import EID, Experience, decode_group
 from rftstream.subjects import TRAIN_STAGE, RunNames
-from rftstream.wire import H_DLQ_REASON, H_DLQ_SEQ, H_DLQ_STAGE
+from rftstream.wire import H_DLQ_REASON, H_DLQ_SEQ, H_DLQ_STAGE, Heartbeat, Key
 
 pytestmark = pytest.mark.anyio
 
@@ -103,18 +103,24 @@ async def test_a_dead_letter_carries_the_reason_and_is_never_redelivered() -> No
 
 async def test_run_state_compare_and_put_loses_a_race_as_none() -> None:
     state = await (await _bus()).state()
-    first = await state.compare_and_put("k", {"v": 1}, None)
+    k: Key[dict[str, int]] = Key("k", dict[str, int])
+    c: Key[dict[str, str]] = Key("c", dict[str, str])
+    first = await state.cas(k, {"v": 1}, None)
     assert first is not None
-    assert await state.compare_and_put("k", {"v": 2}, None) is None  # exists already
-    second = await state.compare_and_put("k", {"v": 3}, first)
+    assert await state.cas(k, {"v": 2}, None) is None  # exists already
+    second = await state.cas(k, {"v": 3}, first)
     assert second is not None and second > first
-    assert await state.compare_and_put("k", {"v": 4}, first) is None  # stale revision
-    assert await state.get_entry("k") == ({"v": 3}, second)
-    assert await state.claim("c", {"by": "a"}) and not await state.claim("c", {"by": "b"})
-    await state.heartbeat("trainer", "trainer", step=3)
-    assert (await state.heartbeats())["trainer"]["step"] == 3
-    await state.delete("c")
-    assert await state.get_json("c") is None and "c" not in await state.all()
+    assert await state.cas(k, {"v": 4}, first) is None  # stale revision
+    assert await state.entry(k) == ({"v": 3}, second)
+    assert await state.revision(k) == second
+    assert await state.create(c, {"by": "a"}) and not await state.create(c, {"by": "b"})
+    await state.heartbeat(Heartbeat(actor="trainer", role="trainer", ts=1.0, step=3))
+    assert (await state.heartbeats())["trainer"].step == 3
+    await state.delete(c)
+    assert await state.get(c) is None and "c" not in await state.all()
+    assert not await state.present(c) and await state.revision(c) is None
+    with pytest.raises(SchemaError, match="KV .*/k: not a"):
+        await state.get(Key("k", list[str]))  # another shape names the key
 
 
 async def test_key_changes_wake_a_waiter_on_a_write() -> None:
@@ -122,7 +128,7 @@ async def test_key_changes_wake_a_waiter_on_a_write() -> None:
     changes = KeyChanges(bus, ["watched"])
     await changes.start()
     assert not await changes.wait(0.01)
-    await RunState(await bus.kv()).put_json("watched", 1)
+    await RunState(await bus.kv()).put(Key("watched", int), 1)
     assert await changes.wait(0.01)
     await changes.stop()
 

@@ -5,12 +5,15 @@ from __future__ import annotations
 
 import argparse
 import sys
+import time
+from typing import Any
 
 import pytest
 
 from operators import ExperiencePipeline, RewardFilter
 from rftstream.cli import _operator_pipeline
 from rftstream.errors import RftError
+from rftstream.wire import Heartbeat
 
 MODULE = """
 from operators import ExperienceOperator
@@ -151,6 +154,10 @@ def test_a_spliced_operators_default_name_is_its_operator_and_stage(
     assert (args.name or default_actor_name(args)) == name
 
 
+def _beat(actor: str, **fields: Any) -> Heartbeat:
+    return Heartbeat(actor=actor, role=actor, ts=time.time(), **fields)
+
+
 def test_a_name_a_live_actor_has_is_refused_and_a_killed_ones_is_free() -> None:
     import anyio
 
@@ -163,12 +170,12 @@ def test_a_name_a_live_actor_has_is_refused_and_a_killed_ones_is_free() -> None:
         state = RunState(await server.connection().kv("KV_test", create=True))
         await refuse_a_live_name(state, "operator", "operator")  # nobody has it
         # a live actor: its heartbeat is written again while the newcomer watches
-        await state.heartbeat("operator", "operator", messages_in=3)
+        await state.heartbeat(_beat("operator", messages_in=3))
 
         async def beating() -> None:
             while True:
                 await anyio.sleep(0.1)
-                await state.heartbeat("operator", "operator", messages_in=4)
+                await state.heartbeat(_beat("operator", messages_in=4))
 
         async with anyio.create_task_group() as tg:
             tg.start_soon(beating)
@@ -177,7 +184,7 @@ def test_a_name_a_live_actor_has_is_refused_and_a_killed_ones_is_free() -> None:
             tg.cancel_scope.cancel()
         assert "another --name" in str(info.value)
         # killed: its last heartbeat is young but never written again; the name is free
-        await state.heartbeat("explorer", "explorer")
+        await state.heartbeat(_beat("explorer"))
         with anyio.fail_after(5):
             await refuse_a_live_name(state, "explorer", "explorer", watch_s=0.5)
 

@@ -31,8 +31,8 @@ class FakeState:
         self.claims[key.name] = msgspec.to_builtins(value)
         return True
 
-    async def delete(self, key: str) -> None:
-        self.claims.pop(key, None)
+    async def delete(self, key: Key[Any]) -> None:
+        self.claims.pop(key.name, None)
 
 
 class FakeBus:

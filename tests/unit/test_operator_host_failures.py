@@ -375,8 +375,8 @@ async def test_operator_gives_inputs_back_on_a_publish_failure(tmp_path: Path) -
         await wait_drained(server, names.exp_stream, host.durable)
         tg.cancel_scope.cancel()
     assert len(failed) == FAILS * len(groups)
-    assert host.counters["publish_failures"] >= FAILS
-    assert host.counters["dead_lettered_messages"] == 0
+    assert host.counters.publish_failures >= FAILS
+    assert host.counters.dead_lettered_messages == 0
     assert await _dead_letters(server, names) == []
     train = await read_subject(server, names.exp_stream, names.exp_subject("train"))
     assert len(train) == 4 * len(groups)  # every part, once

@@ -28,6 +28,7 @@ from rftstream.splice import operator_side as splice
 from rftstream.splice.protocol import Claim, Timing
 from rftstream.subjects import KV_SPLICE, KV_STAGE, KV_STATUS
 from rftstream.wire import SPLICE, SpliceCut, SpliceRequested
+from tests.kv_json import read_json, write_json
 
 pytestmark = pytest.mark.anyio
 
@@ -73,58 +74,58 @@ async def _state(stage_owner_alive: bool | None = None) -> RunState:
     state = RunState(await MemoryTransport().kv("proto", create=True))
     if stage_owner_alive is not None:
         owner = _owner(alive=stage_owner_alive)
-        await state.put_json(KV_STAGE.format(stage=STAGE), _stage_record(owner))
+        await write_json(state, KV_STAGE.format(stage=STAGE), _stage_record(owner))
     return state
 
 
 @pytest.mark.parametrize("taken", ["requested", "claimed", "cut"])
 async def test_unsplice_gives_up_when_the_owner_died_after_taking_the_request(taken: str) -> None:
     state = await _state(stage_owner_alive=False)
-    await state.put_json(KV_SPLICE, _unsplice(taken))
+    await write_json(state, KV_SPLICE, _unsplice(taken))
     with anyio.fail_after(5), pytest.raises(RftError) as err:  # it used to wait forever
         await splice.wait_unsplice(state, "u1", STAGE, timing=FAST)
     message = str(err.value)
     assert "stopped in the middle of removing itself" in message, message
     assert "--splice --to filtered" in message and repr(taken) in message, message
-    assert (await state.get_json(KV_SPLICE))["state"] == taken  # left for the restart
+    assert (await read_json(state, KV_SPLICE))["state"] == taken  # left for the restart
 
 
 async def test_unsplice_abandons_an_ask_whose_owner_died() -> None:
     state = await _state(stage_owner_alive=False)
-    await state.put_json(KV_SPLICE, _unsplice("asked"))
+    await write_json(state, KV_SPLICE, _unsplice("asked"))
     with anyio.fail_after(5), pytest.raises(RftError, match="then retry"):
         await splice.wait_unsplice(state, "u1", STAGE, timing=FAST)
-    assert (await state.get_json(KV_SPLICE))["state"] == "abandoned"
+    assert (await read_json(state, KV_SPLICE))["state"] == "abandoned"
 
 
 async def test_unsplice_gives_up_when_the_run_ended() -> None:
     state = await _state(stage_owner_alive=True)
-    await state.put_json(KV_SPLICE, _unsplice("cut"))
-    await state.put_json(KV_STATUS, "finished")
+    await write_json(state, KV_SPLICE, _unsplice("cut"))
+    await write_json(state, KV_STATUS, "finished")
     with anyio.fail_after(5), pytest.raises(RftError, match="the run is finished"):
         await splice.wait_unsplice(state, "u1", STAGE, timing=FAST)
 
 
 async def test_unsplice_reports_a_missing_trainer_while_the_request_waits_for_one() -> None:
     state = await _state(stage_owner_alive=True)
-    await state.put_json(KV_SPLICE, _unsplice("claimed"))
+    await write_json(state, KV_SPLICE, _unsplice("claimed"))
     with anyio.fail_after(5), pytest.raises(splice.TrainerGone, match="restarted trainer"):
         await splice.wait_unsplice(state, "u1", STAGE, patience=0.05, timing=FAST)
-    assert (await state.get_json(KV_SPLICE))["state"] == "claimed"  # the owner's to keep
+    assert (await read_json(state, KV_SPLICE))["state"] == "claimed"  # the owner's to keep
 
 
 async def test_abandon_only_what_nobody_took() -> None:
     state = await _state()
     assert await splice.abandon(state, "u1", "why") is None  # no request at all
-    await state.put_json(KV_SPLICE, _unsplice("requested"))
+    await write_json(state, KV_SPLICE, _unsplice("requested"))
     assert await splice.abandon(state, "other", "why") is None  # not that one
     assert await splice.abandon(state, "u1", "gone") == "abandoned"
-    value = await state.get_json(KV_SPLICE)
+    value = await read_json(state, KV_SPLICE)
     assert value["state"] == "abandoned" and value["reason"] == "gone"
     assert await splice.abandon(state, "u1", "again") == "abandoned"  # already
-    await state.put_json(KV_SPLICE, _unsplice("claimed"))
+    await write_json(state, KV_SPLICE, _unsplice("claimed"))
     assert await splice.abandon(state, lambda r: r.to_stage == STAGE, "x") == "claimed"
-    assert (await state.get_json(KV_SPLICE))["state"] == "claimed"
+    assert (await read_json(state, KV_SPLICE))["state"] == "claimed"
 
 
 class _Spy(logging.Handler):
@@ -160,7 +161,7 @@ async def test_a_claimed_request_outlives_its_trainer_on_both_sides(kind: str, s
                 state, "reward_filter", STAGE, patience=0.05, timing=FAST
             )
         else:
-            await state.put_json(KV_SPLICE, _unsplice("requested"))
+            await write_json(state, KV_SPLICE, _unsplice("requested"))
             cut = await splice.wait_unsplice_cut(state, "u1", STAGE, patience=0.05, timing=FAST)
         got.append(cut)
 
@@ -174,10 +175,10 @@ async def test_a_claimed_request_outlives_its_trainer_on_both_sides(kind: str, s
                     break
                 await anyio.sleep(0.01)
             await spy.seen.wait()  # the requester saw no trainer, and did not abandon it
-            value = await state.get_json(KV_SPLICE)
+            value = await read_json(state, KV_SPLICE)
             assert value["state"] == "claimed" and not got
             answer = {"state": "cut", "from_stage": "train", "start_seq": 7}
-            await state.put_json(KV_SPLICE, {**value, **answer})  # a restarted trainer answers
+            await write_json(state, KV_SPLICE, {**value, **answer})  # a restarted trainer answers
     assert len(got) == 1
     if kind == "splice":
         assert (got[0].from_stage, got[0].to_stage, got[0].start_seq) == ("train", STAGE, 7)

@@ -20,6 +20,7 @@ from rftstream.wire import (
     STAGE,
     TOPOLOGY,
     TRAINER_INPUT,
+    Heartbeat,
     Key,
     Owner,
     RetiredConsumer,
@@ -36,6 +37,7 @@ from rftstream.wire import (
     TopologyEdge,
     TrainerInput,
 )
+from tests.kv_json import write_json
 
 T0 = 1000.0
 TIMING = p.Timing(
@@ -498,11 +500,13 @@ def test_unsplice_watch_gives_up_when_the_run_ended() -> None:
 
 
 def test_a_final_trainer_heartbeat_is_not_a_live_trainer() -> None:
-    hb = {"role": "trainer", "ts": T0}
+    hb = Heartbeat(actor="t", role="trainer", ts=T0)
     assert w.trainer_alive({"t": hb}, T0 + 29, TIMING)
     assert not w.trainer_alive({"t": hb}, T0 + 30, TIMING)
-    assert not w.trainer_alive({"t": {**hb, "status": "finished"}}, T0 + 1, TIMING)
-    assert not w.trainer_alive({"e": {"role": "explorer", "ts": T0}}, T0 + 1, TIMING)
+    last = Heartbeat(actor="t", role="trainer", ts=T0, status="finished")
+    assert not w.trainer_alive({"t": last}, T0 + 1, TIMING)
+    explorer = Heartbeat(actor="e", role="explorer", ts=T0)
+    assert not w.trainer_alive({"e": explorer}, T0 + 1, TIMING)
     assert not w.trainer_alive({}, T0, TIMING)
 
 
@@ -601,6 +605,6 @@ async def test_run_state_typed_records() -> None:
     assert isinstance(await state.get(SPLICE), SpliceClaimed)
     await state.put(STAGE.of(stage="f"), _stage())
     assert await state.get(STAGE.of(stage="f")) == _stage()
-    await state.put_json(TRAINER_INPUT.name, {"stage": 3})
+    await write_json(state, TRAINER_INPUT.name, {"stage": 3})
     with pytest.raises(SchemaError, match="trainer.input"):
         await state.get(TRAINER_INPUT)

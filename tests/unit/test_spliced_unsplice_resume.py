@@ -19,6 +19,7 @@ from rftstream.splice import operator_side
 from rftstream.splice.protocol import Claim, TrainerCut
 from rftstream.subjects import KV_SPLICE, KV_STAGE
 from rftstream.wire import SPLICE, STAGE, SpliceDrained, SpliceRequested
+from tests.kv_json import read_json, write_json
 from tests.unit._memory_util import MEMORY_URL, memory_run, serve_in_memory
 from tests.unit._splice_util import THRESHOLD, filter_pipelines, mixed_groups
 
@@ -75,7 +76,8 @@ async def test_resumed_unsplice_never_processes_past_its_cut(
         for m in await consumer.fetch(CUT, timeout=0.01):
             await m.ack()
     gone = {"actor": "filter", "pid": 0, "host": "elsewhere", "ts": 0}
-    await state.put_json(
+    await write_json(
+        state,
         KV_STAGE.format(stage="filtered"),
         {
             "operator": "reward_filter",
@@ -89,7 +91,7 @@ async def test_resumed_unsplice_never_processes_past_its_cut(
     )
     unsplice = {"id": "u1", "kind": "unsplice", "state": crashed_in, "operator": "reward_filter"}
     where = {"from_stage": "train", "to_stage": "filtered", "cut_seq": CUT, "ts": time.time()}
-    await state.put_json(KV_SPLICE, {**unsplice, **where})
+    await write_json(state, KV_SPLICE, {**unsplice, **where})
     lines: list[str] = []
     with anyio.fail_after(30):
         async with anyio.create_task_group() as tg:
@@ -108,7 +110,7 @@ async def test_resumed_unsplice_never_processes_past_its_cut(
             )
     assert outcome == "removed", lines
     assert await state.get(STAGE.of(stage="filtered")) is None
-    final = await state.get_json(KV_SPLICE)
+    final = await read_json(state, KV_SPLICE)
     assert (final["state"], final["cut_seq"], final["drain_until"]) == ("drained", CUT, 0)
     # past the cut: the trainer's own; nothing went through the filter
     assert await _count(server, n.exp_stream, n.exp_subject("filtered")) == 0

@@ -85,16 +85,13 @@ class World:
             self.on_weights.pop(0)()
         return ptr
 
-    async def get_json(self, key: str, typ: Any = None) -> Any:
-        if key == KV_TRAINER_UNACKED:
-            return self.trained_unacked
-        if key == KV_WEIGHTS_PENDING:  # memory sync: the pointer is written before the acks
-            return None
-        assert key == KV_TRAINER_STARVING
-        return self.starving
-
     async def get(self, key: Any) -> Any:  # a typed wire.Key handle
-        return await self.get_json(key.name)
+        if key.name == KV_TRAINER_UNACKED:
+            return self.trained_unacked
+        if key.name == KV_WEIGHTS_PENDING:  # memory sync: the pointer is written before the acks
+            return None
+        assert key.name == KV_TRAINER_STARVING
+        return self.starving
 
     async def status(self) -> str:
         return "running"

@@ -147,7 +147,7 @@ class Run:
 
 
 async def _claim(state: RunState) -> TasksetClaim | None:
-    return await state.get_json(TASKSET_CLAIM.name, TasksetClaim)
+    return await state.get(TASKSET_CLAIM)
 
 
 async def _until(condition: Callable[[], Awaitable[object]], timeout: float = 10.0) -> None:
@@ -177,7 +177,7 @@ async def test_one_of_two_explorers_publishes_every_task_once(tmp_path: Path) ->
         async with anyio.create_task_group() as tg:
             tg.start_soon(a.publish_taskset)
             tg.start_soon(b.publish_taskset)
-    record = await state.get_json(TASKSET_PUBLISHED.name, TasksetRecord)
+    record = await state.get(TASKSET_PUBLISHED)
     assert record is not None and record.count == len(PLAN)
     calls = {e.publisher.name: e.publish_calls for e in (a, b) if e.publish_calls}
     assert len(calls) == 1  # the other one only watched
@@ -214,7 +214,7 @@ async def test_a_publisher_that_dies_mid_taskset_is_taken_over_where_it_stopped(
     stored = await run.stored()
     assert _by(stored, "ghost") == set(PLAN[:PUBLISH_CHUNK])
     assert _by(stored, "heir") == set(PLAN[PUBLISH_CHUNK:])
-    record = await state.get_json(TASKSET_PUBLISHED.name, TasksetRecord)
+    record = await state.get(TASKSET_PUBLISHED)
     assert record is not None and record.by == "heir" and record.tasksets == {"t": len(PLAN)}
     claim = await _claim(state)
     assert claim is not None and (claim.by, claim.seq) == ("heir", len(PLAN))
@@ -229,9 +229,9 @@ async def test_a_publisher_whose_claim_was_taken_over_stops_and_watches(tmp_path
         tg.start_soon(slow.publish_taskset)
         await _until(lambda: _claimed_through(state, PUBLISH_CHUNK))
         # another explorer takes the claim over (it thought "slow" had died)
-        _, rev = await state.get_entry(TASKSET_CLAIM.name)
+        _, rev = await state.entry(TASKSET_CLAIM)
         other = TasksetClaim(by="other", ts=0.0, seq=PUBLISH_CHUNK, taken_over_from="slow")
-        assert await state.compare_and_put(TASKSET_CLAIM.name, other, rev) is not None
+        assert await state.cas(TASKSET_CLAIM, other, rev) is not None
         # "slow" loses its next keep-alive and stops publishing
         await _until(lambda: _seeking(slow.publisher))
         tg.start_soon(run.tasks.take, None)
@@ -240,7 +240,7 @@ async def test_a_publisher_whose_claim_was_taken_over_stops_and_watches(tmp_path
         assert await _claim(state) == other
         # "other" never writes again: its claim goes stale and "slow" takes the rest
         with anyio.fail_after(5):
-            while await state.get_json(TASKSET_PUBLISHED.name) is None:
+            while await state.get(TASKSET_PUBLISHED) is None:
                 await anyio.sleep(0.05)
         tg.cancel_scope.cancel()
     assert slow.publish_calls == len(PLAN)  # the first chunk once, then the rest
@@ -253,10 +253,10 @@ async def test_nothing_is_published_once_the_taskset_is_there(tmp_path: Path) ->
     run = Run(tmp_path)
     state = await run.provision()
     done = TasksetRecord(count=len(PLAN), epochs=EPOCHS, rows=ROWS, by="earlier", ts=0.0)
-    await state.put_json(TASKSET_PUBLISHED.name, done)
+    await state.put(TASKSET_PUBLISHED, done)
     late = await run.explorer("late")
     with anyio.fail_after(2):
         await late.publish_taskset()
     assert late.publish_calls == 0
     assert (await run.server.stream_state(NAMES.tasks_stream)).last_seq == 0
-    assert await state.get_entry(TASKSET_CLAIM.name) == (None, None)
+    assert await state.entry(TASKSET_CLAIM) == (None, None)

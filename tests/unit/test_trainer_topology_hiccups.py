@@ -5,6 +5,7 @@ exactly once."""
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import anyio
@@ -22,7 +23,8 @@ from rftstream.config.schema import NatsConfig
 from rftstream.errors import BusTimeout
 from rftstream.splice import operator_side
 from rftstream.subjects import KV_TOPOLOGY, KV_TRAINER_INPUT, RunNames
-from rftstream.wire import SPLICE, SpliceDone
+from rftstream.wire import SPLICE, Heartbeat, SpliceDone
+from tests.kv_json import read_json
 from tests.unit._splice_util import mixed_groups
 
 pytestmark = pytest.mark.anyio
@@ -54,6 +56,11 @@ class FlakyKV:
             return await attr(*args, **kwargs)
 
         return call
+
+
+def _trainer_beat() -> Heartbeat:
+    """A live trainer's heartbeat (the splice waits for one)."""
+    return Heartbeat(actor="trainer", role="trainer", ts=time.time())
 
 
 async def test_kv_hiccups_do_not_fail_the_trainer_while_it_answers_splices(
@@ -92,7 +99,7 @@ async def test_kv_hiccups_do_not_fail_the_trainer_while_it_answers_splices(
     with anyio.fail_after(30):
         async with anyio.create_task_group() as tg:
             tg.start_soon(ticker.run)
-            tg.start_soon(heartbeat_loop, state, "trainer", "trainer", lambda: {}, 1.0)
+            tg.start_soon(heartbeat_loop, state, _trainer_beat, 1.0)
             tg.start_soon(trainer)
             await read_at_least(8)
             flaky.on = True
@@ -117,7 +124,7 @@ async def test_kv_hiccups_do_not_fail_the_trainer_while_it_answers_splices(
     assert ("update", "splice") in failed and ("put", "trainer.input") in failed, failed
     assert ("put", "topology") in failed and ("get", "splice") in failed, failed
     assert topology.poll_errors == len(failed), (topology.poll_errors, failed)  # all in poll
-    edges = await state.get_json(KV_TOPOLOGY)
+    edges = await read_json(state, KV_TOPOLOGY)
     assert [e["op"] for e in edges] == ["splice", "unsplice"]  # each recorded once
-    assert (await state.get_json(KV_TRAINER_INPUT))["stage"] == "train"
+    assert (await read_json(state, KV_TRAINER_INPUT))["stage"] == "train"
     assert len(read) == len(set(read)) == 6 * 4 + 4  # nothing read twice
