@@ -22,7 +22,7 @@ import anyio
 
 from rftstream.bus.client import Bus
 from rftstream.bus.state import END_STATUSES, RunState
-from rftstream.bus.transport import Delivery, PullSubscription, Unsubscribe
+from rftstream.bus.transport import Delivery, PullSubscription
 from rftstream.errors import BusError, BusTimeout, ConsumerNotFound, RftError, SchemaError
 from rftstream.wire import HEARTBEAT, Heartbeat
 
@@ -110,48 +110,6 @@ async def wait_for_run_end(state: RunState, poll: float = 0.5) -> str:
         if status in END_STATUSES:
             return status
         await anyio.sleep(poll)
-
-
-class KeyChanges:
-    """Wakes a waiter when one of ``keys`` of the run's KV bucket is written.
-
-    A write notification of the run's bucket (:meth:`KeyValueStore.on_write`; on NATS
-    a plain subscription on ``$KV.<bucket>.<key>``): nothing stored, values not read
-    (re-read them from KV).
-    :meth:`start` subscribes, :meth:`stop` unsubscribes (errors ignored);
-    :meth:`wait` blocks until a write arrived since the previous :meth:`wait`
-    returned, or ``timeout`` seconds (a write while nobody waits is kept).
-    """
-
-    def __init__(self, bus: Bus, keys: Sequence[str]) -> None:
-        self.bus = bus
-        self.keys = tuple(keys)
-        self._event = anyio.Event()
-        self._subs: list[Unsubscribe] = []
-
-    async def start(self) -> None:
-        async def changed() -> None:
-            self._event.set()
-
-        kv = await self.bus.kv()
-        self._subs.append(await kv.on_write(self.keys, changed))
-
-    async def wait(self, timeout: float) -> bool:
-        """True if a key was written (since the last wait), False after ``timeout``."""
-        with anyio.move_on_after(timeout):
-            await self._event.wait()
-        fired = self._event.is_set()
-        if fired:
-            self._event = anyio.Event()
-        return fired
-
-    async def stop(self) -> None:
-        for sub in self._subs:
-            try:
-                await sub.unsubscribe()
-            except Exception:  # noqa: BLE001 - the connection may be gone
-                pass
-        self._subs = []
 
 
 class InProgressTicker:

@@ -83,7 +83,6 @@ import anyio.abc
 
 from rftstream.actors.common import (
     InProgressTicker,
-    KeyChanges,
     consumer_drained,
     experience_backlog,
     frozen_heap,
@@ -98,6 +97,7 @@ from rftstream.bus.transport import Delivery
 from rftstream.config.resolve import taskset_repeat_times
 from rftstream.config.schema import TRAINER_MODES, Config, TasksetConfig
 from rftstream.config.validate import eval_tasksets, training_tasksets
+from rftstream.control import KeyWrites
 from rftstream.errors import (
     BusError,
     PayloadTooLargeError,
@@ -191,7 +191,7 @@ class Explorer:
         self._idle_total = 0.0
         self._idle_mark = (self._loop_start, 0.0)
         self._step_recorded = 0
-        self._trainer_changes: KeyChanges | None = None
+        self._trainer_changes: KeyWrites | None = None
         # the trainer start (WeightsPointer.incarnation) whose weights the engine holds
         self._weights_incarnation = 0
         # sync_method jetstream: fetches and stages versions in the background (made with the
@@ -259,8 +259,8 @@ class Explorer:
         consumer = await self.bus.pull(self.names.tasks_stream, self.names.explorer_consumer)
         ticker = InProgressTicker(self.cfg.nats.ack_wait / 3)
         # what the trainer writes after a step: a paused explorer wakes at once (see _respect_staleness)
-        self._trainer_changes = KeyChanges(
-            self.bus,
+        self._trainer_changes = KeyWrites(
+            await self.bus.kv(),
             (KV_TRAINER_STEP, KV_WEIGHTS, KV_WEIGHTS_PENDING, KV_TRAINER_STARVING, KV_STATUS),
         )
         await self._trainer_changes.start()

@@ -34,6 +34,7 @@ import anyio
 from rftstream.actors.operator_host import DrainControl, replica_names, run_hosts
 from rftstream.bus.client import Bus
 from rftstream.bus.state import RunState
+from rftstream.control import drive
 from rftstream.errors import ConsumerNotFound, NotFound, RftError
 from rftstream.splice import operator_side, protocol
 from rftstream.wire import (
@@ -263,18 +264,26 @@ def _own_request(to_stage: str, record: SpliceRecord) -> bool:
     )
 
 
+#: the longest :func:`_wait_record` waits without a write before it reads again
+LOOK_AGAIN_S = 5.0
+
+
 async def _wait_record(state: RunState, to_stage: str, patience: float = 120.0) -> StageRecord:
     """The trainer took this process's splice request before it could be abandoned: wait for
-    its cut and the ``stage.<to_stage>`` record (polls KV). Raises :class:`RftError` naming the
+    its cut and the ``stage.<to_stage>`` record (read at each write of either). Raises :class:`RftError` naming the
     stage and the request after ``patience`` s without them."""
     change: SpliceRecord | None = None
+    stage_key = STAGE.of(stage=to_stage)
+
+    async def attempt(now: float) -> StageRecord | None:
+        nonlocal change
+        change = await state.get(SPLICE)
+        record = await state.get(stage_key)
+        return record if record is not None and isinstance(change, SpliceCut) else None
+
     with anyio.move_on_after(patience):
-        while True:
-            change = await state.get(SPLICE)
-            record = await state.get(STAGE.of(stage=to_stage))
-            if record is not None and isinstance(change, SpliceCut):
-                return record
-            await anyio.sleep(0.2)
+        # the trainer writes both; looked at again every few s in case a notification is lost
+        return await drive(state.kv, (SPLICE, stage_key), attempt, wake_s=LOOK_AGAIN_S)
     raise RftError(
         f"exp.{to_stage}: the trainer took splice {change and change.id!r} up (state "
         f"{protocol.state_of(change)!r}) but has not cut over within {patience:.0f}s; a "

@@ -32,6 +32,7 @@ from rftstream.actors.feed import ExperienceFeed
 from rftstream.bus.client import Bus
 from rftstream.bus.state import RunState
 from rftstream.bus.transport import PullSubscription
+from rftstream.control import KeyWrites
 from rftstream.errors import BusError, ConsumerNotFound, RftError
 from rftstream.splice import protocol
 from rftstream.splice.operator_side import apply, owner_alive
@@ -65,7 +66,9 @@ from rftstream.wire import (
 
 log = logging.getLogger(__name__)
 
-POLL_S = 0.5
+POLL_S = 0.5  # the least time between two looks at the splice record
+#: the most: a write notification can be lost while the connection is down
+LOOK_AGAIN_S = 10.0
 WAITING_CHECK_S = 2.0
 STARVED_S = 2.0  # nothing received for this long while a batch is short: the trainer waits
 
@@ -82,6 +85,9 @@ class TrainerTopology:
         self.record: TrainerInput | None = None
         self.feed: ExperienceFeed | None = None
         self._polled = 0.0
+        self._looked = 0.0
+        self._look_again = True  # look at the first poll: a request may wait already
+        self._writes: KeyWrites | None = None
         self._waiting_checked = 0.0
         self.waiting: str | None = None
         self._warned: str | None = None
@@ -96,6 +102,8 @@ class TrainerTopology:
     async def attach(self, feed: ExperienceFeed) -> None:
         """Hook into ``feed``; re-attach the consumers a previous trainer still had to drain."""
         self.feed = feed
+        self._writes = KeyWrites(self.state.kv, (SPLICE,))
+        await self._writes.start()
         feed.on_idle = self.poll
         feed.on_retired_change = self.persist
         retired = self.record.retired if self.record is not None else []
@@ -135,17 +143,33 @@ class TrainerTopology:
 
     # ------------------------------------------------------------------ polling
 
-    async def poll(self) -> None:
-        """Act on a pending request; watch the stage read. At most every 0.5 s.
+    async def close(self) -> None:
+        """Stop watching the ``splice`` record (at the trainer's end; errors ignored)."""
+        if self._writes is not None:
+            await self._writes.stop()
 
-        A NATS failure is logged and retried at the next poll (see the module docstring).
+    async def poll(self) -> None:
+        """Act on a pending request; watch the stage read. At most every :data:`POLL_S`.
+
+        The ``splice`` record is read only after it was written (a KV write
+        notification, :class:`~rftstream.control.KeyWrites`), after a failed poll, and
+        every :data:`LOOK_AGAIN_S` s; the stage read is checked every
+        :data:`WAITING_CHECK_S` s. A NATS failure is logged and retried at the next poll
+        (see the module docstring).
         """
         now = time.monotonic()
         if now - self._polled < POLL_S or self.feed is None:
             return
         self._polled = now
+        written = self._writes is None or await self._writes.wait(0)
+        look = written or self._look_again or now - self._looked >= LOOK_AGAIN_S
+        if not look and now - self._waiting_checked < WAITING_CHECK_S:
+            return
+        self._look_again = True  # until this look succeeds
         try:
             await self._poll(now)
+            self._looked = now
+            self._look_again = False
         except (TimeoutError, BusError) as exc:
             self.poll_errors += 1
             log.warning(

@@ -519,6 +519,7 @@ class Trainer:
                 await anyio.to_thread.run_sync(self.monitors.close)
                 await monitor.stop()
                 await watcher.stop()
+                await topology.close()
                 await feed.consumer.unsubscribe()
                 try:
                     await state.heartbeat(self._heartbeat(status))

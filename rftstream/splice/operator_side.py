@@ -4,9 +4,11 @@ splice, ``--unsplice``, and the process that serves (owns) a spliced stage.
 Each function reads the KV records (typed, :mod:`rftstream.wire`), lets
 :mod:`rftstream.splice.protocol` decide, and writes what it returns
 (compare-and-set on the revision read, so two parties never both win). The
-waiting ones poll the ``splice`` record every :data:`POLL_S` s and read the
-run's status and the trainer's heartbeat every ``Timing.check_every_s`` s;
-they block until their answer, raise :class:`~rftstream.errors.RftError` (or
+waiting ones run in :func:`rftstream.control.drive`: they read the ``splice``
+record again when it (or the run's status, or the stage's record) is written,
+and read the run's status and the trainer's heartbeat every
+``Timing.check_every_s`` s, the longest they wait without a write; the clock
+they decide by is a parameter (``clock``). They block until their answer, raise :class:`~rftstream.errors.RftError` (or
 :class:`TrainerGone`) when they give up, and can be cancelled at any point:
 the KV state stays consistent (a request left behind is abandoned or
 completed by whoever comes next). The trainer's side is
@@ -29,6 +31,7 @@ from typing import Any
 import anyio
 
 from rftstream.bus.state import END_STATUSES, RunState
+from rftstream.control import Clock, drive, wall_clock
 from rftstream.errors import RftError
 from rftstream.splice import ownership, protocol, watch
 from rftstream.splice.protocol import (
@@ -49,6 +52,7 @@ from rftstream.subjects import RAW_STAGE, TRAIN_STAGE, check_stage
 from rftstream.wire import (
     SPLICE,
     STAGE,
+    STATUS,
     TRAINER_INPUT,
     Owner,
     SpliceAbandoned,
@@ -62,8 +66,6 @@ from rftstream.wire import (
 )
 
 log = logging.getLogger(__name__)
-
-POLL_S = 0.2  # how often a waiting party reads the splice record
 
 
 class TrainerGone(RftError):
@@ -100,15 +102,20 @@ def owner_info(actor: str, token: str | None = None) -> Owner:
     )
 
 
-async def trainer_alive(state: RunState, timing: Timing = DEFAULT_TIMING) -> bool:
-    """A live trainer's heartbeat exists (see :func:`watch.trainer_alive`)."""
-    return watch.trainer_alive(await state.heartbeats(), time.time(), timing)
+async def trainer_alive(
+    state: RunState, timing: Timing = DEFAULT_TIMING, now: float | None = None
+) -> bool:
+    """A live trainer's heartbeat exists at ``now`` (see :func:`watch.trainer_alive`)."""
+    at = time.time() if now is None else now
+    return watch.trainer_alive(await state.heartbeats(), at, timing)
 
 
-async def read_health(state: RunState, timing: Timing = DEFAULT_TIMING) -> Health:
-    """The run's status and whether a trainer is alive (two KV reads)."""
+async def read_health(
+    state: RunState, timing: Timing = DEFAULT_TIMING, now: float | None = None
+) -> Health:
+    """The run's status and whether a trainer is alive at ``now`` (KV reads)."""
     status = await state.status()
-    return Health(status, status in END_STATUSES, await trainer_alive(state, timing))
+    return Health(status, status in END_STATUSES, await trainer_alive(state, timing, now))
 
 
 async def perform(state: RunState, actions: list[Action], revision: int | None) -> bool:
@@ -139,12 +146,15 @@ async def apply(
     return new if await perform(state, actions, revision) else None
 
 
-async def _watch(state: RunState, watcher: AnswerWatch) -> SpliceRecord:
-    """Poll ``splice`` until ``watcher`` has its answer; raise when it gives up."""
-    while True:
+async def _watch(state: RunState, watcher: AnswerWatch, clock: Clock) -> SpliceRecord:
+    """Read ``splice`` at each of its writes until ``watcher`` has its answer; raise when
+    it gives up."""
+    timing = watcher.timing
+
+    async def attempt(now: float) -> SpliceRecord | None:
+        nonlocal watcher
         record = await state.get(SPLICE)
-        now = time.time()
-        health = await read_health(state, watcher.timing) if watcher.health_due(now) else None
+        health = await read_health(state, timing, now) if watcher.health_due(now) else None
         watcher, verdict = watcher.step(record, now, health)
         match verdict:
             case Answered(answer):
@@ -153,7 +163,11 @@ async def _watch(state: RunState, watcher: AnswerWatch) -> SpliceRecord:
                 raise RftError(message)
             case NoTrainer(message):
                 raise TrainerGone(message)
-        await anyio.sleep(POLL_S)
+        return None
+
+    return await drive(
+        state.kv, (SPLICE, STATUS), attempt, wake_s=timing.check_every_s, clock=clock
+    )
 
 
 async def _wait_answer(
@@ -164,6 +178,7 @@ async def _wait_answer(
     splice_id: str,
     patience: float | None = None,
     timing: Timing = DEFAULT_TIMING,
+    clock: Clock = wall_clock,
 ) -> SpliceRecord:
     """Wait for the trainer's answer (a record in one of ``answers``) to a request this
     process wrote. Blocks.
@@ -174,9 +189,9 @@ async def _wait_answer(
     waiting for it (logging a warning each ``patience`` s), until the run ends.
     """
     while True:
-        watcher = AnswerWatch.start(what, splice_id, answers, time.time(), timing, patience)
+        watcher = AnswerWatch.start(what, splice_id, answers, clock(), timing, patience)
         try:
-            return await _watch(state, watcher)
+            return await _watch(state, watcher, clock)
         except TrainerGone:
             st = await abandon(state, splice_id, "no trainer answered")
             if st in (None, "abandoned"):
@@ -190,14 +205,14 @@ async def _wait_answer(
 
 
 async def _wait_quiet(
-    state: RunState, what: str, timing: Timing = DEFAULT_TIMING
+    state: RunState, what: str, timing: Timing = DEFAULT_TIMING, clock: Clock = wall_clock
 ) -> tuple[SpliceRecord | None, int | None]:
     """Wait until the ``splice`` record may be replaced (:func:`protocol.replaceable`);
     ``(record, revision)``. Raises after ``Timing.quiet_patience_s`` s."""
-    deadline = time.time() + timing.quiet_patience_s
-    while True:
+    deadline = clock() + timing.quiet_patience_s
+
+    async def attempt(now: float) -> tuple[SpliceRecord | None, int | None] | None:
         record, rev = await state.entry(SPLICE)
-        now = time.time()
         if protocol.replaceable(record, now, timing):
             return record, rev
         if now > deadline:
@@ -207,7 +222,10 @@ async def _wait_quiet(
                 f"{protocol.state_of(record)}) has been under way for {now - record.ts:.0f}s; "
                 "try again when it is done (`rftstream status` shows it)"
             )
-        await anyio.sleep(0.3)
+        return None
+
+    # a record grows replaceable by its age too: looked at again every check_every_s
+    return await drive(state.kv, (SPLICE,), attempt, wake_s=timing.check_every_s, clock=clock)
 
 
 # ----------------------------------------------------------------- splice: operator side
@@ -332,6 +350,7 @@ async def wait_unsplice(
     *,
     patience: float | None = None,
     timing: Timing = DEFAULT_TIMING,
+    clock: Clock = wall_clock,
 ) -> SpliceDrained | SpliceDone:
     """``--unsplice``: wait until the owner has drained (``"drained"`` or ``"done"``). Blocks.
 
@@ -342,12 +361,14 @@ async def wait_unsplice(
     has been running for ``patience`` s while the request waits for one (the
     operator keeps it: a restarted trainer completes it).
     """
-    watcher = watch.UnspliceWatch.start(stage, splice_id, time.time(), timing, patience)
-    while True:
+    watcher = watch.UnspliceWatch.start(stage, splice_id, clock(), timing, patience)
+    stage_key = STAGE.of(stage=stage)
+
+    async def attempt(now: float) -> SpliceDrained | SpliceDone | None:
+        nonlocal watcher
         record = await state.get(SPLICE)
-        stage_record = await state.get(STAGE.of(stage=stage))
-        now = time.time()
-        health = await read_health(state, timing) if watcher.health_due(now) else None
+        stage_record = await state.get(stage_key)
+        health = await read_health(state, timing, now) if watcher.health_due(now) else None
         pid_alive = local_pid_alive(stage_record.owner) if stage_record else None
         watcher, verdict = watcher.step(record, stage_record, now, pid_alive, health)
         match verdict:
@@ -363,7 +384,11 @@ async def wait_unsplice(
                 if gone.abandon_first:
                     took = await abandon(state, splice_id, "the stage's operator stopped running")
                 raise RftError(gone.message(took or None))
-        await anyio.sleep(0.3)
+        return None
+
+    # the owner's refreshes of stage.<Y> wake it too: a silent owner is found by its age
+    keys = (SPLICE, stage_key, STATUS)
+    return await drive(state.kv, keys, attempt, wake_s=timing.check_every_s, clock=clock)
 
 
 async def claim_stage(

@@ -5,7 +5,7 @@ started while a slow task of an earlier step is still running (the slow
 verifier of a long-tail workload no longer holds every later task back). Each
 task's group still reaches ``exp.raw`` exactly once, the run ends when the
 tasks run out only after the ones in flight are done, and the explorer reports
-its tasks in flight and its idle share. ``KeyChanges`` (what wakes an explorer
+its tasks in flight and its idle share. ``KeyWrites`` (what wakes an explorer
 paused by ``max_staleness``) is checked on its own.
 """
 
@@ -19,11 +19,11 @@ from pathlib import Path
 import anyio
 import pytest
 
-from rftstream.actors.common import KeyChanges
 from rftstream.bus.client import Bus
 from rftstream.bus.state import RunState
 from rftstream.config import config_from_dict
 from rftstream.config.schema import NatsConfig
+from rftstream.control import KeyWrites
 from rftstream.experience import H_MSG_ID
 from rftstream.runtime import prepare_run, run_actors
 from rftstream.subjects import RunNames
@@ -113,7 +113,7 @@ async def _key_changes(url: str) -> None:
     async with await Bus.connect(url, names, NatsConfig(), "test") as bus:
         await bus.provision()
         state = RunState(await bus.kv())
-        changes = KeyChanges(bus, ("trainer.step", "weights.latest"))
+        changes = KeyWrites(await bus.kv(), ("trainer.step", "weights.latest"))
         await changes.start()
         try:
             assert not await changes.wait(0.2)

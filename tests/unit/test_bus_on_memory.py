@@ -8,7 +8,7 @@ import anyio
 import msgspec
 import pytest
 
-from rftstream.actors.common import InProgressTicker, KeyChanges, experience_backlog
+from rftstream.actors.common import InProgressTicker, experience_backlog
 from rftstream.actors.feed import ExperienceFeed
 from rftstream.bus.client import Bus
 from rftstream.bus.limits import purge_acked
@@ -16,6 +16,7 @@ from rftstream.bus.memory import MemoryTransport
 from rftstream.bus.purged import read_purged
 from rftstream.bus.state import RunState
 from rftstream.config.schema import ExperienceStreamConfig, NatsConfig
+from rftstream.control import KeyWrites
 from rftstream.errors import PayloadTooLargeError, SchemaError, StreamFullError
 from rftstream.experience import EID, Experience, decode_group
 from rftstream.subjects import TRAIN_STAGE, RunNames
@@ -125,7 +126,7 @@ async def test_run_state_compare_and_put_loses_a_race_as_none() -> None:
 
 async def test_key_changes_wake_a_waiter_on_a_write() -> None:
     bus = await _bus()
-    changes = KeyChanges(bus, ["watched"])
+    changes = KeyWrites(await bus.kv(), ["watched"])
     await changes.start()
     assert not await changes.wait(0.01)
     await RunState(await bus.kv()).put(Key("watched", int), 1)

@@ -120,8 +120,8 @@ async def test_a_fixed_style_explorer_wakes_on_the_trainers_weights_write() -> N
     # sync_style fixed, interval 1: before step 2 the explorer needs version 1. It waits on
     # the run's KV write notification, not a poll: one read before the write, one after it,
     # one by the load.
-    from rftstream.actors.common import KeyChanges
     from rftstream.bus.state import RunState
+    from rftstream.control import KeyWrites
     from rftstream.subjects import KV_STATUS, KV_WEIGHTS
 
     ptr, weights = _published("guard_fixed", 1)
@@ -137,7 +137,7 @@ async def test_a_fixed_style_explorer_wakes_on_the_trainers_weights_write() -> N
         return await real_latest()
 
     state.latest_weights = latest_weights  # type: ignore[method-assign]
-    explorer._trainer_changes = KeyChanges(explorer.bus, (KV_WEIGHTS, KV_STATUS))
+    explorer._trainer_changes = KeyWrites(await explorer.bus.kv(), (KV_WEIGHTS, KV_STATUS))
     await explorer._trainer_changes.start()
     synced_at: list[float] = []
 
