@@ -187,14 +187,16 @@ class ClaimProtocol:
 
     ``stale_s``: a claim whose revision has not moved this long belongs to a dead
     publisher. ``keepalive_s``: how often a publisher rewrites its claim while it
-    has no progress to record (well under ``stale_s``). ``poll_s``: the pause
-    between two looks at someone else's claim; ``retry_s``: after a failed create.
+    has no progress to record (well under ``stale_s``). ``poll_s``: the longest
+    pause between two looks at someone else's claim (the I/O loop ends a
+    :class:`Wait` early at a write of the claim or of ``taskset.published``, and the
+    pause never runs past the claim's going stale); ``retry_s``: after a failed create.
     """
 
     name: str
     stale_s: float = 30.0
     keepalive_s: float = 5.0
-    poll_s: float = 0.2
+    poll_s: float = 2.0
     retry_s: float = 0.5
 
     def start(self) -> tuple[ClaimState, list[Action]]:
@@ -231,7 +233,9 @@ class ClaimProtocol:
             return state, [Wait(seconds=self.poll_s), Look()]
         stale = now - state.since > self.stale_s
         if claim.by != self.name and not stale:
-            return state, [Wait(seconds=self.poll_s), Look()]
+            # until a write (its keep-alive, taskset.published) or the claim going stale
+            until_stale = state.since + self.stale_s - now + 0.01
+            return state, [Wait(seconds=min(self.poll_s, until_stale)), Look()]
         taking = Claiming(
             seq=claim.seq,
             taken_over_from=claim.by,

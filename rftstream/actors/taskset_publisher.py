@@ -24,6 +24,7 @@ from rftstream.bus.client import Bus
 from rftstream.bus.state import RunState
 from rftstream.config.resolve import dataset_epochs
 from rftstream.config.schema import Config, TasksetConfig
+from rftstream.control import Clock, KeyWrites
 from rftstream.errors import BusError, SchemaError
 from rftstream.taskset_claim import (
     Action,
@@ -66,12 +67,13 @@ class _ClaimTakenOver(Exception):
 class TasksetPublisher:
     """Publishes the run's training tasksets once, or waits while another explorer does.
 
-    ``claim_stale_s``, ``claim_keepalive_s`` and ``publish_lead`` may be changed
+    ``claim_stale_s``, ``claim_keepalive_s``, ``claim_poll_s`` and ``publish_lead`` may be changed
     before :meth:`run` (tests shorten them).
     """
 
     claim_stale_s = 30.0  # a taskset claim unchanged this long belongs to a dead publisher
     claim_keepalive_s = 5.0
+    claim_poll_s = 2.0  # the longest look-to-look pause without a write (ClaimProtocol.poll_s)
     publish_lead = 1024  # tasks published ahead of the explorers (the rest as they are taken)
 
     def __init__(
@@ -90,6 +92,8 @@ class TasksetPublisher:
         self._protocol = ClaimProtocol(name)
         self._claim: ClaimState = Seeking()
         self._claim_lock = anyio.Lock()  # one claim write at a time (chunks vs keep-alive)
+        # what the claim's staleness is judged by (its revision not moving for claim_stale_s)
+        self.clock: Clock = time.monotonic
 
     async def run(self, state: RunState) -> None:
         """Publish every task of every epoch of the training tasksets, once per run.
@@ -117,37 +121,48 @@ class TasksetPublisher:
         """Run the protocol until the claim is ours (the first plan position to publish)
         or the taskset is published (None). Blocks."""
         self._protocol = ClaimProtocol(
-            self.name, stale_s=self.claim_stale_s, keepalive_s=self.claim_keepalive_s
+            self.name,
+            stale_s=self.claim_stale_s,
+            keepalive_s=self.claim_keepalive_s,
+            poll_s=self.claim_poll_s,
         )
         self._claim, actions = self._protocol.start()
-        while True:
-            event: Event | None = None
-            for action in actions:  # only the last one answers with an event
-                if isinstance(action, StartPublishing):
-                    if action.taken_over_from:
-                        log.warning(
-                            "%s: taking the taskset over from %s at task %d (%s)",
-                            self.name,
-                            action.taken_over_from,
-                            action.start,
-                            "claim went stale" if action.stale else "its own earlier claim",
-                        )
-                    return action.start
-                if isinstance(action, Done):
-                    return None
-                event = await self._perform(state, action)
-            if event is None:
-                raise RuntimeError(f"taskset claim: no event after {actions!r}")
-            actions = self._step(event)
+        # the protocol's waits end early at a write of the claim or of taskset.published
+        async with KeyWrites(state.kv, (TASKSET_CLAIM, TASKSET_PUBLISHED)) as writes:
+            while True:
+                event: Event | None = None
+                for action in actions:  # only the last one answers with an event
+                    if isinstance(action, StartPublishing):
+                        if action.taken_over_from:
+                            log.warning(
+                                "%s: taking the taskset over from %s at task %d (%s)",
+                                self.name,
+                                action.taken_over_from,
+                                action.start,
+                                "claim went stale" if action.stale else "its own earlier claim",
+                            )
+                        return action.start
+                    if isinstance(action, Done):
+                        return None
+                    event = await self._perform(state, action, writes)
+                if event is None:
+                    raise RuntimeError(f"taskset claim: no event after {actions!r}")
+                actions = self._step(event)
 
     def _step(self, event: Event) -> list[Action]:
-        self._claim, actions = self._protocol.step(self._claim, event, time.monotonic())
+        self._claim, actions = self._protocol.step(self._claim, event, self.clock())
         return actions
 
-    async def _perform(self, state: RunState, action: Action) -> Event | None:
-        """Do one I/O action of the protocol; its answer as an event (None for a wait)."""
+    async def _perform(
+        self, state: RunState, action: Action, writes: KeyWrites | None = None
+    ) -> Event | None:
+        """Do one I/O action of the protocol; its answer as an event (None for a wait).
+        A :class:`Wait` ends at its time or at the first write ``writes`` sees."""
         if isinstance(action, Wait):
-            await anyio.sleep(action.seconds)
+            if writes is None:
+                await anyio.sleep(action.seconds)
+            else:
+                await writes.wait(action.seconds)
             return None
         if isinstance(action, Look):
             return await self._look(state)

@@ -260,3 +260,29 @@ async def test_nothing_is_published_once_the_taskset_is_there(tmp_path: Path) ->
     assert late.publish_calls == 0
     assert (await run.server.stream_state(NAMES.tasks_stream)).last_seq == 0
     assert await state.entry(TASKSET_CLAIM) == (None, None)
+
+
+async def test_a_waiting_explorer_wakes_at_the_write_not_after_its_pause(tmp_path: Path) -> None:
+    """An explorer that waits on another's live claim looks again when the claim or
+    ``taskset.published`` is written (a KV write notification), not a pause later."""
+    run = Run(tmp_path)
+    state = await run.provision()
+    await state.create(TASKSET_CLAIM, TasksetClaim(by="other", ts=0.0))
+    # "other" stays alive throughout; between two looks it would pause an hour
+    waiting = await run.explorer("waiting", claim_stale_s=600.0, claim_poll_s=3600.0)
+    finished = anyio.Event()
+
+    async def explore() -> None:
+        await waiting.publish_taskset()
+        finished.set()
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(explore)
+        await _until(lambda: _seeking(waiting.publisher))
+        await anyio.sleep(0.2)  # it looked, saw a live claim, and is in its pause now
+        assert not finished.is_set()
+        done = TasksetRecord(count=len(PLAN), epochs=EPOCHS, rows=ROWS, by="other", ts=0.0)
+        await state.put(TASKSET_PUBLISHED, done)
+        with anyio.fail_after(2):  # far less than its pause
+            await finished.wait()
+    assert waiting.publish_calls == 0
