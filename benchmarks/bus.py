@@ -112,7 +112,6 @@ from rich.console import Console
 from rich.table import Table
 
 from rftstream.bus import Bus, EmbeddedNatsServer
-from rftstream.bus.server import find_nats_server
 from rftstream.config.schema import NatsConfig
 from rftstream.experience import (
     EID,
@@ -125,6 +124,7 @@ from rftstream.experience import (
     decode_group,
     pack_group,
 )
+from rftstream.nats_server.embedded import find_nats_server
 from rftstream.subjects import RAW_STAGE, TRAIN_STAGE, RunNames
 
 console = Console(width=230, highlight=False)

@@ -34,9 +34,9 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from rftstream.bus.server import EmbeddedNatsServer
 from rftstream.config import apply_overrides, config_from_dict
 from rftstream.default_run import DEFAULT_CONFIG
+from rftstream.nats_server.embedded import EmbeddedNatsServer
 from rftstream.plot import read_metrics, window_mean
 from rftstream.runtime import PreparedRun, prepare_run, run_actors, start_fresh
 from rftstream.signals import run_with_signals

@@ -61,7 +61,7 @@ import yaml
 from rich.console import Console
 from rich.table import Table
 
-from rftstream.bus.server import EmbeddedNatsServer, free_port
+from rftstream.nats_server.embedded import EmbeddedNatsServer, free_port
 
 PLUGINS = Path(__file__).resolve().parent / "plugins"
 console = Console(width=150)  # the tables stay whole in logs and pipes

@@ -324,7 +324,7 @@ def trainer_rank_processes(
     n = int(run.cfg.trainer.n_gpus_per_node)
     if n <= 1:
         return []
-    from rftstream.bus.server import free_port
+    from rftstream.nats_server.embedded import free_port
 
     dist_env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": str(n)}
     os.environ.update(dist_env, RANK="0", LOCAL_RANK="0")

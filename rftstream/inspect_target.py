@@ -54,7 +54,7 @@ def inspect_target(
             f"no NATS server to connect to: no live run holds {directory} and it has no "
             f"JetStream store ({store / 'jetstream'}); pass --nats-url or --run-dir"
         )
-    from rftstream.bus.server import EmbeddedNatsServer
+    from rftstream.nats_server.embedded import EmbeddedNatsServer
 
     lock = RunLock(directory).acquire(record=False)
     try:

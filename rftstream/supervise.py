@@ -31,7 +31,7 @@ from rftstream.errors import RftError
 
 if TYPE_CHECKING:
     from rftstream.actor_process import ActorProcess
-    from rftstream.bus.server import EmbeddedNatsServer
+    from rftstream.nats_server.embedded import EmbeddedNatsServer
 
 log = logging.getLogger(__name__)
 

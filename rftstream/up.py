@@ -24,9 +24,9 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.text import Text
 
 from rftstream.actor_process import split_roles
-from rftstream.bus.server import EmbeddedNatsServer
 from rftstream.config.secrets import redact_url
 from rftstream.console import ChildConsole
+from rftstream.nats_server.embedded import EmbeddedNatsServer
 from rftstream.plot import (
     checkpoint_summary,
     idle_shares,

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from rftstream.bus.server import EmbeddedNatsServer
+from rftstream.nats_server.embedded import EmbeddedNatsServer
 from rftstream.registry import Registry
 
 

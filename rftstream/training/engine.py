@@ -26,11 +26,11 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from rftstream.bus.server import free_port
 from rftstream.config.schema import Config
 from rftstream.errors import ConfigError
 from rftstream.experience import Experience
 from rftstream.model_loading import forward_kwargs, output_cache, quiet_progress_bars
+from rftstream.nats_server.embedded import free_port
 from rftstream.training.batch import (
     TokenStats,
     TrainBatch,

@@ -39,9 +39,9 @@ import nats.errors
 import pytest
 
 from rftstream.bus.client import Bus
-from rftstream.bus.server import free_port
 from rftstream.config import config_from_dict
 from rftstream.experience import EID, Experience, encode_group
+from rftstream.nats_server.embedded import free_port
 from rftstream.operations.account import RunAccount, account_run
 from rftstream.subjects import RunNames
 from tests.integration._util import (

@@ -22,8 +22,8 @@ from pathlib import Path
 
 import pytest
 
-from rftstream.bus.server import find_nats_server, free_port
 from rftstream.fault_points import ENV as FREEZE_ENV
+from rftstream.nats_server.embedded import find_nats_server, free_port
 from tests.integration._util import RFTSTREAM, small_config, user_env, write_config
 
 pytestmark = pytest.mark.integration

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import nkeys
 
-from rftstream.bus.server import find_nats_server, free_port
+from rftstream.nats_server.embedded import find_nats_server, free_port
 
 
 class ConfiguredNats:

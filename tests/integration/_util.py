@@ -21,8 +21,8 @@ import yaml
 from nats.js import JetStreamContext
 from nats.js.errors import NotFoundError
 
-from rftstream.bus.server import find_nats_server
 from rftstream.experience import EID, Experience, decode_group
+from rftstream.nats_server.embedded import find_nats_server
 from rftstream.wire import MetricsMsg
 
 if TYPE_CHECKING:

@@ -13,9 +13,9 @@ from nats.js import api
 
 from rftstream.bus.client import Bus
 from rftstream.bus.limits import ExperienceRoom
-from rftstream.bus.server import EmbeddedNatsServer
 from rftstream.config.schema import NatsConfig
 from rftstream.errors import BusError, StreamFullError
+from rftstream.nats_server.embedded import EmbeddedNatsServer
 from rftstream.subjects import RunNames
 
 pytestmark = pytest.mark.anyio

@@ -17,8 +17,8 @@ import msgspec
 import pytest
 
 from rftstream.bus.client import Bus
-from rftstream.bus.cluster import LocalNatsCluster
 from rftstream.config import config_from_dict
+from rftstream.nats_server.cluster import LocalNatsCluster
 from rftstream.operations.account import account_run
 from rftstream.runtime import (
     PreparedRun,

@@ -6,7 +6,7 @@ chains split, a trailing `&` dropped):
 
 * run for real, and must exit 0: `--help`, `rftstream config explain`, `rftstream debug
   workflow` (the tiny model), `just --list`, `python -c`, `python -m venv` (into a temporary
-  directory), `python -m rftstream.bus.cluster` (started until it is ready, then stopped),
+  directory), `python -m rftstream.nats_server.cluster` (started until it is ready, then stopped),
   `source .venv/bin/activate`, `mkdocs build`;
 * checked: any other `rftstream` command is parsed by rftstream's own parser, its `--config`
   file (when the docs name a file of this repository) loaded and validated with its
@@ -351,7 +351,7 @@ def _check_nats_server_flags(argv: list[str], c: Command) -> None:
 
 
 def _run_cluster(args: list[str], c: Command, x: Ctx) -> None:
-    """`python -m rftstream.bus.cluster DIR &`: started (its store under tmp) until it says
+    """`python -m rftstream.nats_server.cluster DIR &`: started (its store under tmp) until it says
     it is ready, then stopped with SIGTERM, as Ctrl-C would."""
     store = x.tmp / "cluster"
     argv = [sys.executable, "-u", *args[:-1], str(store)]
@@ -381,7 +381,7 @@ def _plan_python(argv: list[str]) -> Plan:
             "makes a venv (into tmp, without pip)",
             lambda c, x: _run([sys.executable, "-m", "venv", "--without-pip", str(x.tmp / "venv")]),
         )
-    if args[:2] == ["-m", "rftstream.bus.cluster"]:
+    if args[:2] == ["-m", "rftstream.nats_server.cluster"]:
         return Plan(
             "run", "started until ready, then stopped", lambda c, x: _run_cluster(args, c, x)
         )

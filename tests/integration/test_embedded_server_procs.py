@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from rftstream.bus.server import EmbeddedNatsServer, _go_procs
+from rftstream.nats_server.embedded import EmbeddedNatsServer, _go_procs
 
 
 def _server_env(server: EmbeddedNatsServer) -> dict[str, str]:

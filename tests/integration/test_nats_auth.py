@@ -22,10 +22,10 @@ import nkeys
 import pytest
 
 from rftstream.bus.client import Bus
-from rftstream.bus.server import EmbeddedNatsServer
 from rftstream.config.schema import NatsConfig, NatsTlsConfig
 from rftstream.errors import BusError
 from rftstream.experience import decode_group
+from rftstream.nats_server.embedded import EmbeddedNatsServer
 from rftstream.subjects import RunNames
 from tests.integration._nats_auth import (
     ConfiguredNats,

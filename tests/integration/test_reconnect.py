@@ -13,10 +13,10 @@ import msgspec
 import pytest
 
 from rftstream.bus.client import Bus
-from rftstream.bus.server import EmbeddedNatsServer
 from rftstream.config.schema import NatsConfig
 from rftstream.errors import BusError
 from rftstream.experience import decode_group
+from rftstream.nats_server.embedded import EmbeddedNatsServer
 from rftstream.subjects import RunNames
 from tests.integration._util import _group
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import anyio
 import pytest
 
-from rftstream.bus.server import free_port
+from rftstream.nats_server.embedded import free_port
 from tests.integration._util import (
     actor_config,
     read_stream,

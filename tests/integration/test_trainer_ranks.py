@@ -33,7 +33,7 @@ from subprocess import PIPE
 import pytest
 import torch
 
-from rftstream.bus.server import free_port
+from rftstream.nats_server.embedded import free_port
 from tests.integration import _ranks_worker as worker
 
 REPO = Path(__file__).resolve().parents[2]

@@ -107,7 +107,7 @@ def studio(nats_url: str, tmp_path: Path, tiny_model_path: str) -> Iterator[str]
 def studio_without_nats(tmp_path: Path, tiny_model_path: str) -> Iterator[str]:
     """The studio with nothing listening at its NATS URL: a run it starts gets the
     embedded server of its ``up``."""
-    from rftstream.bus.server import free_port
+    from rftstream.nats_server.embedded import free_port
 
     yield from _studio(f"nats://127.0.0.1:{free_port()}", tmp_path, tiny_model_path)
 

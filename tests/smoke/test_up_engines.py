@@ -15,8 +15,8 @@ from pathlib import Path
 import anyio
 import pytest
 
-from rftstream.bus.server import EmbeddedNatsServer
 from rftstream.experience import H_ACTOR
+from rftstream.nats_server.embedded import EmbeddedNatsServer
 from tests.integration._util import read_stream, run_up
 
 pytestmark = pytest.mark.smoke

@@ -10,7 +10,7 @@ SIGKILLed (:meth:`LocalNatsCluster.kill`) and started again on the same ports
 and store (:meth:`LocalNatsCluster.restart`), which is how the test suite checks
 that a run survives the loss of a node.
 
-Run ``python -m rftstream.bus.cluster DIR`` to start one by hand; it prints the
+Run ``python -m rftstream.nats_server.cluster DIR`` to start one by hand; it prints the
 client URLs and stops on Ctrl-C.
 """
 
@@ -29,8 +29,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from rftstream.bus.server import _set_pdeathsig, find_nats_server, free_port
 from rftstream.errors import BusError
+from rftstream.nats_server.embedded import _set_pdeathsig, find_nats_server, free_port
 
 
 @dataclass
@@ -283,11 +283,11 @@ class LocalNatsCluster:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m rftstream.bus.cluster DIR [SIZE]``: run a local cluster until Ctrl-C
+    """``python -m rftstream.nats_server.cluster DIR [SIZE]``: run a local cluster until Ctrl-C
     (or SIGTERM), then stop its nodes."""
     args = sys.argv[1:] if argv is None else argv
     if not args or len(args) > 2:
-        print("usage: python -m rftstream.bus.cluster STORE_DIR [SIZE]", file=sys.stderr)
+        print("usage: python -m rftstream.nats_server.cluster STORE_DIR [SIZE]", file=sys.stderr)
         return 2
     size = int(args[1]) if len(args) == 2 else 3
 
