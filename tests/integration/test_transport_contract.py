@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 
+import anyio
 import nats
 import pytest
 
@@ -104,6 +105,37 @@ async def test_a_durable_delivers_in_order_and_its_floor_follows_contiguous_acks
     await sub.unsubscribe()
 
 
+async def test_unacked_messages_come_back_after_ack_wait_until_max_deliver(
+    transport: Transport,
+) -> None:
+    """The time-driven side of a durable: what is not acked within ``ack_wait`` is
+    delivered again (counted), ``max_deliver`` ends that, a nak with a delay holds the
+    message back for the delay, and ``in_progress`` keeps it from coming back."""
+    t = transport
+    await _stream(t)
+    for i in range(3):
+        await t.publish("s.a", str(i).encode(), None, 5.0)
+    await _durable(t, ack_wait=1.5, max_deliver=2)
+    sub = await t.pull("S", "d")
+    held = await sub.fetch(3, 2.0)
+    assert [m.metadata.num_delivered for m in held] == [1, 1, 1]
+    await held[0].nak(delay=1.8)  # back in 1.8 s
+    await held[1].term()  # never again
+    assert await sub.fetch(3, 0.3) == []  # nothing is due yet
+    for _ in range(5):  # 0.4 s apart: seq 3 stays in progress past its ack_wait
+        await anyio.sleep(0.4)
+        await held[2].in_progress()
+    again = await sub.fetch(3, 1.0)  # seq 1 after its delay; seq 3 kept by in_progress
+    assert [(m.metadata.sequence.stream, m.metadata.num_delivered) for m in again] == [(1, 2)]
+    await anyio.sleep(1.8)  # past ack_wait: seq 3 comes back; seq 1 is at max_deliver
+    last = await sub.fetch(3, 1.0)
+    assert [(m.metadata.sequence.stream, m.metadata.num_delivered) for m in last] == [(3, 2)]
+    await last[0].ack_sync()
+    await anyio.sleep(1.7)
+    assert await sub.fetch(3, 0.5) == []  # seq 1 delivered max_deliver times: not again
+    await sub.unsubscribe()
+
+
 async def test_filters_and_start_sequences(transport: Transport) -> None:
     t = transport
     await _stream(t)
@@ -174,6 +206,40 @@ async def test_kv_revisions_compare_and_set_and_keys(transport: Transport) -> No
     # a deleted key keeps its entry (a delete marker): keys lists it, get tells
     assert sorted(await kv.keys("a.")) == ["a.x", "a.y"]
     assert (await kv.create("a.y", b"again")) > second  # a deleted key can be created again
+
+
+async def test_kv_write_notifications_name_only_the_watched_keys(transport: Transport) -> None:
+    """What the control plane waits on (rftstream.control.KeyWrites): every put, create,
+    update and delete of a watched key calls back; other keys and writes after the
+    unsubscribe do not."""
+    kv = await transport.kv("W", create=True)
+    calls = 0
+
+    async def written() -> None:
+        nonlocal calls
+        calls += 1
+
+    async def settled(expected: int) -> None:
+        with anyio.fail_after(5):
+            while calls < expected:
+                await anyio.sleep(0.01)
+        await anyio.sleep(0.1)  # and no more than that
+        assert calls == expected
+
+    sub = await kv.on_write(("splice", "stage.a"), written)
+    rev = await kv.create("splice", b"1")
+    await settled(1)
+    await kv.update("splice", b"2", last=rev)
+    await kv.put("stage.a", b"x")
+    await settled(3)
+    await kv.put("stage.b", b"y")  # not watched
+    await kv.put("splice.more", b"z")  # a longer key is another key
+    await settled(3)
+    await kv.delete("stage.a")
+    await settled(4)
+    await sub.unsubscribe()
+    await kv.put("splice", b"3")
+    await settled(4)
 
 
 async def test_missing_names_raise_the_neutral_errors(transport: Transport) -> None:
