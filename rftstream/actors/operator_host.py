@@ -131,20 +131,6 @@ class DrainControl:
 
 
 @dataclass
-class OperatorCounters:
-    """What a host has done since it started (its heartbeat's counts)."""
-
-    messages_in: int = 0
-    messages_out: int = 0
-    experiences_in: int = 0
-    experiences_out: int = 0
-    dead_lettered_messages: int = 0
-    failed_batches: int = 0
-    publish_failures: int = 0
-    skipped_after_cut: int = 0  # acked unprocessed after a splice's cut
-
-
-@dataclass
 class _Stats:
     """What one ``process_batch`` call did (published as one metrics record)."""
 
@@ -169,6 +155,30 @@ class _Stats:
             self.op_metrics[key] = (
                 self.op_metrics.get(key, 0.0) + float(value) if additive else float(value)
             )
+
+
+@dataclass
+class OperatorCounters:
+    """What a host has done since it started (its heartbeat's counts)."""
+
+    messages_in: int = 0
+    messages_out: int = 0
+    experiences_in: int = 0
+    experiences_out: int = 0
+    dead_lettered_messages: int = 0
+    failed_batches: int = 0
+    publish_failures: int = 0
+    skipped_after_cut: int = 0  # acked unprocessed after a splice's cut
+
+    def add(self, batch: _Stats) -> None:
+        """Count one ``process_batch`` call in."""
+        self.messages_in += batch.messages_in
+        self.messages_out += batch.messages_out
+        self.experiences_in += batch.experiences_in
+        self.experiences_out += batch.experiences_out
+        self.dead_lettered_messages += batch.dead_lettered
+        self.failed_batches += batch.failed_batches
+        self.publish_failures += batch.publish_failures
 
 
 class OperatorHost:
@@ -346,13 +356,7 @@ class OperatorHost:
         dt = time.perf_counter() - t0
         self.batches += 1
         c = self.counters
-        c.messages_in += stats.messages_in
-        c.messages_out += stats.messages_out
-        c.experiences_in += stats.experiences_in
-        c.experiences_out += stats.experiences_out
-        c.dead_lettered_messages += stats.dead_lettered
-        c.failed_batches += stats.failed_batches
-        c.publish_failures += stats.publish_failures
+        c.add(stats)
         values: dict[str, float] = {
             "operator/messages_in": float(stats.messages_in),
             "operator/messages_out": float(stats.messages_out),
