@@ -497,8 +497,6 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    _code = main()
-    _ranks = sys.modules.get("rftstream.training.ranks")  # a trainer's process loaded it
-    if _ranks is not None:
-        _ranks.exit_process(_code)
-    sys.exit(_code)
+    from rftstream.signals import exit_process
+
+    exit_process(main())

@@ -1216,12 +1216,10 @@ def main(argv: list[str] | None = None) -> int:
 
 def entry() -> None:
     """The ``rftstream`` console command: :func:`main`, then the process's exit (a trainer
-    rank's skips the interpreter's teardown: :func:`rftstream.training.ranks.exit_process`)."""
-    code = main()
-    ranks = sys.modules.get("rftstream.training.ranks")  # loaded only where torch is used
-    if ranks is not None:
-        ranks.exit_process(code)
-    sys.exit(code)
+    rank's skips the interpreter's teardown: :func:`rftstream.signals.exit_process`)."""
+    from rftstream.signals import exit_process
+
+    exit_process(main())
 
 
 if __name__ == "__main__":

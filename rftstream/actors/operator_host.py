@@ -268,21 +268,13 @@ class OperatorHost:
                 await self.pipeline.close()
 
     def _heartbeat(self) -> Heartbeat:
-        c = self.counters
         return Heartbeat(
             actor=self.name,
             role=self.role,
             ts=time.time(),
             from_stage=self.from_stage,
             to_stage=self.to_stage,
-            messages_in=c.messages_in,
-            messages_out=c.messages_out,
-            experiences_in=c.experiences_in,
-            experiences_out=c.experiences_out,
-            dead_lettered_messages=c.dead_lettered_messages,
-            failed_batches=c.failed_batches,
-            publish_failures=c.publish_failures,
-            skipped_after_cut=c.skipped_after_cut,
+            **asdict(self.counters),  # Heartbeat has a field of each counter's name
         )
 
     async def _loop(

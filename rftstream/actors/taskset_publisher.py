@@ -153,16 +153,11 @@ class TasksetPublisher:
         self._claim, actions = self._protocol.step(self._claim, event, self.clock())
         return actions
 
-    async def _perform(
-        self, state: RunState, action: Action, writes: KeyWrites | None = None
-    ) -> Event | None:
+    async def _perform(self, state: RunState, action: Action, writes: KeyWrites) -> Event | None:
         """Do one I/O action of the protocol; its answer as an event (None for a wait).
         A :class:`Wait` ends at its time or at the first write ``writes`` sees."""
         if isinstance(action, Wait):
-            if writes is None:
-                await anyio.sleep(action.seconds)
-            else:
-                await writes.wait(action.seconds)
+            await writes.wait(action.seconds)
             return None
         if isinstance(action, Look):
             return await self._look(state)

@@ -14,7 +14,7 @@ from typing import Any, TypeVar
 
 import msgspec
 
-from rftstream.bus.transport import KeyValueStore
+from rftstream.bus.transport import KeyValueStore, KvEntry
 from rftstream.errors import BusError, CasConflict, KeyNotFound, SchemaError
 from rftstream.subjects import KV_HEARTBEAT_PREFIX
 from rftstream.wire import (
@@ -59,11 +59,17 @@ class RunState:
         """``<bucket>/<key>`` for error messages."""
         return f"{self.kv.bucket}/{key}"
 
-    async def _raw(self, key: str) -> bytes | None:
+    async def _stored(self, key: str) -> KvEntry | None:
+        """The entry at ``key``; None when it is absent or deleted."""
         try:
-            return (await self.kv.get(key)).value
+            got = await self.kv.get(key)
         except KeyNotFound:
             return None
+        return None if got.value is None else got
+
+    async def _raw(self, key: str) -> bytes | None:
+        got = await self._stored(key)
+        return None if got is None else got.value
 
     def _decode(self, key: Key[T], raw: bytes) -> T:
         try:
@@ -78,11 +84,8 @@ class RunState:
 
     async def revision(self, key: Key[Any]) -> int | None:
         """The revision of ``key``'s value, whatever its shape (None: absent or deleted)."""
-        try:
-            got = await self.kv.get(key.name)
-        except KeyNotFound:
-            return None
-        return None if got.value is None else got.revision
+        got = await self._stored(key.name)
+        return None if got is None else got.revision
 
     async def present(self, key: Key[Any]) -> bool:
         """Whether ``key`` holds a value (of any shape)."""
@@ -90,11 +93,8 @@ class RunState:
 
     async def entry(self, key: Key[T]) -> tuple[T | None, int | None]:
         """``(record, revision)`` at ``key``; ``(None, None)`` when absent or deleted."""
-        try:
-            got = await self.kv.get(key.name)
-        except KeyNotFound:
-            return None, None
-        if got.value is None:
+        got = await self._stored(key.name)
+        if got is None or got.value is None:
             return None, None
         return self._decode(key, got.value), got.revision
 

@@ -102,20 +102,12 @@ def owner_info(actor: str, token: str | None = None) -> Owner:
     )
 
 
-async def trainer_alive(
-    state: RunState, timing: Timing = DEFAULT_TIMING, now: float | None = None
-) -> bool:
-    """A live trainer's heartbeat exists at ``now`` (see :func:`watch.trainer_alive`)."""
-    at = time.time() if now is None else now
-    return watch.trainer_alive(await state.heartbeats(), at, timing)
-
-
-async def read_health(
-    state: RunState, timing: Timing = DEFAULT_TIMING, now: float | None = None
-) -> Health:
-    """The run's status and whether a trainer is alive at ``now`` (KV reads)."""
+async def read_health(state: RunState, now: float, timing: Timing) -> Health:
+    """The run's status and whether a trainer is alive at ``now`` (see
+    :func:`watch.trainer_alive`). KV reads."""
     status = await state.status()
-    return Health(status, status in END_STATUSES, await trainer_alive(state, timing, now))
+    alive = watch.trainer_alive(await state.heartbeats(), now, timing)
+    return Health(status, status in END_STATUSES, alive)
 
 
 async def perform(state: RunState, actions: list[Action], revision: int | None) -> bool:
@@ -154,7 +146,7 @@ async def _watch(state: RunState, watcher: AnswerWatch, clock: Clock) -> SpliceR
     async def attempt(now: float) -> SpliceRecord | None:
         nonlocal watcher
         record = await state.get(SPLICE)
-        health = await read_health(state, timing, now) if watcher.health_due(now) else None
+        health = await read_health(state, now, timing) if watcher.health_due(now) else None
         watcher, verdict = watcher.step(record, now, health)
         match verdict:
             case Answered(answer):
@@ -368,7 +360,7 @@ async def wait_unsplice(
         nonlocal watcher
         record = await state.get(SPLICE)
         stage_record = await state.get(stage_key)
-        health = await read_health(state, timing, now) if watcher.health_due(now) else None
+        health = await read_health(state, now, timing) if watcher.health_due(now) else None
         pid_alive = local_pid_alive(stage_record.owner) if stage_record else None
         watcher, verdict = watcher.step(record, stage_record, now, pid_alive, health)
         match verdict:

@@ -73,6 +73,7 @@ import torch
 
 from rftstream.errors import RftError
 from rftstream.experience import Experience, Experiences
+from rftstream.signals import end_without_teardown, skip_teardown_at_exit
 
 if TYPE_CHECKING:
     from rftstream.training.engine import PolicyTrainer
@@ -399,43 +400,10 @@ class RankLeader:
 
 
 def end_follower_process() -> NoReturn:
-    """End a rank's process after :func:`follow_leader` returned (a clean stop): see
-    :func:`end_rank_process`."""
-    end_rank_process(0)
-
-
-def end_rank_process(code: int) -> NoReturn:
-    """End a process that was a rank of a torch.distributed group (any rank, 0 too, once
-    it has nothing left to do): flush the output and logs, then ``os._exit(code)``,
-    skipping the interpreter's teardown, in which gloo's and the store's C++ threads and
-    destructors can race and abort the process ("terminate called without an active
-    exception", seen under load on followers and, more rarely, on rank 0 after
-    :func:`leave_ranks`), which the launcher reports as the rank failing."""
-    import os
-    import sys
-
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
-        except (OSError, ValueError):
-            pass
-    logging.shutdown()
-    os._exit(code)
-
-
-#: set once this process has left a group of several ranks (:func:`leave_ranks`)
-_left_ranks = False
-
-
-def exit_process(code: int) -> NoReturn:
-    """``sys.exit(code)`` at the end of a command's process; one that was a rank of a
-    group of several ends by :func:`end_rank_process` instead. For ``__main__`` blocks and
-    console entry points only: never from code a test calls in its own process."""
-    import sys
-
-    if _left_ranks:
-        end_rank_process(code)
-    sys.exit(code)
+    """End a rank's process after :func:`follow_leader` returned (a clean stop):
+    :func:`rftstream.signals.end_without_teardown` (gloo's threads would race the
+    interpreter's teardown)."""
+    end_without_teardown(0)
 
 
 def leave_ranks(group: Any = None) -> None:
@@ -450,12 +418,11 @@ def leave_ranks(group: Any = None) -> None:
     command from them (the suspected cause of a rare abort of rank 0 under load;
     not reproduced in isolation). No-op without groups.
     """
-    global _left_ranks
     dist = torch.distributed
     if dist.is_available() and dist.is_initialized():
         dist.barrier(group=group)
         dist.destroy_process_group()  # every group, the control group included
-        _left_ranks = True
+        skip_teardown_at_exit()
 
 
 def follow_leader(policy: PolicyTrainer) -> int:

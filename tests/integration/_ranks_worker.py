@@ -145,10 +145,10 @@ def release(trainer: PolicyTrainer) -> None:
 
 
 def main(model_path: str, out: str, case: str, zero_stage: str = "0") -> None:
+    from rftstream.signals import exit_process
     from rftstream.training.ranks import (
         RankLeader,
         end_follower_process,
-        exit_process,
         follow_leader,
     )
     from rftstream.training.world import env_rank

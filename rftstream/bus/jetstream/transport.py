@@ -111,6 +111,10 @@ def _translated(
         raise BusError(f"{what}: {exc}") from exc
 
 
+#: JetStream's "insufficient storage resources available" (a stream's reservation refused)
+_NO_STORAGE = 10047
+
+
 def _no_room_hint(error: str, spec: StreamSpec, key: str) -> str:
     """The server refused a stream because its JetStream store cannot reserve the
     stream's ``max_bytes``: say so, with the keys and commands that make room."""
@@ -455,7 +459,8 @@ class JetStreamTransport:
                 with self._api(f"cannot create stream {spec.name} ({key})"):
                     await self.js.add_stream(cfg)
             except BusError as exc:
-                if "insufficient storage" not in str(exc):
+                cause = exc.__cause__
+                if getattr(cause, "err_code", None) != _NO_STORAGE:
                     raise
                 raise BusError(_no_room_hint(str(exc), spec, key)) from exc
             return
