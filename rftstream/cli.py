@@ -791,7 +791,7 @@ def default_actor_name(args: argparse.Namespace) -> str:
 def cmd_unsplice(args: argparse.Namespace) -> int:
     """``rftstream operator --unsplice STAGE`` (no NAME): ask the stage's operator to leave."""
     from rftstream.bus.client import Bus
-    from rftstream.splice import operator_side
+    from rftstream.control.splice import operator_side
 
     cfg, names = _names(args)
     stage = args.unsplice

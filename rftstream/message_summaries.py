@@ -12,9 +12,9 @@ from typing import Any
 
 import msgspec
 
+from rftstream.control.splice.protocol import in_flight, stage_chain
 from rftstream.errors import SchemaError
 from rftstream.experience import SCHEMA_NAME, decode_group_msg, from_record
-from rftstream.splice.protocol import in_flight, stage_chain
 from rftstream.subjects import KV_HEARTBEAT_PREFIX, KV_TRAINER_STEP, KV_WEIGHTS
 from rftstream.wire import (
     DLQ_HEADERS,

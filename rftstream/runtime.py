@@ -573,13 +573,13 @@ async def run_operator_replicas(
 
 
 async def splice_in(run: PreparedRun, url: str, operator: str, to_stage: str) -> Any:
-    """Ask the running trainer to read ``exp.<to_stage>`` from now on (see :mod:`rftstream.splice`).
+    """Ask the running trainer to read ``exp.<to_stage>`` from now on (see :mod:`rftstream.control.splice`).
 
     Returns the trainer's :class:`~rftstream.wire.SpliceCut`: run the operator from
     ``cut.from_stage`` to ``cut.to_stage`` with ``start_seq=cut.start_seq``.
     Blocks until the trainer answered; raises :class:`RftError` if none does.
     """
-    from rftstream.splice.operator_side import request_splice
+    from rftstream.control.splice.operator_side import request_splice
 
     async with await Bus.connect(url, run.names, run.cfg.nats, f"splice-{operator}") as bus:
         state = RunState(await bus.kv())

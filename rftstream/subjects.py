@@ -177,7 +177,7 @@ KV_WEIGHTS_PENDING = "weights.pending"
 KV_WEIGHTS_KEYFRAME = "weights.keyframe_request"
 KV_HEARTBEAT = "heartbeat.{actor}"
 KV_HEARTBEAT_PREFIX = KV_HEARTBEAT.format(actor="")  # every actor's heartbeat key starts so
-# the trainer's input and the spliced stages (protocol: rftstream.splice). Their records'
+# the trainer's input and the spliced stages (protocol: rftstream.control.splice). Their records'
 # shapes are the structs of rftstream.wire; read and write them through its typed handles
 # (wire.SPLICE, wire.TRAINER_INPUT, wire.STAGE.of(stage=...), ...), not these names.
 KV_SPLICE = "splice"  # wire.SpliceRecord: the one topology change in flight

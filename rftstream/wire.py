@@ -225,7 +225,7 @@ class TrainedUnacked(msgspec.Struct, kw_only=True):
     ``trained`` is written after it grows (never ahead of the truth), ``acked`` before
     the acks it counts are sent (never behind): a reader that reads ``trained`` before
     the consumer's counts and ``acked`` after them gets a lower bound of the trained
-    messages those counts include (see :func:`rftstream.actors.common.experience_backlog`).
+    messages those counts include (see :func:`rftstream.control.staleness.experience_backlog`).
     """
 
     trained: int = 0
@@ -263,8 +263,8 @@ class Key(Generic[T]):
 
 
 # --- splice protocol: splice, trainer.input, stage.<Y>, topology, trainer.waiting/started/done (H-splice)
-# The protocol itself is in rftstream.splice (its docstring), its transitions in
-# rftstream.splice.protocol.
+# The protocol itself is in rftstream.control.splice (its docstring), its transitions in
+# rftstream.control.splice.protocol.
 
 SpliceKind = Literal["splice", "unsplice"]
 
@@ -473,7 +473,7 @@ class TasksetClaim(msgspec.Struct, kw_only=True):
     stream. The publisher rewrites the record (compare-and-set on its revision)
     after each chunk and every few seconds while it reads the files; another
     explorer takes over a claim whose record stopped changing
-    (:mod:`rftstream.taskset_claim`).
+    (:mod:`rftstream.control.taskset_claim`).
     """
 
     by: str
@@ -487,7 +487,7 @@ class TrainerStarving(msgspec.Struct, kw_only=True):
 
     ``since``: when it started waiting with less than a batch (None: it is fed);
     ``held``: the messages it held when it said so (a flag older than what the
-    trainer holds now is stale: see :meth:`rftstream.sync.SyncPolicy.starving_trainer_overrides`).
+    trainer holds now is stale: see :meth:`rftstream.control.sync_policy.SyncPolicy.starving_trainer_overrides`).
     """
 
     since: float | None = None

@@ -13,7 +13,7 @@ import gc
 import logging
 import math
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -23,7 +23,7 @@ import anyio
 from rftstream.bus.client import Bus
 from rftstream.bus.state import END_STATUSES, RunState
 from rftstream.bus.transport import Delivery, PullSubscription
-from rftstream.errors import BusError, BusTimeout, ConsumerNotFound, RftError, SchemaError
+from rftstream.errors import ConsumerNotFound, RftError, SchemaError
 from rftstream.wire import HEARTBEAT, Heartbeat
 
 log = logging.getLogger(__name__)
@@ -141,88 +141,6 @@ class InProgressTicker:
                     await msg.in_progress()
                 except Exception as exc:  # noqa: BLE001 - connection trouble: next tick retries
                     log.debug("in_progress failed: %s", exc)
-
-
-class Backlog(NamedTuple):
-    """What :func:`experience_backlog` counts, in messages."""
-
-    total: int  # waiting or being worked on, anywhere
-    held_by_trainer: int  # delivered to the trainer and not yet acked (its batch, its buffer)
-    held_by_operators: int = 0  # delivered to an operator stage and not acked yet
-
-    @property
-    def in_transit(self) -> int:
-        """Messages the trainer will still receive (or that an operator still works on)."""
-        return self.total - self.held_by_trainer
-
-    def without_trained(self, trained: int) -> Backlog:
-        """This backlog less ``trained`` messages the trainer holds already trained
-        (acked at its next checkpoint); never less than nothing of what it holds."""
-        n = max(0, min(trained, self.held_by_trainer))
-        return Backlog(self.total - n, self.held_by_trainer - n, self.held_by_operators)
-
-
-def _is_trainer_consumer(name: str) -> bool:
-    return name == "trainer" or name.startswith("trainer_")
-
-
-def pipeline_order(consumers: Sequence[tuple[str, str]]) -> list[str]:
-    """Durable consumer names of the experience stream, upstream first.
-
-    ``consumers`` are ``(name, filter subject)`` pairs. An operator consumer
-    ``op_<from>_to_<to>`` reads stage ``<from>`` (the last token of its filter)
-    and feeds ``<to>``; stages are ranked by their distance from ``raw``, and
-    the trainer's consumers come last. Unknown consumers rank with ``raw``.
-    """
-    stage_of = {name: subject.rsplit(".", 1)[-1].replace("-", "_") for name, subject in consumers}
-    depth = {"raw": 0}
-    for _ in consumers:  # a chain of n operators needs at most n passes
-        for name, stage in stage_of.items():
-            prefix = f"op_{stage}_to_"
-            if stage in depth and name.startswith(prefix):
-                depth.setdefault(name[len(prefix) :], depth[stage] + 1)
-
-    def rank(name: str) -> tuple[int, int, str]:
-        return (_is_trainer_consumer(name), depth.get(stage_of[name], 0), name)
-
-    return sorted(stage_of, key=rank)
-
-
-async def experience_backlog(bus: Bus, stream: str, exclude: tuple[str, ...] = ()) -> Backlog:
-    """The backlog of the durable consumers of ``stream``, and the trainer's part of it.
-
-    Ephemeral consumers (the trainer's ordered watch of ``exp.raw`` headers, a
-    ``nats sub`` or ``rftstream tail`` from a terminal) do no work toward
-    training: a message not yet pushed to one of them is not backlog. The
-    trainer's consumers are ``trainer`` and, after a splice, ``trainer_<stage>``.
-
-    Never too low: an operator publishes a message's output before it acks
-    the input, so the message is in one count or both at every moment; the
-    consumers are read one at a time, upstream first (:func:`pipeline_order`),
-    so a message moving downstream while they are read is counted at least
-    once (read downstream first, it could be missed by both). One JetStream
-    API round trip for the list, then one per consumer.
-    """
-    try:
-        listed = await bus.consumers(stream)
-    except BusTimeout:
-        raise
-    except BusError:  # no such stream (yet), or the server refused the listing
-        return Backlog(0, 0)
-    consumers = [(c.name, c.filter_subject) for c in listed if c.name not in exclude and c.durable]
-    total = held = working = 0
-    for name in pipeline_order(consumers):
-        try:
-            info = await bus.consumer_state(stream, name)
-        except ConsumerNotFound:
-            continue  # deleted meanwhile (a splice retired it): its messages were handed on
-        pending, unacked = info.num_pending, info.num_ack_pending
-        total += pending + unacked
-        if _is_trainer_consumer(name):
-            held += unacked
-        else:
-            working += unacked
-    return Backlog(total, held, working)
 
 
 async def consumer_drained(bus: Bus, stream: str, durable: str) -> bool:

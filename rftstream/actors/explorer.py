@@ -5,7 +5,7 @@ Taskset: the training tasksets (``buffer.explorer_input.taskset`` and
 background while the explorer loads its engine and explores, by the explorer
 holding KV claim ``taskset.published.claim`` (its :class:`TasksetPublisher`, see
 :mod:`rftstream.actors.taskset_publisher` and the claim protocol in
-:mod:`rftstream.taskset_claim`); another explorer explores what is there and
+:mod:`rftstream.control.taskset_claim`); another explorer explores what is there and
 takes over a claim that stopped moving. An explorer is out of tasks only when
 the queue is drained *and* the plan is published (``taskset.published``).
 
@@ -76,6 +76,7 @@ import logging
 import time
 from collections import Counter
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 import anyio
@@ -84,7 +85,6 @@ import anyio.abc
 from rftstream.actors.common import (
     InProgressTicker,
     consumer_drained,
-    experience_backlog,
     frozen_heap,
     heartbeat_loop,
 )
@@ -98,6 +98,16 @@ from rftstream.config.resolve import taskset_repeat_times
 from rftstream.config.schema import TRAINER_MODES, Config, TasksetConfig
 from rftstream.config.validate import eval_tasksets, training_tasksets
 from rftstream.control import KeyWrites
+from rftstream.control.staleness import (
+    AwaitWeights,
+    Blocked,
+    GateLook,
+    LoadNewest,
+    StalenessGate,
+    Take,
+    experience_backlog,
+)
+from rftstream.control.sync_policy import SyncPolicy
 from rftstream.errors import (
     BusError,
     PayloadTooLargeError,
@@ -113,7 +123,6 @@ from rftstream.subjects import (
     KV_WEIGHTS_PENDING,
     RAW_STAGE,
 )
-from rftstream.sync import SyncPolicy
 from rftstream.weights import load_weights
 from rftstream.weights.fetcher import WeightFetcher
 from rftstream.wire import (
@@ -132,7 +141,6 @@ log = logging.getLogger(__name__)
 
 TASKS_DLQ_STAGE = "tasks"
 RETRY_MAX_S = 30.0  # the longest wait between two attempts to publish a group
-RECOUNT_S = 0.01  # a max_staleness pause taken while counts moved is re-checked this soon
 # max_staleness with jetstream: how long the trainer's newest version is awaited at most
 # before the explorer goes on with older weights (it never came: the trainer failed)
 COMING_WAIT_S = 60.0
@@ -172,6 +180,12 @@ class Explorer:
         self.model_path = model_path
         self.policy = SyncPolicy.from_config(cfg.synchronizer)
         self.repeat_times = int(cfg.algorithm.repeat_times or 1)
+        self.gate = StalenessGate(
+            self.policy,
+            batch_size=cfg.buffer.batch_size,
+            train_batch_size=cfg.buffer.train_batch_size,
+            group=max(1, self.repeat_times),
+        )
         inp = cfg.buffer.explorer_input
         training_sets: list[tuple[str, TasksetConfig]] = training_tasksets(inp)
         self._taskset_cfg = {ts.name: ts for _, ts in training_sets}
@@ -866,91 +880,80 @@ class Explorer:
 
     async def _respect_staleness(self, state: RunState, step: int) -> int:
         """How many tasks step ``step`` may take within ``max_staleness``: ``buffer.batch_size``,
-        or fewer when only part of a batch fits (:meth:`SyncPolicy.explorer_room`); blocks
-        while not one task's group fits.
+        or fewer when only part of a batch fits; blocks while not one task's group fits.
 
-        The backlog is what waits on (or in) the trainer's side plus this
-        explorer's tasks in flight (they are published soon, and before anything
-        started with newer weights: :meth:`_after_older_tasks`). It is never
-        under-counted (see :func:`experience_backlog`); a group moving while it is
-        counted may be counted twice, so a pause taken then is re-checked after
-        ``RECOUNT_S``. An explorer whose weights alone put it past the bound (it
-        started late, or is slower than the others) loads the newest weights
-        instead of waiting. A paused explorer re-checks when the trainer writes its
-        step, weights, starving flag or the run status (a KV subscription), at the
-        latest every 0.25 s. A trainer that says it starves is never stalled
-        (:meth:`SyncPolicy.starving_trainer_overrides`). Other explorers' tasks in
-        flight are not seen: with several explorers the bound can be passed by what
-        they have in flight.
+        The loop of the pure :class:`~rftstream.control.staleness.StalenessGate`: look
+        (:meth:`_look`), decide, act (wait for a version on its way, load the newest,
+        read the trainer's starving record and the run's status), then wait for a
+        write of the trainer's keys, at most as long as the gate says. The backlog is
+        what waits on (or in) the trainer's side plus this explorer's tasks in flight
+        (they are published soon, and before anything started with newer weights:
+        :meth:`_after_older_tasks`). Other explorers' tasks in flight are not seen:
+        with several explorers the bound can be passed by what they have in flight.
         Messages the trainer trained and holds unacked until its next checkpoint
         (``trainer.save_interval``) are not backlog: the ``trainer.trained_unacked``
         totals read before and after the queues bound them from below
         (:class:`~rftstream.wire.TrainedUnacked`), so the count stays never too low.
         """
-        batch_size = self.cfg.buffer.batch_size
-        if self.policy.max_staleness is None:
-            return batch_size
-        tbs = self.cfg.buffer.train_batch_size
+        gate = self.gate
+        if not gate.enforced:
+            return gate.batch_size
         will_sync = (
             self.policy.explorer_checks_before(step)
             or self.policy.explorer_waits_for_version(step) is not None
         )
-        group = max(1, self.repeat_times)
         while True:
-            # our tasks in flight are read before the queues: one published while these are
-            # read is then counted twice, never missed (read after, it could be in neither)
-            in_flight = self._in_flight
-            before = await state.get(TRAINER_UNACKED)
-            queued = await experience_backlog(self.bus, self.names.exp_stream)
-            if before is not None and before.trained > before.acked:
-                # the trainer holds trained messages unacked until its next checkpoint: they
-                # are in its consumer's counts but no longer ahead of anything we start
-                after = await state.get(TRAINER_UNACKED)
-                if after is not None:
-                    queued = queued.without_trained(before.trained - after.acked)
-            backlog = queued.total + in_flight
-            # after the queues: the trainer writes weights.pending before it acks
-            trainer_key, published = await self._trainer_version(state)
-            newest = trainer_key[1]
-            if not will_sync:
-                mine = self._version()
-            elif self.fetcher is not None:  # what the swap at this step will bring
-                mine = self.fetcher.held[1]
-                if newest - mine > self.policy.max_staleness and await self._await_coming(
-                    state, trainer_key
-                ):
+            look = await self._look(state, will_sync)
+            decision = gate.decide(look)
+            if isinstance(decision, AwaitWeights):
+                if await self._await_coming(state, decision.key):
                     continue
-            else:  # the sync at this step loads weights.latest
-                mine = published
-            # what starts now lands behind all of that: tasks in flight with older weights
-            # publish first (_after_older_tasks), so a slow one is not pushed back by it
-            room = self.policy.explorer_room(
-                backlog * group, tbs, version_lag=max(0, newest - mine)
-            )
-            if room is None or room >= group:
-                return batch_size if room is None else min(batch_size, room // group)
-            if not will_sync and newest > mine:
-                fresh = self.policy.explorer_room(backlog * group, tbs, version_lag=0)
-                if fresh is None or fresh >= group:
-                    # only our old weights stand in the way (an explorer that started late,
-                    # or ran slower than the others): take the newest now, else it would
-                    # wait for room forever while the trainer moves on without it
-                    await self._load(state, 0)
-                    if self._version() > mine:
-                        continue
-            ahead = queued.in_transit + in_flight
+                decision = gate.decide(replace(look, may_await=False))
+            if isinstance(decision, LoadNewest):
+                await self._load(state, 0)
+                if self._version() > decision.mine:
+                    continue
+                decision = gate.decide(replace(look, may_await=False, may_load=False))
+            if isinstance(decision, Take):
+                return decision.tasks
+            assert isinstance(decision, Blocked)
             # the record matters only with nothing ahead of the trainer: not read otherwise
-            starving = await state.get(TRAINER_STARVING) if ahead == 0 else None
-            if self.policy.starving_trainer_overrides(
-                starving, held_by_trainer=queued.held_by_trainer, ahead_of_trainer=ahead
-            ):
-                return batch_size  # never stall a starving trainer
-            if await state.status() in END_STATUSES:
-                return batch_size
-            # a group our task published, or an operator handed on, while the counts were
-            # read may be in two of them: look again soon, the room it hides is real
-            unsettled = self._in_flight != in_flight or queued.held_by_operators > 0
+            starving = await state.get(TRAINER_STARVING) if decision.ahead == 0 else None
+            settled = gate.settle(
+                decision,
+                starving,
+                ended=await state.status() in END_STATUSES,
+                in_flight_now=self._in_flight,
+            )
+            if isinstance(settled, Take):
+                return settled.tasks
             if self._trainer_changes is not None:
-                await self._trainer_changes.wait(RECOUNT_S if unsettled else 0.25)
+                await self._trainer_changes.wait(settled.wake_s)
             else:
-                await anyio.sleep(RECOUNT_S if unsettled else 0.05)
+                await anyio.sleep(settled.wake_s)
+
+    async def _look(self, state: RunState, will_sync: bool) -> GateLook:
+        """One :class:`GateLook`: our tasks in flight, then the queues, then the trainer's
+        versions, in that order (see :class:`GateLook`)."""
+        # our tasks in flight are read before the queues: one published while these are
+        # read is then counted twice, never missed (read after, it could be in neither)
+        in_flight = self._in_flight
+        before = await state.get(TRAINER_UNACKED)
+        queued = await experience_backlog(self.bus, self.names.exp_stream)
+        if before is not None and before.trained > before.acked:
+            # the trainer holds trained messages unacked until its next checkpoint: they
+            # are in its consumer's counts but no longer ahead of anything we start
+            after = await state.get(TRAINER_UNACKED)
+            if after is not None:
+                queued = queued.without_trained(before.trained - after.acked)
+        # after the queues: the trainer writes weights.pending before it acks
+        newest, published = await self._trainer_version(state)
+        return GateLook(
+            in_flight=in_flight,
+            queued=queued,
+            newest=newest,
+            published=published,
+            engine_version=self._version(),
+            staged_version=self.fetcher.held[1] if self.fetcher is not None else None,
+            will_sync=will_sync,
+        )

@@ -1,5 +1,5 @@
 """The trainer's experience source: a durable pull consumer on ``exp.train`` (or on the
-stage a splice moved it to, see :mod:`rftstream.splice`).
+stage a splice moved it to, see :mod:`rftstream.control.splice`).
 
 :class:`ExperienceFeed` implements ``algorithms.sample_strategy.ExperienceSource``:
 :meth:`read` blocks until ``n`` experiences are buffered, or returns fewer
@@ -145,7 +145,7 @@ class ExperienceFeed:
         """Read ``consumer`` from now on; keep draining the current one up to ``cut_seq``.
 
         Messages already buffered or held stay as they are. The old consumer
-        is deleted once its ack floor reaches ``cut_seq`` (see :mod:`rftstream.splice`);
+        is deleted once its ack floor reaches ``cut_seq`` (see :mod:`rftstream.control.splice`);
         ``cut_seq`` None: not before :meth:`set_retired_cut` gave it one.
         """
         self.retired.append(_Retired(self.consumer, cut_seq, splice_id))

@@ -36,7 +36,7 @@ latency per batch (``time/operator_batch``), per message
 (``time/operator_per_message``) and from a message's arrival on its stage to
 its processing (``latency/message_mean``, ``latency/message_max``).
 
-Stopping for an unsplice (see :mod:`rftstream.splice`): with a
+Stopping for an unsplice (see :mod:`rftstream.control.splice`): with a
 :class:`DrainControl`, the hosts of one process stop fetching when asked
 (after acking the batch in hand), wait for the cut ``C``, then drain: messages
 up to ``C`` are processed, later ones acked unprocessed (the trainer reads

@@ -1,8 +1,8 @@
 """A spliced operator process: splice in (or resume), serve the stage, take itself out again.
 
 ``rftstream operator NAME --splice --to Y`` runs :func:`run_spliced`; the
-protocol is in :mod:`rftstream.splice`, its KV loops in
-:mod:`rftstream.splice.operator_side`. What a user sees:
+protocol is in :mod:`rftstream.control.splice`, its KV loops in
+:mod:`rftstream.control.splice.operator_side`. What a user sees:
 
 * First start: the trainer cuts over to ``exp.Y``; this process reads the
   trainer's old stage from the cut on (``--replicas`` hosts sharing one durable).
@@ -35,8 +35,8 @@ from rftstream.actors.operator_host import DrainControl, replica_names, run_host
 from rftstream.bus.client import Bus
 from rftstream.bus.state import RunState
 from rftstream.control import drive
+from rftstream.control.splice import operator_side, protocol
 from rftstream.errors import ConsumerNotFound, NotFound, RftError
-from rftstream.splice import operator_side, protocol
 from rftstream.wire import (
     HEARTBEAT,
     SPLICE,
@@ -205,7 +205,7 @@ async def unsplice(
     resume: SpliceRecord | None,
     say: Callable[[str], None],
 ) -> None:
-    """Take ``exp.<to_stage>`` out (steps 2 and 4 of :mod:`rftstream.splice`). Blocks.
+    """Take ``exp.<to_stage>`` out (steps 2 and 4 of :mod:`rftstream.control.splice`). Blocks.
 
     ``resume``: the ``splice`` record of an unsplice already under way for
     this stage (None: start one).

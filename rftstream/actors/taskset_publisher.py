@@ -4,7 +4,7 @@ The training tasksets (``buffer.explorer_input.taskset`` and ``tasksets``, see
 :func:`rftstream.tasksets.plan_tasks`) are published into ``RFT_<RUN>_TASKS``
 once per run, by one explorer, at most ``publish_lead`` tasks ahead of what
 explorers have taken. Which explorer publishes, its progress and the take-over
-of a dead publisher are the claim protocol of :mod:`rftstream.taskset_claim`;
+of a dead publisher are the claim protocol of :mod:`rftstream.control.taskset_claim`;
 :class:`TasksetPublisher` performs its actions on the run's KV. ``Nats-Msg-Id``
 ``task:<taskset>:<epoch>:<index>`` makes a re-published task a duplicate the
 stream drops (within ``nats.dedup_window``). ``taskset.published``
@@ -25,8 +25,7 @@ from rftstream.bus.state import RunState
 from rftstream.config.resolve import dataset_epochs
 from rftstream.config.schema import Config, TasksetConfig
 from rftstream.control import Clock, KeyWrites
-from rftstream.errors import BusError, SchemaError
-from rftstream.taskset_claim import (
+from rftstream.control.taskset_claim import (
     Action,
     ClaimLost,
     ClaimProtocol,
@@ -44,6 +43,7 @@ from rftstream.taskset_claim import (
     WriteFailed,
     Wrote,
 )
+from rftstream.errors import BusError, SchemaError
 from rftstream.wire import (
     TASKSET_CLAIM,
     TASKSET_PUBLISHED,
@@ -190,7 +190,7 @@ class TasksetPublisher:
         """Record progress (or keep the claim alive when due). Raises :class:`_ClaimTakenOver`
         when another explorer took the claim over, :class:`BusError` on KV trouble.
         Cancelled during its write, the write's outcome is left open (see
-        :mod:`rftstream.taskset_claim`)."""
+        :mod:`rftstream.control.taskset_claim`)."""
         async with self._claim_lock:
             for action in self._step(event):  # nothing, or one WriteClaim
                 if not isinstance(action, WriteClaim):

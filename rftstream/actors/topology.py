@@ -1,9 +1,9 @@
 """The trainer's side of splicing: which stage it reads, and answering splice/unsplice requests.
 
 :class:`TrainerTopology` owns the ``trainer.input`` KV record and the feed's
-consumers (see :mod:`rftstream.splice` for the protocol). It is the I/O around
-two pure decisions: :func:`~rftstream.splice.protocol.trainer_plan` (how to
-answer a request) and :func:`~rftstream.splice.protocol.step` (the record's
+consumers (see :mod:`rftstream.control.splice` for the protocol). It is the I/O around
+two pure decisions: :func:`~rftstream.control.splice.protocol.trainer_plan` (how to
+answer a request) and :func:`~rftstream.control.splice.protocol.step` (the record's
 next state). It acts only from :meth:`poll`, which the feed calls between two
 fetches, so a cut taken there (the last sequence the trainer's consumer
 delivered) is exact.
@@ -33,11 +33,10 @@ from rftstream.bus.client import Bus
 from rftstream.bus.state import RunState
 from rftstream.bus.transport import PullSubscription
 from rftstream.control import KeyWrites
-from rftstream.errors import BusError, ConsumerNotFound, RftError
-from rftstream.splice import protocol
-from rftstream.splice.operator_side import apply, owner_alive
-from rftstream.splice.ownership import dead_stage_message
-from rftstream.splice.protocol import (
+from rftstream.control.splice import protocol
+from rftstream.control.splice.operator_side import apply, owner_alive
+from rftstream.control.splice.ownership import dead_stage_message
+from rftstream.control.splice.protocol import (
     AnswerAgain,
     Claim,
     Close,
@@ -47,6 +46,7 @@ from rftstream.splice.protocol import (
     SwitchIn,
     TrainerCut,
 )
+from rftstream.errors import BusError, ConsumerNotFound, RftError
 from rftstream.wire import (
     SPLICE,
     STAGE,

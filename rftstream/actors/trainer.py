@@ -110,9 +110,9 @@ from rftstream.bus.state import RunState
 from rftstream.bus.transport import ConsumerSpec
 from rftstream.config.resolve import dataset_epochs, weights_wire_dtype
 from rftstream.config.schema import Config, StorageConfig
+from rftstream.control.sync_policy import SyncPolicy
 from rftstream.errors import ConfigError
 from rftstream.monitors import MonitorSet
-from rftstream.sync import SyncPolicy
 from rftstream.training import checkpoint as ckpt
 from rftstream.training.datasets import DatasetSource, load_dataset_experiences
 from rftstream.training.ranks import RankLeader

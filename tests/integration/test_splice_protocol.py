@@ -22,9 +22,9 @@ import pytest
 
 from rftstream.bus.jetstream import JetStreamTransport
 from rftstream.bus.state import RunState
+from rftstream.control.splice import operator_side as splice
+from rftstream.control.splice.protocol import Timing
 from rftstream.errors import RftError
-from rftstream.splice import operator_side as splice
-from rftstream.splice.protocol import Timing
 from rftstream.subjects import KV_STAGE
 from tests.kv_json import json_entry, read_json, update_json, write_json
 

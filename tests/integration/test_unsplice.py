@@ -30,9 +30,9 @@ from rftstream.actors.trainer import Trainer
 from rftstream.bus.client import Bus
 from rftstream.bus.state import RunState
 from rftstream.config import config_from_dict
+from rftstream.control.splice import operator_side
 from rftstream.experience import decode_group
 from rftstream.runtime import prepare_run, provision
-from rftstream.splice import operator_side
 from rftstream.subjects import KV_TASKSET, KV_TOPOLOGY
 from rftstream.wire import STAGE, Heartbeat, SpliceDone, SpliceDrained, TasksetRecord
 from tests.integration._util import read_stream, small_config

@@ -8,7 +8,8 @@ import anyio
 import msgspec
 import pytest
 
-from rftstream.actors.common import InProgressTicker, experience_backlog
+from rftstream.actors.common import InProgressTicker
+from rftstream.control.staleness import experience_backlog
 from rftstream.actors.feed import ExperienceFeed
 from rftstream.bus.client import Bus
 from rftstream.bus.limits import purge_acked

@@ -10,10 +10,10 @@ import torch
 
 from rftstream.actors.raw_monitor import RawMonitor
 from rftstream.config.schema import SynchronizerConfig
+from rftstream.control.sync_policy import SyncPolicy
 from rftstream.errors import ConfigError
 from rftstream.experience import Experience, pack_group
 from rftstream.subjects import RunNames
-from rftstream.sync import SyncPolicy
 from rftstream.training.batch import collate, response_logprobs
 from rftstream.wire import MetricsMsg, encode_json
 

@@ -12,7 +12,7 @@ import anyio
 import pytest
 
 from rftstream.actors.operator_host import DrainControl
-from rftstream.splice.operator_side import local_pid_alive, owner_info
+from rftstream.control.splice.operator_side import local_pid_alive, owner_info
 from rftstream.wire import Owner
 
 

@@ -1,7 +1,7 @@
-"""The splice protocol's operator-side loops (:mod:`rftstream.splice.operator_side`) on the
+"""The splice protocol's operator-side loops (:mod:`rftstream.control.splice.operator_side`) on the
 in-memory transport's KV, one party at a time: the other parties (trainer, owner,
 ``--unsplice``) are played by the test writing their KV records, on a shortened
-:class:`~rftstream.splice.protocol.Timing`.
+:class:`~rftstream.control.splice.protocol.Timing`.
 
 What is checked: ``--unsplice`` gives up (with the restart command) when the stage's owner is
 gone in any state and when the run ended; an ask nobody took is abandoned; a request a trainer
@@ -23,9 +23,9 @@ import pytest
 
 from rftstream.bus.memory import MemoryTransport
 from rftstream.bus.state import RunState
+from rftstream.control.splice import operator_side as splice
+from rftstream.control.splice.protocol import Claim, Timing
 from rftstream.errors import RftError
-from rftstream.splice import operator_side as splice
-from rftstream.splice.protocol import Claim, Timing
 from rftstream.subjects import KV_SPLICE, KV_STAGE, KV_STATUS
 from rftstream.wire import SPLICE, SpliceCut, SpliceRequested
 from tests.kv_json import read_json, write_json
@@ -143,9 +143,9 @@ class _Spy(logging.Handler):
 @pytest.fixture
 def spy() -> Any:
     handler = _Spy()
-    logging.getLogger("rftstream.splice").addHandler(handler)
+    logging.getLogger("rftstream.control.splice").addHandler(handler)
     yield handler
-    logging.getLogger("rftstream.splice").removeHandler(handler)
+    logging.getLogger("rftstream.control.splice").removeHandler(handler)
 
 
 @pytest.mark.parametrize("kind", ["splice", "unsplice"])

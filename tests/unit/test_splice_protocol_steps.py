@@ -1,4 +1,4 @@
-"""The splice protocol's pure state machines (rftstream.splice.protocol), on a fake clock:
+"""The splice protocol's pure state machines (rftstream.control.splice.protocol), on a fake clock:
 every transition of the ``splice`` record, every event out of turn, the trainer's answer
 (also after it died mid-answer), who owns a stage (a dead owner, a stale one taken over),
 and the waiting sides' patience. No server, no sleeping."""
@@ -11,10 +11,10 @@ from typing import Any
 import msgspec
 import pytest
 
+from rftstream.control.splice import ownership as o
+from rftstream.control.splice import protocol as p
+from rftstream.control.splice import watch as w
 from rftstream.errors import SchemaError
-from rftstream.splice import ownership as o
-from rftstream.splice import protocol as p
-from rftstream.splice import watch as w
 from rftstream.wire import (
     SPLICE,
     STAGE,

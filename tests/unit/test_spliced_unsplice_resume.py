@@ -14,9 +14,9 @@ from rftstream.actors.spliced import run_spliced
 from rftstream.bus.client import Bus
 from rftstream.bus.memory import MemoryTransport
 from rftstream.bus.state import RunState
+from rftstream.control.splice import operator_side
+from rftstream.control.splice.protocol import Claim, TrainerCut
 from rftstream.runtime import provision
-from rftstream.splice import operator_side
-from rftstream.splice.protocol import Claim, TrainerCut
 from rftstream.subjects import KV_SPLICE, KV_STAGE
 from rftstream.wire import SPLICE, STAGE, SpliceDrained, SpliceRequested
 from tests.kv_json import read_json, write_json

@@ -14,7 +14,7 @@ from typing import Any
 import anyio
 import pytest
 
-from rftstream.actors.common import experience_backlog, pipeline_order
+from rftstream.control.staleness import experience_backlog, pipeline_order
 from rftstream.bus.transport import ConsumerState
 from rftstream.config.schema import (
     AlgorithmConfig,
@@ -265,7 +265,7 @@ async def test_trained_messages_acked_while_counted_are_not_subtracted_twice() -
 
 
 def test_backlog_less_trained_is_clamped_to_what_the_trainer_holds() -> None:
-    from rftstream.actors.common import Backlog
+    from rftstream.control.staleness import Backlog
 
     b = Backlog(total=30, held_by_trainer=10, held_by_operators=2)
     assert b.without_trained(4) == Backlog(26, 6, 2)

@@ -1,10 +1,10 @@
-"""The taskset claim protocol (:mod:`rftstream.taskset_claim`): pure steps, injected time."""
+"""The taskset claim protocol (:mod:`rftstream.control.taskset_claim`): pure steps, injected time."""
 
 from __future__ import annotations
 
 import pytest
 
-from rftstream.taskset_claim import (
+from rftstream.control.taskset_claim import (
     Claiming,
     ClaimLost,
     ClaimProtocol,

@@ -28,10 +28,10 @@ from rftstream.bus.memory import MemoryTransport
 from rftstream.bus.state import RunState
 from rftstream.bus.transport import PubAck
 from rftstream.config.schema import BufferConfig, Config, TasksetConfig
+from rftstream.control.taskset_claim import Seeking
 from rftstream.experience import H_MSG_ID
 from rftstream.runtime import task_ack_wait
 from rftstream.subjects import RunNames
-from rftstream.taskset_claim import Seeking
 from rftstream.tasksets import TasksetPlan, plan_tasks
 from rftstream.wire import TASKSET_CLAIM, TASKSET_PUBLISHED, TasksetClaim, TasksetRecord
 from tests.unit._memory_util import read_subject

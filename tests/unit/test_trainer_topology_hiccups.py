@@ -20,8 +20,8 @@ from rftstream.bus.memory import MemoryTransport
 from rftstream.bus.state import RunState
 from rftstream.bus.transport import KeyValueStore
 from rftstream.config.schema import NatsConfig
+from rftstream.control.splice import operator_side
 from rftstream.errors import BusTimeout
-from rftstream.splice import operator_side
 from rftstream.subjects import KV_TOPOLOGY, KV_TRAINER_INPUT, RunNames
 from rftstream.wire import SPLICE, Heartbeat, SpliceDone
 from tests.kv_json import read_json

@@ -4,7 +4,7 @@ A stage's owner refreshes its claim every ``Timing.owner_refresh_s``; one not se
 for ``Timing.owner_stale_s`` (or whose pid is gone on this host) may be taken over,
 and a process that finds another claim in place of its own stops serving, so two
 processes never serve one stage. Time is passed in; the pid check is the caller's
-(:func:`rftstream.splice.operator_side.local_pid_alive`).
+(:func:`rftstream.control.splice.operator_side.local_pid_alive`).
 """
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ import shlex
 
 import msgspec
 
+from rftstream.control.splice.protocol import DEFAULT_TIMING, Timing
 from rftstream.errors import RftError
-from rftstream.splice.protocol import DEFAULT_TIMING, Timing
 from rftstream.wire import Owner, StageRecord
 
 

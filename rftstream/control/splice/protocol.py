@@ -2,7 +2,7 @@
 
 Every party's move is a pure function of what it read and the time ``now``
 (passed in, so tests use a fake clock); the I/O loops
-(:mod:`rftstream.splice.operator_side`, :mod:`rftstream.actors.topology`,
+(:mod:`rftstream.control.splice.operator_side`, :mod:`rftstream.actors.topology`,
 :mod:`rftstream.actors.spliced`) read the KV records, call these, and perform
 what they return. Nothing here blocks, sleeps or reads a clock.
 
@@ -14,8 +14,8 @@ what they return. Nothing here blocks, sleeps or reads a clock.
 * :func:`trainer_plan` is the trainer's answer to a claimed request.
 * :func:`stage_chain` walks the stages from ``exp.raw`` to the trainer.
 
-Who serves a spliced stage is decided in :mod:`rftstream.splice.ownership`; the
-waiting sides' clocks are :mod:`rftstream.splice.watch`.
+Who serves a spliced stage is decided in :mod:`rftstream.control.splice.ownership`; the
+waiting sides' clocks are :mod:`rftstream.control.splice.watch`.
 """
 
 from __future__ import annotations

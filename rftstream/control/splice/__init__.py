@@ -47,8 +47,8 @@ command: it finds ``stage.Y`` and resumes its durable (or an unsplice that was
 under way) instead of splicing again. While it is down, the trainer writes
 ``trainer.waiting`` with the command to run, which ``rftstream status`` shows.
 
-Modules: :mod:`rftstream.splice.protocol` holds the transitions and decisions
-(pure, time passed in); :mod:`rftstream.splice.operator_side` the KV loops of
+Modules: :mod:`rftstream.control.splice.protocol` holds the transitions and decisions
+(pure, time passed in); :mod:`rftstream.control.splice.operator_side` the KV loops of
 the operator, ``--unsplice`` and the stage's owner;
 :mod:`rftstream.actors.topology` the trainer's, :mod:`rftstream.actors.spliced`
 the spliced operator process.

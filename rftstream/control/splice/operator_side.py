@@ -2,7 +2,7 @@
 splice, ``--unsplice``, and the process that serves (owns) a spliced stage.
 
 Each function reads the KV records (typed, :mod:`rftstream.wire`), lets
-:mod:`rftstream.splice.protocol` decide, and writes what it returns
+:mod:`rftstream.control.splice.protocol` decide, and writes what it returns
 (compare-and-set on the revision read, so two parties never both win). The
 waiting ones run in :func:`rftstream.control.drive`: they read the ``splice``
 record again when it (or the run's status, or the stage's record) is written,
@@ -15,7 +15,7 @@ completed by whoever comes next). The trainer's side is
 :class:`~rftstream.actors.topology.TrainerTopology`, which writes the record
 through the same :func:`apply`. ``Timing`` (patience, staleness, how often
 health is checked) is a parameter, defaulting to
-:data:`~rftstream.splice.protocol.DEFAULT_TIMING`.
+:data:`~rftstream.control.splice.protocol.DEFAULT_TIMING`.
 """
 
 from __future__ import annotations
@@ -32,9 +32,8 @@ import anyio
 
 from rftstream.bus.state import END_STATUSES, RunState
 from rftstream.control import Clock, drive, wall_clock
-from rftstream.errors import RftError
-from rftstream.splice import ownership, protocol, watch
-from rftstream.splice.protocol import (
+from rftstream.control.splice import ownership, protocol, watch
+from rftstream.control.splice.protocol import (
     DEFAULT_TIMING,
     Abandon,
     Action,
@@ -47,7 +46,15 @@ from rftstream.splice.protocol import (
     Timing,
     WriteSplice,
 )
-from rftstream.splice.watch import Answered, AnswerWatch, Failed, Health, NoTrainer, OwnerGone
+from rftstream.control.splice.watch import (
+    Answered,
+    AnswerWatch,
+    Failed,
+    Health,
+    NoTrainer,
+    OwnerGone,
+)
+from rftstream.errors import RftError
 from rftstream.subjects import RAW_STAGE, TRAIN_STAGE, check_stage
 from rftstream.wire import (
     SPLICE,
@@ -133,7 +140,7 @@ async def apply(
 ) -> SpliceRecord | None:
     """Move the ``splice`` record (read at ``revision``) on by ``event`` and write it.
     Returns the new record, or None when another party wrote it first (read again).
-    Raises :class:`~rftstream.splice.protocol.IllegalTransition` out of turn."""
+    Raises :class:`~rftstream.control.splice.protocol.IllegalTransition` out of turn."""
     new, actions = protocol.step(record, event, time.time(), timing)
     return new if await perform(state, actions, revision) else None
 
@@ -411,7 +418,7 @@ async def refresh_owner(
 
     ``owner``: the claim :func:`claim_stage` wrote. Returns when the record is gone
     (unspliced); runs until cancelled otherwise. Raises :class:`RftError`
-    (:class:`~rftstream.splice.ownership.TakenOver`) when another process owns the
+    (:class:`~rftstream.control.splice.ownership.TakenOver`) when another process owns the
     stage now (it claimed it while this one looked gone): this process must stop
     serving it, so two never process one stage. A KV error is logged and retried at
     the next refresh.

@@ -13,8 +13,8 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Literal, Self
 
-from rftstream.splice.ownership import owner_alive, restart_hint
-from rftstream.splice.protocol import DEFAULT_TIMING, Timing, state_of
+from rftstream.control.splice.ownership import owner_alive, restart_hint
+from rftstream.control.splice.protocol import DEFAULT_TIMING, Timing, state_of
 from rftstream.wire import (
     Heartbeat,
     SpliceAbandoned,

@@ -1,0 +1,268 @@
+"""The explorer's staleness gate (``synchronizer.max_staleness``): the count it
+decides by and the pure machine that decides.
+
+:func:`experience_backlog` counts the experience waiting for (or in) the trainer
+from the durable consumers of the experience stream (I/O: JetStream API round
+trips). :class:`StalenessGate` is the pure machine: given one :class:`GateLook`
+(the counts, the weight versions, this explorer's tasks in flight) it says how
+many tasks the explorer's next step may take, or what to do first:
+:class:`AwaitWeights` (the trainer's newest version is on its way to this
+explorer), :class:`LoadNewest` (only this explorer's old weights stand in the
+way), or :class:`Blocked`; a blocked look is settled by
+:meth:`StalenessGate.settle` with the trainer's ``trainer.starving`` record and
+the run's status: :class:`Take` or :class:`Pause` (wait for a write of the
+trainer's keys, at most ``wake_s``). The explorer's loop
+(``actors/explorer.py``, ``Explorer._respect_staleness``) reads, asks and acts;
+nothing here blocks, reads or sleeps.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import NamedTuple
+
+from rftstream.bus.client import Bus
+from rftstream.control.sync_policy import SyncPolicy
+from rftstream.errors import BusError, BusTimeout, ConsumerNotFound
+from rftstream.wire import TrainerStarving
+
+#: a pause taken while the counts moved (a group may have been counted twice) is
+#: looked at again this soon
+RECOUNT_S = 0.01
+#: a pause with nothing moving ends at a write of the trainer's keys, or after this
+IDLE_LOOK_S = 0.25
+
+
+class Backlog(NamedTuple):
+    """What :func:`experience_backlog` counts, in messages."""
+
+    total: int  # waiting or being worked on, anywhere
+    held_by_trainer: int  # delivered to the trainer and not yet acked (its batch, its buffer)
+    held_by_operators: int = 0  # delivered to an operator stage and not acked yet
+
+    @property
+    def in_transit(self) -> int:
+        """Messages the trainer will still receive (or that an operator still works on)."""
+        return self.total - self.held_by_trainer
+
+    def without_trained(self, trained: int) -> Backlog:
+        """This backlog less ``trained`` messages the trainer holds already trained
+        (acked at its next checkpoint); never less than nothing of what it holds."""
+        n = max(0, min(trained, self.held_by_trainer))
+        return Backlog(self.total - n, self.held_by_trainer - n, self.held_by_operators)
+
+
+def _is_trainer_consumer(name: str) -> bool:
+    return name == "trainer" or name.startswith("trainer_")
+
+
+def pipeline_order(consumers: Sequence[tuple[str, str]]) -> list[str]:
+    """Durable consumer names of the experience stream, upstream first.
+
+    ``consumers`` are ``(name, filter subject)`` pairs. An operator consumer
+    ``op_<from>_to_<to>`` reads stage ``<from>`` (the last token of its filter)
+    and feeds ``<to>``; stages are ranked by their distance from ``raw``, and
+    the trainer's consumers come last. Unknown consumers rank with ``raw``.
+    """
+    stage_of = {name: subject.rsplit(".", 1)[-1].replace("-", "_") for name, subject in consumers}
+    depth = {"raw": 0}
+    for _ in consumers:  # a chain of n operators needs at most n passes
+        for name, stage in stage_of.items():
+            prefix = f"op_{stage}_to_"
+            if stage in depth and name.startswith(prefix):
+                depth.setdefault(name[len(prefix) :], depth[stage] + 1)
+
+    def rank(name: str) -> tuple[int, int, str]:
+        return (_is_trainer_consumer(name), depth.get(stage_of[name], 0), name)
+
+    return sorted(stage_of, key=rank)
+
+
+async def experience_backlog(bus: Bus, stream: str, exclude: tuple[str, ...] = ()) -> Backlog:
+    """The backlog of the durable consumers of ``stream``, and the trainer's part of it.
+
+    Ephemeral consumers (the trainer's ordered watch of ``exp.raw`` headers, a
+    ``nats sub`` or ``rftstream tail`` from a terminal) do no work toward
+    training: a message not yet pushed to one of them is not backlog. The
+    trainer's consumers are ``trainer`` and, after a splice, ``trainer_<stage>``.
+
+    Never too low: an operator publishes a message's output before it acks
+    the input, so the message is in one count or both at every moment; the
+    consumers are read one at a time, upstream first (:func:`pipeline_order`),
+    so a message moving downstream while they are read is counted at least
+    once (read downstream first, it could be missed by both). One JetStream
+    API round trip for the list, then one per consumer.
+    """
+    try:
+        listed = await bus.consumers(stream)
+    except BusTimeout:
+        raise
+    except BusError:  # no such stream (yet), or the server refused the listing
+        return Backlog(0, 0)
+    consumers = [(c.name, c.filter_subject) for c in listed if c.name not in exclude and c.durable]
+    total = held = working = 0
+    for name in pipeline_order(consumers):
+        try:
+            info = await bus.consumer_state(stream, name)
+        except ConsumerNotFound:
+            continue  # deleted meanwhile (a splice retired it): its messages were handed on
+        pending, unacked = info.num_pending, info.num_ack_pending
+        total += pending + unacked
+        if _is_trainer_consumer(name):
+            held += unacked
+        else:
+            working += unacked
+    return Backlog(total, held, working)
+
+
+# ------------------------------------------------------------------ the machine
+
+
+@dataclass(frozen=True)
+class GateLook:
+    """One look at what the gate decides by, read by the explorer in this order: its
+    tasks in flight, then the queues (:func:`experience_backlog`, less what the trainer
+    holds trained and unacked), then the trainer's versions (``weights.pending`` is
+    written before the trainer acks, so a shrunk queue comes with its new version)."""
+
+    in_flight: int  # this explorer's tasks started and not yet published
+    queued: Backlog  # messages upstream of or inside the trainer
+    newest: tuple[int, int]  # the trainer's newest (incarnation, version): pending or latest
+    published: int  # the version ``weights.latest`` names (0 before the first)
+    engine_version: int  # the version this explorer's engine runs now
+    staged_version: int | None  # jetstream: the version its fetcher holds; None: no fetcher
+    will_sync: bool  # the step about to start loads weights first (sync_style, interval)
+    may_await: bool = True  # False once waiting for the newest version gave up
+    may_load: bool = True  # False once loading the newest brought nothing newer
+
+
+class Take(NamedTuple):
+    """Start the step with this many tasks."""
+
+    tasks: int
+
+
+class AwaitWeights(NamedTuple):
+    """The trainer's newest version ``key`` is past the bound for the weights this
+    explorer holds and is being fetched: wait for it to be staged, then look again."""
+
+    key: tuple[int, int]
+
+
+class LoadNewest(NamedTuple):
+    """Only this explorer's old weights stand in the way (it started late, or runs
+    slower than the others): load the newest now, then look again if it was newer."""
+
+    mine: int
+
+
+class Blocked(NamedTuple):
+    """No room for one task's group: :meth:`StalenessGate.settle` it with the trainer's
+    starving record (read only when ``ahead`` is 0) and the run's status."""
+
+    ahead: int  # messages upstream of the trainer, with this explorer's tasks in flight
+    held_by_trainer: int
+    in_flight: int  # the in-flight count the look was made with
+    hidden: bool  # a group moving while counted (counted twice) could hide room
+
+
+class Pause(NamedTuple):
+    """Wait for a write of the trainer's keys, at most ``wake_s``, then look again."""
+
+    wake_s: float
+
+
+Decision = Take | AwaitWeights | LoadNewest | Blocked
+
+
+@dataclass(frozen=True)
+class StalenessGate:
+    """How many tasks an explorer's next step may take within ``max_staleness``.
+
+    The experience a step generates lands behind everything already upstream of
+    (or inside) the trainer; :meth:`SyncPolicy.explorer_room` says how many
+    experiences fit before the newest of them would be trained more than
+    ``max_staleness`` versions after the weights they were sampled with. The count
+    is never too low (:func:`experience_backlog`); a message moving between two
+    consumers while they are read is in both, so a pause that such a double count
+    could have caused is looked at again after :data:`RECOUNT_S`; any other pause
+    lasts until the trainer writes (at most :data:`IDLE_LOOK_S`). Pure.
+    """
+
+    policy: SyncPolicy
+    batch_size: int  # buffer.batch_size: the tasks a step takes when there is room
+    train_batch_size: int
+    group: int  # the experiences one task yields (repeat_times)
+
+    @property
+    def enforced(self) -> bool:
+        return self.policy.max_staleness is not None
+
+    def mine(self, look: GateLook) -> int:
+        """The version the step's tasks will run with: the engine's if the step does not
+        sync; else what the fetcher staged (jetstream) or ``weights.latest`` names."""
+        if not look.will_sync:
+            return look.engine_version
+        if look.staged_version is not None:
+            return look.staged_version
+        return look.published
+
+    def _room(self, backlog: int, version_lag: int) -> int | None:
+        return self.policy.explorer_room(
+            backlog * self.group, self.train_batch_size, version_lag=max(0, version_lag)
+        )
+
+    def decide(self, look: GateLook) -> Decision:
+        """What the explorer does with this look (see the decisions' docstrings)."""
+        if self.policy.max_staleness is None:
+            return Take(self.batch_size)
+        newest = look.newest[1]
+        mine = self.mine(look)
+        if (
+            look.will_sync
+            and look.staged_version is not None
+            and look.may_await
+            and newest - mine > self.policy.max_staleness
+        ):
+            return AwaitWeights(look.newest)
+        backlog = look.queued.total + look.in_flight
+        room = self._room(backlog, newest - mine)
+        if room is None or room >= self.group:
+            return Take(
+                self.batch_size if room is None else min(self.batch_size, room // self.group)
+            )
+        if not look.will_sync and newest > mine and look.may_load:
+            fresh = self._room(backlog, 0)
+            if fresh is None or fresh >= self.group:
+                return LoadNewest(mine)
+        # a message an operator holds may be counted in its output stage too: at most
+        # that many could be counted twice, and only then may looking again find room
+        settled = self._room(backlog - look.queued.held_by_operators, newest - mine)
+        return Blocked(
+            ahead=look.queued.in_transit + look.in_flight,
+            held_by_trainer=look.queued.held_by_trainer,
+            in_flight=look.in_flight,
+            hidden=look.queued.held_by_operators > 0 and (settled is None or settled >= self.group),
+        )
+
+    def settle(
+        self,
+        blocked: Blocked,
+        starving: TrainerStarving | None,
+        *,
+        ended: bool,
+        in_flight_now: int,
+    ) -> Take | Pause:
+        """A blocked look, given the trainer's ``trainer.starving`` record (None when
+        unread or absent), whether the run ended, and the tasks in flight now: a
+        starving trainer is never stalled, an ended run takes its batch (and stops
+        at the run's end), else pause; briefly when the counts were moving."""
+        if self.policy.starving_trainer_overrides(
+            starving, held_by_trainer=blocked.held_by_trainer, ahead_of_trainer=blocked.ahead
+        ):
+            return Take(self.batch_size)
+        if ended:
+            return Take(self.batch_size)
+        moving = in_flight_now != blocked.in_flight or blocked.hidden
+        return Pause(RECOUNT_S if moving else IDLE_LOOK_S)
