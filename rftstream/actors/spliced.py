@@ -34,7 +34,7 @@ import anyio
 from rftstream.actors.operator_host import DrainControl, replica_names, run_hosts
 from rftstream.bus.client import Bus
 from rftstream.bus.state import RunState
-from rftstream.control import drive
+from rftstream.control import LOOK_AGAIN_S, drive
 from rftstream.control.splice import operator_side, protocol
 from rftstream.errors import ConsumerNotFound, NotFound, RftError
 from rftstream.wire import (
@@ -262,10 +262,6 @@ def _own_request(to_stage: str, record: SpliceRecord) -> bool:
         and record.owner is not None
         and record.owner.pid == os.getpid()
     )
-
-
-#: the longest :func:`_wait_record` waits without a write before it reads again
-LOOK_AGAIN_S = 5.0
 
 
 async def _wait_record(state: RunState, to_stage: str, patience: float = 120.0) -> StageRecord:

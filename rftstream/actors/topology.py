@@ -32,7 +32,7 @@ from rftstream.actors.feed import ExperienceFeed
 from rftstream.bus.client import Bus
 from rftstream.bus.state import RunState
 from rftstream.bus.transport import PullSubscription
-from rftstream.control import KeyWrites
+from rftstream.control import LOOK_AGAIN_S, KeyWrites
 from rftstream.control.splice import protocol
 from rftstream.control.splice.operator_side import apply, owner_alive
 from rftstream.control.splice.ownership import dead_stage_message
@@ -67,8 +67,6 @@ from rftstream.wire import (
 log = logging.getLogger(__name__)
 
 POLL_S = 0.5  # the least time between two looks at the splice record
-#: the most: a write notification can be lost while the connection is down
-LOOK_AGAIN_S = 10.0
 WAITING_CHECK_S = 2.0
 STARVED_S = 2.0  # nothing received for this long while a batch is short: the trainer waits
 

@@ -8,6 +8,6 @@ step, act, then wait on a write of the keys it reads (never a fixed poll), with
 the clock injected there. See ``ARCHITECTURE.md`` ("The control plane").
 """
 
-from rftstream.control.driver import Clock, KeyWrites, drive, wall_clock
+from rftstream.control.driver import LOOK_AGAIN_S, Clock, KeyWrites, drive, wall_clock
 
-__all__ = ["Clock", "KeyWrites", "drive", "wall_clock"]
+__all__ = ["LOOK_AGAIN_S", "Clock", "KeyWrites", "drive", "wall_clock"]

@@ -26,6 +26,10 @@ T = TypeVar("T")
 Clock = Callable[[], float]
 wall_clock: Clock = time.time
 
+#: the longest a loop waits for a write before it reads again although none came: a
+#: write notification is lost while the connection is down (one value for every loop)
+LOOK_AGAIN_S = 5.0
+
 
 class KeyWrites:
     """Wakes a waiter when one of ``keys`` of a KV bucket is written.

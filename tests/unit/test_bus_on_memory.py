@@ -9,7 +9,6 @@ import msgspec
 import pytest
 
 from rftstream.actors.common import InProgressTicker
-from rftstream.control.staleness import experience_backlog
 from rftstream.actors.feed import ExperienceFeed
 from rftstream.bus.client import Bus
 from rftstream.bus.limits import purge_acked
@@ -18,6 +17,7 @@ from rftstream.bus.purged import read_purged
 from rftstream.bus.state import RunState
 from rftstream.config.schema import ExperienceStreamConfig, NatsConfig
 from rftstream.control import KeyWrites
+from rftstream.control.staleness import experience_backlog
 from rftstream.errors import PayloadTooLargeError, SchemaError, StreamFullError
 from rftstream.experience import EID, Experience, decode_group
 from rftstream.subjects import TRAIN_STAGE, RunNames

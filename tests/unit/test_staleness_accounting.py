@@ -14,7 +14,6 @@ from typing import Any
 import anyio
 import pytest
 
-from rftstream.control.staleness import experience_backlog, pipeline_order
 from rftstream.bus.transport import ConsumerState
 from rftstream.config.schema import (
     AlgorithmConfig,
@@ -22,6 +21,7 @@ from rftstream.config.schema import (
     Config,
     SynchronizerConfig,
 )
+from rftstream.control.staleness import experience_backlog, pipeline_order
 from rftstream.subjects import (
     KV_TRAINER_STARVING,
     KV_TRAINER_UNACKED,
