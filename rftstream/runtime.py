@@ -27,6 +27,7 @@ from rftstream.config.resolve import (
     resolve_run,
     with_train_batch_size,
 )
+from rftstream.config.resolved import ResolvedAlgorithmProtocol, ResolvedRun, names_missing
 from rftstream.config.schema import TRAINER_MODES, AlgorithmConfig, BufferConfig, Config
 from rftstream.config.secrets import redact_url
 from rftstream.config.validate import (
@@ -57,11 +58,16 @@ class PreparedRun:
 
     cfg: Config
     names: RunNames
-    algorithm: Any  # algorithms.ResolvedAlgorithm
+    resolved: ResolvedRun  # derived once; the actors read it, not the config again
     model_path: str
     run_dir: Path
     plugin_dirs: tuple[str, ...] = ()  # --plugin-dir, for actors started in other processes
     log_dir: Path | None = None  # where this process logs (the CLI sets it; <run_dir>/logs)
+
+    @property
+    def algorithm(self) -> ResolvedAlgorithmProtocol:
+        """The algorithm's components (the plugin's ``algorithms.ResolvedAlgorithm``)."""
+        return self.resolved.algorithm
 
     @property
     def stages(self) -> list[tuple[str, str]]:
@@ -81,10 +87,22 @@ class PreparedRun:
         return ExperiencePipeline(ops)
 
 
-def _resolve_algorithm(algorithm: AlgorithmConfig, buffer: BufferConfig) -> Any:
+def _resolve_algorithm(
+    algorithm: AlgorithmConfig, buffer: BufferConfig
+) -> ResolvedAlgorithmProtocol:
     """The ``algorithm:`` section as instantiated components (an ``algorithms.ResolvedAlgorithm``),
-    by the resolver the algorithms package registers. ConfigError naming the key."""
-    return ALGORITHM_RESOLVERS.get("default")(algorithm, buffer)
+    by the resolver the algorithms package registers. ConfigError naming the key; a
+    resolver that returns something without the core's attributes is named too."""
+    resolved = ALGORITHM_RESOLVERS.get("default")(algorithm, buffer)
+    missing = names_missing(resolved)
+    if missing:
+        raise ConfigError(
+            "algorithm.algorithm_type",
+            f"the algorithm resolver returned {type(resolved).__name__} without "
+            f"{', '.join(missing)} (see rftstream.config.resolved.ResolvedAlgorithmProtocol)",
+            value=algorithm.algorithm_type,
+        )
+    return resolved
 
 
 def _check_components(cfg: Config) -> None:
@@ -128,7 +146,9 @@ def _preset_policy_loss_fn(cfg: Config) -> str | None:
     return preset.get("policy_loss_fn")
 
 
-def _fill_batch_args(cfg: Config, algorithm: Any) -> tuple[Config, Any]:
+def _fill_batch_args(
+    cfg: Config, algorithm: ResolvedAlgorithmProtocol
+) -> tuple[Config, ResolvedAlgorithmProtocol]:
     """:func:`~rftstream.config.resolve.fill_loss_batch_args` for the resolved algorithm's
     policy loss (MIX's weighting): returns ``(cfg, algorithm)``, the algorithm resolved
     again when something was filled, carrying the loss's verl batch arithmetic in
@@ -180,7 +200,7 @@ def _preset_check_config(cfg: Config) -> Config:
     return cfg
 
 
-def _check_algorithm(cfg: Config, algorithm: Any) -> None:
+def _check_algorithm(cfg: Config, algorithm: ResolvedAlgorithmProtocol) -> None:
     """Run-level checks of the resolved algorithm against the trainer's inputs and the mode."""
     from rftstream.training.batch import trainer_tensors
     from rftstream.training.masked_reductions import check_loss_agg_mode
@@ -332,7 +352,7 @@ def prepare_run(
     return PreparedRun(
         cfg=cfg,
         names=RunNames(run, name=cfg.name),
-        algorithm=algorithm,
+        resolved=ResolvedRun.of(cfg, algorithm),
         model_path=model_path,
         run_dir=rdir,
     )

@@ -487,7 +487,7 @@ class TrainerStarving(msgspec.Struct, kw_only=True):
 
     ``since``: when it started waiting with less than a batch (None: it is fed);
     ``held``: the messages it held when it said so (a flag older than what the
-    trainer holds now is stale: see :meth:`rftstream.control.sync_policy.SyncPolicy.starving_trainer_overrides`).
+    trainer holds now is stale: see :meth:`rftstream.config.sync_policy.SyncPolicy.starving_trainer_overrides`).
     """
 
     since: float | None = None

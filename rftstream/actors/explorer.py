@@ -94,8 +94,9 @@ from rftstream.bus.client import Bus
 from rftstream.bus.limits import ExperienceRoom
 from rftstream.bus.state import END_STATUSES, RunState
 from rftstream.bus.transport import Delivery
-from rftstream.config.resolve import taskset_repeat_times
+from rftstream.config.resolve import run_repeat_times, taskset_repeat_times
 from rftstream.config.schema import TRAINER_MODES, Config, TasksetConfig
+from rftstream.config.sync_policy import SyncPolicy
 from rftstream.config.validate import eval_tasksets, training_tasksets
 from rftstream.control import KeyWrites
 from rftstream.control.staleness import (
@@ -107,7 +108,6 @@ from rftstream.control.staleness import (
     Take,
     experience_backlog,
 )
-from rftstream.control.sync_policy import SyncPolicy
 from rftstream.errors import (
     BusError,
     PayloadTooLargeError,
@@ -179,7 +179,7 @@ class Explorer:
         )
         self.model_path = model_path
         self.policy = SyncPolicy.from_config(cfg.synchronizer)
-        self.repeat_times = int(cfg.algorithm.repeat_times or 1)
+        self.repeat_times = run_repeat_times(cfg)
         self.gate = StalenessGate(
             self.policy,
             batch_size=cfg.buffer.batch_size,

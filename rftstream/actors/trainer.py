@@ -109,8 +109,9 @@ from rftstream.bus.client import Bus
 from rftstream.bus.state import RunState
 from rftstream.bus.transport import ConsumerSpec
 from rftstream.config.resolve import dataset_epochs, weights_wire_dtype
+from rftstream.config.resolved import ResolvedAlgorithmProtocol
 from rftstream.config.schema import Config, StorageConfig
-from rftstream.control.sync_policy import SyncPolicy
+from rftstream.config.sync_policy import SyncPolicy
 from rftstream.errors import ConfigError
 from rftstream.monitors import MonitorSet
 from rftstream.training import checkpoint as ckpt
@@ -181,7 +182,7 @@ class Trainer:
         bus: Bus,
         *,
         model_path: str,
-        algorithm: Any,
+        algorithm: ResolvedAlgorithmProtocol,
         run_dir: Path,
         name: str = "trainer",
         on_step: Callable[[dict[str, Any]], None] | None = None,
@@ -355,7 +356,7 @@ class Trainer:
             ticker,
             self._exhausted,
             starving=starving,
-            group_size=int(self.cfg.algorithm.repeat_times or 1),
+            group_size=self.algorithm.repeat_times,
             hold_trained=self.resumable,
             trained_counts=trained_counts,
         )

@@ -193,7 +193,20 @@ def taskset_repeat_times(cfg: Config, ts: TasksetConfig, *, eval_set: bool = Fal
         return int(ts.repeat_times)
     if eval_set or ts.is_eval:
         return 1
-    return int(cfg.algorithm.repeat_times or 1)
+    return run_repeat_times(cfg)
+
+
+def run_repeat_times(cfg: Config) -> int:
+    """``algorithm.repeat_times`` of a resolved run (``prepare_run`` fills it from the
+    algorithm preset). Raises :class:`ConfigError` naming the key when it is unset: the
+    config was not resolved, and no default is guessed here."""
+    if cfg.algorithm.repeat_times is None:
+        raise ConfigError(
+            "algorithm.repeat_times",
+            "is unset: the run was not resolved (rftstream.runtime.prepare_run fills it "
+            "from the algorithm preset)",
+        )
+    return int(cfg.algorithm.repeat_times)
 
 
 def dataset_epochs(cfg: Config, source: TasksetConfig | StorageConfig) -> int:

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 from rftstream.bus.client import Bus
-from rftstream.control.sync_policy import SyncPolicy
+from rftstream.config.sync_policy import SyncPolicy
 from rftstream.errors import BusError, BusTimeout, ConsumerNotFound
 from rftstream.wire import TrainerStarving
 

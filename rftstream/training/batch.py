@@ -14,6 +14,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from rftstream.config.resolved import ResolvedAlgorithmProtocol
 from rftstream.experience import Experience, array_numpy
 
 LOSS_TENSORS: frozenset[str] = frozenset(
@@ -37,7 +38,7 @@ a reference model ``ref_logprob`` is not available either.
 """
 
 
-def trainer_tensors(algorithm: Any) -> set[str]:
+def trainer_tensors(algorithm: ResolvedAlgorithmProtocol) -> set[str]:
     """The tensors the trainer has for any sample strategy: :data:`LOSS_TENSORS`, plus
     ``values`` when the algorithm has a critic.
 

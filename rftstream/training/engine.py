@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from rftstream.config.resolved import ResolvedAlgorithmProtocol
 from rftstream.config.schema import Config
 from rftstream.errors import ConfigError
 from rftstream.experience import Experience
@@ -163,7 +164,7 @@ class PolicyTrainer:
        run is prepared and carried by ``algorithm.batch_shape``).
     """
 
-    def __init__(self, cfg: Config, model_path: str, algorithm: Any) -> None:
+    def __init__(self, cfg: Config, model_path: str, algorithm: ResolvedAlgorithmProtocol) -> None:
         ensure_dist_env()
         with _deepspeed_without_mlflow():
             import deepspeed  # heavy import: only where training happens
@@ -1089,7 +1090,7 @@ def _rank() -> int:
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
-def _advantage_inputs(algorithm: Any) -> tuple[str, ...]:
+def _advantage_inputs(algorithm: ResolvedAlgorithmProtocol) -> tuple[str, ...]:
     """The token statistics the algorithm's advantage fn declares (``trainer_inputs``), sorted.
 
     Raises:

@@ -50,10 +50,14 @@ def _explorer(
     mode: str, engine: Engine, run: str, sync_method: str = "checkpoint", **sync: Any
 ) -> Any:
     from rftstream.actors.explorer import Explorer
-    from rftstream.config.schema import SynchronizerConfig
+    from rftstream.config.schema import AlgorithmConfig, SynchronizerConfig
 
     bus = Bus.in_memory(RunNames(run))
-    cfg = Config(mode=mode, synchronizer=SynchronizerConfig(sync_method=sync_method, **sync))
+    cfg = Config(
+        mode=mode,
+        algorithm=AlgorithmConfig(repeat_times=8),  # as prepare_run resolves it
+        synchronizer=SynchronizerConfig(sync_method=sync_method, **sync),
+    )
     explorer = Explorer(cfg, bus, model_path="unused")
     explorer.engine = engine
     return explorer

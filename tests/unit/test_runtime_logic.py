@@ -10,7 +10,7 @@ import torch
 
 from rftstream.actors.raw_monitor import RawMonitor
 from rftstream.config.schema import SynchronizerConfig
-from rftstream.control.sync_policy import SyncPolicy
+from rftstream.config.sync_policy import SyncPolicy
 from rftstream.errors import ConfigError
 from rftstream.experience import Experience, pack_group
 from rftstream.subjects import RunNames

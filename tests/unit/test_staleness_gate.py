@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+from rftstream.config.sync_policy import SyncPolicy
 from rftstream.control.staleness import (
     IDLE_LOOK_S,
     RECOUNT_S,
@@ -17,7 +18,6 @@ from rftstream.control.staleness import (
     StalenessGate,
     Take,
 )
-from rftstream.control.sync_policy import SyncPolicy
 from rftstream.wire import TrainerStarving
 
 GROUP, TBS, BATCH = 8, 64, 8  # 8 experiences a task, 64 a trainer step, 8 tasks a step

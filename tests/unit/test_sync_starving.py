@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from rftstream.control.sync_policy import SyncPolicy
+from rftstream.config.sync_policy import SyncPolicy
 from rftstream.wire import TrainerStarving
 
 POLICY = SyncPolicy("dynamic_by_explorer", interval=1, offset=0, max_staleness=1)
