@@ -538,6 +538,7 @@ async def run_explorer(
         explorer = Explorer(
             run.cfg,
             bus,
+            resolved=run.resolved,
             model_path=run.model_path,
             name=name,
             on_progress=on_progress,
@@ -619,7 +620,7 @@ async def run_trainer(
             run.cfg,
             bus,
             model_path=run.model_path,
-            algorithm=run.algorithm,
+            resolved=run.resolved,
             run_dir=run.run_dir,
             name=name,
             on_step=on_step,

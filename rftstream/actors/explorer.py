@@ -94,9 +94,9 @@ from rftstream.bus.client import Bus
 from rftstream.bus.limits import ExperienceRoom
 from rftstream.bus.state import END_STATUSES, RunState
 from rftstream.bus.transport import Delivery
-from rftstream.config.resolve import run_repeat_times, taskset_repeat_times
+from rftstream.config.resolve import taskset_repeat_times
+from rftstream.config.resolved import ResolvedRun
 from rftstream.config.schema import TRAINER_MODES, Config, TasksetConfig
-from rftstream.config.sync_policy import SyncPolicy
 from rftstream.config.validate import eval_tasksets, training_tasksets
 from rftstream.control import KeyWrites
 from rftstream.control.staleness import (
@@ -158,6 +158,7 @@ class Explorer:
         cfg: Config,
         bus: Bus,
         *,
+        resolved: ResolvedRun,
         model_path: str,
         name: str = "explorer",
         on_progress: Callable[[dict[str, Any]], None] | None = None,
@@ -178,13 +179,14 @@ class Explorer:
             message_bytes=bus.max_payload,
         )
         self.model_path = model_path
-        self.policy = SyncPolicy.from_config(cfg.synchronizer)
-        self.repeat_times = run_repeat_times(cfg)
+        self.resolved = resolved
+        self.policy = resolved.sync
+        self.repeat_times = resolved.repeat_times
         self.gate = StalenessGate(
             self.policy,
             batch_size=cfg.buffer.batch_size,
-            train_batch_size=cfg.buffer.train_batch_size,
-            group=max(1, self.repeat_times),
+            train_batch_size=resolved.train_batch_size,
+            group=self.repeat_times,
         )
         inp = cfg.buffer.explorer_input
         training_sets: list[tuple[str, TasksetConfig]] = training_tasksets(inp)

@@ -109,9 +109,8 @@ from rftstream.bus.client import Bus
 from rftstream.bus.state import RunState
 from rftstream.bus.transport import ConsumerSpec
 from rftstream.config.resolve import dataset_epochs, weights_wire_dtype
-from rftstream.config.resolved import ResolvedAlgorithmProtocol
+from rftstream.config.resolved import ResolvedAlgorithmProtocol, ResolvedRun
 from rftstream.config.schema import Config, StorageConfig
-from rftstream.config.sync_policy import SyncPolicy
 from rftstream.errors import ConfigError
 from rftstream.monitors import MonitorSet
 from rftstream.training import checkpoint as ckpt
@@ -182,7 +181,7 @@ class Trainer:
         bus: Bus,
         *,
         model_path: str,
-        algorithm: ResolvedAlgorithmProtocol,
+        resolved: ResolvedRun,
         run_dir: Path,
         name: str = "trainer",
         on_step: Callable[[dict[str, Any]], None] | None = None,
@@ -191,11 +190,12 @@ class Trainer:
         self.bus = bus
         self.names = bus.names
         self.model_path = model_path
-        self.algorithm = algorithm
+        self.resolved = resolved
+        self.algorithm: ResolvedAlgorithmProtocol = resolved.algorithm
         self.run_dir = Path(run_dir)
         self.name = name
         self.on_step = on_step
-        self.policy = SyncPolicy.from_config(cfg.synchronizer)
+        self.policy = resolved.sync
         self.step = 0
         self.version = 0
         self.trained = 0
@@ -356,7 +356,7 @@ class Trainer:
             ticker,
             self._exhausted,
             starving=starving,
-            group_size=self.algorithm.repeat_times,
+            group_size=self.resolved.repeat_times,
             hold_trained=self.resumable,
             trained_counts=trained_counts,
         )
@@ -430,9 +430,7 @@ class Trainer:
                         with anyio.CancelScope(shield=True):
                             async with anyio.create_task_group() as beside:
                                 if not self.cfg.trainer_reads_dataset:  # the next batch meanwhile
-                                    beside.start_soon(
-                                        feed.prefetch, self.cfg.buffer.train_batch_size
-                                    )
+                                    beside.start_soon(feed.prefetch, self.resolved.train_batch_size)
                                 train_metrics = await anyio.to_thread.run_sync(
                                     trainer.train_step, batch
                                 )

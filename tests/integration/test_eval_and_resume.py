@@ -75,7 +75,7 @@ def _jsonl(path: Path, rows: list[dict]) -> Path:
 
 async def _run_explorer(run: PreparedRun, url: str, **kw: Any) -> Explorer:
     async with await Bus.connect(url, run.names, run.cfg.nats, "explorer") as bus:
-        explorer = Explorer(run.cfg, bus, model_path=run.model_path, **kw)
+        explorer = Explorer(run.cfg, bus, resolved=run.resolved, model_path=run.model_path, **kw)
         await explorer.run()
     return explorer
 
@@ -379,7 +379,9 @@ def test_taskset_publisher_that_died_is_taken_over(
             state = RunState(await bus.kv())
             claim = TasksetClaim(by="ghost", ts=time.time(), seq=0)
             await state.kv.create(KV_TASKSET_CLAIM, encode_json(claim))
-            ghost = Explorer(run.cfg, bus, model_path=run.model_path, name="ghost")
+            ghost = Explorer(
+                run.cfg, bus, resolved=run.resolved, model_path=run.model_path, name="ghost"
+            )
             for p in plan[:10]:  # what the ghost published before it died
                 await ghost.publisher.publish_task(
                     TaskMsg(
@@ -390,7 +392,9 @@ def test_taskset_publisher_that_died_is_taken_over(
                         raw_task=PROBLEMS[p.index],
                     )
                 )
-            heir = Explorer(run.cfg, bus, model_path=run.model_path, name="heir")
+            heir = Explorer(
+                run.cfg, bus, resolved=run.resolved, model_path=run.model_path, name="heir"
+            )
             heir.publisher.claim_stale_s = 1.0
             t0 = time.monotonic()
             with anyio.fail_after(30):
@@ -404,7 +408,9 @@ def test_taskset_publisher_that_died_is_taken_over(
             info = await bus.transport.js.stream_info(run.names.tasks_stream)
             assert info.state.messages == 60
             # a later explorer finds the record and publishes nothing
-            late = Explorer(run.cfg, bus, model_path=run.model_path, name="late")
+            late = Explorer(
+                run.cfg, bus, resolved=run.resolved, model_path=run.model_path, name="late"
+            )
             await late.publisher.run(state)
             info = await bus.transport.js.stream_info(run.names.tasks_stream)
             assert info.state.messages == 60

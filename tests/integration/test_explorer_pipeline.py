@@ -152,7 +152,9 @@ def test_the_plan_is_published_as_it_is_taken(
         await provision(run, nats_url)
         async with await Bus.connect(nats_url, names, run.cfg.nats, "explorer") as bus:
             state = RunState(await bus.kv())
-            explorer = Explorer(run.cfg, bus, model_path=run.model_path, name="explorer")
+            explorer = Explorer(
+                run.cfg, bus, resolved=run.resolved, model_path=run.model_path, name="explorer"
+            )
             explorer.publisher.publish_lead = 10
             explorer.publisher.claim_keepalive_s = 0.3
             async with anyio.create_task_group() as tg:

@@ -297,12 +297,16 @@ def test_a_cancelled_bench_releases_its_step_so_a_later_explorer_evaluates_it(
         async with await Bus.connect(nats_url, run.names, run.cfg.nats, "explorer") as bus:
             with anyio.fail_after(240):
                 async with anyio.create_task_group() as tg:
-                    tg.start_soon(Explorer(run.cfg, bus, model_path=run.model_path).run)
+                    tg.start_soon(
+                        Explorer(run.cfg, bus, resolved=run.resolved, model_path=run.model_path).run
+                    )
                     await started.wait()  # step 0 is claimed and under way
                     tg.cancel_scope.cancel()
                 released = await read_kv(nats_url, run.names.kv_bucket)
                 gate["closed"] = False
-                await Explorer(run.cfg, bus, model_path=run.model_path, name="later").run()
+                await Explorer(
+                    run.cfg, bus, resolved=run.resolved, model_path=run.model_path, name="later"
+                ).run()
         return released, await read_kv(nats_url, run.names.kv_bucket)
 
     released, after = anyio.run(main, backend="asyncio")

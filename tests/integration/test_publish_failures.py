@@ -48,7 +48,7 @@ def test_explorer_publishes_the_same_group_again_after_a_publish_failure(
         small = msgspec.structs.replace(run.cfg.nats, max_payload=2048)  # a group: parts
         async with await Bus.connect(nats_url, run.names, small, "explorer") as bus:
             failed = flaky_publish(bus, "raw")
-            explorer = Explorer(run.cfg, bus, model_path=run.model_path)
+            explorer = Explorer(run.cfg, bus, resolved=run.resolved, model_path=run.model_path)
             with anyio.fail_after(240):
                 await explorer.run()
             assert explorer.failed_tasks == 0 and explorer.published_groups == len(rows)

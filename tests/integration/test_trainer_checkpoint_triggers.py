@@ -169,7 +169,7 @@ def test_a_restart_without_a_checkpoint_moves_the_earlier_records_aside(
             elif earlier == "step":  # a trainer stepped without publishing weights yet
                 await state.put(TRAINER_STEP, 3)
             trainer = Trainer(
-                run.cfg, bus, model_path=run.model_path, algorithm=run.algorithm, run_dir=run_dir
+                run.cfg, bus, model_path=run.model_path, resolved=run.resolved, run_dir=run_dir
             )
             await trainer._resume(state, None, None)  # no checkpoint: neither is touched
             return trainer

@@ -58,7 +58,9 @@ class FakeTrainer:
         topology = TrainerTopology(self.bus, state, "trainer")
         consumer = await topology.open()
         ticker = InProgressTicker(1.0)
-        real = Trainer(self.run.cfg, self.bus, model_path="", algorithm=None, run_dir=Path("."))
+        real = Trainer(
+            self.run.cfg, self.bus, model_path="", resolved=self.run.resolved, run_dir=Path(".")
+        )
         feed = ExperienceFeed(self.bus, consumer, ticker, real._exhausted, fetch_batch=4)
         real.feed = feed
         await topology.attach(feed)

@@ -19,6 +19,7 @@ from rftstream.errors import RftError
 from rftstream.subjects import RunNames
 from rftstream.weights import save_weights
 from rftstream.wire import WeightsPointer
+from tests.resolved_runs import resolved_run
 
 pytestmark = pytest.mark.anyio
 
@@ -50,15 +51,14 @@ def _explorer(
     mode: str, engine: Engine, run: str, sync_method: str = "checkpoint", **sync: Any
 ) -> Any:
     from rftstream.actors.explorer import Explorer
-    from rftstream.config.schema import AlgorithmConfig, SynchronizerConfig
+    from rftstream.config.schema import SynchronizerConfig
 
     bus = Bus.in_memory(RunNames(run))
     cfg = Config(
         mode=mode,
-        algorithm=AlgorithmConfig(repeat_times=8),  # as prepare_run resolves it
         synchronizer=SynchronizerConfig(sync_method=sync_method, **sync),
     )
-    explorer = Explorer(cfg, bus, model_path="unused")
+    explorer = Explorer(cfg, bus, resolved=resolved_run(cfg), model_path="unused")
     explorer.engine = engine
     return explorer
 

@@ -29,6 +29,7 @@ from rftstream.subjects import (
     RunNames,
 )
 from rftstream.wire import TrainedUnacked, TrainerStarving, WeightsPointer
+from tests.resolved_runs import resolved_run
 
 pytestmark = pytest.mark.anyio
 
@@ -121,7 +122,7 @@ def _explorer(max_staleness: int) -> Any:
     )
     # no transport: the experience stream is unbounded here (the World counts what it holds)
     bus = SimpleNamespace(names=RunNames("t"), transport=None, max_payload=8 << 20)
-    explorer = Explorer(cfg, bus, model_path="unused")  # type: ignore[arg-type]
+    explorer = Explorer(cfg, bus, resolved=resolved_run(cfg), model_path="unused")  # type: ignore[arg-type]
     explorer.engine = SimpleNamespace(model_version=0)
     return explorer
 
