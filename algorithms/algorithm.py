@@ -45,8 +45,8 @@ from algorithms.sample_strategy import (
 from algorithms.utils import check_loss_agg_mode
 from rftstream.config.schema import AlgorithmConfig, BufferConfig
 from rftstream.errors import ConfigError, RegistryError
-from rftstream.plugin_registries import ALGORITHM_RESOLVERS, ALGORITHM_TYPE
-from rftstream.registry import Registry
+from rftstream.plugins.registries import ALGORITHM_RESOLVERS, ALGORITHM_TYPE
+from rftstream.plugins.registry import Registry
 
 
 class AlgorithmType:

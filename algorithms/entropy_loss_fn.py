@@ -29,7 +29,7 @@ from typing import Any, ClassVar
 import torch
 
 from algorithms.utils import check_loss_agg_mode, masked_loss
-from rftstream.plugin_registries import ENTROPY_LOSS_FN
+from rftstream.plugins.registries import ENTROPY_LOSS_FN
 
 
 class EntropyLossFn(ABC):

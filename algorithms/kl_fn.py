@@ -24,7 +24,7 @@ import torch
 
 from algorithms.utils import check_loss_agg_mode, masked_loss, masked_mean
 from rftstream.experience import Experience
-from rftstream.plugin_registries import KL_FN
+from rftstream.plugins.registries import KL_FN
 
 
 class KLFn(ABC):

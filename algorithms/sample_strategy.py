@@ -39,7 +39,7 @@ from rftstream.config.resolve import train_batch_size
 from rftstream.config.schema import BufferConfig
 from rftstream.errors import ConfigError
 from rftstream.experience import Experience
-from rftstream.plugin_registries import SAMPLE_STRATEGY
+from rftstream.plugins.registries import SAMPLE_STRATEGY
 
 
 @runtime_checkable

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from rftstream.errors import RftError
     from rftstream.experience import EID, Experience, group_by
-    from rftstream.registry import Registry
+    from rftstream.plugins.registry import Registry
 
 __all__ = ["EID", "Experience", "Registry", "RftError", "group_by"]
 __version__ = "0.1.0"
@@ -21,7 +21,7 @@ _HOMES = {
     "EID": "rftstream.experience",
     "Experience": "rftstream.experience",
     "group_by": "rftstream.experience",
-    "Registry": "rftstream.registry",
+    "Registry": "rftstream.plugins.registry",
     "RftError": "rftstream.errors",
 }
 

@@ -455,7 +455,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.threads > 0:
             torch.set_num_threads(args.threads)
         from rftstream.config import load_config
-        from rftstream.plugin_loader import load_plugins
+        from rftstream.plugins.loader import load_plugins
         from rftstream.runtime import prepare_run, run_actors
 
         load_plugins(args.plugin_dir)

@@ -370,7 +370,7 @@ def _prepare(
     ``prestart_children`` (``up``): the explorer processes are started as soon as the
     config is read, to import torch and transformers while the run is
     prepared here (:mod:`rftstream.prestart`)."""
-    from rftstream.plugin_loader import load_plugins
+    from rftstream.plugins.loader import load_plugins
 
     if prestart_children:
         _prestart_explorers(args)
@@ -477,7 +477,7 @@ def cmd_up(args: argparse.Namespace) -> int:
     terminal.start()
     if args.config:
         from rftstream.config.stages import load_stages
-        from rftstream.plugin_loader import load_plugins
+        from rftstream.plugins.loader import load_plugins
 
         load_plugins(args.plugin_dir)
         stages = load_stages(args.config, list(args.set))
@@ -1108,7 +1108,7 @@ def cmd_debug(args: argparse.Namespace) -> int:
     from rich.logging import RichHandler
 
     from rftstream.debug_workflow import debug_workflow
-    from rftstream.plugin_loader import load_plugins
+    from rftstream.plugins.loader import load_plugins
     from rftstream.runtime import prepare_run
 
     module = args.module or args.module_opt

@@ -40,7 +40,7 @@ import anyio.to_thread
 from rftstream.config.schema import OperatorConfig
 from rftstream.errors import ConfigError, OperatorError, RegistryError, RftError, error_text
 from rftstream.experience import Experience
-from rftstream.registry import Registry
+from rftstream.plugins.registry import Registry
 
 EXPERIENCE_OPERATORS: Registry[type[ExperienceOperator]] = Registry(
     "experience_operators", defaults=("operators",)

@@ -40,7 +40,7 @@ from rftstream.config.validate import (
 from rftstream.errors import BucketNotFound, ConfigError, RegistryError, RftError, StreamNotFound
 from rftstream.experience_pipeline import EXPERIENCE_OPERATORS, ExperiencePipeline, create_operators
 from rftstream.monitors import check_monitor_packages
-from rftstream.plugin_registries import ALGORITHM_RESOLVERS, ALGORITHM_TYPE, REWARD_FUNCTIONS
+from rftstream.plugins.registries import ALGORITHM_RESOLVERS, ALGORITHM_TYPE, REWARD_FUNCTIONS
 from rftstream.run_inputs import check_run_inputs
 from rftstream.subjects import KV_EXPLORER_DONE, RunNames
 from rftstream.training.schedule import lr_schedule

@@ -49,8 +49,8 @@ from anyio.lowlevel import RunVar
 from rftstream.config.schema import FormatConfig, GenerationConfig, TasksetConfig
 from rftstream.errors import RegistryError, WorkflowError
 from rftstream.experience import Experience
-from rftstream.plugin_registries import REWARD_FUNCTIONS
-from rftstream.registry import Registry
+from rftstream.plugins.registries import REWARD_FUNCTIONS
+from rftstream.plugins.registry import Registry
 
 if TYPE_CHECKING:
     from rftstream.engines.model_wrapper import ModelWrapper

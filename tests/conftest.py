@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from rftstream.nats_server.embedded import EmbeddedNatsServer
-from rftstream.registry import Registry
+from rftstream.plugins.registry import Registry
 
 
 @pytest.fixture(autouse=True)
@@ -22,7 +22,7 @@ def _isolated_registries() -> Iterator[None]:
     import algorithms  # noqa: F401 - built-ins registered before the snapshot
     import operators  # noqa: F401
     import workflows  # noqa: F401
-    from rftstream.plugin_loader import PLUGIN_PACKAGE
+    from rftstream.plugins.loader import PLUGIN_PACKAGE
 
     snapshot = Registry.snapshot_all()
     modules = {name for name in sys.modules if name.startswith(PLUGIN_PACKAGE)}

@@ -31,7 +31,7 @@ import re
 from typing import Any
 
 from rftstream.errors import WorkflowError
-from rftstream.registry import Registry
+from rftstream.plugins.registry import Registry
 
 __all__ = ["ENVS", "FrozenLakeEnv", "GuessNumberEnv", "TextEnv", "normalize_step"]
 

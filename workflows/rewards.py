@@ -60,8 +60,8 @@ from fractions import Fraction
 from typing import Any
 
 from rftstream.errors import RegistryError, WorkflowError
-from rftstream.plugin_registries import REWARD_FUNCTIONS
-from rftstream.registry import Registry
+from rftstream.plugins.registries import REWARD_FUNCTIONS
+from rftstream.plugins.registry import Registry
 
 __all__ = [
     "ANSWER_PARSERS",

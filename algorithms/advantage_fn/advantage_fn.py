@@ -18,7 +18,7 @@ from abc import ABC, abstractmethod
 from typing import Any
 
 from rftstream.experience import Experience, group_by
-from rftstream.plugin_registries import ADVANTAGE_FN
+from rftstream.plugins.registries import ADVANTAGE_FN
 
 
 class AdvantageFn(ABC):

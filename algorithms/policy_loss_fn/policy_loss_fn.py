@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from algorithms.utils import check_loss_agg_mode
-from rftstream.plugin_registries import POLICY_LOSS_FN
+from rftstream.plugins.registries import POLICY_LOSS_FN
 from rftstream.training.loss_inputs import loss_inputs_for
 
 __all__ = ["POLICY_LOSS_FN", "PolicyLossFn"]

@@ -4,7 +4,7 @@ and the core's view of the components the algorithm plugin instantiates.
 ``rftstream.runtime.prepare_run`` resolves a run once: it validates the config,
 fills it (:mod:`rftstream.config.resolve`), asks the algorithm plugin for its
 components (the ``"default"`` resolver of
-:data:`~rftstream.plugin_registries.ALGORITHM_RESOLVERS`) and builds one frozen
+:data:`~rftstream.plugins.registries.ALGORITHM_RESOLVERS`) and builds one frozen
 :class:`ResolvedRun`. The actors read ``repeat_times``, ``train_batch_size`` and the
 synchronisation policy from it, not from the config again.
 

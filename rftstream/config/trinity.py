@@ -1014,7 +1014,7 @@ def _policy_loss_params(ctx: _Ctx) -> set[str] | None:
     try:
         import inspect
 
-        from rftstream.plugin_registries import ALGORITHM_TYPE, POLICY_LOSS_FN
+        from rftstream.plugins.registries import ALGORITHM_TYPE, POLICY_LOSS_FN
 
         name = ctx.get("algorithm.policy_loss_fn")
         if name is None:

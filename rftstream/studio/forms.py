@@ -26,7 +26,7 @@ from rftstream.config.loader import ConfigYamlLoader, load_config
 from rftstream.config.paths import literal_choices
 from rftstream.config.schema import MONITOR_TYPES, SYNC_STYLE_ALIASES, Config
 from rftstream.errors import ConfigError
-from rftstream.plugin_registries import (
+from rftstream.plugins.registries import (
     ADVANTAGE_FN,
     ALGORITHM_TYPE,
     POLICY_LOSS_FN,

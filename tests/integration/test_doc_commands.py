@@ -210,7 +210,7 @@ def _check_rftstream_args(args: list[str], where: str) -> None:
     for d in getattr(ns, "plugin_dir", None) or []:
         assert (ROOT / d).is_dir() or not d.startswith("examples"), f"{where}: no directory {d}"
     if plugin_dirs:
-        from rftstream.plugin_loader import load_plugins
+        from rftstream.plugins.loader import load_plugins
 
         load_plugins([ROOT / d for d in plugin_dirs])
     if config and (ROOT / config).is_file():

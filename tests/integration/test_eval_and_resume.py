@@ -25,7 +25,7 @@ from rftstream.bus.client import Bus
 from rftstream.bus.state import RunState
 from rftstream.config import config_from_dict
 from rftstream.experience import decode_group
-from rftstream.plugin_loader import load_plugins
+from rftstream.plugins.loader import load_plugins
 from rftstream.runtime import PreparedRun, prepare_run, provision
 from rftstream.subjects import KV_TASKSET_CLAIM
 from rftstream.tasksets import TasksetPlan, plan_tasks

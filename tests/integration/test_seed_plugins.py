@@ -12,7 +12,7 @@ import anyio
 import pytest
 
 from rftstream.config import config_from_dict
-from rftstream.plugin_loader import load_plugins
+from rftstream.plugins.loader import load_plugins
 from rftstream.runtime import prepare_run
 from tests.integration._util import read_experiences, read_stream, run_actors_to_end, small_config
 

@@ -30,7 +30,7 @@ from rftstream.config import config_from_dict
 from rftstream.errors import BucketNotFound
 from rftstream.experience import decode_group
 from rftstream.operations.account import RunAccount, account_run
-from rftstream.plugin_loader import load_plugins
+from rftstream.plugins.loader import load_plugins
 from rftstream.runtime import prepare_run, run_actors, run_operator, splice_in
 from tests.integration._util import read_metrics, read_stream, small_config, user_env
 

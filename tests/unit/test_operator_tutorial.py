@@ -11,7 +11,7 @@ import anyio
 from operators import EXPERIENCE_OPERATORS
 from rftstream.experience import EID, Experience
 from rftstream.experience_pipeline import ExperiencePipeline
-from rftstream.plugin_loader import load_plugins
+from rftstream.plugins.loader import load_plugins
 
 ROOT = Path(__file__).resolve().parents[2]
 PLUGIN = ROOT / "examples" / "operators" / "equal_rewards_filter.py"

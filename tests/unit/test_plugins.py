@@ -1,4 +1,4 @@
-"""rftstream.plugin_loader.load_plugins: plugin dirs and entry points, with real files."""
+"""rftstream.plugins.loader.load_plugins: plugin dirs and entry points, with real files."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from rftstream.errors import PluginError
-from rftstream.plugin_loader import load_plugins, plugin_module_name
+from rftstream.plugins.loader import load_plugins, plugin_module_name
 
 
 @pytest.fixture
@@ -25,7 +25,7 @@ def sink(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[str,
     sink_dir = tmp_path / "sink"
     sink_dir.mkdir()
     (sink_dir / f"{name}.py").write_text(
-        "from rftstream.registry import Registry\nREG = Registry('test_plugins')\nEXECUTED = []\n"
+        "from rftstream.plugins.registry import Registry\nREG = Registry('test_plugins')\nEXECUTED = []\n"
     )
     monkeypatch.syspath_prepend(str(sink_dir))
     module = importlib.import_module(name)

@@ -1,4 +1,4 @@
-"""rftstream.registry.Registry: names, decorator form, duplicates, dotted paths."""
+"""rftstream.plugins.registry.Registry: names, decorator form, duplicates, dotted paths."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import threading
 import pytest
 
 from rftstream.errors import RegistryError
-from rftstream.registry import Registry
+from rftstream.plugins.registry import Registry
 
 
 class Alpha:

@@ -17,7 +17,7 @@ import anyio
 import numpy as np
 import pytest
 
-from rftstream.plugin_loader import load_plugins
+from rftstream.plugins.loader import load_plugins
 from tests.unit._util import ScriptedModel, load_script, task_for
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -63,7 +63,7 @@ def test_rftstream_points_skip_steps_without_rollouts(bench: ModuleType) -> None
 
 @pytest.fixture(scope="module")
 def longtail() -> ModuleType:
-    from rftstream.plugin_loader import plugin_module_name
+    from rftstream.plugins.loader import plugin_module_name
 
     load_plugins([ROOT / "benchmarks" / "plugins"])
     return sys.modules[plugin_module_name(ROOT / "benchmarks" / "plugins" / "longtail.py")]
@@ -183,7 +183,7 @@ def test_workload_overrides_name_the_keys_rftstream_up_takes(bench: ModuleType) 
 
 
 def test_letter_share_reward_counts_ascii_letters() -> None:
-    from rftstream.plugin_loader import plugin_module_name
+    from rftstream.plugins.loader import plugin_module_name
 
     load_plugins([ROOT / "benchmarks" / "plugins"])
     genheavy = sys.modules[plugin_module_name(ROOT / "benchmarks" / "plugins" / "genheavy.py")]

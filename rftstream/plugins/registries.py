@@ -6,7 +6,7 @@ The interfaces (``PolicyLossFn``, ``AdvantageFn``, ``RewardFn``, ...) and the
 built-ins live in the plugin packages, which import these registries and register
 into them; each registry names its built-ins' package (``defaults``) and imports it
 by name on its first lookup, so the core never imports ``algorithms`` or
-``workflows``. User plugins register the same way (see :mod:`rftstream.plugin_loader`).
+``workflows``. User plugins register the same way (see :mod:`rftstream.plugins.loader`).
 
 The registries whose interface is the core's own sit beside it:
 :data:`~rftstream.experience_pipeline.EXPERIENCE_OPERATORS` and
@@ -18,7 +18,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from rftstream.registry import Registry
+from rftstream.plugins.registry import Registry
 
 ALGORITHMS_PACKAGE = "algorithms"
 WORKFLOWS_PACKAGE = "workflows"
