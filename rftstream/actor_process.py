@@ -319,7 +319,7 @@ def trainer_rank_processes(
     one rank), not started yet; sets this process's torch.distributed env as rank 0 of
     them (``MASTER_ADDR``/``MASTER_PORT`` on this host, ``RANK`` 0, ``WORLD_SIZE``), the
     contract ``torchrun`` also follows. Each child builds the same
-    :class:`~rftstream.training.engine.PolicyTrainer` and follows rank 0
+    :class:`~rftstream.training.policy_trainer.PolicyTrainer` and follows rank 0
     (:func:`rftstream.training.ranks.follow_leader`); it exits 0 when rank 0 stops it."""
     n = int(run.cfg.trainer.n_gpus_per_node)
     if n <= 1:
@@ -348,7 +348,7 @@ def follow_trainer_rank(run: Any) -> int:
     """This process as a trainer rank other than 0: build the policy, follow rank 0 until it
     says stop. Blocks; returns 0. The caller then ends the process with
     :func:`~rftstream.training.ranks.end_follower_process` (after its own last words)."""
-    from rftstream.training.engine import PolicyTrainer
+    from rftstream.training.policy_trainer import PolicyTrainer
     from rftstream.training.ranks import follow_leader
     from rftstream.training.world import env_rank
 

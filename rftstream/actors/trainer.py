@@ -324,7 +324,7 @@ class Trainer:
         Cancelled (SIGINT / SIGTERM): the step in training is completed, then the last
         completed step is checkpointed (bounded, shielded; see the module docstring) and
         the run's status is ``stopped``."""
-        from rftstream.training.engine import PolicyTrainer
+        from rftstream.training.policy_trainer import PolicyTrainer
 
         state = RunState(await self.bus.kv())
         await state.put(TRAINER_STARTED, TrainerStarted(actor=self.name, ts=time.time()))

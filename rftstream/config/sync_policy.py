@@ -6,7 +6,7 @@
 * :meth:`explorer_checks_before` — does the explorer look for new weights before step N?
 * :meth:`explorer_may_run` — may the explorer start another step, given how much
   experience is waiting for the trainer and how old its weights are (``max_staleness``)?
-  :meth:`explorer_room` — how much may it generate now (a step may be cut to fit)?
+  :meth:`explorer_quota` — how much may it generate now (a step may be cut to fit)?
   :meth:`starving_trainer_overrides` — does the trainer's ``trainer.starving``
   record let it start a batch that ``max_staleness`` would hold back?
 """
@@ -58,7 +58,7 @@ class SyncPolicy:
             return None
         return done
 
-    def explorer_room(
+    def explorer_quota(
         self, backlog_experiences: int, train_batch_size: int, version_lag: int = 0
     ) -> int | None:
         """``max_staleness``: how many experiences may the explorer generate now? None: any.
@@ -95,7 +95,7 @@ class SyncPolicy:
         starving trainer (less than one batch waiting) never pauses the
         explorer, so filters can never deadlock the run.
         """
-        room = self.explorer_room(backlog_experiences, train_batch_size, version_lag)
+        room = self.explorer_quota(backlog_experiences, train_batch_size, version_lag)
         return room is None or room >= train_batch_size
 
     def starving_trainer_overrides(

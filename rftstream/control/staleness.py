@@ -181,7 +181,7 @@ class StalenessGate:
     """How many tasks an explorer's next step may take within ``max_staleness``.
 
     The experience a step generates lands behind everything already upstream of
-    (or inside) the trainer; :meth:`SyncPolicy.explorer_room` says how many
+    (or inside) the trainer; :meth:`SyncPolicy.explorer_quota` says how many
     experiences fit before the newest of them would be trained more than
     ``max_staleness`` versions after the weights they were sampled with. The count
     is never too low (:func:`experience_backlog`); a message moving between two
@@ -209,7 +209,7 @@ class StalenessGate:
         return look.published
 
     def _room(self, backlog: int, version_lag: int) -> int | None:
-        return self.policy.explorer_room(
+        return self.policy.explorer_quota(
             backlog * self.group, self.train_batch_size, version_lag=max(0, version_lag)
         )
 

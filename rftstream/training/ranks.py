@@ -76,7 +76,7 @@ from rftstream.experience import Experience, Experiences
 from rftstream.signals import end_without_teardown, skip_teardown_at_exit
 
 if TYPE_CHECKING:
-    from rftstream.training.engine import PolicyTrainer
+    from rftstream.training.policy_trainer import PolicyTrainer
 
 log = logging.getLogger(__name__)
 

@@ -6,7 +6,7 @@ sets its own variables instead, which :func:`adopt_slurm_env` translates (the
 same contract, so one ``srun`` task per GPU needs no torchrun). These helpers
 read the environment (no other I/O) and size one rank's share of the train
 batch. :mod:`rftstream.training.ranks` runs the ranks;
-:mod:`rftstream.training.engine` sizes its gradient accumulation from here.
+:mod:`rftstream.training.policy_trainer` sizes its gradient accumulation from here.
 """
 
 from __future__ import annotations

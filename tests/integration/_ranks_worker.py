@@ -21,7 +21,7 @@ import torch
 from rftstream.config import config_from_dict
 from rftstream.experience import EID, Experience
 from rftstream.runtime import prepare_run
-from rftstream.training.engine import PolicyTrainer
+from rftstream.training.policy_trainer import PolicyTrainer
 from tests.integration._util import kl_entropy_config
 
 STEPS = 2

@@ -30,7 +30,7 @@ def _mixed(task: int) -> list:
 def test_every_step_is_a_full_batch_of_groups_with_signal(
     tmp_path: Path, tiny_model_path: str, nats_url: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from rftstream.training.engine import PolicyTrainer
+    from rftstream.training.policy_trainer import PolicyTrainer
 
     data = small_config(tmp_path, tiny_model_path)
     data["buffer"].update({"train_batch_size": 8, "total_steps": 3})

@@ -138,7 +138,7 @@ def _wait(cond: Any, what: str, timeout: float = 180, procs: tuple = ()) -> None
 def test_splice_kill_resume_unsplice_resplice_sigint(
     tmp_path: Path, tiny_model_path: str, nats_url: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from rftstream.training.engine import PolicyTrainer
+    from rftstream.training.policy_trainer import PolicyTrainer
 
     data = small_config(tmp_path, tiny_model_path)
     data["name"] = "splicecli"

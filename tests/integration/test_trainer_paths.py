@@ -28,7 +28,7 @@ from algorithms.sample_strategy import DefaultSampleStrategy, StalenessControlSa
 from rftstream.config import config_from_dict
 from rftstream.experience import decode_group
 from rftstream.runtime import prepare_run
-from rftstream.training import engine as engine_mod
+from rftstream.training import policy_trainer as engine_mod
 from tests.integration._util import read_stream, run_actors_to_end, small_config
 
 pytestmark = pytest.mark.integration

@@ -34,7 +34,7 @@ from transformers import AutoModelForCausalLM
 from rftstream.config import config_from_dict
 from rftstream.experience import EID, Experience
 from rftstream.runtime import prepare_run
-from rftstream.training.engine import PolicyTrainer
+from rftstream.training.policy_trainer import PolicyTrainer
 from rftstream.weights import load_weights, save_weights
 from tests.integration._ranks_worker import release
 from tests.integration._util import kl_entropy_config

@@ -1,5 +1,5 @@
 """Helpers shared by the unit tests that train the tiny model with the real DeepSpeed
-trainer (:class:`rftstream.training.engine.PolicyTrainer`): a small experience, the
+trainer (:class:`rftstream.training.policy_trainer.PolicyTrainer`): a small experience, the
 gradients of an optimizer step, and the reference they are checked against (one unpadded
 forward of a plain ``transformers`` model per row)."""
 
@@ -12,7 +12,7 @@ import torch
 from rftstream.experience import EID, Experience
 
 if TYPE_CHECKING:
-    from rftstream.training.engine import PolicyTrainer
+    from rftstream.training.policy_trainer import PolicyTrainer
 
 
 def short_exp(i: int) -> Experience:

@@ -373,7 +373,7 @@ def step_exps() -> list[Experience]:
 def make_trainer(tmp_path: Path, tiny_model_path: str, algorithm: dict, **trainer: Any):
     from rftstream.config import config_from_dict
     from rftstream.runtime import prepare_run
-    from rftstream.training.engine import PolicyTrainer
+    from rftstream.training.policy_trainer import PolicyTrainer
     from tests.integration._util import small_config
 
     data = small_config(tmp_path, tiny_model_path)

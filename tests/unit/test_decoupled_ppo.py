@@ -463,7 +463,7 @@ def test_trainer_step_gradient_and_metrics(tmp_path: Path, tiny_model_path: str)
     model, with w set per row through the rollout logprobs (1.5, 0.5, 4 -> cap 2, none -> 1)."""
     from transformers import AutoModelForCausalLM
 
-    from rftstream.training.engine import PolicyTrainer
+    from rftstream.training.policy_trainer import PolicyTrainer
 
     data = small_config(tmp_path, tiny_model_path)
     data["model"]["max_response_tokens"] = 16

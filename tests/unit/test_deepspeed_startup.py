@@ -22,7 +22,7 @@ def test_one_rank_never_builds_deepspeeds_shared_memory_op(
     ds_comm = importlib.import_module("deepspeed.comm.comm")
     ds_torch_comm = importlib.import_module("deepspeed.comm.torch")  # not the torch attribute
 
-    from rftstream.training.engine import PolicyTrainer
+    from rftstream.training.policy_trainer import PolicyTrainer
 
     def refuse() -> None:
         raise AssertionError("a single rank built DeepSpeed's shm op")
@@ -46,7 +46,7 @@ def test_deepspeed_is_imported_without_mlflow_and_mlflow_still_imports_after() -
     pytest.importorskip("mlflow")  # the test extra installs it
     code = (
         "import sys\n"
-        "from rftstream.training.engine import _deepspeed_without_mlflow\n"
+        "from rftstream.training.policy_trainer import _deepspeed_without_mlflow\n"
         "with _deepspeed_without_mlflow():\n"
         "    import deepspeed\n"
         "import deepspeed.autotuning.autotuner as tuner\n"

@@ -29,7 +29,7 @@ from rftstream.errors import ConfigError
 from rftstream.experience import EID, Experience
 from rftstream.runtime import prepare_run
 from rftstream.training.batch import collate, token_budget_partitions
-from rftstream.training.engine import PolicyTrainer
+from rftstream.training.policy_trainer import PolicyTrainer
 from tests.integration._util import small_config
 from tests.unit._trainer import capture_gradients
 

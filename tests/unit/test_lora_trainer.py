@@ -20,7 +20,7 @@ import torch
 
 from rftstream.errors import ConfigError
 from rftstream.model_loading import load_causal_lm
-from rftstream.training.engine import PolicyTrainer
+from rftstream.training.policy_trainer import PolicyTrainer
 from tests.unit.test_trainer_steps import exp, trainer_for
 
 peft = pytest.importorskip("peft")  # the optional extra rftstream[lora]; CI installs it

@@ -125,7 +125,7 @@ def test_trainer_steps_follow_the_cosine(
 ) -> None:
     """Each trainer step trains at ``lr * verl_cosine(step - 1)`` (one schedule step per trainer
     step, whatever ``ppo_epochs``), and reports that lr as ``actor/lr``."""
-    from rftstream.training.engine import PolicyTrainer
+    from rftstream.training.policy_trainer import PolicyTrainer
 
     total, warmup, floor, lr = 6, 2, 0.2, 1e-3
     data = small_config(tmp_path, tiny_model_path)

@@ -20,8 +20,8 @@ import torch
 from rftstream.config import config_from_dict
 from rftstream.config.validate import validate_config
 from rftstream.errors import ConfigError
-from rftstream.training.engine import PolicyTrainer
 from rftstream.training.memory import check_bf16_supported, mixed_precision_config
+from rftstream.training.policy_trainer import PolicyTrainer
 from tests.integration._util import small_config
 from tests.unit.test_trainer_steps import exp, trainer_for
 

@@ -187,17 +187,19 @@ def test_step_lines_first_steps_last_step_and_at_most_two_a_second() -> None:
     assert all(slow.due(s, now=1000.0 + s) for s in range(1, 20))  # slow runs: every step
 
 
-def test_explorer_room_counts_positions_not_whole_batches() -> None:
+def test_explorer_quota_counts_positions_not_whole_batches() -> None:
     p = policy(max_staleness=1)
     # a trainer batch in training (64) and 56 waiting: room for one more group of 8
-    assert p.explorer_room(120, 64) == 8
-    assert p.explorer_room(128, 64) == 0
+    assert p.explorer_quota(120, 64) == 8
+    assert p.explorer_quota(128, 64) == 0
     # a trainer waiting for one group (56 held): nine groups fit (one completes its batch)
-    assert p.explorer_room(56, 64) == 72
-    assert p.explorer_room(64, 64, version_lag=1) == 0
-    assert p.explorer_room(0, 64, version_lag=3) == 64  # starving: at least a batch, always
-    assert policy(max_staleness=None).explorer_room(10**6, 64) is None
+    assert p.explorer_quota(56, 64) == 72
+    assert p.explorer_quota(64, 64, version_lag=1) == 0
+    assert p.explorer_quota(0, 64, version_lag=3) == 64  # starving: at least a batch, always
+    assert policy(max_staleness=None).explorer_quota(10**6, 64) is None
     # the whole-batch rule is the room for a whole batch
     for backlog in range(0, 200, 8):
         for lag in range(3):
-            assert p.explorer_may_run(backlog, 64, lag) == (p.explorer_room(backlog, 64, lag) >= 64)
+            assert p.explorer_may_run(backlog, 64, lag) == (
+                p.explorer_quota(backlog, 64, lag) >= 64
+            )

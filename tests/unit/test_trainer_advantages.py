@@ -11,7 +11,7 @@ from rftstream.config import config_from_dict
 from rftstream.experience import EID, Experience
 from rftstream.runtime import prepare_run
 from rftstream.training.batch import collate
-from rftstream.training.engine import PolicyTrainer
+from rftstream.training.policy_trainer import PolicyTrainer
 from tests.integration._util import small_config
 
 

@@ -41,7 +41,7 @@ def _state(trainer: object, step: int) -> ckpt.ResumeState:
 def test_a_loaded_checkpoint_trains_the_next_step_as_the_original(
     tmp_path: Path, tiny_model_path: str
 ) -> None:
-    from rftstream.training.engine import PolicyTrainer
+    from rftstream.training.policy_trainer import PolicyTrainer
 
     data = small_config(tmp_path, tiny_model_path)
     data["buffer"].update(total_steps=6, train_batch_size=4)

@@ -20,7 +20,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from rftstream.experience import EID, Experience
-from rftstream.training.engine import PolicyTrainer, _has_active_dropout
+from rftstream.training.policy_trainer import PolicyTrainer, _has_active_dropout
 from tests.unit.test_trainer_steps import trainer_for
 
 PROMPTS = [[5, 6, 8], [9, 10], [11, 12, 13, 14]]  # three groups, prompts of three lengths

@@ -25,7 +25,7 @@ from algorithms.policy_loss_fn import DPOLossFn, PPOPolicyLossFn
 from rftstream.config import config_from_dict
 from rftstream.experience import EID, Experience
 from rftstream.runtime import prepare_run
-from rftstream.training.engine import PolicyTrainer
+from rftstream.training.policy_trainer import PolicyTrainer
 from tests.integration._util import small_config
 from tests.unit._trainer import assert_gradients_match, capture_gradients, row_logprobs
 

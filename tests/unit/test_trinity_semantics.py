@@ -78,7 +78,7 @@ def test_trainer_subtracts_the_entropy_bonus(tmp_path: Path, tiny_model_path: st
     """total = policy + kl - bonus: the step's loss is -coef * token-mean entropy here."""
     from rftstream.config import config_from_dict
     from rftstream.runtime import prepare_run
-    from rftstream.training.engine import PolicyTrainer
+    from rftstream.training.policy_trainer import PolicyTrainer
     from tests.integration._util import small_config
 
     POLICY_LOSS_FN.register_module("zero_policy_loss_for_test")(_ZeroPolicyLoss)
