@@ -37,7 +37,7 @@ from rich.table import Table
 from rftstream.config import apply_overrides, config_from_dict
 from rftstream.default_run import DEFAULT_CONFIG
 from rftstream.nats_server.embedded import EmbeddedNatsServer
-from rftstream.plot import read_metrics, window_mean
+from rftstream.presentation.plot import read_metrics, window_mean
 from rftstream.runtime import PreparedRun, prepare_run, run_actors, start_fresh
 from rftstream.signals import run_with_signals
 

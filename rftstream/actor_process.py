@@ -13,7 +13,7 @@ The parent side is :class:`ActorProcess`: it writes the prepared run's config
 to ``<run_dir>/config.yaml``, starts ``python -m rftstream.actor_process`` with
 its output in ``<run_dir>/logs/<name>.log`` (so nothing a library prints in the
 child reaches the terminal), watches it, and stops it on exit. Given a
-:class:`~rftstream.console.ChildConsole`, the child also sends its own log records
+:class:`~rftstream.presentation.console.ChildConsole`, the child also sends its own log records
 at the console's level (rftstream's loggers only) to the parent on a pipe, which
 shows them on its console: ``--log-level INFO`` shows the explorer's INFO lines. The child side
 is :func:`main`: it dies with its parent (``PR_SET_PDEATHSIG`` on Linux), runs
@@ -42,14 +42,14 @@ from typing import Any
 import anyio
 import anyio.abc
 
-from rftstream.console import (
+from rftstream.errors import RftError, error_text, mendable_by_restart
+from rftstream.presentation.console import (
     LOG_FORMAT,
     ChildConsole,
     RecordForwarder,
     child_console_handler,
     show_warning_via,
 )
-from rftstream.errors import RftError, error_text, mendable_by_restart
 from rftstream.signals import run_with_signals
 
 log = logging.getLogger(__name__)

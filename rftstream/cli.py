@@ -42,7 +42,8 @@ from rich.markup import escape
 from rftstream.bus.state import RunState
 from rftstream.config.secrets import redact_url
 from rftstream.config.validate import run_id_from_name
-from rftstream.console import (
+from rftstream.errors import BusError, ConfigError, RftError, SchemaError, first_leaf
+from rftstream.presentation.console import (
     LOG_FORMAT,
     ChildConsole,
     OwnRecords,
@@ -50,9 +51,8 @@ from rftstream.console import (
     print_warning_on,
     show_warning_via,
 )
-from rftstream.errors import BusError, ConfigError, RftError, SchemaError, first_leaf
+from rftstream.presentation.step_lines import format_number, step_line
 from rftstream.signals import run_with_signals
-from rftstream.step_lines import format_number, step_line
 from rftstream.subjects import RunNames
 from rftstream.wire import SpliceDone, SpliceDrained
 
@@ -814,11 +814,11 @@ def cmd_unsplice(args: argparse.Namespace) -> int:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    """``rftstream status``: a :func:`rftstream.message_summaries.status_report` of the KV bucket."""
+    """``rftstream status``: a :func:`rftstream.presentation.message_summaries.status_report` of the KV bucket."""
     import time
 
     from rftstream.bus.client import Bus
-    from rftstream.message_summaries import status_report
+    from rftstream.presentation.message_summaries import status_report
 
     cfg, names = _names(args)
 
@@ -1085,14 +1085,14 @@ def cmd_config_explain(args: argparse.Namespace) -> int:
 
 def cmd_report(args: argparse.Namespace) -> int:
     """``rftstream report RUN_DIR``: write the run's report.html (blocks: rendering)."""
-    from rftstream.report import write_report
+    from rftstream.presentation.report import write_report
 
     console.print(f"report: {write_report(args.run_dir, args.out)}", soft_wrap=True)
     return 0
 
 
 def cmd_decode() -> int:
-    from rftstream.message_summaries import summarize_body
+    from rftstream.presentation.message_summaries import summarize_body
 
     body = sys.stdin.buffer.read()
     try:

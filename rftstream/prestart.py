@@ -32,7 +32,7 @@ from typing import Any
 
 import anyio
 
-from rftstream.console import RecordForwarder
+from rftstream.presentation.console import RecordForwarder
 
 __all__ = ["PRELOAD", "PopenProcess", "Prestarted", "discard", "prestart", "take"]
 

@@ -25,9 +25,9 @@ from rich.text import Text
 
 from rftstream.actor_process import split_roles
 from rftstream.config.secrets import redact_url
-from rftstream.console import ChildConsole
 from rftstream.nats_server.embedded import EmbeddedNatsServer
-from rftstream.plot import (
+from rftstream.presentation.console import ChildConsole
+from rftstream.presentation.plot import (
     checkpoint_summary,
     idle_shares,
     plot_metrics,
@@ -35,12 +35,12 @@ from rftstream.plot import (
     sync_summary,
     window_mean,
 )
-from rftstream.report import REPORT_FILE, save_run_config, write_report
+from rftstream.presentation.report import REPORT_FILE, save_run_config, write_report
+from rftstream.presentation.step_lines import StepLines, step_line
 from rftstream.run_lock import AUTH_FILE, EMBEDDED_USER, RunLock, new_embedded_auth
 from rftstream.run_start import RunClaim
 from rftstream.runtime import PreparedRun, run_actors, start_fresh
 from rftstream.signals import run_with_signals
-from rftstream.step_lines import StepLines, step_line
 from rftstream.supervise import Supervisor
 
 

@@ -14,7 +14,7 @@ from typing import Any
 
 from rftstream.bus.client import Bus
 from rftstream.errors import BusError, StreamNotFound
-from rftstream.message_summaries import summarize_message
+from rftstream.presentation.message_summaries import summarize_message
 
 
 @dataclass

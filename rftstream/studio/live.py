@@ -4,7 +4,7 @@ Reads only (no durable consumer is created, nothing is acked): the runs on the
 server (:func:`rftstream.clean.find_runs`), a run's streams with per-subject
 depths and each consumer's lag (:func:`rftstream.operations.stream_view.streams_report`),
 its KV bucket (steps, staleness, heartbeats, the stage chain:
-:func:`rftstream.message_summaries.status_report`), the trainer's reward and staleness per
+:func:`rftstream.presentation.message_summaries.status_report`), the trainer's reward and staleness per
 step from the metrics stream (the reward also smoothed as ``metrics.png`` smooths it:
 :func:`smoothed_curve`), and the newest dead letters with their reasons.
 """
@@ -23,9 +23,9 @@ from rftstream.bus.transport import Transport
 from rftstream.clean import find_runs
 from rftstream.config.schema import NatsConfig
 from rftstream.errors import BucketNotFound, BusError, MessageNotFound, StreamNotFound
-from rftstream.message_summaries import status_report, summarize_message
 from rftstream.operations.stream_view import streams_report
-from rftstream.plot import RAW_ALPHA, ema, smoothing_alpha
+from rftstream.presentation.message_summaries import status_report, summarize_message
+from rftstream.presentation.plot import RAW_ALPHA, ema, smoothing_alpha
 from rftstream.subjects import RunNames
 from rftstream.wire import MetricsMsg
 
@@ -120,7 +120,7 @@ class MetricsReader:
 
 def smoothed_curve(points: list[list[float]]) -> dict[str, Any]:
     """``points`` (``[[step, value], ...]``) smoothed as ``metrics.png`` smooths its curves
-    (:func:`rftstream.plot.ema` with :func:`rftstream.plot.smoothing_alpha` of the
+    (:func:`rftstream.presentation.plot.ema` with :func:`rftstream.presentation.plot.smoothing_alpha` of the
     number of points): ``{"points": [[step, smoothed], ...], "span": EMA span in steps
     (1: not smoothed), "raw_alpha": the raw line's opacity there}``. Pure."""
     alpha = smoothing_alpha(len(points))

@@ -1,4 +1,4 @@
-"""rftstream.console: own loggers/warnings, the fd-level terminal guard, child records, summary."""
+"""rftstream.presentation.console: own loggers/warnings, the fd-level terminal guard, child records, summary."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import pytest
 from rich.console import Console
 
 from rftstream.config.trinity import TrinityConfigWarning
-from rftstream.console import (
+from rftstream.presentation.console import (
     ChildConsole,
     OwnRecords,
     RecordForwarder,
@@ -124,7 +124,7 @@ GUARDED = """
 import os, sys
 from pathlib import Path
 from rich.console import Console
-from rftstream.console import TerminalGuard
+from rftstream.presentation.console import TerminalGuard
 console = Console()
 guard = TerminalGuard(console)
 guard.start()

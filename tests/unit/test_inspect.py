@@ -6,7 +6,7 @@ import pytest
 
 from rftstream.errors import SchemaError
 from rftstream.experience import Experience, encode_group
-from rftstream.message_summaries import summarize_body, summarize_message
+from rftstream.presentation.message_summaries import summarize_body, summarize_message
 from rftstream.wire import H_DLQ_REASON, TaskMsg, encode_json
 
 
@@ -50,7 +50,7 @@ def _stage(operator: str, from_stage: str, to_stage: str) -> dict[str, object]:
 
 
 def test_status_report_versions_staleness_heartbeats_and_chain() -> None:
-    from rftstream.message_summaries import status_report
+    from rftstream.presentation.message_summaries import status_report
 
     now = 1000.0
     values = {
@@ -104,7 +104,7 @@ def test_status_report_versions_staleness_heartbeats_and_chain() -> None:
 
 
 def test_status_report_of_an_empty_bucket() -> None:
-    from rftstream.message_summaries import status_report
+    from rftstream.presentation.message_summaries import status_report
 
     r = status_report({}, 5.0)
     assert r["trainer"] == {"step": None, "version": None, "heartbeat_age": None, "done": None}

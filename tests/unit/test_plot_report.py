@@ -1,4 +1,4 @@
-"""The run's curves (rftstream.plot) on synthetic series, and report.html (rftstream.report)."""
+"""The run's curves (rftstream.presentation.plot) on synthetic series, and report.html (rftstream.presentation.report)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import pytest
 
 from rftstream.config import config_from_dict
 from rftstream.errors import ReportError
-from rftstream.plot import (
+from rftstream.presentation.plot import (
     RAW_ALPHA,
     ema,
     render_metrics,
@@ -19,7 +19,7 @@ from rftstream.plot import (
     staleness_counts,
     throughput,
 )
-from rftstream.report import save_run_config, summary_rows, write_report
+from rftstream.presentation.report import save_run_config, summary_rows, write_report
 
 
 def synthetic(n: int, seed: int = 0) -> list[dict]:

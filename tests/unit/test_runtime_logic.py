@@ -171,7 +171,7 @@ def test_raw_monitor_folds_the_latest_explorer_evals_into_the_next_record_once()
 
 
 def test_step_lines_first_steps_last_step_and_at_most_two_a_second() -> None:
-    from rftstream.step_lines import StepLines
+    from rftstream.presentation.step_lines import StepLines
 
     lines = StepLines(total=100, first=3, per_second=2.0)
     t = 1000.0

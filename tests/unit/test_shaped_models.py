@@ -1,5 +1,5 @@
 """Builtin models of a real model's shape (rftstream.shaped_models), and the weights
-summary line of a run (rftstream.plot.sync_summary)."""
+summary line of a run (rftstream.presentation.plot.sync_summary)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from rftstream.config.loader import config_from_dict
 from rftstream.config.resolve import weights_wire_dtype
 from rftstream.config.validate import validate_config
 from rftstream.errors import ConfigError
-from rftstream.plot import sync_summary
+from rftstream.presentation.plot import sync_summary
 from rftstream.shaped_models import SHAPES, builtin_names, ensure_shaped_model, resolve_builtin
 
 

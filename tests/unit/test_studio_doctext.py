@@ -23,7 +23,7 @@ LEFTOVER = re.compile(r"``|:[a-z]+(:[a-z]+)*:`")  # an inline literal or a role 
         ("see :class:`a.b.C`", [("text", "see "), ("code", "a.b.C")]),
         (":mod:`rftstream.weights`", [("code", "rftstream.weights")]),
         (
-            ":func:`~rftstream.plot.ema` and :meth:`RunLock.update`",
+            ":func:`~rftstream.presentation.plot.ema` and :meth:`RunLock.update`",
             [
                 ("code", "ema"),
                 ("text", " and "),

@@ -20,7 +20,7 @@ import pytest
 import yaml
 from aiohttp.test_utils import TestClient, TestServer
 
-from rftstream.plot import RAW_ALPHA, ema, smoothing_alpha
+from rftstream.presentation.plot import RAW_ALPHA, ema, smoothing_alpha
 from rftstream.run_lock import RunLock
 from rftstream.studio.launcher import Launcher, outcome_of
 from rftstream.studio.live import smoothed_curve

@@ -3,7 +3,7 @@
 :func:`save_run_config` writes ``<run_dir>/config.yaml`` (the resolved config, secrets
 masked) when a run starts; :func:`write_report` reads that file, ``metrics.jsonl`` and
 ``eval.jsonl`` (if any) and writes ``<run_dir>/report.html`` with the curves of
-:mod:`rftstream.plot` embedded as a base64 PNG. ``rftstream up`` writes it at the end of
+:mod:`rftstream.presentation.plot` embedded as a base64 PNG. ``rftstream up`` writes it at the end of
 a run; ``rftstream report RUN_DIR`` writes it again. Everything here blocks (file I/O,
 rendering).
 """
@@ -20,7 +20,7 @@ import yaml
 
 from rftstream.config.masking import masked_config
 from rftstream.errors import ReportError
-from rftstream.plot import (
+from rftstream.presentation.plot import (
     idle_shares,
     metrics_png,
     read_metrics,
