@@ -179,14 +179,12 @@ class Explorer:
             message_bytes=bus.max_payload,
         )
         self.model_path = model_path
-        self.resolved = resolved
         self.policy = resolved.sync
-        self.repeat_times = resolved.repeat_times
         self.gate = StalenessGate(
             self.policy,
             batch_size=cfg.buffer.batch_size,
             train_batch_size=resolved.train_batch_size,
-            group=self.repeat_times,
+            group=resolved.repeat_times,
         )
         inp = cfg.buffer.explorer_input
         training_sets: list[tuple[str, TasksetConfig]] = training_tasksets(inp)

@@ -15,7 +15,6 @@ what the trainer uses of a sample strategy. The core never imports the plugin pa
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
@@ -99,13 +98,11 @@ class ResolvedRun:
         )
 
 
-def names_missing(algorithm: object, attributes: Sequence[str] = ()) -> list[str]:
-    """The attributes of :class:`ResolvedAlgorithmProtocol` (or ``attributes``) that
-    ``algorithm`` lacks: a plugin's resolver returning something else is named at once."""
-    wanted = attributes or [
-        *ResolvedAlgorithmProtocol.__annotations__,
-        "custom_fields",
-        "create_sample_strategy",
-        "check_loss_inputs",
-    ]
-    return [name for name in wanted if not hasattr(algorithm, name)]
+def names_missing(algorithm: object) -> list[str]:
+    """The members of :class:`ResolvedAlgorithmProtocol` (its attributes, properties and
+    methods, read off the class) that ``algorithm`` lacks: a plugin's resolver returning
+    something else is named at once."""
+    members = dict.fromkeys(
+        [*ResolvedAlgorithmProtocol.__annotations__, *vars(ResolvedAlgorithmProtocol)]
+    )
+    return [name for name in members if not name.startswith("_") and not hasattr(algorithm, name)]
