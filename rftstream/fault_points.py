@@ -8,7 +8,7 @@ the middle of that operation, every time. Without the variable (every real run) 
 costs one dictionary lookup.
 
 Points: ``purge`` (the purge of acked experience is recorded in the run's ledger, the
-purge itself not done yet: :func:`rftstream.bus.limits.purge_acked`), ``checkpoint``
+purge itself not done yet: :func:`rftstream.retention.limits.purge_acked`), ``checkpoint``
 (DeepSpeed wrote a resumable checkpoint, its state file not yet:
 :func:`rftstream.training.checkpoint.save_resumable`).
 """

@@ -41,6 +41,7 @@ from rftstream.errors import BucketNotFound, ConfigError, RegistryError, RftErro
 from rftstream.experience_pipeline import EXPERIENCE_OPERATORS, ExperiencePipeline, create_operators
 from rftstream.monitors import check_monitor_packages
 from rftstream.plugins.registries import ALGORITHM_RESOLVERS, ALGORITHM_TYPE, REWARD_FUNCTIONS
+from rftstream.retention import purge_on_full
 from rftstream.run_inputs import check_run_inputs
 from rftstream.subjects import KV_EXPLORER_DONE, RunNames
 from rftstream.training.schedule import lr_schedule
@@ -534,7 +535,9 @@ async def run_explorer(
     ready rollout engine instead of the configured one."""
     from rftstream.actors.explorer import Explorer
 
-    async with await Bus.connect(url, run.names, run.cfg.nats, name) as bus:
+    async with await Bus.connect(
+        url, run.names, run.cfg.nats, name, on_stream_full=purge_on_full
+    ) as bus:
         explorer = Explorer(
             run.cfg,
             bus,

@@ -91,7 +91,6 @@ from rftstream.actors.common import (
 from rftstream.actors.evaluation import Evaluator
 from rftstream.actors.taskset_publisher import TasksetPublisher
 from rftstream.bus.client import Bus
-from rftstream.bus.limits import ExperienceRoom
 from rftstream.bus.state import END_STATUSES, RunState
 from rftstream.bus.transport import Delivery
 from rftstream.config.resolve import taskset_repeat_times
@@ -115,6 +114,7 @@ from rftstream.errors import (
     SchemaError,
 )
 from rftstream.experience import Experience
+from rftstream.retention.limits import ExperienceRoom
 from rftstream.subjects import (
     KV_STATUS,
     KV_TRAINER_STARVING,
@@ -695,7 +695,7 @@ class Explorer:
         same ``Nats-Msg-Id`` s, so what an earlier attempt stored is
         deduplicated. Backoff from 1 s, doubling, at most ``RETRY_MAX_S``.
         Waits first while the experience stream is near its limits
-        (:class:`~rftstream.bus.limits.ExperienceRoom`; a full stream is retried
+        (:class:`~rftstream.retention.limits.ExperienceRoom`; a full stream is retried
         like any NATS trouble). Returns False when the run ended meanwhile. :class:`SchemaError` and
         :class:`PayloadTooLargeError` (the group itself is at fault) propagate.
         Blocks; cancelling leaves the task unacked.

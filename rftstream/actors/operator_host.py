@@ -73,6 +73,7 @@ from rftstream.errors import (
     lacks_credentials,
 )
 from rftstream.experience import H_MSG_ID, Experience, decode_group, experience_problem
+from rftstream.retention import purge_on_full
 from rftstream.subjects import RunNames
 from rftstream.wire import Heartbeat
 
@@ -528,7 +529,9 @@ async def run_hosts(
     p = cfg.data_processor.experience_pipeline
 
     async def host(replica: str, pipeline: Any) -> None:
-        async with await Bus.connect(url, names, cfg.nats, replica) as bus:
+        async with await Bus.connect(
+            url, names, cfg.nats, replica, on_stream_full=purge_on_full
+        ) as bus:
             await OperatorHost(
                 bus,
                 pipeline,

@@ -30,7 +30,7 @@ step when one of these says so (its name is the record's ``checkpoint/trigger``)
   consumer's ``max_ack_pending`` (the server delivers nothing more past it), or
   ``nats.streams.experience`` ``max_msgs`` / ``max_bytes`` (a held message keeps
   the stream's ``exp.train`` from being purged past it, and explorers stop publishing
-  at :data:`~rftstream.bus.limits.HIGH_WATER` of those limits). Held messages thus stay
+  at :data:`~rftstream.retention.limits.HIGH_WATER` of those limits). Held messages thus stay
   below a quarter (plus one step's) of each limit whatever the time trigger says: the
   stream keeps more than half of its room for the backlog and the pipeline, and the
   consumer most of its acks pending for the batch being read, so a held message can

@@ -32,7 +32,6 @@ from typing import TYPE_CHECKING, Any
 import anyio
 
 from rftstream.bus.jetstream import connect_transport
-from rftstream.bus.limits import purge_acked, stream_limits
 from rftstream.bus.memory import MemoryTransport
 from rftstream.bus.state import RunState
 from rftstream.bus.transport import (
@@ -50,6 +49,7 @@ from rftstream.bus.transport import (
     Watch,
 )
 from rftstream.config.schema import NatsConfig
+from rftstream.config.stream_limits import stream_limits
 from rftstream.errors import (
     BucketNotFound,
     BusError,
@@ -95,20 +95,45 @@ DEAD_LETTER_BODY_LIMIT = 64 * 1024
 
 SCHEMA_META = "rft.experience.v1"
 
+#: what a :class:`Bus` calls when a publish finds its stream full, before it retries: the
+#: bus and the subject. It may free room (purge what consumers acked) and must not raise
+#: for a failure to: the retry waits either way.
+StreamFullHook = Callable[["Bus", str], Awaitable[None]]
+
 
 class Bus:
     """One actor's connection to the run's streams, consumers and KV bucket."""
 
-    def __init__(self, transport: Transport, names: RunNames, cfg: NatsConfig, actor: str) -> None:
+    def __init__(
+        self,
+        transport: Transport,
+        names: RunNames,
+        cfg: NatsConfig,
+        actor: str,
+        *,
+        on_stream_full: StreamFullHook | None = None,
+    ) -> None:
+        """``on_stream_full``: called before a publish refused by a full stream is retried
+        (:data:`StreamFullHook`; an actor that publishes experience passes
+        :func:`rftstream.retention.purge_on_full`); ``None``: the retry only waits."""
         self.transport = transport
         self.names = names
         self.cfg = cfg
         self.actor = actor
+        self.on_stream_full = on_stream_full
         self._kv: KeyValueStore | None = None
 
     # ------------------------------------------------------------ lifecycle
     @classmethod
-    async def connect(cls, url: str | None, names: RunNames, cfg: NatsConfig, actor: str) -> Bus:
+    async def connect(
+        cls,
+        url: str | None,
+        names: RunNames,
+        cfg: NatsConfig,
+        actor: str,
+        *,
+        on_stream_full: StreamFullHook | None = None,
+    ) -> Bus:
         """Connect to ``url`` (``None``/empty: the servers of ``cfg``) with the credentials,
         TLS and reconnect window of ``cfg`` (:func:`rftstream.bus.jetstream.connect.open_connection`).
 
@@ -120,14 +145,23 @@ class Bus:
         transport = await connect_transport(
             cfg, url, name=f"rftstream:{names.run}:{actor}", actor=actor
         )
-        return cls(transport, names, cfg, actor)
+        return cls(transport, names, cfg, actor, on_stream_full=on_stream_full)
 
     @classmethod
-    def in_memory(cls, names: RunNames, cfg: NatsConfig | None = None, actor: str = "test") -> Bus:
+    def in_memory(
+        cls,
+        names: RunNames,
+        cfg: NatsConfig | None = None,
+        actor: str = "test",
+        *,
+        on_stream_full: StreamFullHook | None = None,
+    ) -> Bus:
         """A bus on a fresh :class:`~rftstream.bus.memory.MemoryTransport` (one process;
         for unit tests of the logic above the bus). Share ``bus.transport`` between
         several :class:`Bus` objects to give each actor its own."""
-        return cls(MemoryTransport(), names, cfg or NatsConfig(), actor)
+        return cls(
+            MemoryTransport(), names, cfg or NatsConfig(), actor, on_stream_full=on_stream_full
+        )
 
     @property
     def server_url(self) -> str:
@@ -446,7 +480,7 @@ class Bus:
         to ``retries`` times and, past them, until ``nats.retry_window`` is over,
         with the same ``Nats-Msg-Id`` (the stream deduplicates it), then raises
         :class:`BusError`; a full ``discard: new`` stream is retried ``retries``
-        times (purging acked experience first) and then raises
+        times (each after :attr:`on_stream_full`, which may free room) and then raises
         :class:`StreamFullError`; a rejection raises :class:`BusError` at once.
         Cancelling it may leave the message stored or not.
         """
@@ -475,7 +509,8 @@ class Bus:
                     ) from exc
             except StreamFullError as exc:
                 if attempt < retries or time.monotonic() < give_up:
-                    await self._free_experience(subject)  # then wait for consumers
+                    if self.on_stream_full is not None:  # may free room; then wait for consumers
+                        await self.on_stream_full(self, subject)
                 else:
                     raise StreamFullError(
                         f"{self.actor}: publish to {subject} refused: its stream is full "
@@ -487,22 +522,6 @@ class Bus:
                     raise BusError(f"{self.actor}: publish to {subject} rejected: {exc}") from exc
             await anyio.sleep(delay)
             delay = min(delay * 2, 5.0)
-
-    async def _free_experience(self, subject: str) -> None:
-        """A publish to ``subject`` found its stream full: when it is the experience
-        stream, purge what every consumer acked (``nats.streams.experience.purge_acked``)
-        before the retry. Best effort: a failure is logged and the retry waits as usual."""
-        if not subject.startswith(self.names.exp_wildcard[:-1]):
-            return
-        exp = self.cfg.streams.experience
-        if not exp.purge_acked:
-            return
-        try:
-            state = RunState(await self.kv())
-            prefix = self.names.exp_wildcard[:-1]
-            await purge_acked(self.transport, self.names.exp_stream, exp, state, prefix)
-        except BusError as exc:
-            log.warning("%s: %s", self.actor, exc)
 
     async def publish_encoded(self, subject: str, msg: EncodedMessage) -> PubAck:
         return await self.publish(subject, msg.data, headers=msg.headers, msg_id=msg.msg_id)

@@ -3,14 +3,16 @@
 :func:`limit_warnings` reads ``nats.streams`` and says, one line each, which setting may
 remove experience, tasks or weight versions before they are used;
 :func:`rftstream.config.validate.validate_config` turns each line into a
-:class:`StreamLimitWarning`. (The bus applies the limits: :mod:`rftstream.bus.limits`.)
+:class:`StreamLimitWarning`. (The bus applies the limits: :mod:`rftstream.retention.limits`.)
 """
 
 from __future__ import annotations
 
-from rftstream.config.schema import StreamsConfig
+from typing import Any
 
-__all__ = ["STREAM_KEYS", "StreamLimitWarning", "limit_warnings"]
+from rftstream.config.schema import StreamLimitsConfig, StreamsConfig
+
+__all__ = ["STREAM_KEYS", "StreamLimitWarning", "limit_warnings", "stream_limits"]
 
 #: the stream keys of ``nats.streams``, with the role each stream has
 STREAM_KEYS = ("tasks", "experience", "dead_letter", "metrics", "weights")
@@ -60,3 +62,13 @@ def limit_warnings(streams: StreamsConfig) -> list[str]:
             "for room that nothing frees"
         )
     return out
+
+
+def stream_limits(limits: StreamLimitsConfig) -> dict[str, Any]:
+    """The :class:`~rftstream.bus.transport.StreamSpec` fields of one ``nats.streams.<stream>`` table."""
+    return {
+        "max_bytes": int(limits.max_bytes),
+        "max_msgs": int(limits.max_msgs),
+        "max_age": float(limits.max_age),
+        "discard": "old" if limits.discard == "old" else "new",
+    }

@@ -277,7 +277,7 @@ def validate_config(cfg: Config, source: str | None = None) -> None:
 
 def _check_stream_limits(c: Checker, cfg: Config) -> None:
     """``nats.streams.<stream>``: limits NATS accepts, and a warning for each that can lose
-    messages nobody processed yet (see :mod:`rftstream.bus.limits`)."""
+    messages nobody processed yet (see :mod:`rftstream.retention.limits`)."""
 
     for name in STREAM_KEYS:
         limits = getattr(cfg.nats.streams, name)

@@ -10,7 +10,7 @@ experience id:
 * for each reader of a stage (an operator durable ``op_<from>_to_<to>``, or the trainer),
   over the stream sequences it read (all of them, or, where a splice moved the stage
   between the trainer and an operator, those the KV ``topology`` gives it:
-  :mod:`rftstream.bus.reader_history`):
+  :mod:`rftstream.retention.reader_history`):
   ``in`` (distinct experiences on ``exp.<from>``), ``out`` (those of them on
   ``exp.<to>``; for the trainer, what reached it, its rows together checked against its
   ``experience/trained_total``),
@@ -47,18 +47,18 @@ from typing import Any
 import msgspec
 
 from rftstream.bus.client import Bus
-from rftstream.bus.purged import PurgedPrefix, read_purged
-from rftstream.bus.reader_history import (
+from rftstream.bus.state import RunState
+from rftstream.bus.transport import ConsumerState
+from rftstream.errors import BusError, SchemaError, StreamNotFound
+from rftstream.experience import H_COUNT, decode_group_msg
+from rftstream.retention.purged import PurgedPrefix, read_purged
+from rftstream.retention.reader_history import (
     TRAINED,
     Segment,
     durable_range,
     holds,
     reader_segments,
 )
-from rftstream.bus.state import RunState
-from rftstream.bus.transport import ConsumerState
-from rftstream.errors import BusError, SchemaError, StreamNotFound
-from rftstream.experience import H_COUNT, decode_group_msg
 from rftstream.subjects import META_TO_STAGE, RAW_STAGE, TRAIN_STAGE
 from rftstream.wire import (
     H_DLQ_REASON,
@@ -145,7 +145,7 @@ class StageAccount:
     # Durable.delivered); its unacked ones are taken to be the latest delivered
     acked_above_floor: int = 0
     # the stream sequences of exp.<from> this reader read, [lo, hi) (hi None: to the end);
-    # a splice hands part of a stage to an operator (see rftstream.bus.reader_history)
+    # a splice hands part of a stage to an operator (see rftstream.retention.reader_history)
     segments: list[tuple[int, int | None]] = field(default_factory=lambda: [(0, None)])
 
     @property
@@ -373,7 +373,7 @@ def reconcile(
     messages below it are ignored, and the rest is checked by experience id.
     ``topology`` (the KV list of splices and unsplices, oldest first) says which
     stream sequences of a stage the trainer read and which a spliced operator
-    read (:mod:`rftstream.bus.reader_history`): each reader gets its own row, and
+    read (:mod:`rftstream.retention.reader_history`): each reader gets its own row, and
     the trainer's rows together must add up to what it trained.
     """
     purged = purged or {}

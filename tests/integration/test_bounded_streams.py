@@ -12,10 +12,10 @@ import pytest
 from nats.js import api
 
 from rftstream.bus.client import Bus
-from rftstream.bus.limits import ExperienceRoom
 from rftstream.config.schema import NatsConfig
 from rftstream.errors import BusError, StreamFullError
 from rftstream.nats_server.embedded import EmbeddedNatsServer
+from rftstream.retention.limits import ExperienceRoom
 from rftstream.subjects import RunNames
 
 pytestmark = pytest.mark.anyio
@@ -135,7 +135,7 @@ async def test_discard_old_loss_under_a_consumer_is_reported(
         for i in range(25):  # nobody reads exp.raw: 15 of them go unread
             await bus.publish(names.exp_subject("raw"), b"g", msg_id=f"g{i}")
         room = ExperienceRoom(bus.transport, names.exp_stream, cfg.streams.experience, "explorer-0")
-        with caplog.at_level(logging.WARNING, logger="rftstream.bus.limits"):
+        with caplog.at_level(logging.WARNING, logger="rftstream.retention.limits"):
             assert not await room.check()  # 10 of max_msgs 10: full
     # the operator's durable op_raw_to_train had acked nothing: 15 sequences passed it
     assert room.lost == 15

@@ -10,7 +10,7 @@ import anyio
 import msgspec
 import pytest
 
-from rftstream.bus.client import Bus
+from rftstream.bus.client import Bus, StreamFullHook
 from rftstream.bus.memory import MemoryTransport
 from rftstream.bus.transport import Delivery, Transport
 from rftstream.config import config_from_dict
@@ -30,9 +30,15 @@ def serve_in_memory(monkeypatch: pytest.MonkeyPatch) -> MemoryTransport:
     server = MemoryTransport()
 
     async def connect(
-        cls: type[Bus], url: str | None, names: RunNames, cfg: NatsConfig, actor: str
+        cls: type[Bus],
+        url: str | None,
+        names: RunNames,
+        cfg: NatsConfig,
+        actor: str,
+        *,
+        on_stream_full: StreamFullHook | None = None,
     ) -> Bus:
-        return cls(server.connection(), names, cfg, actor)
+        return cls(server.connection(), names, cfg, actor, on_stream_full=on_stream_full)
 
     monkeypatch.setattr(Bus, "connect", classmethod(connect))
     return server

@@ -11,9 +11,9 @@ import torch
 from rich.console import Console
 
 from rftstream.account_cli import print_account, verdict
-from rftstream.bus.purged import PurgedPrefix, extend
 from rftstream.experience import EID, Experience, experience_problem
 from rftstream.operations.account import DeadLetter, Durable, StoredMessage, TaskAccount, reconcile
+from rftstream.retention.purged import PurgedPrefix, extend
 
 RAW_OP = Durable("op_raw_to_train", "raw", "train", ack_floor=0, pending_messages=0)
 TRAINER = Durable("trainer", "train", "trained", ack_floor=0, pending_messages=0, trainer=True)

@@ -9,12 +9,12 @@ import msgspec
 import pytest
 
 from rftstream.bus.client import Bus
-from rftstream.bus.limits import ExperienceRoom
-from rftstream.bus.purged import read_purged
 from rftstream.bus.state import RunState
 from rftstream.config.schema import NatsConfig
 from rftstream.experience import EID, Experience, encode_group, summary_headers
 from rftstream.operations.account import account_run
+from rftstream.retention.limits import ExperienceRoom
+from rftstream.retention.purged import read_purged
 from rftstream.subjects import RunNames
 
 pytestmark = pytest.mark.anyio

@@ -13,9 +13,9 @@ from __future__ import annotations
 from rich.console import Console
 
 from rftstream.account_cli import print_account, verdict
-from rftstream.bus.purged import PurgedPrefix, extend
-from rftstream.bus.reader_history import TRAINED, Segment, cut_seqs, reader_segments
 from rftstream.operations.account import Durable, StoredMessage, reconcile
+from rftstream.retention.purged import PurgedPrefix, extend
+from rftstream.retention.reader_history import TRAINED, Segment, cut_seqs, reader_segments
 from rftstream.wire import TopologyEdge
 
 

@@ -10,8 +10,8 @@ import anyio
 import pytest
 
 from rftstream.actors.feed import ExperienceFeed
-from rftstream.bus.limits import ConsumerFloor, purge_points, with_acked_below
 from rftstream.bus.transport import ConsumerState
+from rftstream.retention.limits import ConsumerFloor, purge_points, with_acked_below
 from rftstream.subjects import TRAIN_STAGE, RunNames
 from rftstream.wire import AckedBelow
 from tests.unit._util import trainer_feed

@@ -11,15 +11,15 @@ import pytest
 from rftstream.actors.common import InProgressTicker
 from rftstream.actors.feed import ExperienceFeed
 from rftstream.bus.client import Bus
-from rftstream.bus.limits import purge_acked
 from rftstream.bus.memory import MemoryTransport
-from rftstream.bus.purged import read_purged
 from rftstream.bus.state import RunState
 from rftstream.config.schema import ExperienceStreamConfig, NatsConfig
 from rftstream.control import KeyWrites
 from rftstream.control.staleness import experience_backlog
 from rftstream.errors import PayloadTooLargeError, SchemaError, StreamFullError
 from rftstream.experience import EID, Experience, decode_group
+from rftstream.retention.limits import purge_acked, purge_on_full
+from rftstream.retention.purged import read_purged
 from rftstream.subjects import TRAIN_STAGE, RunNames
 from rftstream.wire import H_DLQ_REASON, H_DLQ_SEQ, H_DLQ_STAGE, Heartbeat, Key
 
@@ -84,6 +84,30 @@ async def test_a_publish_to_a_full_stream_waits_until_consumers_make_room() -> N
             tg.start_soon(make_room)
             await bus.publish(raw, b"b", retries=0)  # no StreamFullError: it waited
     assert (await bus.transport.last_msg(NAMES.exp_stream, raw)).data == b"b"
+
+
+async def test_the_stream_full_hook_purges_acked_experience_before_the_retry() -> None:
+    """An experience publisher's bus (``on_stream_full=purge_on_full``) frees the room
+    every consumer acked when a publish finds the stream full; a bus without the hook
+    only waits, and is refused once its retries and window are spent."""
+    transport = MemoryTransport()
+    streams = {"experience": {"max_msgs": 2, "purge_acked": True, "keep_acked_msgs": 0}}
+    plain = await _bus("plain", transport, streams=streams, retry_window=0.0)
+    train = NAMES.exp_subject(TRAIN_STAGE)
+    await plain.publish_group(TRAIN_STAGE, _group(1), msg_id="g1")
+    await plain.publish_group(TRAIN_STAGE, _group(2), msg_id="g2")
+    sub = await plain.pull(NAMES.exp_stream, NAMES.trainer_consumer)
+    for msg in await sub.fetch(2, 0.01):
+        await msg.ack()
+    with pytest.raises(StreamFullError):
+        await plain.publish(train, b"x", retries=0)
+    config = msgspec.convert({"streams": streams, "retry_window": 0.0}, NatsConfig)
+    hooked = Bus(transport, NAMES, config, "explorer", on_stream_full=purge_on_full)
+    with anyio.fail_after(5):
+        await hooked.publish(train, b"x", retries=1)  # the hook purged g1 and g2
+    assert (await transport.last_msg(NAMES.exp_stream, train)).data == b"x"
+    record = (await read_purged(await hooked.state()))[TRAIN_STAGE]
+    assert (record.messages, record.experiences) == (2, 4)
 
 
 async def test_a_dead_letter_carries_the_reason_and_is_never_redelivered() -> None:

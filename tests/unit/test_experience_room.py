@@ -10,12 +10,12 @@ import msgspec
 import pytest
 
 from rftstream.bus.client import Bus
-from rftstream.bus.limits import ExperienceRoom
 from rftstream.bus.memory import MemoryTransport
-from rftstream.bus.purged import read_purged
 from rftstream.config.schema import ExperienceStreamConfig, NatsConfig
 from rftstream.errors import BusError
 from rftstream.experience import EID, Experience
+from rftstream.retention.limits import ExperienceRoom
+from rftstream.retention.purged import read_purged
 from rftstream.subjects import RAW_STAGE, TRAIN_STAGE, RunNames
 
 pytestmark = pytest.mark.anyio

@@ -9,22 +9,20 @@ import pytest
 from nats.js.api import DiscardPolicy
 
 from rftstream.bus.jetstream.records import stream_config
-from rftstream.bus.limits import (
-    ConsumerFloor,
-    StreamLimitWarning,
-    experience_full,
-    fill_ratio,
-    limit_warnings,
-    lost_below_head,
-    purge_points,
-    removed_by_limits,
-    stream_limits,
-)
 from rftstream.bus.transport import StreamSpec
 from rftstream.config import config_from_dict
 from rftstream.config.schema import NatsConfig, StreamLimitsConfig, StreamsConfig
+from rftstream.config.stream_limits import StreamLimitWarning, limit_warnings, stream_limits
 from rftstream.config.validate import validate_config
 from rftstream.errors import ConfigError
+from rftstream.retention.limits import (
+    ConsumerFloor,
+    experience_full,
+    fill_ratio,
+    lost_below_head,
+    purge_points,
+    removed_by_limits,
+)
 
 RAW, TRAIN = "rft.r.exp.raw", "rft.r.exp.train"
 

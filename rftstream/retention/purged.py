@@ -1,4 +1,4 @@
-"""The ledger of purged experience: what :func:`rftstream.bus.limits.purge_acked` removed.
+"""The ledger of purged experience: what :func:`rftstream.retention.limits.purge_acked` removed.
 
 The run's account (:mod:`rftstream.operations.account`) counts experiences by id from
 what the experience stream holds. Purging acked experience
@@ -16,7 +16,7 @@ messages below ``below_seq`` (they were counted). Several purgers of one
 subject serialize on the key's revision (compare-and-put); each adds only the
 messages at or above the sequence the record it replaces ends at.
 
-A stage whose reader changed at a splice's cut (:mod:`rftstream.bus.reader_history`)
+A stage whose reader changed at a splice's cut (:mod:`rftstream.retention.reader_history`)
 was read by two parties; the record also keeps its counts below each such cut
 (``splits``), so the account can tell what each reader was given.
 """

@@ -1,9 +1,11 @@
 """Bounded streams: the limits of the run's streams, purging acked experience, back-pressure.
 
-Pure parts (no I/O): :func:`stream_limits`, :func:`purge_points`,
-:func:`limit_warnings`, :func:`experience_full`. Bus parts (any transport): :func:`purge_acked`
-and :class:`ExperienceRoom`, which an explorer awaits before publishing a group
-to ``exp.raw``.
+Pure parts (no I/O): :func:`purge_points`, :func:`experience_full`, :func:`fill_ratio`
+(the config rules and the limits as stream fields: :mod:`rftstream.config.stream_limits`).
+Bus parts (any transport): :func:`purge_acked`; :func:`purge_on_full`, the hook a
+:class:`~rftstream.bus.client.Bus` of an experience publisher calls when a publish finds
+the stream full; and :class:`ExperienceRoom`, which an explorer awaits before publishing
+a group to ``exp.raw``.
 
 What a limit does to un-consumed messages (see the README, "Bounded streams
 and cleanup"):
@@ -32,22 +34,17 @@ import logging
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
-from typing import Any
 
 import anyio
 
-from rftstream.bus.purged import record_purge
-from rftstream.bus.reader_history import cut_seqs
+from rftstream.bus.client import Bus
 from rftstream.bus.state import RunState
 from rftstream.bus.transport import Transport
 from rftstream.config.schema import ExperienceStreamConfig, StreamLimitsConfig
-from rftstream.config.stream_limits import (  # noqa: F401 - re-exported (they were here)
-    STREAM_KEYS,
-    StreamLimitWarning,
-    limit_warnings,
-)
 from rftstream.errors import BusError, SchemaError
 from rftstream.fault_points import fault_point
+from rftstream.retention.purged import record_purge
+from rftstream.retention.reader_history import cut_seqs
 from rftstream.wire import TOPOLOGY, TRAINER_ACKED_BELOW, AckedBelow
 
 log = logging.getLogger(__name__)
@@ -58,16 +55,6 @@ HIGH_WATER = 0.8
 RECHECK_S = 0.25
 #: how long one check of the stream's fill is reused by the next publishes
 CHECK_TTL_S = 0.5
-
-
-def stream_limits(limits: StreamLimitsConfig) -> dict[str, Any]:
-    """The :class:`~rftstream.bus.transport.StreamSpec` fields of one ``nats.streams.<stream>`` table."""
-    return {
-        "max_bytes": int(limits.max_bytes),
-        "max_msgs": int(limits.max_msgs),
-        "max_age": float(limits.max_age),
-        "discard": "old" if limits.discard == "old" else "new",
-    }
 
 
 @dataclass(frozen=True)
@@ -240,7 +227,7 @@ async def purge_acked(
     least that many messages itself; near them, whatever can go. With ``state``
     (the run's KV), each subject's purge is first recorded under
     ``purged.<stage>`` (``<stage>``: the subject less ``subject_prefix``;
-    :mod:`rftstream.bus.purged`) so the run's account can count what it no
+    :mod:`rftstream.retention.purged`) so the run's account can count what it no
     longer finds. Blocks for two JetStream API round trips,
     and two more per purged subject (with ``state``: a headers-only read and
     a KV write more). Raises :class:`BusError` naming the stream on failure.
@@ -295,6 +282,23 @@ async def purge_acked(
     result.messages, result.bytes = after.messages, after.bytes
     result.first_seq = after.first_seq or first
     return result
+
+
+async def purge_on_full(bus: Bus, subject: str) -> None:
+    """The :data:`~rftstream.bus.client.StreamFullHook` of an actor that publishes experience:
+    a publish to ``subject`` found its stream full; when it is the experience stream, purge
+    what every consumer acked (``nats.streams.experience.purge_acked``) before the bus
+    retries. Best effort: a failure is logged (naming the actor) and the retry waits as
+    usual. Blocks for :func:`purge_acked`'s round trips; cancelling it may leave a purge
+    recorded but not done (the account allows for that)."""
+    prefix = bus.names.exp_wildcard[:-1]
+    exp = bus.cfg.streams.experience
+    if not subject.startswith(prefix) or not exp.purge_acked:
+        return
+    try:
+        await purge_acked(bus.transport, bus.names.exp_stream, exp, await bus.state(), prefix)
+    except BusError as exc:
+        log.warning("%s: %s", bus.actor, exc)
 
 
 class ExperienceRoom:
