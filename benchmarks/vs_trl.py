@@ -890,7 +890,7 @@ def main(argv: list[str] | None = None) -> int:
     except ImportError:
         console.print("[red]TRL is not installed: pip install -e '.[bench]'[/]")
         return 2
-    from rftstream.actor_process import torch_threads_per_process
+    from rftstream.launch.actor_process import torch_threads_per_process
     from rftstream.tiny_model import ensure_tiny_model
 
     seeds = [int(x) for x in args.seeds.split(",") if x.strip()]

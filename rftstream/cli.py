@@ -369,7 +369,7 @@ def _prepare(
 
     ``prestart_children`` (``up``): the explorer processes are started as soon as the
     config is read, to import torch and transformers while the run is
-    prepared here (:mod:`rftstream.prestart`)."""
+    prepared here (:mod:`rftstream.launch.prestart`)."""
     from rftstream.plugins.loader import load_plugins
 
     if prestart_children:
@@ -377,8 +377,8 @@ def _prepare(
     load_plugins(args.plugin_dir)
     cfg, source = load_run_config(args)
     if prestart_children:
-        from rftstream.actor_process import split_roles
-        from rftstream.prestart import discard
+        from rftstream.launch.actor_process import split_roles
+        from rftstream.launch.prestart import discard
 
         if not split_roles(cfg):
             discard()
@@ -407,13 +407,13 @@ def _prepare(
 
 
 def _prestart_explorers(args: argparse.Namespace) -> None:
-    """Start ``up``'s explorer processes early (:mod:`rftstream.prestart`), from the config
+    """Start ``up``'s explorer processes early (:mod:`rftstream.launch.prestart`), from the config
     as read before the plugins (which may import torch and more) are loaded: a config
     that needs a plugin to load starts none here, and its explorers start as usual."""
     import warnings
 
-    from rftstream.actor_process import split_roles
-    from rftstream.prestart import prestart
+    from rftstream.launch.actor_process import split_roles
+    from rftstream.launch.prestart import prestart
 
     try:
         with warnings.catch_warnings():  # its warnings are given by the load that counts
@@ -446,8 +446,8 @@ def _up_holding(run: Any, args: argparse.Namespace, *, stage: bool = False) -> i
     :mod:`rftstream.run_start`) before any file is written there, then start its logs and
     run it; the lock's record gets how the run ended. ``stage``: one stage of a
     multi-stage config, skipped when it finished earlier. Blocks until the run ends."""
+    from rftstream.launch.up import run_up
     from rftstream.run_start import claim_run_dir
-    from rftstream.up import run_up
 
     _one_node(run.cfg)
     claim = claim_run_dir(
@@ -488,9 +488,9 @@ def cmd_up(args: argparse.Namespace) -> int:
 
 
 def _up_stages(args: argparse.Namespace, stages: list[Any]) -> int:
-    """``rftstream up`` of a config with ``stages``: see :mod:`rftstream.up_stages`."""
+    """``rftstream up`` of a config with ``stages``: see :mod:`rftstream.launch.up_stages`."""
+    from rftstream.launch.up_stages import run_stages
     from rftstream.runtime import prepare_run
-    from rftstream.up_stages import run_stages
 
     plugin_dirs = tuple(str(Path(d).resolve()) for d in args.plugin_dir or ())
 
@@ -640,7 +640,7 @@ def _launched_ranks(args: argparse.Namespace) -> tuple[int | None, Any]:
                 f"1..{world - 1}"
             )
         return None, run
-    from rftstream.actor_process import follow_trainer_rank
+    from rftstream.launch.actor_process import follow_trainer_rank
     from rftstream.training.ranks import end_follower_process
 
     follow_trainer_rank(run)

@@ -15,7 +15,7 @@ merged key by key over the base's ``model``, so a stage can set
 :func:`stages_from_dict` / :func:`load_stages` then convert and validate each
 stage's config, reporting errors by key paths that include the stage
 (``stages[1].algorithm.algorithm_type``). Running the stages is
-:mod:`rftstream.up_stages`.
+:mod:`rftstream.launch.up_stages`.
 """
 
 from __future__ import annotations

@@ -18,7 +18,7 @@ extensions writing to fd 1/2. None of that is for the person at the terminal.
   whose category rftstream defines (config warnings, stream-limit warnings) is one
   ``warning:`` line on the console; any other goes to the ``py.warnings`` logger,
   that is to the log file only.
-* Child processes (:mod:`rftstream.actor_process`) already write fds 1/2 to their
+* Child processes (:mod:`rftstream.launch.actor_process`) already write fds 1/2 to their
   own log; their own log records at or above the console level also travel to the
   parent as JSON lines on a pipe (:func:`child_console_handler`,
   :class:`RecordForwarder`), which shows them through its console handler.

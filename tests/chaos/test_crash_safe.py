@@ -378,7 +378,7 @@ def test_a_password_in_the_nats_url_reaches_no_command_line_file_or_report(
         with_secret = url.replace("nats://", f"nats://rft:{secret}@")
         up = Up(config, run_dir, env, "--nats-url", with_secret)
         up.wait_for("step 1", lambda: len(_steps(run_dir)) >= 1, timeout=180)
-        children = [c for c in _cmdlines() if "rftstream.actor_process" in c]
+        children = [c for c in _cmdlines() if "rftstream.launch.actor_process" in c]
         assert len(children) == 2, children
         leaking = [c for c in children if secret in c]
         assert not leaking, leaking

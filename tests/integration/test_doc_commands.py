@@ -320,8 +320,8 @@ def _check_nats(argv: list[str], c: Command) -> None:
 
 def _up_nats_hint() -> list[str]:
     """The NATS CLI lines `rftstream up` prints for the default run on its embedded server."""
+    from rftstream.launch.up import nats_cli_hint
     from rftstream.subjects import RunNames
-    from rftstream.up import nats_cli_hint
 
     run = SimpleNamespace(names=RunNames(DOC_RUN))
     auth = Path("runs") / DOC_RUN / "nats" / "password"

@@ -71,7 +71,7 @@ def test_up_three_steps(tmp_path: Path, tiny_model_path: str) -> None:
     assert "idle after step 1: trainer" in " ".join(out.split())
     # the embedded default runs the explorer and the operator host in processes of their own
     assert "explorer and operator host run in processes" in " ".join(out.split())
-    # the explorer's process was started while the run was being prepared (rftstream.prestart)
+    # the explorer's process was started while the run was being prepared (rftstream.launch.prestart)
     assert "(started early) runs explorer" in (run_dir / "logs" / "rftstream.log").read_text()
     for role in ("explorer", "operator"):
         child_log = (run_dir / "logs" / f"{role}.log").read_text()
@@ -135,7 +135,7 @@ def test_a_dead_rollout_process_is_started_again_and_stopped_with_the_run(
         children = [
             c
             for c in psutil.Process(proc.pid).children(recursive=True)
-            if "rftstream.actor_process" in " ".join(c.cmdline())
+            if "rftstream.launch.actor_process" in " ".join(c.cmdline())
         ]
         assert len(children) == 2  # the explorer and the operator host
         explorer = [c for c in children if "--roles explorer" in " ".join(c.cmdline())]

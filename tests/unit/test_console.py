@@ -15,6 +15,7 @@ import pytest
 from rich.console import Console
 
 from rftstream.config.trinity import TrinityConfigWarning
+from rftstream.launch.up import print_summary
 from rftstream.presentation.console import (
     ChildConsole,
     OwnRecords,
@@ -25,7 +26,6 @@ from rftstream.presentation.console import (
     parse_record,
     show_warning_via,
 )
-from rftstream.up import print_summary
 
 
 def test_own_loggers_and_warnings() -> None:
@@ -36,7 +36,7 @@ def test_own_loggers_and_warnings() -> None:
     assert is_own_warning(TrinityConfigWarning)
     assert not is_own_warning(FutureWarning) and not is_own_warning(UserWarning)
     f = OwnRecords()
-    assert f.filter(logging.makeLogRecord({"name": "rftstream.up"}))
+    assert f.filter(logging.makeLogRecord({"name": "rftstream.launch.up"}))
     assert not f.filter(logging.makeLogRecord({"name": "deepspeed"}))
 
 

@@ -1,4 +1,4 @@
-"""Prestarted actor processes (rftstream.prestart): handed a command line, or ended unused."""
+"""Prestarted actor processes (rftstream.launch.prestart): handed a command line, or ended unused."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from pathlib import Path
 import anyio
 import pytest
 
-from rftstream import prestart
+from rftstream.launch import prestart
 
 
 @pytest.fixture(autouse=True)
@@ -56,7 +56,7 @@ def test_the_handed_command_line_runs_with_its_log_file(tmp_path: Path) -> None:
 
     code = anyio.run(wait)
     # a config error: the exit code that tells up not to restart it
-    from rftstream.actor_process import EXIT_NOT_MENDABLE
+    from rftstream.launch.actor_process import EXIT_NOT_MENDABLE
 
     assert code == EXIT_NOT_MENDABLE and proc.returncode == EXIT_NOT_MENDABLE
     text = log.read_text()

@@ -12,9 +12,10 @@ from pathlib import Path
 import anyio
 import pytest
 
-from rftstream.actor_process import ActorProcess
 from rftstream.config.secrets import split_url_credentials
 from rftstream.errors import RftError
+from rftstream.launch.actor_process import ActorProcess
+from rftstream.launch.supervise import Supervisor, how_it_ended
 from rftstream.run_lock import (
     RunDirBusy,
     RunLock,
@@ -24,7 +25,6 @@ from rftstream.run_lock import (
     read_embedded_auth,
 )
 from rftstream.run_start import claim_run_dir
-from rftstream.supervise import Supervisor, how_it_ended
 
 
 def test_a_held_dir_is_refused_naming_the_holder_and_free_once_released(tmp_path: Path) -> None:
@@ -174,7 +174,7 @@ class _Proc:
 
 
 def test_the_supervisor_restarts_until_its_limit(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr("rftstream.supervise.BACKOFF_S", (0.0,))
+    monkeypatch.setattr("rftstream.launch.supervise.BACKOFF_S", (0.0,))
     said: list[str] = []
     changes: list[int] = []
     sup = Supervisor(said.append, lambda: changes.append(1), max_restarts=2)
@@ -195,9 +195,9 @@ def test_a_part_that_cannot_mend_by_restarting_is_not_restarted(
 ) -> None:
     """A config error or missing credentials: the child exits EXIT_NOT_MENDABLE and the run
     ends with its error at once, not after every restart met it again."""
-    from rftstream.actor_process import EXIT_NOT_MENDABLE
+    from rftstream.launch.actor_process import EXIT_NOT_MENDABLE
 
-    monkeypatch.setattr("rftstream.supervise.BACKOFF_S", (0.0,))
+    monkeypatch.setattr("rftstream.launch.supervise.BACKOFF_S", (0.0,))
     said: list[str] = []
     sup = Supervisor(said.append, max_restarts=5)
     proc = _Proc([EXIT_NOT_MENDABLE, 0])

@@ -17,7 +17,7 @@ from rftstream.config.explain import explain_file
 from rftstream.config.stages import StageConfigError, split_stages
 from rftstream.config.trinity import TrinityConfigWarning
 from rftstream.errors import ConfigError, RftError
-from rftstream.up_stages import StageFailed, final_checkpoint, run_stages
+from rftstream.launch.up_stages import StageFailed, final_checkpoint, run_stages
 
 if sys.version_info < (3, 11):  # pragma: no cover - the backport anyio depends on there
     from exceptiongroup import ExceptionGroup

@@ -2,7 +2,7 @@
 
 Every stage is prepared once before the first starts (so an error in the last
 stage's algorithm stops the command before hours of the first stage's work),
-then each runs as a whole ``rftstream up`` (:func:`rftstream.up.run_up`, with its
+then each runs as a whole ``rftstream up`` (:func:`rftstream.launch.up.run_up`, with its
 own embedded nats-server and run directory ``<run_dir>/<stage_name>``). A stage
 after the first starts from the previous stage's final checkpoint
 (``checkpoints/global_step_<N>``, the highest N) unless it set

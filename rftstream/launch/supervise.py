@@ -12,7 +12,7 @@ s (at most 30 s); each restart is one console line and is counted in the end-of-
 summary (:meth:`Supervisor.summary`). Past the limit, the part's error ends the run
 with one line naming the part and why it died. Trainer rank processes are not
 restarted (their collective with rank 0 cannot be rejoined): their death ends the run.
-Nor is a part that exited with :data:`~rftstream.actor_process.EXIT_NOT_MENDABLE` (a
+Nor is a part that exited with :data:`~rftstream.launch.actor_process.EXIT_NOT_MENDABLE` (a
 config error or missing credentials: it would fail the same way again).
 """
 
@@ -26,11 +26,11 @@ from typing import TYPE_CHECKING
 
 import anyio
 
-from rftstream.actor_process import EXIT_NOT_MENDABLE, how_it_ended
 from rftstream.errors import RftError
+from rftstream.launch.actor_process import EXIT_NOT_MENDABLE, how_it_ended
 
 if TYPE_CHECKING:
-    from rftstream.actor_process import ActorProcess
+    from rftstream.launch.actor_process import ActorProcess
     from rftstream.nats_server.embedded import EmbeddedNatsServer
 
 log = logging.getLogger(__name__)

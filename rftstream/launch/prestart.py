@@ -1,22 +1,22 @@
 """Actor processes started before the run is prepared: the first seconds of ``rftstream up``.
 
-A child process (:mod:`rftstream.actor_process`) spends its first seconds importing
+A child process (:mod:`rftstream.launch.actor_process`) spends its first seconds importing
 torch, transformers and rftstream; the parent spends its own first second validating
 the config (which imports torch too) and starting NATS, while the machine's other cores
 wait. :func:`prestart` starts the explorer children (the start-up's critical path) as
 soon as the config is read; each imports what its role needs while the parent prepares,
 then waits.
-:class:`~rftstream.actor_process.ActorProcess` :func:`take` s one on its first start
+:class:`~rftstream.launch.actor_process.ActorProcess` :func:`take` s one on its first start
 and hands it its command line instead of starting a new process.
 
 The hand-over: one JSON line on the child's stdin, ``{"argv": [...], "env": {...},
 "log": path}``. The child points its stdout and stderr at ``log``, adds ``env`` (the
 NATS secrets an actor process gets in its environment) and runs
-:func:`rftstream.actor_process.main` with ``argv``. A child whose stdin closes without
+:func:`rftstream.launch.actor_process.main` with ``argv``. A child whose stdin closes without
 a line exits 0: :func:`discard` (also at the parent's exit, say after a config error)
 ends every child not taken, and a child dies with its parent anyway
 (``PR_SET_PDEATHSIG``). In ``ps`` a waiting child reads ``python -m
-rftstream.actor_process --await-args --roles explorer --parent-pid <pid>``.
+rftstream.launch.actor_process --await-args --roles explorer --parent-pid <pid>``.
 """
 
 from __future__ import annotations
@@ -50,7 +50,7 @@ _POLL_S = 0.05
 
 
 class PopenProcess:
-    """What :class:`~rftstream.actor_process.ActorProcess` uses of an
+    """What :class:`~rftstream.launch.actor_process.ActorProcess` uses of an
     :class:`anyio.abc.Process`, over a :class:`subprocess.Popen` started before the event
     loop ran. :meth:`wait` polls (every 50 ms); cancelling it leaves the child alone."""
 
@@ -90,7 +90,7 @@ class Prestarted:
             [
                 sys.executable,
                 "-m",
-                "rftstream.actor_process",
+                "rftstream.launch.actor_process",
                 "--await-args",
                 *("--roles", role, "--parent-pid", str(os.getpid())),
             ],
@@ -110,7 +110,7 @@ class Prestarted:
         self, argv: Sequence[str], env: Mapping[str, str], log_path: Path, emit: Any = None
     ) -> PopenProcess:
         """Send the child its command line (``argv`` after ``python -m
-        rftstream.actor_process``), extra environment and log file; its log records go to
+        rftstream.launch.actor_process``), extra environment and log file; its log records go to
         ``emit`` (None: dropped). Returns the running process. Blocks for one pipe write."""
         self._emit = emit
         line = json.dumps({"argv": list(argv), "env": dict(env), "log": str(log_path)})

@@ -23,8 +23,9 @@ from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.text import Text
 
-from rftstream.actor_process import split_roles
 from rftstream.config.secrets import redact_url
+from rftstream.launch.actor_process import split_roles
+from rftstream.launch.supervise import Supervisor
 from rftstream.nats_server.embedded import EmbeddedNatsServer
 from rftstream.presentation.console import ChildConsole
 from rftstream.presentation.plot import (
@@ -41,7 +42,6 @@ from rftstream.run_lock import AUTH_FILE, EMBEDDED_USER, RunLock, new_embedded_a
 from rftstream.run_start import RunClaim
 from rftstream.runtime import PreparedRun, run_actors, start_fresh
 from rftstream.signals import run_with_signals
-from rftstream.supervise import Supervisor
 
 
 class Interrupted(Exception):
@@ -180,7 +180,7 @@ async def _run_split(
     **callbacks: Any,
 ) -> None:
     """The trainer here; each explorer (one per rollout engine: ``explorer``, ``explorer-2``,
-    ...) and the operator host each in a child process (see :mod:`rftstream.actor_process`),
+    ...) and the operator host each in a child process (see :mod:`rftstream.launch.actor_process`),
     in ``mode: both``; trainer ranks 1.. (``trainer.n_gpus_per_node``) in any mode.
     Returns when the trainer is done and the children have ended (the explorers after the
     final evaluation). A child that dies is started again by ``supervisor`` (explorers and
@@ -188,7 +188,7 @@ async def _run_split(
     stops the run. ``lock``: the run dir's lock, told the children's pids."""
     import torch
 
-    from rftstream.actor_process import (
+    from rftstream.launch.actor_process import (
         TRAINER_RANK_ROLE,
         ActorProcess,
         torch_threads_per_process,

@@ -10,7 +10,7 @@ see :func:`split_roles`. Nothing else changes: the actors still meet only on
 the bus, and a child is the same code as ``rftstream explorer`` / ``operator``.
 
 The parent side is :class:`ActorProcess`: it writes the prepared run's config
-to ``<run_dir>/config.yaml``, starts ``python -m rftstream.actor_process`` with
+to ``<run_dir>/config.yaml``, starts ``python -m rftstream.launch.actor_process`` with
 its output in ``<run_dir>/logs/<name>.log`` (so nothing a library prints in the
 child reaches the terminal), watches it, and stops it on exit. Given a
 :class:`~rftstream.presentation.console.ChildConsole`, the child also sends its own log records
@@ -114,7 +114,7 @@ class ActorProcess:
     without the wait. :meth:`wait` returns the child's exit code, :meth:`failed`
     says whether it is a failure and :meth:`failure` makes its :class:`RftError` (with
     the tail of its log); :meth:`restart` starts it again
-    (:class:`rftstream.supervise.Supervisor` runs that loop).
+    (:class:`rftstream.launch.supervise.Supervisor` runs that loop).
     ``explorers``: the names of the explorers the child runs for role
     ``explorer`` (None: one per rollout engine, as :func:`rftstream.runtime.run_actors`).
     """
@@ -154,7 +154,7 @@ class ActorProcess:
         argv = [
             sys.executable,
             "-m",
-            "rftstream.actor_process",
+            "rftstream.launch.actor_process",
             "--config",
             str(self.config_path),
             "--nats-url",
@@ -204,10 +204,10 @@ class ActorProcess:
 
     async def _spawn(self) -> None:
         """Start the child process (its output appended to its log): on the first start,
-        a prestarted child of its role where there is one (:mod:`rftstream.prestart`)."""
+        a prestarted child of its role where there is one (:mod:`rftstream.launch.prestart`)."""
         first, self._first_start = self._first_start, False
         if first and len(self.roles) == 1:
-            from rftstream.prestart import take
+            from rftstream.launch.prestart import take
 
             waiting = take(self.roles[0])
             if waiting is not None:
@@ -375,16 +375,16 @@ def _die_with_parent(parent_pid: int) -> None:
 
 
 def _await_hand_over(argv: Sequence[str]) -> list[str] | None:
-    """A prestarted child (:mod:`rftstream.prestart`; ``argv``: ``--roles ROLE
+    """A prestarted child (:mod:`rftstream.launch.prestart`; ``argv``: ``--roles ROLE
     --parent-pid PID``): import what the role needs, then
     wait for the hand-over line on stdin and apply it (log file, environment); its
     command line, or None when stdin closed without one. Blocks."""
     import importlib
     import json
 
-    from rftstream.prestart import PRELOAD
+    from rftstream.launch.prestart import PRELOAD
 
-    p = argparse.ArgumentParser(prog="python -m rftstream.actor_process --await-args")
+    p = argparse.ArgumentParser(prog="python -m rftstream.launch.actor_process --await-args")
     p.add_argument("--roles", required=True)
     p.add_argument("--parent-pid", type=int, default=0)
     args = p.parse_args(argv)
@@ -410,14 +410,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     """The child: run ``--roles`` of the run in ``--config`` against ``--nats-url``. Blocks.
 
     ``--await-args --roles ROLE --parent-pid PID``: a prestarted child, which gets its
-    command line later (see :mod:`rftstream.prestart`)."""
+    command line later (see :mod:`rftstream.launch.prestart`)."""
     args_in = list(sys.argv[1:] if argv is None else argv)
     if args_in[:1] == ["--await-args"]:
         handed = _await_hand_over(args_in[1:])
         if handed is None:
             return 0
         args_in = handed
-    p = argparse.ArgumentParser(prog="python -m rftstream.actor_process")
+    p = argparse.ArgumentParser(prog="python -m rftstream.launch.actor_process")
     p.add_argument("--config", required=True)
     p.add_argument("--nats-url", required=True)
     p.add_argument("--run-dir", required=True)
