@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 import anyio
 import anyio.to_thread
 
-from rftstream.config.resolve import taskset_repeat_times
+from rftstream.config.resolve import run_repeat_times, taskset_repeat_times
 from rftstream.config.validate import training_tasksets
 from rftstream.engines.rollout import rollout_model
 from rftstream.errors import ConfigError, RftError, WorkflowError
@@ -104,7 +104,7 @@ def make_debug_task(
             f"{len(rows)} rows, so the task index must be 0..{len(rows) - 1}"
         )
     mixed = len(sets) > 1
-    repeat = taskset_repeat_times(cfg, ts)
+    repeat = taskset_repeat_times(ts, run_repeat_times(cfg))
     task = make_task(
         rows[task_index],
         ts,

@@ -25,7 +25,7 @@ import anyio.to_thread
 from rftstream.actors.common import append_line, nan_to_none
 from rftstream.bus.client import Bus
 from rftstream.bus.state import RunState
-from rftstream.config.resolve import taskset_repeat_times
+from rftstream.config.resolve import eval_repeat_times
 from rftstream.config.schema import Config, TasksetConfig
 from rftstream.errors import RftError
 from rftstream.wire import EVAL_FINAL, EVAL_STEP, EvalClaim, Key
@@ -161,7 +161,7 @@ class Evaluator:
         from rftstream.workflow import make_task
 
         name = ts_cfg.name
-        repeat = taskset_repeat_times(self.cfg, ts_cfg, eval_set=True)
+        repeat = eval_repeat_times(ts_cfg)
         limiter = anyio.CapacityLimiter(self.cfg.explorer.runner_num)
         summaries: list[tuple[list[float], list[float], list[int]] | None] = [None] * len(rows)
 

@@ -180,6 +180,7 @@ class Explorer:
         )
         self.model_path = model_path
         self.policy = resolved.sync
+        self.repeat_times = resolved.repeat_times
         self.gate = StalenessGate(
             self.policy,
             batch_size=cfg.buffer.batch_size,
@@ -642,7 +643,7 @@ class Explorer:
                 stats,
             )
             return
-        repeat = taskset_repeat_times(self.cfg, ts_cfg)
+        repeat = taskset_repeat_times(ts_cfg, self.repeat_times)
         try:
             task = make_task(
                 tmsg.raw_task,

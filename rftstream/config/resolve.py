@@ -13,7 +13,7 @@ meets them:
 * :func:`resolve_run` (``rftstream.runtime.prepare_run``): the command line's
   ``--steps``, ``--run-dir`` and ``--nats-url`` and the default ``run_dir``
   (``runs/<name>``).
-* Where a taskset or dataset is used: :func:`taskset_repeat_times` and
+* Where a taskset or dataset is used: :func:`taskset_repeat_times`, :func:`eval_repeat_times` and
   :func:`dataset_epochs` (its own value, else the run's).
 * Once the algorithm preset is known (the caller looks the preset up in the
   plugin registries and passes what it found): :func:`prefer_decoupled_ppo`
@@ -64,6 +64,7 @@ __all__ = [
     "prefer_decoupled_ppo",
     "resolve_config",
     "resolve_run",
+    "eval_repeat_times",
     "taskset_repeat_times",
     "train_batch_size",
     "with_train_batch_size",
@@ -185,15 +186,18 @@ def _credentials_out_of_urls(cfg: Config) -> Config:
 # training_tasksets compares tasksets with those defaults): worked out here, where used.
 
 
-def taskset_repeat_times(cfg: Config, ts: TasksetConfig, *, eval_set: bool = False) -> int:
-    """Runs per task of ``ts``: its own ``repeat_times``; unset, 1 for an eval taskset
-    (``eval_set`` or ``ts.is_eval``) and ``algorithm.repeat_times`` for a training one,
-    as in Trinity-RFT."""
+def taskset_repeat_times(ts: TasksetConfig, run_repeat_times: int) -> int:
+    """Runs per task of the training taskset ``ts``: its own ``repeat_times``; unset,
+    ``run_repeat_times`` (the run's ``algorithm.repeat_times``: ``ResolvedRun.repeat_times``)
+    or, for a taskset marked ``is_eval``, 1, as in Trinity-RFT."""
     if ts.repeat_times:
         return int(ts.repeat_times)
-    if eval_set or ts.is_eval:
-        return 1
-    return run_repeat_times(cfg)
+    return 1 if ts.is_eval else run_repeat_times
+
+
+def eval_repeat_times(ts: TasksetConfig) -> int:
+    """Runs per task of the eval taskset ``ts``: its own ``repeat_times``, else 1."""
+    return int(ts.repeat_times) if ts.repeat_times else 1
 
 
 def run_repeat_times(cfg: Config) -> int:

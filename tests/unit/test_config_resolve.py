@@ -12,10 +12,12 @@ from rftstream.config.resolve import (
     canonical_sync_style,
     dataset_epochs,
     default_run_dir,
+    eval_repeat_times,
     fill_loss_batch_args,
     prefer_decoupled_ppo,
     resolve_config,
     resolve_run,
+    run_repeat_times,
     taskset_repeat_times,
     train_batch_size,
     with_train_batch_size,
@@ -300,8 +302,13 @@ def test_a_taskset_repeats_and_passes_as_it_says_else_as_the_run_says() -> None:
         )
     )
     train, (evals,) = cfg.buffer.explorer_input.taskset, cfg.buffer.explorer_input.eval_tasksets
-    assert taskset_repeat_times(cfg, train) == 8 and dataset_epochs(cfg, train) == 3
-    assert taskset_repeat_times(cfg, evals) == 1  # marked is_eval when loaded
-    assert taskset_repeat_times(cfg, train, eval_set=True) == 1
+    assert run_repeat_times(cfg) == 8
+    assert taskset_repeat_times(train, 8) == 8 and dataset_epochs(cfg, train) == 3
+    assert taskset_repeat_times(evals, 8) == 1  # marked is_eval when loaded
+    assert eval_repeat_times(train) == 1
     own = msgspec.structs.replace(train, repeat_times=2, total_epochs=5)
-    assert taskset_repeat_times(cfg, own) == 2 and dataset_epochs(cfg, own) == 5
+    assert (
+        taskset_repeat_times(own, 8) == 2
+        and eval_repeat_times(own) == 2
+        and dataset_epochs(cfg, own) == 5
+    )
