@@ -37,7 +37,7 @@ from rftstream.config.validate import (
     training_tasksets,
     validate_config,
 )
-from rftstream.errors import BucketNotFound, ConfigError, RegistryError, RftError, StreamNotFound
+from rftstream.errors import ConfigError, RegistryError, RftError, RunNotFoundError, StreamNotFound
 from rftstream.experience_pipeline import EXPERIENCE_OPERATORS, ExperiencePipeline, create_operators
 from rftstream.monitors import check_monitor_packages
 from rftstream.plugins.registries import ALGORITHM_RESOLVERS, ALGORITHM_TYPE, REWARD_FUNCTIONS
@@ -389,10 +389,10 @@ FINAL_EVAL_GRACE_S = 300.0  # how long `up` waits for the final evaluation after
 async def _run_status(bus: Bus) -> str:
     """The run's status in its KV bucket ("" when there is no bucket or no status)."""
     try:
-        kv = await bus.transport.kv(bus.names.kv_bucket, create=False)
-    except BucketNotFound:
+        state = await bus.state(create=False)
+    except RunNotFoundError:
         return ""
-    return str(await RunState(kv).status() or "")
+    return str(await state.status() or "")
 
 
 async def start_fresh(
@@ -444,14 +444,13 @@ async def start_fresh(
             except StreamNotFound:
                 pass
         try:
-            kv = await bus.transport.kv(names.kv_bucket, create=False)
-        except BucketNotFound:
-            kv = None
-        if not present and kv is None:
+            state: RunState | None = await bus.state(create=False)
+        except RunNotFoundError:
+            state = None
+        if not present and state is None:
             return None
         status = ""
-        if kv is not None:
-            state = RunState(kv)
+        if state is not None:
             status = await state.status()
             beats = [beat.ts for beat in (await state.heartbeats()).values()]
             age = time.time() - max(beats) if beats else None
@@ -473,11 +472,11 @@ async def start_fresh(
                     f"kept run {names.run!r} on the server (status {status or 'unknown'}, "
                     f"{len(present)} streams)"
                 )
-            await bus.transport.delete_kv(names.kv_bucket)
+            await bus.delete_state()
         elif continuing:
             return None
         for stream in present:
-            await bus.transport.delete_stream(stream)
+            await bus.delete_stream(stream)
     return f"replaced the earlier run {names.run!r} on this server (status {status or 'unknown'})"
 
 
@@ -487,7 +486,7 @@ async def _join_a_finished_explorer(bus: Bus) -> str | None:
     and no trainer's, and its experience waits on the stream. Sets the status back to
     ``running`` and returns a note; None (replace the run) when a trainer already ended
     it or no explorer finished it."""
-    state = RunState(await bus.transport.kv(bus.names.kv_bucket, create=False))
+    state = await bus.state(create=False)
     values = await state.all()
     head, _, tail = KV_EXPLORER_DONE.partition("{name}")
     done = [k for k in values if k.startswith(head) and k.endswith(tail)]

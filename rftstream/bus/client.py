@@ -396,6 +396,16 @@ class Bus:
         """Raises ``ConsumerNotFound``."""
         await self.transport.delete_consumer(stream, durable)
 
+    async def delete_stream(self, stream: str) -> None:
+        """Delete ``stream`` with its consumers (replacing a run). Raises ``StreamNotFound``."""
+        await self.transport.delete_stream(stream)
+
+    async def delete_state(self) -> None:
+        """Delete the run's state bucket (replacing a run); the next :meth:`kv` creates a
+        fresh one. Raises ``BucketNotFound``."""
+        self._kv = None
+        await self.transport.delete_kv(self.names.kv_bucket)
+
     async def last_msg(self, stream: str, subject: str) -> StoredMsg:
         """The newest message on ``subject``. Raises ``MessageNotFound``."""
         return await self.transport.last_msg(stream, subject)
