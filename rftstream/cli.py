@@ -717,8 +717,8 @@ def cmd_actor(args: argparse.Namespace) -> int:
     async def name_is_free(*, unless_resuming: str | None = None) -> None:
         """Refuse a name a live actor has; ``unless_resuming``: a stage whose splice record
         exists is being resumed (the splice protocol's claim refuses a second live one)."""
-        from rftstream.actors.common import refuse_a_live_name
         from rftstream.bus.client import Bus
+        from rftstream.control.liveness import refuse_a_live_name
         from rftstream.wire import STAGE
 
         async with await Bus.connect(url, run.names, run.cfg.nats, f"{args.name}-start") as bus:

@@ -508,7 +508,7 @@ class Heartbeat(msgspec.Struct, kw_only=True, omit_defaults=True):
 
     One flat JSON object (``nats kv get``): ``actor``, ``role``, ``ts`` and the fields
     of the actor's kind; a field another kind has is left out. Written every 5 s
-    (:func:`rftstream.actors.common.heartbeat_loop`); the trainer's last one carries
+    (:func:`rftstream.control.liveness.heartbeat_loop`); the trainer's last one carries
     how it ended (``status``), which tells a finished trainer from a live one.
     """
 

@@ -39,10 +39,10 @@ import anyio
 import anyio.to_thread
 import torch
 
-from rftstream.actors.common import heartbeat_loop
 from rftstream.actors.evaluation import Evaluator
 from rftstream.bus.state import RunState
 from rftstream.config.schema import Config
+from rftstream.control.liveness import heartbeat_loop
 from rftstream.errors import RftError
 from rftstream.weights import checkpoint_dir
 from rftstream.wire import Heartbeat

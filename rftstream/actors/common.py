@@ -1,8 +1,7 @@
-"""Pieces every actor uses: heartbeats, in-progress ticking, run-end watching, draining a
-consumer up to a cut, JSON-lines records.
+"""Pieces every actor uses: in-progress ticking, run-end watching, draining a consumer up
+to a cut, JSON-lines records. (Heartbeats: :mod:`rftstream.control.liveness`.)
 
-The coroutines :func:`heartbeat_loop`, :func:`wait_for_run_end` and
-:meth:`InProgressTicker.run` are long-running, meant to be started in the
+The coroutines :func:`wait_for_run_end` and :meth:`InProgressTicker.run` are long-running, meant to be started in the
 actor's own anyio task group; they return only when cancelled (or, for
 :func:`wait_for_run_end`, when the run ends).
 """
@@ -12,8 +11,7 @@ from __future__ import annotations
 import gc
 import logging
 import math
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -23,8 +21,7 @@ import anyio
 from rftstream.bus.client import Bus
 from rftstream.bus.state import END_STATUSES, RunState
 from rftstream.bus.transport import Delivery, PullSubscription
-from rftstream.errors import ConsumerNotFound, RftError, SchemaError
-from rftstream.wire import HEARTBEAT, Heartbeat
+from rftstream.errors import ConsumerNotFound
 
 log = logging.getLogger(__name__)
 
@@ -44,60 +41,6 @@ def frozen_heap() -> Iterator[None]:
         yield
     finally:
         gc.unfreeze()
-
-
-async def heartbeat_loop(
-    state: RunState, beat: Callable[[], Heartbeat], interval: float = 5.0
-) -> None:
-    """Write ``beat()`` (``heartbeat.<actor>``) every ``interval`` s until cancelled.
-    KV errors are logged, not raised."""
-    while True:
-        record = beat()
-        try:
-            await state.heartbeat(record)
-        except Exception as exc:  # noqa: BLE001 - a missed heartbeat must not kill the actor
-            log.debug("%s: heartbeat failed: %s", record.actor, exc)
-        await anyio.sleep(interval)
-
-
-#: a heartbeat older than this has no live actor behind it (one is written every 5 s)
-LIVE_HEARTBEAT_S = 15.0
-#: how long a younger one is watched for the next write: a killed actor writes none
-HEARTBEAT_WATCH_S = 6.0
-
-
-async def refuse_a_live_name(
-    state: RunState, name: str, role: str, *, watch_s: float = HEARTBEAT_WATCH_S
-) -> None:
-    """Raise :class:`~rftstream.errors.RftError` when a live actor of the run is named
-    ``name``: a second one would overwrite its heartbeat, its ``status`` row and its splice
-    records. A heartbeat younger than :data:`LIVE_HEARTBEAT_S` is watched for up to
-    ``watch_s`` s: rewritten, its actor is alive (refused); not, it was killed and the
-    name is free (a crashed actor restarted at once under its name). For the standalone
-    actor commands (``up``'s restarted children keep their names). Blocks for KV reads,
-    ``watch_s`` at most."""
-    first = await _heartbeat_ts(state, name)
-    if first is None or not 0 <= time.time() - first < LIVE_HEARTBEAT_S:
-        return
-    deadline = time.monotonic() + watch_s
-    while time.monotonic() < deadline:
-        await anyio.sleep(min(0.5, watch_s))
-        latest = await _heartbeat_ts(state, name)
-        if latest is not None and latest > first:
-            raise RftError(
-                f"actor name {name!r} is taken: a live actor of this run has it (its "
-                f"heartbeat was written {time.time() - latest:.0f}s ago); give this {role} "
-                "another --name"
-            )
-    log.info("%s: the earlier actor named %r is gone (no heartbeat since)", role, name)
-
-
-async def _heartbeat_ts(state: RunState, name: str) -> float | None:
-    try:
-        beat = await state.get(HEARTBEAT.of(actor=name))
-    except SchemaError:
-        return None
-    return None if beat is None else beat.ts
 
 
 async def wait_for_run_end(state: RunState, poll: float = 0.5) -> str:

@@ -27,8 +27,9 @@ from rftstream.bus.client import Bus
 from rftstream.bus.state import RunState
 from rftstream.config.resolve import eval_repeat_times
 from rftstream.config.schema import Config, TasksetConfig
+from rftstream.control.eval_claim import claim_eval, eval_claim_key, release_eval
 from rftstream.errors import RftError
-from rftstream.wire import EVAL_FINAL, EVAL_STEP, EvalClaim, Key
+from rftstream.wire import EvalClaim
 
 log = logging.getLogger(__name__)
 
@@ -103,22 +104,14 @@ class Evaluator:
         """
         if final and self._last == (step, version):
             return
-        key = (
-            Key(claim_key, EvalClaim)
-            if claim_key
-            else (EVAL_FINAL if final else EVAL_STEP.of(step=str(step)))
-        )
+        key = eval_claim_key(step, final=final, claim_key=claim_key)
         claim = EvalClaim(by=self.name, step=step, model_version=version, ts=time.time())
-        if not await state.create(key, claim):
+        if not await claim_eval(state, key, claim):
             return
         try:
             values, record = await self._evaluate_claimed(step, final, version, extra, runner)
         except BaseException:
-            with anyio.CancelScope(shield=True), anyio.move_on_after(5.0):
-                try:
-                    await state.delete(key)
-                except Exception as exc:  # noqa: BLE001 - the connection may be gone
-                    log.warning("%s: could not release the claim %s: %s", self.name, key.name, exc)
+            await release_eval(state, key, self.name)
             raise
         self._last = (step, version)
         log.info(

@@ -86,7 +86,6 @@ from rftstream.actors.common import (
     InProgressTicker,
     consumer_drained,
     frozen_heap,
-    heartbeat_loop,
 )
 from rftstream.actors.evaluation import Evaluator
 from rftstream.actors.taskset_publisher import TasksetPublisher
@@ -98,6 +97,7 @@ from rftstream.config.resolved import ResolvedRun
 from rftstream.config.schema import TRAINER_MODES, Config, TasksetConfig
 from rftstream.config.validate import eval_tasksets, training_tasksets
 from rftstream.control import KeyWrites
+from rftstream.control.liveness import heartbeat_loop
 from rftstream.control.staleness import (
     AwaitWeights,
     Blocked,

@@ -58,11 +58,12 @@ from typing import Any
 
 import anyio
 
-from rftstream.actors.common import InProgressTicker, drain_step, heartbeat_loop
+from rftstream.actors.common import InProgressTicker, drain_step
 from rftstream.bus.client import Bus
 from rftstream.bus.state import END_STATUSES, RunState
 from rftstream.bus.transport import Delivery, PullSubscription
 from rftstream.config.schema import Config
+from rftstream.control.liveness import heartbeat_loop
 from rftstream.errors import (
     BusError,
     ConfigError,

@@ -97,7 +97,6 @@ from rftstream.actors.common import (
     append_line,
     consumer_drained,
     frozen_heap,
-    heartbeat_loop,
     nan_to_none,
 )
 from rftstream.actors.dead_letters import DeadLetterWatcher
@@ -111,6 +110,7 @@ from rftstream.bus.transport import ConsumerSpec
 from rftstream.config.resolve import dataset_epochs, weights_wire_dtype
 from rftstream.config.resolved import ResolvedAlgorithmProtocol, ResolvedRun
 from rftstream.config.schema import Config, StorageConfig
+from rftstream.control.liveness import heartbeat_loop
 from rftstream.errors import ConfigError
 from rftstream.monitors import MonitorSet
 from rftstream.training import checkpoint as ckpt

@@ -22,7 +22,7 @@ from pathlib import Path
 import anyio
 import pytest
 
-from rftstream.actors.common import InProgressTicker, heartbeat_loop
+from rftstream.actors.common import InProgressTicker
 from rftstream.actors.feed import ExperienceFeed
 from rftstream.actors.spliced import run_spliced
 from rftstream.actors.topology import TrainerTopology
@@ -30,6 +30,7 @@ from rftstream.actors.trainer import Trainer
 from rftstream.bus.client import Bus
 from rftstream.bus.state import RunState
 from rftstream.config import config_from_dict
+from rftstream.control.liveness import heartbeat_loop
 from rftstream.control.splice import operator_side
 from rftstream.experience import decode_group
 from rftstream.runtime import prepare_run, provision

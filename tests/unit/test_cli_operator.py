@@ -161,9 +161,9 @@ def _beat(actor: str, **fields: Any) -> Heartbeat:
 def test_a_name_a_live_actor_has_is_refused_and_a_killed_ones_is_free() -> None:
     import anyio
 
-    from rftstream.actors.common import refuse_a_live_name
     from rftstream.bus.memory import MemoryTransport
     from rftstream.bus.state import RunState
+    from rftstream.control.liveness import refuse_a_live_name
 
     async def main() -> None:
         server = MemoryTransport()

@@ -12,7 +12,7 @@ import anyio
 import pytest
 
 from rftstream.actors import topology as topology_module
-from rftstream.actors.common import InProgressTicker, heartbeat_loop
+from rftstream.actors.common import InProgressTicker
 from rftstream.actors.feed import ExperienceFeed
 from rftstream.actors.topology import TrainerTopology
 from rftstream.bus.client import Bus
@@ -20,6 +20,7 @@ from rftstream.bus.memory import MemoryTransport
 from rftstream.bus.state import RunState
 from rftstream.bus.transport import KeyValueStore
 from rftstream.config.schema import NatsConfig
+from rftstream.control.liveness import heartbeat_loop
 from rftstream.control.splice import operator_side
 from rftstream.errors import BusTimeout
 from rftstream.subjects import KV_TOPOLOGY, KV_TRAINER_INPUT, RunNames
