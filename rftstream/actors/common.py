@@ -1,9 +1,8 @@
-"""Pieces every actor uses: in-progress ticking, run-end watching, draining a consumer up
-to a cut, JSON-lines records. (Heartbeats: :mod:`rftstream.control.liveness`.)
+"""Pieces every actor uses: in-progress ticking, draining a consumer up to a cut,
+JSON-lines records, a frozen heap. (Heartbeats: :mod:`rftstream.control.liveness`.)
 
-The coroutines :func:`wait_for_run_end` and :meth:`InProgressTicker.run` are long-running, meant to be started in the
-actor's own anyio task group; they return only when cancelled (or, for
-:func:`wait_for_run_end`, when the run ends).
+:meth:`InProgressTicker.run` is long-running, meant to be started in the actor's own
+anyio task group; it returns only when cancelled.
 """
 
 from __future__ import annotations
@@ -19,7 +18,6 @@ from typing import Any, NamedTuple
 import anyio
 
 from rftstream.bus.client import Bus
-from rftstream.bus.state import END_STATUSES, RunState
 from rftstream.bus.transport import Delivery, PullSubscription
 from rftstream.errors import ConsumerNotFound
 
@@ -41,18 +39,6 @@ def frozen_heap() -> Iterator[None]:
         yield
     finally:
         gc.unfreeze()
-
-
-async def wait_for_run_end(state: RunState, poll: float = 0.5) -> str:
-    """Return the run status once it is one of :data:`END_STATUSES` (polls KV)."""
-    while True:
-        try:
-            status = await state.status()
-        except Exception:  # noqa: BLE001 - transient KV trouble: retry
-            status = ""
-        if status in END_STATUSES:
-            return status
-        await anyio.sleep(poll)
 
 
 class InProgressTicker:
