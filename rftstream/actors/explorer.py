@@ -99,6 +99,7 @@ from rftstream.config.validate import eval_tasksets, training_tasksets
 from rftstream.control import KeyWrites
 from rftstream.control.liveness import heartbeat_loop
 from rftstream.control.staleness import (
+    IDLE_LOOK_S,
     AwaitWeights,
     Blocked,
     GateLook,
@@ -207,6 +208,13 @@ class Explorer:
         self._idle_mark = (self._loop_start, 0.0)
         self._step_recorded = 0
         self._trainer_changes: KeyWrites | None = None
+        # what can make room for a blocked staleness gate: the trainer's step record (it
+        # follows the step's acks), its starving record, the run's status, and (poked) a
+        # version staged here; not weights.pending / weights.latest, which come before
+        # the acks and would wake the gate only to find the queue as it was
+        self._gate_wakes: KeyWrites | None = None
+        # the room (experiences) the last look left after its take; None: look at once
+        self._gate_spare: int | None = None
         # the trainer start (WeightsPointer.incarnation) whose weights the engine holds
         self._weights_incarnation = 0
         # sync_method jetstream: fetches and stages versions in the background (made with the
@@ -279,6 +287,10 @@ class Explorer:
             (KV_TRAINER_STEP, KV_WEIGHTS, KV_WEIGHTS_PENDING, KV_TRAINER_STARVING, KV_STATUS),
         )
         await self._trainer_changes.start()
+        self._gate_wakes = KeyWrites(
+            await self.bus.kv(), (KV_TRAINER_STEP, KV_TRAINER_STARVING, KV_STATUS)
+        )
+        await self._gate_wakes.start()
         try:
             async with rollout_model(self.cfg, self.model_path, engine=engine) as (model, aux, _):
                 self.engine = model.engine
@@ -303,6 +315,7 @@ class Explorer:
                                 self.engine,
                                 name=self.name,
                                 model_path=self.model_path,
+                                on_change=self._gate_wakes.poke,
                             )
                             tg.start_soon(self.fetcher.run)
                         # reads and purges the experience stream off the publish path
@@ -314,6 +327,7 @@ class Explorer:
                 await self._nak_unacked()
                 await consumer.unsubscribe()
                 await self._trainer_changes.stop()
+                await self._gate_wakes.stop()
                 try:  # the last word on this explorer's step and weights (the loop's may lag)
                     await state.heartbeat(self._heartbeat())
                 except Exception as exc:  # noqa: BLE001 - the connection may be gone
@@ -886,7 +900,10 @@ class Explorer:
         The loop of the pure :class:`~rftstream.control.staleness.StalenessGate`: look
         (:meth:`_look`), decide, act (wait for a version on its way, load the newest,
         read the trainer's starving record and the run's status), then wait for a
-        write of the trainer's keys, at most as long as the gate says. The backlog is
+        write of the trainer's step, starving or status key, or a version staged here
+        (``_gate_wakes``), at most as long as the gate says. A step whose previous look
+        left no group's room waits for one of those before it looks at all
+        (:meth:`~rftstream.control.staleness.StalenessGate.blocked_until_woken`). The backlog is
         what waits on (or in) the trainer's side plus this explorer's tasks in flight
         (they are published soon, and before anything started with newer weights:
         :meth:`_after_older_tasks`). Other explorers' tasks in flight are not seen:
@@ -903,7 +920,15 @@ class Explorer:
             self.policy.explorer_checks_before(step)
             or self.policy.explorer_waits_for_version(step) is not None
         )
+        wakes = self._gate_wakes
+        if wakes is not None and gate.blocked_until_woken(self._gate_spare) and not wakes.written:
+            # the last look left no group's room and nothing has made any since: a look
+            # now would only be told no (see StalenessGate.blocked_until_woken)
+            await wakes.wait(IDLE_LOOK_S)
+        self._gate_spare = None
         while True:
+            if wakes is not None:
+                wakes.forget()  # a write from now on wakes the pause below
             look = await self._look(state, will_sync)
             decision = gate.decide(look)
             if isinstance(decision, AwaitWeights):
@@ -916,6 +941,7 @@ class Explorer:
                     continue
                 decision = gate.decide(replace(look, may_await=False, may_load=False))
             if isinstance(decision, Take):
+                self._gate_spare = gate.room_after(look, decision.tasks)
                 return decision.tasks
             assert isinstance(decision, Blocked)
             # the record matters only with nothing ahead of the trainer: not read otherwise
@@ -928,8 +954,8 @@ class Explorer:
             )
             if isinstance(settled, Take):
                 return settled.tasks
-            if self._trainer_changes is not None:
-                await self._trainer_changes.wait(settled.wake_s)
+            if wakes is not None:
+                await wakes.wait(settled.wake_s)
             else:
                 await anyio.sleep(settled.wake_s)
 

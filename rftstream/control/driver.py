@@ -65,6 +65,23 @@ class KeyWrites:
             self._event = anyio.Event()
         return fired
 
+    @property
+    def written(self) -> bool:
+        """Whether a key was written (or :meth:`poke` called) since the last :meth:`wait`
+        returned or :meth:`forget`; does not consume it."""
+        return self._event.is_set()
+
+    def forget(self) -> None:
+        """Drop the writes seen so far: call it just before reading the keys, so that
+        :meth:`wait` then wakes only for a write the read may have missed."""
+        if self._event.is_set():
+            self._event = anyio.Event()
+
+    def poke(self) -> None:
+        """Wake the waiter as a write would: something in this process changed what the
+        keys' reader decides by (a weight version staged)."""
+        self._event.set()
+
     async def stop(self) -> None:
         for sub in self._subs:
             try:

@@ -11,7 +11,9 @@ explorer), :class:`LoadNewest` (only this explorer's old weights stand in the
 way), or :class:`Blocked`; a blocked look is settled by
 :meth:`StalenessGate.settle` with the trainer's ``trainer.starving`` record and
 the run's status: :class:`Take` or :class:`Pause` (wait for a write of the
-trainer's keys, at most ``wake_s``). The explorer's loop
+trainer's keys, at most ``wake_s``). After a take that left no group's room
+(:meth:`StalenessGate.room_after`, :meth:`StalenessGate.blocked_until_woken`) the
+explorer waits for such a write before it looks again. The explorer's loop
 (``actors/explorer.py``, ``Explorer._respect_staleness``) reads, asks and acts;
 nothing here blocks, reads or sleeps.
 """
@@ -245,6 +247,22 @@ class StalenessGate:
             in_flight=look.in_flight,
             hidden=look.queued.held_by_operators > 0 and (settled is None or settled >= self.group),
         )
+
+    def room_after(self, look: GateLook, tasks: int) -> int | None:
+        """The room (in experiences) ``look`` leaves once this explorer takes ``tasks``
+        more; None: unbounded. Only a later write of the trainer's keys, or a version
+        staged here, can make more (see :meth:`blocked_until_woken`)."""
+        room = self._room(look.queued.total + look.in_flight, look.newest[1] - self.mine(look))
+        return None if room is None else room - tasks * self.group
+
+    def blocked_until_woken(self, spare: int | None) -> bool:
+        """Whether the next look is sure to be :class:`Blocked` unless something happened
+        since the last one: its room after the take (``spare``, :meth:`room_after`) has no
+        group's worth left. The count only grows by this explorer's own tasks; room is
+        made by the trainer (its step record follows its acks), a starving record, the
+        run's end, or a version staged here. So the explorer waits for one of those (at
+        most :data:`IDLE_LOOK_S`) before it looks, instead of looking to be told no."""
+        return spare is not None and spare < self.group
 
     def settle(
         self,

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -108,8 +109,12 @@ class WeightFetcher:
         name: str = "explorer",
         model_path: str | Path = "",
         initial: tuple[int, int] = (0, 0),
+        on_change: Callable[[], None] | None = None,
     ) -> None:
+        """``on_change``: called (in the event loop) whenever a version was staged or
+        refused, e.g. to wake a staleness gate waiting for room."""
         self.bus = bus
+        self.on_change = on_change
         self.state = state
         self.engine = engine
         self.name = name
@@ -220,9 +225,11 @@ class WeightFetcher:
                     pass
 
     def _changed(self) -> None:
-        """Wake :meth:`wait_staged`: a version was staged or refused."""
+        """Wake :meth:`wait_staged` (and ``on_change``): a version was staged or refused."""
         self._staged_event.set()
         self._staged_event = anyio.Event()
+        if self.on_change is not None:
+            self.on_change()
 
     def _wanted(self, ptr: WeightsPointer) -> bool:
         key = (ptr.incarnation, ptr.version)

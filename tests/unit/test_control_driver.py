@@ -89,3 +89,22 @@ async def test_key_writes_unsubscribe_when_the_loop_ends() -> None:
         assert not await writes.wait(0.01)  # reported once
     await state.put(STATUS, "finished")  # after the end: nobody is told
     assert not await writes.wait(0.01)
+
+
+async def test_key_writes_forget_and_poke() -> None:
+    """``forget`` drops writes a reader is about to see anyway; ``poke`` wakes the waiter
+    from this process; ``written`` tells without consuming."""
+    state = await _state()
+    async with KeyWrites(state.kv, [TRAINER_STEP]) as writes:
+        await state.put(TRAINER_STEP, 1)
+        with anyio.fail_after(5):
+            while not writes.written:
+                await anyio.sleep(0.01)
+        assert writes.written  # not consumed by looking
+        writes.forget()  # the reader reads now: what was written so far is seen
+        assert not writes.written
+        assert not await writes.wait(0.05)  # nothing new
+        writes.poke()
+        assert writes.written
+        assert await writes.wait(5.0)  # at once
+        assert not writes.written

@@ -117,3 +117,22 @@ def test_a_starving_trainer_is_never_stalled_and_an_ended_run_is_not_waited_for(
     stale = TrainerStarving(since=1.0, held=8)  # said before more reached it
     assert gate().settle(blocked, stale, ended=False, in_flight_now=0) == Pause(IDLE_LOOK_S)
     assert gate().settle(blocked, None, ended=True, in_flight_now=0) == Take(BATCH)
+
+
+def test_a_take_that_leaves_no_groups_room_waits_to_be_woken_before_the_next_look() -> None:
+    # 20 groups wait: 32 positions are left, the take is 4 tasks (32): nothing is left
+    full = look(total=20)
+    take = gate().decide(full)
+    assert take == Take(4)
+    assert gate().room_after(full, 4) == 0
+    assert gate().blocked_until_woken(gate().room_after(full, 4))
+    # nothing changed: the next look is Blocked indeed (our 4 tasks now in flight)
+    assert isinstance(gate().decide(look(total=20, in_flight=4)), Blocked)
+    # room for more than this step: the next step looks at once
+    roomy = look(total=4)
+    assert gate().decide(roomy) == Take(BATCH)
+    assert gate().room_after(roomy, BATCH) == 3 * TBS - 4 * GROUP - BATCH * GROUP
+    assert not gate().blocked_until_woken(gate().room_after(roomy, BATCH))
+    # unbounded, or unknown (a take a settle granted): look at once
+    assert gate(None).room_after(full, 4) is None
+    assert not gate().blocked_until_woken(None)
