@@ -36,11 +36,20 @@ class ConfigError(RftError):
         has_value: bool = False,
     ) -> None:
         self.key_path = key_path
+        self.message = message
         self.value = value
         self.source = source
+        self.has_value = has_value
         where = f"{source}: " if source else ""
         shown = f" (got {value!r})" if has_value or value is not None else ""
         super().__init__(f"{where}config key `{key_path}`: {message}{shown}")
+
+    def at(self, key_path: str) -> ConfigError:
+        """The same error naming ``key_path`` instead (a caller that knows the key better:
+        a list item that is itself the path, where the callee named ``<item>.path``)."""
+        return ConfigError(
+            key_path, self.message, value=self.value, source=self.source, has_value=self.has_value
+        )
 
 
 class WeightSyncError(RftError):

@@ -26,9 +26,10 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from rftstream.config.schema import Config, StorageConfig, TaskPipelineConfig, TasksetConfig
 from rftstream.errors import (
@@ -93,17 +94,33 @@ def _fingerprint(tp: TaskPipelineConfig, inputs: list[Path]) -> str:
     return hashlib.sha256(json.dumps(spec, sort_keys=True, default=str).encode()).hexdigest()
 
 
-def _input_files(tp: TaskPipelineConfig) -> list[Path]:
+T = TypeVar("T")
+
+
+def _named(where: str, read: Callable[..., T], *args: Any) -> T:
+    """``read(*args)``, its :class:`ConfigError` about ``<where>.path`` naming ``where``: an
+    input of ``inputs`` is the path itself, not a table with a ``path`` key."""
+    try:
+        return read(*args)
+    except ConfigError as exc:
+        if exc.key_path == f"{where}.path":
+            raise exc.at(where) from exc
+        raise
+
+
+def _input_files(tp: TaskPipelineConfig) -> list[tuple[str, Path]]:
+    """``(key of the input, file)`` for every data file the inputs name, in order."""
     from rftstream.tasksets import taskset_files
 
     if not tp.inputs:
         raise ConfigError(f"{KEY}.inputs", "lists no input file: the raw tasks to process")
-    files: list[Path] = []
+    files: list[tuple[str, Path]] = []
     for i, path in enumerate(tp.inputs):
         where = f"{KEY}.inputs[{i}]"
         if not Path(path).expanduser().exists():
             raise ConfigError(where, "no such file or directory", value=path)
-        files += taskset_files(TasksetConfig(path=path), where.removesuffix(".path"))
+        found = _named(where, taskset_files, TasksetConfig(path=path), where)
+        files += [(where, f) for f in found]
     return files
 
 
@@ -130,7 +147,8 @@ def run_task_pipeline(cfg: Config) -> TaskPipelineResult | None:
     if not storage.path:
         raise ConfigError(f"{where}.path", "is empty: the task pipeline writes its output there")
     out = Path(storage.path).expanduser()
-    files = _input_files(tp)
+    inputs = _input_files(tp)
+    files = [f for _, f in inputs]
     fingerprint = _fingerprint(tp, files)
     record_path = out / RECORD_FILE
     if out.exists():
@@ -151,7 +169,7 @@ def run_task_pipeline(cfg: Config) -> TaskPipelineResult | None:
         )
     from rftstream.tasksets import read_data_file
 
-    rows = [row for f in files for row in read_data_file(f, KEY)]
+    rows = [row for w, f in inputs for row in _named(w, read_data_file, f, w)]
     fields = list(tp.target_fields) or sorted({k for row in rows for k in row})
     missing = [f for f in tp.target_fields if rows and all(f not in row for row in rows)]
     if missing:

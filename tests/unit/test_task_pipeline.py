@@ -105,7 +105,26 @@ def test_what_cannot_run_is_refused_naming_its_key(
     with pytest.raises(ConfigError) as info:
         run_task_pipeline(_config(tmp_path, **pipeline))
     assert info.value.key_path == key
+    assert f"`{key}.path`" not in str(info.value)
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize(
+    ("name", "text", "says"),
+    [("raw.txt", "x\n", "expected a"), ("bad.jsonl", "{not json\n", "invalid JSON")],
+)
+def test_an_input_that_cannot_be_read_is_named_by_its_item(
+    tmp_path: Path, name: str, text: str, says: str
+) -> None:
+    """An item of ``inputs`` is the path itself: an error names ``inputs[i]``, not a
+    ``inputs[i].path`` that no config has."""
+    bad = tmp_path / "inputs" / name
+    bad.parent.mkdir()
+    bad.write_text(text)
+    with pytest.raises(ConfigError, match=says) as info:
+        run_task_pipeline(_config(tmp_path, inputs=[str(bad)]))
+    assert info.value.key_path == "data_processor.task_pipeline.inputs[0]"
+    assert ".path`" not in str(info.value)
 
 
 def test_an_unknown_op_fails_before_anything_is_written(tmp_path: Path) -> None:
