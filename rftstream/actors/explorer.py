@@ -121,7 +121,6 @@ from rftstream.subjects import (
     KV_TRAINER_STARVING,
     KV_TRAINER_STEP,
     KV_WEIGHTS,
-    KV_WEIGHTS_PENDING,
     RAW_STAGE,
 )
 from rftstream.weights import load_weights
@@ -207,7 +206,7 @@ class Explorer:
         self._idle_total = 0.0
         self._idle_mark = (self._loop_start, 0.0)
         self._step_recorded = 0
-        self._trainer_changes: KeyWrites | None = None
+        self._weights_changes: KeyWrites | None = None
         # what can make room for a blocked staleness gate: the trainer's step record (it
         # follows the step's acks), its starving record, the run's status, and (poked) a
         # version staged here; not weights.pending / weights.latest, which come before
@@ -281,12 +280,10 @@ class Explorer:
             log.info("%s: resuming after step %d", self.name, self.step)
         consumer = await self.bus.pull(self.names.tasks_stream, self.names.explorer_consumer)
         ticker = InProgressTicker(self.cfg.nats.ack_wait / 3)
-        # what the trainer writes after a step: a paused explorer wakes at once (see _respect_staleness)
-        self._trainer_changes = KeyWrites(
-            await self.bus.kv(),
-            (KV_TRAINER_STEP, KV_WEIGHTS, KV_WEIGHTS_PENDING, KV_TRAINER_STARVING, KV_STATUS),
-        )
-        await self._trainer_changes.start()
+        # what an explorer waiting for a weights version reads (see _sync_weights): it wakes
+        # at the pointer's (or the status's) write, not on a poll
+        self._weights_changes = KeyWrites(await self.bus.kv(), (KV_WEIGHTS, KV_STATUS))
+        await self._weights_changes.start()
         self._gate_wakes = KeyWrites(
             await self.bus.kv(), (KV_TRAINER_STEP, KV_TRAINER_STARVING, KV_STATUS)
         )
@@ -326,7 +323,7 @@ class Explorer:
             with anyio.CancelScope(shield=True):
                 await self._nak_unacked()
                 await consumer.unsubscribe()
-                await self._trainer_changes.stop()
+                await self._weights_changes.stop()
                 await self._gate_wakes.stop()
                 try:  # the last word on this explorer's step and weights (the loop's may lag)
                     await state.heartbeat(self._heartbeat())
@@ -847,10 +844,10 @@ class Explorer:
                         break
                     if await state.status() in END_STATUSES:
                         return
-                    if self._trainer_changes is None:
+                    if self._weights_changes is None:
                         await anyio.sleep(0.1)
                     else:  # woken by the trainer's weights (or status) write, not a poll
-                        await self._trainer_changes.wait(1.0)
+                        await self._weights_changes.wait(1.0)
             await self._load(state, need, wait=True)
         elif self.policy.explorer_checks_before(step):
             await self._load(state, 0)

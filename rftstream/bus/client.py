@@ -148,20 +148,11 @@ class Bus:
         return cls(transport, names, cfg, actor, on_stream_full=on_stream_full)
 
     @classmethod
-    def in_memory(
-        cls,
-        names: RunNames,
-        cfg: NatsConfig | None = None,
-        actor: str = "test",
-        *,
-        on_stream_full: StreamFullHook | None = None,
-    ) -> Bus:
+    def in_memory(cls, names: RunNames, cfg: NatsConfig | None = None, actor: str = "test") -> Bus:
         """A bus on a fresh :class:`~rftstream.bus.memory.MemoryTransport` (one process;
         for unit tests of the logic above the bus). Share ``bus.transport`` between
         several :class:`Bus` objects to give each actor its own."""
-        return cls(
-            MemoryTransport(), names, cfg or NatsConfig(), actor, on_stream_full=on_stream_full
-        )
+        return cls(MemoryTransport(), names, cfg or NatsConfig(), actor)
 
     @property
     def server_url(self) -> str:

@@ -190,9 +190,9 @@ def taskset_repeat_times(ts: TasksetConfig, run_repeat_times: int) -> int:
     """Runs per task of the training taskset ``ts``: its own ``repeat_times``; unset,
     ``run_repeat_times`` (the run's ``algorithm.repeat_times``: ``ResolvedRun.repeat_times``)
     or, for a taskset marked ``is_eval``, 1, as in Trinity-RFT."""
-    if ts.repeat_times:
-        return int(ts.repeat_times)
-    return 1 if ts.is_eval else run_repeat_times
+    if ts.is_eval:
+        return eval_repeat_times(ts)
+    return int(ts.repeat_times) if ts.repeat_times else run_repeat_times
 
 
 def eval_repeat_times(ts: TasksetConfig) -> int:

@@ -10,7 +10,6 @@ import anyio
 import msgspec
 import pytest
 
-from rftstream.bus.client import Bus, StreamFullHook
 from rftstream.bus.memory import MemoryTransport
 from rftstream.bus.transport import Delivery, Transport
 from rftstream.config import config_from_dict
@@ -26,21 +25,14 @@ MEMORY_URL = "memory://"
 def serve_in_memory(monkeypatch: pytest.MonkeyPatch) -> MemoryTransport:
     """Make ``Bus.connect`` open a new connection (:meth:`MemoryTransport.connection`) to
     the returned in-memory server, whatever URL it is given: the actors under test
-    (``run_spliced``, ``provision``) connect and close as they do against nats-server."""
+    (``run_spliced``, ``provision``) connect and close as they do against nats-server.
+    Only the transport is replaced: ``Bus.connect`` itself runs as it is."""
     server = MemoryTransport()
 
-    async def connect(
-        cls: type[Bus],
-        url: str | None,
-        names: RunNames,
-        cfg: NatsConfig,
-        actor: str,
-        *,
-        on_stream_full: StreamFullHook | None = None,
-    ) -> Bus:
-        return cls(server.connection(), names, cfg, actor, on_stream_full=on_stream_full)
+    async def connect_transport(cfg: NatsConfig, url: str | None, **_: object) -> Transport:
+        return server.connection()
 
-    monkeypatch.setattr(Bus, "connect", classmethod(connect))
+    monkeypatch.setattr("rftstream.bus.client.connect_transport", connect_transport)
     return server
 
 

@@ -141,8 +141,8 @@ async def test_a_fixed_style_explorer_wakes_on_the_trainers_weights_write() -> N
         return await real_latest()
 
     state.latest_weights = latest_weights  # type: ignore[method-assign]
-    explorer._trainer_changes = KeyWrites(await explorer.bus.kv(), (KV_WEIGHTS, KV_STATUS))
-    await explorer._trainer_changes.start()
+    explorer._weights_changes = KeyWrites(await explorer.bus.kv(), (KV_WEIGHTS, KV_STATUS))
+    await explorer._weights_changes.start()
     synced_at: list[float] = []
 
     async def sync() -> None:
@@ -155,7 +155,7 @@ async def test_a_fixed_style_explorer_wakes_on_the_trainers_weights_write() -> N
             await anyio.sleep(0.6)  # a poll every 0.1 s would read six times meanwhile
             published_at = anyio.current_time()
             await state.set_latest_weights(ptr)
-    await explorer._trainer_changes.stop()
+    await explorer._weights_changes.stop()
     assert len(reads) == 3, reads
     assert synced_at[0] - published_at < 0.2
     assert engine.model_version == 1 and torch.equal(engine.loaded[0][0]["w"], weights["w"])
