@@ -24,7 +24,13 @@ import pytest
 
 from rftstream.fault_points import ENV as FREEZE_ENV
 from rftstream.nats_server.embedded import find_nats_server, free_port
-from tests.integration._util import RFTSTREAM, small_config, user_env, write_config
+from tests.integration._util import (
+    RFTSTREAM,
+    descendants,
+    small_config,
+    user_env,
+    write_config,
+)
 
 pytestmark = pytest.mark.integration
 
@@ -232,33 +238,18 @@ def test_a_run_killed_at_ten_points_continues_each_time_and_finishes(
         assert re.search(r"ack floor is \d+ but everything on its subject below", log_text), account
 
 
-def _cmdlines(descending_from: int | None = None) -> list[str]:
-    """The command lines of the machine's processes, or of ``descending_from``'s
-    descendants only (other runs on the machine are not this test's)."""
-    parents: dict[int, int] = {}
-    out: dict[int, str] = {}
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                stat = (entry / "stat").read_text()
-                out[int(entry.name)] = (
-                    (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()
-                )
-            except OSError:
-                continue
-            # the field after the command name, which may hold spaces and parentheses
-            parents[int(entry.name)] = int(stat.rsplit(")", 1)[1].split()[1])
-    if descending_from is None:
-        return list(out.values())
-    mine = {descending_from}
-    grew = True
-    while grew:
-        grew = False
-        for pid, ppid in parents.items():
-            if ppid in mine and pid not in mine:
-                mine.add(pid)
-                grew = True
-    return [cmd for pid, cmd in out.items() if pid in mine and pid != descending_from]
+def _cmdlines(pids: list[int] | None = None) -> list[str]:
+    """The command lines of ``pids`` (None: every process on the machine); a process
+    gone meanwhile is left out."""
+    if pids is None:
+        pids = [int(entry.name) for entry in Path("/proc").iterdir() if entry.name.isdigit()]
+    out = []
+    for pid in pids:
+        try:
+            out.append(Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode())
+        except OSError:
+            pass
+    return out
 
 
 def _files_holding(root: Path, secret: str, allowed: set[Path]) -> list[Path]:
@@ -396,7 +387,9 @@ def test_a_password_in_the_nats_url_reaches_no_command_line_file_or_report(
         with_secret = url.replace("nats://", f"nats://rft:{secret}@")
         up = Up(config, run_dir, env, "--nats-url", with_secret)
         up.wait_for("step 1", lambda: len(_steps(run_dir)) >= 1, timeout=180)
-        children = [c for c in _cmdlines(up.proc.pid) if "rftstream.launch.actor_process" in c]
+        children = [
+            c for c in _cmdlines(descendants(up.proc.pid)) if "rftstream.launch.actor_process" in c
+        ]
         assert len(children) == 2, children
         leaking = [c for c in children if secret in c]
         assert not leaking, leaking

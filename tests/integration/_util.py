@@ -286,6 +286,24 @@ def wait_processes(
         assert p.poll() == 0, f"{role} did not finish:\n{logs[role].read_text()[-4000:]}"
 
 
+def descendants(pid: int) -> list[int]:
+    """Every process below ``pid`` (from /proc)."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(entry.name))
+    out, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            out.append(child)
+            todo.append(child)
+    return out
+
+
 def user_env(tiny_model_path: str) -> dict[str, str]:
     """A user's shell for subprocesses: the shared tiny-model cache, and none of the
     torch.distributed variables this pytest process's own trainers set."""

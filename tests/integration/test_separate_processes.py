@@ -16,6 +16,7 @@ import pytest
 from rftstream.nats_server.embedded import free_port
 from tests.integration._util import (
     actor_config,
+    descendants,
     read_stream,
     sft_config,
     start_nats_server,
@@ -220,24 +221,6 @@ def test_sft_trainer_under_a_launcher(
     assert proc.stdout.count("step    1") == 1  # rank 1 prints nothing
 
 
-def _descendants(pid: int) -> list[int]:
-    """Every process below ``pid`` (from /proc)."""
-    children: dict[int, list[int]] = {}
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-            children.setdefault(ppid, []).append(int(entry.name))
-    out, todo = [], [pid]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            out.append(child)
-            todo.append(child)
-    return out
-
-
 def test_a_trainer_node_that_dies_stops_the_run_with_one_line(
     tmp_path: Path, tiny_model_path: str, hand_started_server: str
 ) -> None:
@@ -277,7 +260,7 @@ def test_a_trainer_node_that_dies_stops_the_run_with_one_line(
             assert nodes[0].poll() is None, logs[0].read_text()[-3000:]
             assert time.time() < deadline, logs[0].read_text()[-3000:]
             time.sleep(0.1)
-        for pid in [nodes[1].pid, *_descendants(nodes[1].pid)]:
+        for pid in [nodes[1].pid, *descendants(nodes[1].pid)]:
             os.kill(pid, signal.SIGKILL)
         killed = time.time()
         code = nodes[0].wait(timeout=60)
@@ -285,7 +268,7 @@ def test_a_trainer_node_that_dies_stops_the_run_with_one_line(
     finally:
         for node in nodes:
             if node.poll() is None:
-                for pid in [node.pid, *_descendants(node.pid)]:
+                for pid in [node.pid, *descendants(node.pid)]:
                     os.kill(pid, signal.SIGKILL)
     out = logs[0].read_text()
     assert code != 0, out[-3000:]
