@@ -15,7 +15,7 @@ import logging
 from collections.abc import Awaitable, Callable, Iterator
 from contextlib import contextmanager
 from datetime import datetime
-from typing import Any
+from typing import Any, TypeVar
 
 import anyio
 import msgspec
@@ -62,6 +62,8 @@ from rftstream.errors import (
 )
 
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 # JSStreamStoreFailedF: what the server answers a publish to a full `discard: new` stream
 STREAM_FULL_ERR_CODE = 10077
@@ -113,6 +115,37 @@ def _translated(
 
 #: JetStream's "insufficient storage resources available" (a stream's reservation refused)
 _NO_STORAGE = 10047
+#: JetStream's "error creating store for stream" (the stream's directory could not be made)
+_STORE_FAILED = 10049
+#: attempts at creating a stream (or KV bucket) whose store the server failed to make
+_STORE_ATTEMPTS = 4
+_STORE_PAUSE = 0.05  # s before the second attempt; doubled each time
+
+
+async def create_riding_out_store_races(what: str, create: Callable[[], Awaitable[T]]) -> T:
+    """``await create()`` (a stream or KV bucket creation), again after a short pause when
+    the server answers "error creating store for stream" (10049), at most
+    ``_STORE_ATTEMPTS`` times in all (0.35 s of pauses); then that answer is raised.
+
+    Why: when an account's last stream is deleted, nats-server removes the account's
+    now-empty ``<store>/<account>/streams`` directory in a goroutine of its own
+    (``stream.stop``). A stream created in that moment has the directory pulled from
+    under its ``MkdirAll`` and is refused with 10049 (the server logs "could not create
+    storage directory"); asked again, it succeeds. A lasting cause (a read-only store)
+    fails every attempt and reaches the caller unchanged. Other errors are raised at
+    once. Blocks for the attempts; cancelling it cancels the one in flight.
+    """
+    pause = _STORE_PAUSE
+    for attempt in range(1, _STORE_ATTEMPTS + 1):
+        try:
+            return await create()
+        except nats.js.errors.APIError as exc:
+            if exc.err_code != _STORE_FAILED or attempt == _STORE_ATTEMPTS:
+                raise
+            log.info("%s: %s; asking again (attempt %d)", what, exc.description, attempt + 1)
+        await anyio.sleep(pause)
+        pause *= 2
+    raise AssertionError("unreachable")  # the last attempt returns or raises
 
 
 def _no_room_hint(error: str, spec: StreamSpec, key: str) -> str:
@@ -457,7 +490,9 @@ class JetStreamTransport:
         except StreamNotFound:
             try:
                 with self._api(f"cannot create stream {spec.name} ({key})"):
-                    await self.js.add_stream(cfg)
+                    await create_riding_out_store_races(
+                        f"creating stream {spec.name}", lambda: self.js.add_stream(cfg)
+                    )
             except BusError as exc:
                 cause = exc.__cause__
                 if getattr(cause, "err_code", None) != _NO_STORAGE:
@@ -566,8 +601,12 @@ class JetStreamTransport:
                 storage=api.StorageType.FILE,
             )
             try:
-                kv = await self.js.create_key_value(config)
-            except nats.js.errors.APIError:
+                kv = await create_riding_out_store_races(
+                    f"creating KV bucket {bucket}", lambda: self.js.create_key_value(config)
+                )
+            except nats.js.errors.APIError as exc:
+                if exc.err_code == _STORE_FAILED:
+                    raise BusError(f"cannot create KV bucket {bucket}: {exc}") from exc
                 with self._api(f"KV bucket {bucket}", BucketNotFound):
                     kv = await self.js.key_value(bucket)  # created meanwhile by another actor
             except (nats.errors.Error, TimeoutError) as exc:
