@@ -33,7 +33,13 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-__all__ = ["DecodeSession", "FastDecoder", "fast_decoder_for", "unsupported_reason"]
+__all__ = [
+    "DecodeSession",
+    "FastDecoder",
+    "architecture_reason",
+    "fast_decoder_for",
+    "unsupported_reason",
+]
 
 SUPPORTED_TYPES = ("qwen2", "llama", "mistral")
 STATIC_ROPE = ("default", "linear", "llama3")
@@ -41,6 +47,16 @@ STATIC_ROPE = ("default", "linear", "llama3")
 
 def unsupported_reason(model: Any) -> str | None:
     """Why :class:`FastDecoder` cannot run ``model`` exactly, or None if it can."""
+    reason = architecture_reason(model)
+    if reason is None and model.training:
+        return "model in training mode"
+    return reason
+
+
+def architecture_reason(model: Any) -> str | None:
+    """Why the lean forward passes (this module's, and the trainer's
+    :mod:`rftstream.training.lean_forward`) cannot compute ``model``'s forward exactly, or
+    None: the architecture and its configuration only, not the mode or the dtype."""
     cfg = getattr(model, "config", None)
     mtype = getattr(cfg, "model_type", None)
     if mtype not in SUPPORTED_TYPES:
@@ -62,8 +78,6 @@ def unsupported_reason(model: Any) -> str | None:
         return "no rotary embedding module"
     if getattr(rotary, "rope_type", "default") not in STATIC_ROPE:
         return f"rope_type {rotary.rope_type!r} (frequencies depend on the length)"
-    if model.training:
-        return "model in training mode"
     return None
 
 

@@ -44,6 +44,7 @@ from rftstream.training.batch import (
     trainer_tensors,
 )
 from rftstream.training.critic import value_loss
+from rftstream.training.lean_forward import LeanForward, lean_forward_reason
 from rftstream.training.loss_inputs import TRAINER_ADVANTAGE_INPUTS, loss_inputs_for
 from rftstream.training.masked_reductions import whole_batch
 from rftstream.training.memory import (
@@ -298,6 +299,24 @@ class PolicyTrainer:
                     "trainer.critic.optim",
                 )
         self.reuse_old_logprob = self._old_logprob_is_redundant()
+        # the trainer's lean forward (rftstream.training.lean_forward) where it computes the
+        # HF forward exactly: float32 on the CPU, by module (the policy, the reference)
+        self._lean: dict[int, LeanForward] = {}
+        if cfg.trainer.lean_forward:
+            for module in (self.engine.module, self.ref_model):
+                if module is None:
+                    continue
+                reason = lean_forward_reason(
+                    module,
+                    zero_stage=cfg.trainer.zero_stage,
+                    checkpointing=checkpointing,
+                    adapters=self.lora is not None,
+                    dropout=_has_active_dropout(module),
+                )
+                if reason is None:
+                    self._lean[id(module)] = LeanForward(module)
+                else:
+                    log.debug("trainer: the HF forward for %s (%s)", type(module).__name__, reason)
         self.global_step = 0
 
     def _check_dynamic_bsz(self, cfg: Config) -> None:
@@ -433,10 +452,19 @@ class PolicyTrainer:
         their first column. The LM head runs on the positions that predict response
         tokens only, where the model's forward can be told so. Rows that share a prompt
         share its forward pass (``trainer.share_prompts``)."""
+        lean = self._lean_for(model)
         if self.share_prompts:
             shared = _shared_prompts(mb)
             if shared is not None:
+                if lean is not None:
+                    P = mb.prompt_width
+                    ids, mask, pos = mb.input_ids, mb.attention_mask, mb.position_ids
+                    return lean.shared_logits(ids, mask, pos, P, *shared), P - 1
                 return self._forward_shared(model, mb, *shared)
+        if lean is not None:
+            response = mb.input_ids.shape[1] - mb.prompt_width
+            logits = lean.logits(mb.input_ids, mb.attention_mask, mb.position_ids, response + 1)
+            return logits, mb.prompt_width - 1
         kwargs: dict[str, Any] = {}
         start = 0
         if self.keep_kwarg is not None:
@@ -451,6 +479,14 @@ class PolicyTrainer:
             **kwargs,
         )
         return out.logits, start
+
+    def _lean_for(self, model: torch.nn.Module) -> LeanForward | None:
+        """The lean forward of ``model`` (the DeepSpeed engine stands for its module), or
+        None: the HF forward (see :func:`~rftstream.training.lean_forward.lean_forward_reason`)."""
+        if not self._lean:
+            return None
+        module = self.engine.module if model is self.engine else model
+        return self._lean.get(id(module))
 
     def _forward_shared(
         self,
