@@ -9,55 +9,32 @@ the HF path; a trainer step with it leaves the same weights as one without.
 
 from __future__ import annotations
 
+import copy
 from pathlib import Path
 
 import pytest
 import torch
-from transformers import (
-    AutoModelForCausalLM,
-    LlamaConfig,
-    LlamaForCausalLM,
-    Qwen2Config,
-    Qwen2ForCausalLM,
-)
+from transformers import AutoModelForCausalLM, LlamaForCausalLM
 
 from rftstream.model_loading import output_cache
 from rftstream.training.lean_forward import LeanForward, lean_forward_reason
 from rftstream.training.policy_trainer import PolicyTrainer, _shared_prompts
+from tests.unit.test_fast_decoder import _models as fast_decoder_models
 from tests.unit.test_trainer_fast_paths import batch, grpo, params
 
 
 def _models(tiny_model_path: str) -> dict[str, torch.nn.Module]:
-    torch.manual_seed(0)
-    return {
-        "tiny qwen2 (GQA, tied, q/k/v biases)": AutoModelForCausalLM.from_pretrained(
-            tiny_model_path
-        ),
-        "llama GQA with attention biases": LlamaForCausalLM(
-            LlamaConfig(
-                vocab_size=300,
-                hidden_size=64,
-                intermediate_size=96,
-                num_hidden_layers=2,
-                num_attention_heads=8,
-                num_key_value_heads=2,
-                max_position_embeddings=128,
-                attention_bias=True,
-            )
-        ),
-        "qwen2 MHA untied": Qwen2ForCausalLM(
-            Qwen2Config(
-                vocab_size=300,
-                hidden_size=48,
-                intermediate_size=96,
-                num_hidden_layers=3,
-                num_attention_heads=4,
-                num_key_value_heads=4,
-                max_position_embeddings=128,
-                tie_word_embeddings=False,
-            )
-        ),
-    }
+    """The sampler's lean pass's test models, and Llama with attention biases (o_proj's too)."""
+    models = fast_decoder_models(tiny_model_path)
+    config = copy.deepcopy(models["llama GQA"].config)
+    config.attention_bias = True
+    models["llama GQA with attention biases"] = LlamaForCausalLM(config)
+    with torch.no_grad():  # biases start at zero: give them values that show
+        for model in models.values():
+            for name, param in model.named_parameters():
+                if name.endswith(".bias"):
+                    param.normal_(0.0, 0.2, generator=torch.Generator().manual_seed(len(name)))
+    return models
 
 
 P, R, GROUP = 7, 5, 3
