@@ -36,8 +36,11 @@ import torch.nn.functional as F
 __all__ = [
     "DecodeSession",
     "FastDecoder",
+    "apply_rope",
     "architecture_reason",
     "fast_decoder_for",
+    "rms_norm",
+    "rope_tables",
     "unsupported_reason",
 ]
 
@@ -86,6 +89,35 @@ def fast_decoder_for(model: Any) -> FastDecoder | None:
     if unsupported_reason(model) is not None:
         return None
     return FastDecoder(model)
+
+
+# ------------------------------------------------------------ the pieces both lean passes use
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """HF's Llama-family RMSNorm: in float32 (fused), other dtypes upcast and back."""
+    if x.dtype == torch.float32:
+        return F.rms_norm(x, (x.shape[-1],), weight, eps)
+    h = x.to(torch.float32)
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(x.dtype)
+
+
+def rope_tables(
+    positions: torch.Tensor, inv_freq: torch.Tensor, scaling: float, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin of shape [B, 1, T, head_dim] for integer ``positions`` [B, T], from the
+    rotary module's ``inv_freq`` and ``attention_scaling``, in ``dtype``."""
+    freqs = positions[..., None].to(torch.float32) * inv_freq.to(positions.device)
+    emb = torch.cat((freqs, freqs), dim=-1)
+    cos = (emb.cos() * scaling).to(dtype)[:, None]
+    sin = (emb.sin() * scaling).to(dtype)[:, None]
+    return cos, sin
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """``x`` [B, heads, T, head_dim] rotated by the tables of :func:`rope_tables`."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
 
 
 class _Layer:
@@ -164,25 +196,13 @@ class FastDecoder:
 
     # ------------------------------------------------------------ pieces
     def _rms(self, x: torch.Tensor, norm: Any) -> torch.Tensor:
-        if x.dtype == torch.float32:
-            return F.rms_norm(x, (x.shape[-1],), norm.weight, self.eps)
-        h = x.to(torch.float32)
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return norm.weight * h.to(x.dtype)
+        return rms_norm(x, norm.weight, self.eps)
 
     def _rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin of shape [B, 1, T, head_dim] for integer ``positions`` [B, T]."""
-        freqs = positions[..., None].to(torch.float32) * self.inv_freq.to(positions.device)
-        emb = torch.cat((freqs, freqs), dim=-1)
-        cos = (emb.cos() * self.rope_scaling).to(self.dtype)[:, None]
-        sin = (emb.sin() * self.rope_scaling).to(self.dtype)[:, None]
-        return cos, sin
+        return rope_tables(positions, self.inv_freq, self.rope_scaling, self.dtype)
 
-    @staticmethod
-    def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        half = x.shape[-1] // 2
-        rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-        return x * cos + rotated * sin
+    _rotate = staticmethod(apply_rope)
 
     def _forward(
         self,

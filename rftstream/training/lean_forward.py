@@ -35,7 +35,12 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from rftstream.engines.fast_decoder import architecture_reason
+from rftstream.engines.fast_decoder import (
+    apply_rope,
+    architecture_reason,
+    rms_norm,
+    rope_tables,
+)
 
 __all__ = ["LeanForward", "lean_forward_reason"]
 
@@ -83,18 +88,10 @@ class LeanForward:
 
     # ------------------------------------------------------------ pieces
     def _rms(self, x: torch.Tensor, norm: Any) -> torch.Tensor:
-        return F.rms_norm(x, (x.shape[-1],), norm.weight, self.eps)
+        return rms_norm(x, norm.weight, self.eps)
 
     def _rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin of shape [B, 1, T, head_dim] for integer ``positions`` [B, T]."""
-        freqs = positions[..., None].to(torch.float32) * self.inv_freq.to(positions.device)
-        emb = torch.cat((freqs, freqs), dim=-1)
-        return (emb.cos() * self.rope_scaling)[:, None], (emb.sin() * self.rope_scaling)[:, None]
-
-    @staticmethod
-    def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        half = x.shape[-1] // 2
-        return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
+        return rope_tables(positions, self.inv_freq, self.rope_scaling, torch.float32)
 
     def _layer(
         self,
@@ -115,7 +112,7 @@ class LeanForward:
         k = k.view(B, T, self.n_kv, self.head_dim).transpose(1, 2)
         v = v.view(B, T, self.n_kv, self.head_dim).transpose(1, 2)
         cos, sin = rope
-        q, k = self._rotate(q, cos, sin), self._rotate(k, cos, sin)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         keys, values = (
             (k, v) if past is None else (torch.cat([past[0], k], 2), torch.cat([past[1], v], 2))
         )

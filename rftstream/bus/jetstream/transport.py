@@ -136,16 +136,16 @@ async def create_riding_out_store_races(what: str, create: Callable[[], Awaitabl
     once. Blocks for the attempts; cancelling it cancels the one in flight.
     """
     pause = _STORE_PAUSE
-    for attempt in range(1, _STORE_ATTEMPTS + 1):
+    for attempt in range(2, _STORE_ATTEMPTS + 1):
         try:
             return await create()
         except nats.js.errors.APIError as exc:
-            if exc.err_code != _STORE_FAILED or attempt == _STORE_ATTEMPTS:
+            if exc.err_code != _STORE_FAILED:
                 raise
-            log.info("%s: %s; asking again (attempt %d)", what, exc.description, attempt + 1)
+            log.info("%s: %s; asking again (attempt %d)", what, exc.description, attempt)
         await anyio.sleep(pause)
         pause *= 2
-    raise AssertionError("unreachable")  # the last attempt returns or raises
+    return await create()  # the last attempt: its answer, whatever it is, is the caller's
 
 
 def _no_room_hint(error: str, spec: StreamSpec, key: str) -> str:
