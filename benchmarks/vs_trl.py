@@ -290,6 +290,41 @@ def _read_jsonl(path: Path) -> list[dict[str, Any]]:
 # ------------------------------------------------------------------ TRL child
 
 
+def trl_grpo_config(workload: Workload, output_dir: str, max_steps: int, seed: int) -> Any:
+    """TRL's ``GRPOConfig`` for ``workload``, configured as rftstream's default run trains:
+    batch 64 (8 prompts x 8 completions, one optimizer step per generation batch, so fully
+    on-policy), lr 2e-4 constant, no weight decay, beta 0 (no reference model), fp32,
+    gradient checkpointing off, temperature 1, clip 0.2, grad norm 1.0, TRL's default
+    ``loss_type`` (``dapo``: the token mean over the batch, as rftstream's ``token-mean``).
+    ``tests/integration/test_trl_parity.py`` checks that one step of it on a batch equals
+    one step of rftstream's trainer on the same batch."""
+    from trl import GRPOConfig
+
+    generation_kwargs = {"min_new_tokens": workload.min_tokens} if workload.min_tokens else None
+    return GRPOConfig(
+        output_dir=output_dir,
+        per_device_train_batch_size=64,
+        num_generations=8,
+        learning_rate=2e-4,
+        lr_scheduler_type="constant",
+        warmup_steps=0,
+        weight_decay=0.0,
+        beta=0.0,
+        max_completion_length=workload.max_tokens,
+        temperature=1.0,
+        generation_kwargs=generation_kwargs,
+        max_steps=max_steps,
+        logging_steps=10**9,
+        save_strategy="no",
+        report_to=[],
+        use_cpu=True,
+        bf16=False,  # train in fp32, as rftstream does (TRL 1.x defaults to bf16)
+        gradient_checkpointing=False,  # as rftstream trains (TRL 1.x defaults to on)
+        seed=seed,
+        disable_tqdm=True,
+    )
+
+
 def trl_child(args: argparse.Namespace) -> int:
     """Run TRL's GRPOTrainer on the workload: one JSON line per step to ``args.out``
     (absolute times; the parent subtracts its clock), a state-dict snapshot every
@@ -299,7 +334,7 @@ def trl_child(args: argparse.Namespace) -> int:
     torch.set_num_threads(args.threads)
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
-    from trl import GRPOConfig, GRPOTrainer
+    from trl import GRPOTrainer
 
     from rftstream.tiny_model import arithmetic_problems, ensure_tiny_model
 
@@ -374,28 +409,8 @@ def trl_child(args: argparse.Namespace) -> int:
             finally:
                 timing["rollout"] += time.perf_counter() - t
 
-    generation_kwargs = {"min_new_tokens": workload.min_tokens} if workload.min_tokens else None
-    config = GRPOConfig(
-        output_dir=str(Path(args.out).parent / "trl_output"),
-        per_device_train_batch_size=64,
-        num_generations=8,
-        learning_rate=2e-4,
-        lr_scheduler_type="constant",
-        warmup_steps=0,
-        weight_decay=0.0,
-        beta=0.0,
-        max_completion_length=workload.max_tokens,
-        temperature=1.0,
-        generation_kwargs=generation_kwargs,
-        max_steps=args.max_steps,
-        logging_steps=10**9,
-        save_strategy="no",
-        report_to=[],
-        use_cpu=True,
-        bf16=False,  # train in fp32, as rftstream does (TRL 1.x defaults to bf16)
-        gradient_checkpointing=False,  # as rftstream trains (TRL 1.x defaults to on)
-        seed=args.seed,
-        disable_tqdm=True,
+    config = trl_grpo_config(
+        workload, str(Path(args.out).parent / "trl_output"), args.max_steps, args.seed
     )
     trainer = TimedGRPOTrainer(
         model=model,
