@@ -36,7 +36,7 @@ from __future__ import annotations
 import inspect
 import weakref
 from abc import ABC
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -64,6 +64,7 @@ __all__ = [
     "construct_workflow",
     "make_task",
     "resolve_reward_fn",
+    "scores_inline",
 ]
 
 WORKFLOWS: Registry[type[Workflow]] = Registry("workflows", defaults=("workflows",))
@@ -407,6 +408,17 @@ def call_reward_fn(
     if isinstance(result, Mapping):
         return {str(k): float(v) for k, v in result.items()}
     return {"reward": float(result)}
+
+
+def scores_inline(fn: Callable[..., Any], responses: Iterable[str], truth: Any) -> bool:
+    """Whether an async workflow may call reward fn ``fn`` on ``responses`` on the event
+    loop instead of in a worker thread: ``fn.fast``, or ``fn.fast_for(response, truth)``
+    for every response (a :class:`~workflows.rewards.RewardFn`; a plain callable: never).
+    Calls ``fast_for``, which must not block."""
+    if getattr(fn, "fast", False):
+        return True
+    fast_for = getattr(fn, "fast_for", None)
+    return callable(fast_for) and all(fast_for(r, truth) for r in responses)
 
 
 def make_task(

@@ -34,7 +34,7 @@ import torch
 
 from rftstream.errors import WorkflowError
 from rftstream.experience import Experience
-from rftstream.workflow import WORKFLOWS, Task
+from rftstream.workflow import WORKFLOWS, Task, scores_inline
 from workflows.math_workflow import MathBoxedWorkflow, SimpleWorkflow
 
 __all__ = [
@@ -134,7 +134,8 @@ class OnPolicyDistillWorkflow(SimpleWorkflow):
             self._check_vocabulary(exp)
             scores = await self.teacher.logprobs_async(exp.tokens, temperature=self.temperature)
             self._record(exp, scores)
-        if getattr(self.reward_fn, "fast", False) or self._skips_reward():
+        texts = (e.response_text or "" for e in responses)
+        if self._skips_reward() or scores_inline(self.reward_fn, texts, self.truth):
             return self.score(responses)
         return await anyio.to_thread.run_sync(self.score, responses, abandon_on_cancel=True)
 

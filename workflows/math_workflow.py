@@ -28,7 +28,14 @@ import anyio.to_thread
 
 from rftstream.errors import WorkflowError
 from rftstream.experience import Experience
-from rftstream.workflow import WORKFLOWS, Task, Workflow, call_reward_fn, resolve_reward_fn
+from rftstream.workflow import (
+    WORKFLOWS,
+    Task,
+    Workflow,
+    call_reward_fn,
+    resolve_reward_fn,
+    scores_inline,
+)
 
 __all__ = ["MathBoxedWorkflow", "MathWorkflow", "SimpleWorkflow"]
 
@@ -135,9 +142,10 @@ class SimpleWorkflow(Workflow):
         return await self.model.chat_async(self.format_messages(), **self.sampling_kwargs())
 
     async def run_async(self) -> list[Experience]:
-        """Async form: awaits the engine; slow (non-``fast``) reward fns run in a worker thread."""
+        """Async form: awaits the engine; the reward fn runs in a worker thread unless it is
+        cheap for these responses (:func:`~rftstream.workflow.scores_inline`)."""
         responses = await self.generate_async()
-        if getattr(self.reward_fn, "fast", False):
+        if scores_inline(self.reward_fn, (e.response_text or "" for e in responses), self.truth):
             return self.score(responses)
         return await anyio.to_thread.run_sync(self.score, responses, abandon_on_cancel=True)
 

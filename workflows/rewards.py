@@ -89,7 +89,8 @@ class RewardFn(ABC):
     Subclasses take their options (``buffer.explorer_input.taskset.reward_fn_args``)
     as constructor keyword arguments. ``fast = True`` declares the function
     cheap enough to call on the event loop; otherwise async workflows call it
-    in a worker thread.
+    in a worker thread, unless :meth:`fast_for` says that these responses are
+    cheap to score (a thread hop costs more than scoring a short answer).
     """
 
     fast: bool = False
@@ -97,6 +98,11 @@ class RewardFn(ABC):
     @abstractmethod
     def __call__(self, response: str, truth: str | None = None, **kwargs: Any) -> dict[str, float]:
         """Return named scores; the reward is their sum."""
+
+    def fast_for(self, response: str, truth: str | None = None) -> bool:
+        """True when scoring ``response`` against ``truth`` is cheap enough for the event
+        loop (a few microseconds of Python); ``fast`` by default. Must not block."""
+        return self.fast
 
 
 # ---------------------------------------------------------------------------
@@ -446,7 +452,7 @@ class MathReward(RewardFn):
     rewards).
     """
 
-    fast = False  # math-verify may take milliseconds: async workflows call it in a thread
+    fast = False  # math-verify may take milliseconds: async workflows call it in a thread ...
 
     def __init__(
         self,
@@ -462,6 +468,21 @@ class MathReward(RewardFn):
             else None
         )
         self.use_math_verify = bool(use_math_verify)
+
+    def fast_for(self, response: str, truth: str | None = None) -> bool:
+        """... unless math-verify is off or not needed: the answer and the truth are both
+        numbers, or either is missing (about 10 microseconds for a short answer). Only the
+        built-in answer parser is known to be cheap."""
+        if self.answer_parser is not extract_answer or self.format_reward is not None:
+            return False
+        if not self.use_math_verify or truth is None:
+            return True
+        answer = extract_answer(response or "")
+        if answer is None or not answer.strip():
+            return True
+        return _as_number(answer.strip()) is not None and (
+            _as_number(_truth_answer(truth)) is not None
+        )
 
     def __call__(self, response: str, truth: str | None = None, **kwargs: Any) -> dict[str, float]:
         scores: dict[str, float] = {"accuracy": 0.0}

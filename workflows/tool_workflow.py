@@ -45,7 +45,7 @@ import anyio.to_thread
 
 from rftstream.errors import WorkflowError
 from rftstream.experience import Experience
-from rftstream.workflow import WORKFLOWS, Task, Workflow, call_reward_fn
+from rftstream.workflow import WORKFLOWS, Task, Workflow, call_reward_fn, scores_inline
 from workflows.math_workflow import SimpleWorkflow
 from workflows.sandbox import run_python_async
 
@@ -237,7 +237,7 @@ class PythonToolWorkflow(SimpleWorkflow):
                 self.reward_fn, response=final, truth=self.truth, **self.reward_kwargs()
             )
 
-        if getattr(self.reward_fn, "fast", False):
+        if scores_inline(self.reward_fn, [final], self.truth):
             scores = score()
         else:
             scores = await anyio.to_thread.run_sync(score, abandon_on_cancel=True)

@@ -10,6 +10,7 @@ records without new rollouts are skipped; the long-tail verifier waits
 from __future__ import annotations
 
 import sys
+import threading
 from pathlib import Path
 from types import ModuleType
 
@@ -78,7 +79,13 @@ def test_verifier_delay_is_per_row_and_in_range(longtail: ModuleType) -> None:
 
 def test_longtail_workflow_waits_then_scores_like_math(longtail: ModuleType, monkeypatch) -> None:
     slept: list[float] = []
-    monkeypatch.setattr(longtail.time, "sleep", slept.append)
+    threads: list[int] = []
+
+    def sleep(seconds: float) -> None:
+        slept.append(seconds)
+        threads.append(threading.get_ident())
+
+    monkeypatch.setattr(longtail.time, "sleep", sleep)
     task = task_for(
         {"question": "3+4=", "answer": "7"}, "longtail_math_workflow", repeat=3, task_id=5
     )
@@ -86,6 +93,7 @@ def test_longtail_workflow_waits_then_scores_like_math(longtail: ModuleType, mon
     wf = longtail.LongTailMathWorkflow(task=task, model=model)
     exps = anyio.run(wf.run_async)
     assert slept == [longtail.verifier_delay(5)]  # once per task
+    assert threads != [threading.get_ident()]  # in a worker thread: the explorer goes on
     assert [e.reward for e in exps] == [1.0, 0.0, 1.0]
 
 

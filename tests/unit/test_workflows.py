@@ -354,6 +354,78 @@ def test_math_reward(response: str, truth: str, expected: float) -> None:
     }
 
 
+@pytest.mark.parametrize(
+    "response,truth,kwargs,cheap",
+    [
+        ("the answer is 7", "7", {}, True),  # two numbers: no math-verify
+        ("\\boxed{7}", "#### 7", {}, True),  # GSM8K's truth, a boxed number
+        ("no idea", "7", {}, True),  # no answer: 0 at once
+        ("", "7", {}, True),
+        ("7", None, {}, True),  # no truth
+        ("\\boxed{\\frac{1}{2}}", "0.5", {}, True),  # a latex fraction is a number too
+        ("\\boxed{\\pi}", "\\pi", {}, False),  # no number: math-verify may be asked
+        ("\\boxed{a+b}", "b+a", {}, False),
+        ("\\boxed{a+b}", "b+a", {"use_math_verify": False}, True),
+        ("7", "7", {"pattern": "default"}, False),  # a format score: not known cheap
+        ("7", "7", {"answer_parser": "last_number"}, False),  # a parser of the user's
+    ],
+)
+def test_math_reward_says_when_it_is_cheap(
+    response: str, truth: str | None, kwargs: dict[str, Any], cheap: bool
+) -> None:
+    fn = REWARD_FUNCTIONS.get("math_reward")(**kwargs)
+    assert fn.fast_for(response, truth) is cheap
+    assert not fn.fast  # the class as a whole is not
+    # where it is cheap, no math-verify call: the score stands without it
+    if cheap and truth is not None and not kwargs:
+        plain = REWARD_FUNCTIONS.get("math_reward")(use_math_verify=False)
+        assert fn(response=response, truth=truth) == plain(response=response, truth=truth)
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize(
+    "replies,threaded",
+    [(["3+4 = 7.", "8", "no idea"], False), (["\\boxed{\\pi}", "7"], True)],
+)
+async def test_math_workflow_scores_cheap_replies_on_the_event_loop(
+    replies: list[str], threaded: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A worker thread only where math-verify may be needed: the thread hop costs more
+    than scoring a number (about 5% of the default run's steps a second)."""
+    import workflows.math_workflow as math_workflow
+
+    hops: list[object] = []
+    run_sync = anyio.to_thread.run_sync
+
+    async def counted(fn: Any, *args: Any, **kw: Any) -> Any:
+        hops.append(fn)
+        return await run_sync(fn, *args, **kw)
+
+    monkeypatch.setattr(math_workflow.anyio.to_thread, "run_sync", counted)
+    runner = WorkflowRunner(ScriptedModel(replies), max_timeout=30, max_retry_times=0)
+    fmt = FormatConfig(prompt_key="q", response_key="a")
+    task = task_for({"q": "3+4=", "a": "7"}, "math_workflow", len(replies), format=fmt)
+    res = await runner.run_task(task)
+    assert res.ok, res.error
+    assert [e.reward for e in res.experiences] == [float(r in ("3+4 = 7.", "7")) for r in replies]
+    assert any(getattr(fn, "__name__", "") == "score" for fn in hops) is threaded
+
+
+def test_scores_inline_for_plain_callables_and_reward_fns() -> None:
+    from rftstream.workflow import scores_inline
+
+    def plain(response: str, truth: str) -> float:
+        return 1.0
+
+    assert not scores_inline(plain, ["7"], "7")  # a plain function: a worker thread
+    math_reward = REWARD_FUNCTIONS.get("math_reward")()
+    assert scores_inline(math_reward, ["7", "no idea"], "7")
+    assert not scores_inline(math_reward, ["7", "\\boxed{x}"], "7")  # every reply must be cheap
+    assert scores_inline(REWARD_FUNCTIONS.get("accuracy_reward")(), ["\\boxed{x}"], "7") is bool(
+        REWARD_FUNCTIONS.get("accuracy_reward").fast
+    )
+
+
 def test_accuracy_reward_and_extraction() -> None:
     acc = REWARD_FUNCTIONS.get("accuracy_reward")()
     assert acc(" 7\n", "7") == {"accuracy": 1.0}
