@@ -291,6 +291,12 @@ class Workflow(ABC):  # noqa: B024 - ABC so subclasses may declare abstract meth
         """Prepare this instance for ``task`` (only called when :attr:`can_reset`)."""
         raise NotImplementedError(f"{type(self).__name__} does not implement reset(task)")
 
+    def reset_is_cheap(self, task: Task) -> bool:
+        """True when :meth:`reset` for ``task`` is a few microseconds of Python that cannot
+        block: the runner then calls it on the event loop instead of in a worker thread
+        (whose hop costs more). False by default. Must not block."""
+        return False
+
     def set_repeat_times(self, repeat_times: int, run_id_base: int = 0) -> None:
         """Ask for ``repeat_times`` rollouts from the next run, numbered from ``run_id_base``
         (only called when :attr:`can_repeat`)."""

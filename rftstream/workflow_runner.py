@@ -225,16 +225,22 @@ class WorkflowRunner:
                 idle.append(wf)
 
     async def _acquire(self, cls: type[Workflow], task: Task) -> Workflow:
-        """A cached idle instance reset for ``task``, else a new one (both in a worker thread)."""
+        """A cached idle instance reset for ``task`` (on the event loop where
+        ``reset_is_cheap(task)``, else in a worker thread), else a new one (built in a
+        worker thread)."""
         idle = self._idle.get(cls)
         if idle:
             wf = idle.pop()
             own = getattr(wf, "model", None)
             if own is not None and own is not self.model and hasattr(own, "history"):
                 own.history.clear()  # a clone of ours: leftovers of the previous task
-            await anyio.to_thread.run_sync(
-                wf.reset, task, abandon_on_cancel=True, limiter=_workflow_limiter()
-            )
+            cheap = getattr(wf, "reset_is_cheap", None)
+            if callable(cheap) and cheap(task):
+                wf.reset(task)
+            else:
+                await anyio.to_thread.run_sync(
+                    wf.reset, task, abandon_on_cancel=True, limiter=_workflow_limiter()
+                )
             return wf
         aux = list(self.auxiliary_models)
         model = self._model_for_new_workflow()

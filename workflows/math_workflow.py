@@ -88,6 +88,18 @@ class SimpleWorkflow(Workflow):
             self.reward_fn = resolve_reward_fn(spec, task.reward_fn_args)
             self._reward_key = key
 
+    def reset_is_cheap(self, task: Task) -> bool:
+        """True for this class's own :meth:`reset` when the task keeps the reward fn (a
+        new one is constructed, which may be any code): attribute copies and two dict
+        lookups. A subclass that overrides ``reset`` is not covered (it says so itself)."""
+        if type(self).reset is not SimpleWorkflow.reset:
+            return False
+        args = task.reward_fn_args
+        if not _hashable(args):
+            return False
+        key = (task.reward_fn or self.default_reward_fn, tuple(sorted(args.items())))
+        return getattr(self, "_reward_key", None) == key
+
     def get_task_desc(self, task: Task) -> Any:
         """The question (``raw_task[format.prompt_key]``); subclasses may build it from the row."""
         return task.raw_task.get(task.format_args.prompt_key)

@@ -341,6 +341,57 @@ async def test_an_instance_that_raised_is_not_reused() -> None:
     Resettable.fail_on = set()
 
 
+class ThreadRecording(Resettable):
+    """Records the thread of each reset; ``cheap`` answers ``reset_is_cheap``."""
+
+    cheap = False
+    reset_threads: list[int] = []
+
+    def reset(self, task: Task) -> None:
+        type(self).reset_threads.append(threading.get_ident())
+        super().reset(task)
+
+    def reset_is_cheap(self, task: Task) -> bool:
+        return self.cheap
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("cheap", [False, True])
+async def test_a_cheap_reset_runs_on_the_event_loop_others_in_a_worker_thread(
+    cheap: bool,
+) -> None:
+    ThreadRecording.cheap, ThreadRecording.reset_threads = cheap, []
+    runner = WorkflowRunner(None, max_timeout=5, max_retry_times=0)
+    for i in range(3):
+        assert (await runner.run_task(_task(ThreadRecording, task_id=i))).ok
+    loop_thread = threading.get_ident()
+    assert len(ThreadRecording.reset_threads) == 5  # 3 tasks x 2 runs, the first one new
+    assert all((t == loop_thread) is cheap for t in ThreadRecording.reset_threads)
+
+
+def test_which_builtin_resets_are_cheap() -> None:
+    """``SimpleWorkflow.reset``: attribute copies, unless the reward fn changes (a new
+    one is constructed: any code); a subclass with a ``reset`` of its own: not known."""
+    from workflows.code_workflow import CodeWorkflow
+    from workflows.math_workflow import MathWorkflow
+
+    task = _task(MathWorkflow, task_id=0)
+    wf = MathWorkflow(task=task, model=None)
+    assert wf.reset_is_cheap(_task(MathWorkflow, task_id=1))  # the same reward fn
+    other = _task(MathWorkflow, task_id=2, default_reward_fn_type="accuracy_reward")
+    assert not wf.reset_is_cheap(other)  # a new reward fn to build
+    wf.reset(other)
+    assert wf.reset_is_cheap(
+        _task(MathWorkflow, task_id=3, default_reward_fn_type="accuracy_reward")
+    )
+    with_args = _task(MathWorkflow, task_id=4, reward_fn_args={"use_math_verify": False})
+    assert not wf.reset_is_cheap(with_args)
+    code_task = _task(CodeWorkflow, task_id=0)
+    code_task.raw_task["tests"] = "assert True"
+    assert not CodeWorkflow(task=code_task, model=None).reset_is_cheap(code_task)
+    assert not Resettable(task=task, model=None).reset_is_cheap(task)  # the base: never
+
+
 class Overlap(Workflow):
     """Records the thread it runs on and its time window (one run per task: it repeats)."""
 
