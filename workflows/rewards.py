@@ -256,7 +256,12 @@ def normalize_answer(text: str | None) -> str:
     return s.rstrip(".").strip()
 
 
+_PLAIN_DECIMAL = re.compile(r"-?\d+(?:\.\d+)?")
+
+
 def _to_number(text: str) -> float | None:
+    if len(text) <= 64 and _PLAIN_DECIMAL.fullmatch(text):
+        return float(text)  # the common case, as below but without the latex normalisation
     s = _normalize(text)
     if re.fullmatch(r"-?\d{1,3}(,\d{3})+(\.\d+)?", s):
         s = s.replace(",", "")

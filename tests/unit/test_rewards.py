@@ -339,3 +339,21 @@ def test_evaluate_equation_is_safe() -> None:
     assert evaluate_equation("abs(1)") is None
     assert evaluate_equation("") is None
     assert evaluate_equation("1" * 300) is None
+
+
+def test_plain_decimals_parse_as_the_general_path_does() -> None:
+    """``_to_number``'s shortcut for plain decimals (no latex normalisation) gives the
+    general path's value: the exact fraction rounded once, None past 64 characters."""
+    import random
+    from fractions import Fraction
+
+    from workflows.rewards import _to_number
+
+    rng = random.Random(0)
+    for _ in range(2000):
+        digits = "".join(rng.choice("0123456789") for _ in range(rng.randint(1, 70)))
+        decimals = "".join(rng.choice("0123456789") for _ in range(rng.randint(0, 30)))
+        text = ("-" if rng.random() < 0.3 else "") + digits + (f".{decimals}" if decimals else "")
+        want = float(Fraction(text)) if len(text) <= 64 else None
+        assert _to_number(text) == want, text
+    assert _to_number("1,000") == 1000.0 and _to_number("3/4") == 0.75  # the general path
