@@ -7,9 +7,10 @@ operator host run in processes of their own (``rftstream up`` does so whenever
 weights can leave the process: here they travel on the run's weights stream,
 ``sync_method: jetstream``, fetched in the background and swapped in between
 requests); the explorer
-never waits for the trainer (``dynamic_by_explorer``), keeps up to 16 tasks in
-flight, and pauses rather than let trained experience be more than two versions
-stale (``max_staleness: 2``); the policy loss corrects for that staleness with
+never waits for the trainer (``dynamic_by_explorer``), keeps up to 24 tasks in
+flight (``runner_num``: the staleness window's three batches of 8, so that the
+window, not the runners, bounds it), and pauses rather than let trained experience
+be more than two versions stale (``max_staleness: 2``); the policy loss corrects for that staleness with
 the rollout log-probs (``decoupled_ppo``, chosen for GRPO whenever experience
 can be stale). No KL term (TRL's ``beta: 0``), so no reference model.
 """
@@ -36,7 +37,7 @@ DEFAULT_CONFIG: dict[str, Any] = {
         },
     },
     "explorer": {
-        "runner_num": 16,
+        "runner_num": 24,
         "rollout_model": {"engine_type": "transformers", "max_batch_size": 128},
     },
     "synchronizer": {
