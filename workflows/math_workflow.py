@@ -77,28 +77,27 @@ class SimpleWorkflow(Workflow):
                 f"(buffer.explorer_input.taskset.format.prompt_key); keys: {sorted(self.raw_task)}"
             )
         self.truth = self.get_truth(task)
-        spec = task.reward_fn or self.default_reward_fn
-        key = (
-            spec,
-            tuple(sorted(task.reward_fn_args.items()))
-            if _hashable(task.reward_fn_args)
-            else id(task),
-        )
+        key = self._reward_key_for(task)
         if getattr(self, "_reward_key", None) != key:
-            self.reward_fn = resolve_reward_fn(spec, task.reward_fn_args)
+            self.reward_fn = resolve_reward_fn(key[0], task.reward_fn_args)
             self._reward_key = key
 
+    def _reward_key_for(self, task: Task) -> tuple[Any, Any]:
+        """(reward fn spec, its args): :meth:`reset` builds a new reward fn when it changes
+        (args that cannot be hashed: a new one for every task)."""
+        args = task.reward_fn_args
+        return (
+            task.reward_fn or self.default_reward_fn,
+            tuple(sorted(args.items())) if _hashable(args) else id(task),
+        )
+
     def reset_is_cheap(self, task: Task) -> bool:
-        """True for this class's own :meth:`reset` when the task keeps the reward fn (a
-        new one is constructed, which may be any code): attribute copies and two dict
-        lookups. A subclass that overrides ``reset`` is not covered (it says so itself)."""
+        """True for this class's own :meth:`reset` when it keeps the reward fn (a new one
+        is constructed, which may be any code): attribute copies and dict lookups. A
+        subclass that overrides ``reset`` is not covered (it says so itself)."""
         if type(self).reset is not SimpleWorkflow.reset:
             return False
-        args = task.reward_fn_args
-        if not _hashable(args):
-            return False
-        key = (task.reward_fn or self.default_reward_fn, tuple(sorted(args.items())))
-        return getattr(self, "_reward_key", None) == key
+        return getattr(self, "_reward_key", None) == self._reward_key_for(task)
 
     def get_task_desc(self, task: Task) -> Any:
         """The question (``raw_task[format.prompt_key]``); subclasses may build it from the row."""
