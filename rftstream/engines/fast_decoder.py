@@ -38,6 +38,7 @@ __all__ = [
     "FastDecoder",
     "apply_rope",
     "architecture_reason",
+    "config_reason",
     "fast_decoder_for",
     "rms_norm",
     "rope_tables",
@@ -60,7 +61,21 @@ def architecture_reason(model: Any) -> str | None:
     """Why the lean forward passes (this module's, and the trainer's
     :mod:`rftstream.training.lean_forward`) cannot compute ``model``'s forward exactly, or
     None: the architecture and its configuration only, not the mode or the dtype."""
-    cfg = getattr(model, "config", None)
+    reason = config_reason(getattr(model, "config", None))
+    if reason is not None:
+        return reason
+    inner = getattr(model, "model", None)
+    rotary = getattr(inner, "rotary_emb", None)
+    if rotary is None or not hasattr(rotary, "inv_freq"):
+        return "no rotary embedding module"
+    if getattr(rotary, "rope_type", "default") not in STATIC_ROPE:
+        return f"rope_type {rotary.rope_type!r} (frequencies depend on the length)"
+    return None
+
+
+def config_reason(cfg: Any) -> str | None:
+    """:func:`architecture_reason` from a model's config alone (the rotary embedding's
+    type read from ``rope_parameters``, or ``rope_scaling`` before transformers 5)."""
     mtype = getattr(cfg, "model_type", None)
     if mtype not in SUPPORTED_TYPES:
         return f"model_type {mtype!r} is not one of {SUPPORTED_TYPES}"
@@ -75,12 +90,12 @@ def architecture_reason(model: Any) -> str | None:
         return "sliding-window attention"
     if getattr(cfg, "mlp_bias", False) or getattr(cfg, "pretraining_tp", 1) not in (1, None):
         return "MLP bias / tensor-parallel pretraining layout"
-    inner = getattr(model, "model", None)
-    rotary = getattr(inner, "rotary_emb", None)
-    if rotary is None or not hasattr(rotary, "inv_freq"):
-        return "no rotary embedding module"
-    if getattr(rotary, "rope_type", "default") not in STATIC_ROPE:
-        return f"rope_type {rotary.rope_type!r} (frequencies depend on the length)"
+    rope = getattr(cfg, "rope_parameters", None)
+    if not isinstance(rope, dict):
+        rope = getattr(cfg, "rope_scaling", None) or {}
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type not in STATIC_ROPE:
+        return f"rope_type {rope_type!r} (frequencies depend on the length)"
     return None
 
 
@@ -212,8 +227,10 @@ class FastDecoder:
         session: DecodeSession,
         start: int,
         mask: torch.Tensor,
+        keep: int = 1,
     ) -> torch.Tensor:
-        """Run ``ids`` [B, T] at cache columns ``start .. start+T-1``; logits of the last column."""
+        """Run ``ids`` [B, T] at cache columns ``start .. start+T-1``; the logits of the last
+        ``keep`` columns, [B, keep, vocab]."""
         B, T = ids.shape
         x = F.embedding(ids, self.embed)
         end = start + T
@@ -254,7 +271,7 @@ class FastDecoder:
             h = self._rms(x, layer.mlp_norm)
             gate, up = F.linear(h, layer.gate_up_w).chunk(2, dim=-1)
             x = x + F.linear(F.silu(gate) * up, layer.down_w)
-        last = self._rms(x[:, -1], self.norm)
+        last = self._rms(x[:, -keep:], self.norm)
         return F.linear(last, self.lm_head)
 
     # ------------------------------------------------------------ API
@@ -268,19 +285,35 @@ class FastDecoder:
         logits [B, vocab] of the next token. Position ids count real tokens only,
         as in the engine's HF path.
         """
+        session, logits = self._prefill(input_ids, attention_mask, max(1, max_new_tokens), 1)
+        return session, logits[:, -1]
+
+    @torch.inference_mode()
+    def logits(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, keep: int
+    ) -> torch.Tensor:
+        """The float logits [B, keep, vocab] of the last ``keep`` positions of left-padded
+        ``input_ids`` (HF's forward with ``logits_to_keep``; no cache is kept)."""
+        return self._prefill(input_ids, attention_mask, 0, keep)[1]
+
+    def _prefill(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, room: int, keep: int
+    ) -> tuple[DecodeSession, torch.Tensor]:
+        """The session of :meth:`start` with ``room`` free columns, and the float logits of
+        the prompts' last ``keep`` positions."""
         B, P = input_ids.shape
         device = input_ids.device
-        session = DecodeSession(self, B, P + max(1, max_new_tokens), device)
+        session = DecodeSession(self, B, P + room, device)
         positions = (attention_mask.cumsum(-1) - 1).clamp_min(0)
         cos, sin = self._rope(positions)
-        keep = attention_mask.bool()
+        real = attention_mask.bool()
         causal = torch.ones(P, P, dtype=torch.bool, device=device).tril()
         # a padding query row sees itself, so it never attends to nothing (no NaN)
-        mask = (causal[None] & keep[:, None, :]) | torch.eye(P, dtype=torch.bool, device=device)
-        session.keys_mask[:, :P] = keep
+        mask = (causal[None] & real[:, None, :]) | torch.eye(P, dtype=torch.bool, device=device)
+        session.keys_mask[:, :P] = real
         session.next_pos = positions[:, -1] + 1
         session.length = P
-        logits = self._forward(input_ids, cos, sin, session, 0, mask[:, None])
+        logits = self._forward(input_ids, cos, sin, session, 0, mask[:, None], keep)
         return session, logits.float()
 
 
@@ -309,7 +342,7 @@ class DecodeSession:
         mask = self.keys_mask[:, None, None, : col + 1]
         logits = d._forward(tokens[:, None], cos, sin, self, col, mask)
         self.next_pos = self.next_pos + 1
-        return logits.float()
+        return logits[:, -1].float()
 
     def select(self, rows: torch.Tensor) -> None:
         """Keep only ``rows`` (a LongTensor of row indices) of the batch."""

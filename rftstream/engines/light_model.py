@@ -1,0 +1,229 @@
+"""A Llama-family causal LM's parameters without transformers' modeling code, for sampling.
+
+Importing a ``transformers`` model class (``modeling_qwen2``, ``modeling_llama``, ...)
+imports ``transformers.masking_utils``, which imports ``torch._dynamo`` and
+``torch.export``: about 1.6 s of CPU in every process that loads a model, before any
+weight is read. The explorer's :class:`~rftstream.engines.fast_decoder.FastDecoder`
+never runs that code: it reads the parameters and computes the forward itself. So
+where the decoder covers a checkpoint exactly, the transformers engine loads it as a
+:class:`LightCausalLM`: the same parameters under the same names
+(``model.layers.0.self_attn.q_proj.weight``, ...), read from the checkpoint's
+``*.safetensors`` files, with the rotary frequencies computed as transformers computes
+them (``transformers.modeling_rope_utils``, a light import). Its forward (for
+:meth:`~rftstream.engines.transformers_engine.TransformersEngine.score` and the tests)
+is the fast decoder's, over every position.
+
+:func:`load_light_causal_lm` returns None, and the engine loads the model with
+``from_pretrained`` as before, for anything it does not cover exactly: another
+architecture or option (:func:`~rftstream.engines.fast_decoder.config_reason`), a
+checkpoint without safetensors, or one whose tensor names or shapes are not the ones
+the model's config implies.
+
+Pure tensor and file code; every call blocks.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from rftstream.engines.fast_decoder import FastDecoder, config_reason
+
+__all__ = ["LightCausalLM", "LightOutput", "load_light_causal_lm", "rope_frequencies"]
+
+
+def rope_frequencies(config: Any) -> tuple[torch.Tensor, float, str]:
+    """``(inv_freq, attention_scaling, rope_type)`` of ``config``, as the model's rotary
+    module computes them (the default formula, or ``ROPE_INIT_FUNCTIONS``)."""
+    params = getattr(config, "rope_parameters", None)
+    if not isinstance(params, dict):  # transformers < 5: rope_theta and rope_scaling
+        params = dict(getattr(config, "rope_scaling", None) or {})
+        params.setdefault("rope_theta", getattr(config, "rope_theta", 10000.0))
+    rope_type = str(params.get("rope_type", params.get("type", "default")))
+    if rope_type == "default":
+        base = float(params["rope_theta"])
+        dim = int(
+            getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        )
+        inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))
+        return inv_freq, 1.0, rope_type
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, None)
+    return inv_freq.float(), float(scaling), rope_type
+
+
+class _Rotary(nn.Module):
+    def __init__(self, config: Any) -> None:
+        super().__init__()
+        inv_freq, self.attention_scaling, self.rope_type = rope_frequencies(config)
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+
+
+# every module is built on the ``meta`` device (no memory, no initialisation: the
+# checkpoint's tensors are assigned to it), by argument: ``with torch.device("meta")``
+# would import torch._dynamo, the very cost this module avoids
+_META = torch.device("meta")
+
+
+class _RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size, device=_META))
+        self.variance_epsilon = eps
+
+
+class _Attention(nn.Module):
+    def __init__(self, config: Any, qkv_bias: bool, o_bias: bool) -> None:
+        super().__init__()
+        hidden = config.hidden_size
+        heads = config.num_attention_heads
+        kv = getattr(config, "num_key_value_heads", None) or heads
+        head_dim = getattr(config, "head_dim", None) or hidden // heads
+        self.q_proj = nn.Linear(hidden, heads * head_dim, bias=qkv_bias, device=_META)
+        self.k_proj = nn.Linear(hidden, kv * head_dim, bias=qkv_bias, device=_META)
+        self.v_proj = nn.Linear(hidden, kv * head_dim, bias=qkv_bias, device=_META)
+        self.o_proj = nn.Linear(heads * head_dim, hidden, bias=o_bias, device=_META)
+
+
+class _MLP(nn.Module):
+    def __init__(self, config: Any) -> None:
+        super().__init__()
+        hidden, inner = config.hidden_size, config.intermediate_size
+        self.gate_proj = nn.Linear(hidden, inner, bias=False, device=_META)
+        self.up_proj = nn.Linear(hidden, inner, bias=False, device=_META)
+        self.down_proj = nn.Linear(inner, hidden, bias=False, device=_META)
+
+
+class _Block(nn.Module):
+    def __init__(self, config: Any, qkv_bias: bool, o_bias: bool) -> None:
+        super().__init__()
+        eps = float(getattr(config, "rms_norm_eps", 1e-6))
+        self.self_attn = _Attention(config, qkv_bias, o_bias)
+        self.mlp = _MLP(config)
+        self.input_layernorm = _RMSNorm(config.hidden_size, eps)
+        self.post_attention_layernorm = _RMSNorm(config.hidden_size, eps)
+
+
+class _Inner(nn.Module):
+    def __init__(self, config: Any, qkv_bias: bool, o_bias: bool) -> None:
+        super().__init__()
+        # an explicit (meta) weight: nn.Embedding's random init on meta imports torch._dynamo
+        shape = (config.vocab_size, config.hidden_size)
+        self.embed_tokens = nn.Embedding(*shape, _weight=torch.empty(shape, device=_META))
+        self.layers = nn.ModuleList(
+            _Block(config, qkv_bias, o_bias) for _ in range(config.num_hidden_layers)
+        )
+        self.norm = _RMSNorm(config.hidden_size, float(getattr(config, "rms_norm_eps", 1e-6)))
+        self.rotary_emb = _Rotary(config)
+
+
+@dataclass
+class LightOutput:
+    """What the engine and the tests read of a forward: ``logits`` [B, T, vocab]."""
+
+    logits: torch.Tensor
+
+
+class LightCausalLM(nn.Module):
+    """The parameters of a Qwen2 / Llama / Mistral causal LM under the names
+    ``transformers`` gives them (``state_dict()`` keys and shapes are the same), with
+    ``config`` and ``generation_config`` as a transformers model has them. Nothing of
+    transformers' modeling code is imported. Built on the ``meta`` device (parameters
+    without memory): :func:`load_light_causal_lm` assigns the checkpoint's tensors."""
+
+    def __init__(self, config: Any, generation_config: Any = None) -> None:
+        super().__init__()
+        self.config = config
+        self.generation_config = generation_config
+        qkv_bias = config.model_type == "qwen2" or bool(getattr(config, "attention_bias", False))
+        o_bias = config.model_type != "qwen2" and bool(getattr(config, "attention_bias", False))
+        self.model = _Inner(config, qkv_bias, o_bias)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False, device=_META)
+        if getattr(config, "tie_word_embeddings", False):
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def get_output_embeddings(self) -> nn.Linear:
+        return self.lm_head
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        logits_to_keep: int = 0,
+        **_: Any,
+    ) -> LightOutput:
+        """The logits of the last ``logits_to_keep`` positions (all with 0) of left-padded
+        ``input_ids``: one full forward of the fast decoder, as HF's with ``use_cache=False``.
+        Inference only (under ``torch.inference_mode``; raises ``ValueError`` in training
+        mode)."""
+        if attention_mask is None:
+            attention_mask = torch.ones_like(input_ids)
+        keep = int(logits_to_keep) or input_ids.shape[1]
+        return LightOutput(FastDecoder(self).logits(input_ids, attention_mask, keep))
+
+
+def _checkpoint_tensors(path: Path) -> dict[str, torch.Tensor] | None:
+    """Every tensor of the checkpoint's ``*.safetensors`` files (None when it has none)."""
+    from safetensors import safe_open
+
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        return None
+    out: dict[str, torch.Tensor] = {}
+    for file in files:
+        with safe_open(str(file), framework="pt") as f:
+            for key in f.keys():  # noqa: SIM118 - safe_open is not a mapping
+                out[key] = f.get_tensor(key)
+    return out
+
+
+def _generation_config(path: Path) -> Any:
+    """The checkpoint's ``generation_config.json`` as a ``GenerationConfig`` (None without one)."""
+    if not (path / "generation_config.json").is_file():
+        return None
+    from transformers import GenerationConfig
+
+    return GenerationConfig.from_pretrained(str(path))
+
+
+def load_light_causal_lm(model_path: str, dtype: torch.dtype) -> LightCausalLM | None:
+    """The checkpoint at ``model_path`` as a :class:`LightCausalLM` in ``dtype``, in eval
+    mode, or None where it cannot be loaded exactly (see the module docstring): then
+    load it with ``from_pretrained``. Raises what reading the config or the files raises
+    (``OSError``, ``ValueError``)."""
+    from transformers import AutoConfig
+
+    path = Path(model_path)
+    if not path.is_dir():
+        return None
+    with open(path / "config.json", encoding="utf-8") as f:
+        declared = json.load(f)
+    if declared.get("model_type") not in ("qwen2", "llama", "mistral"):
+        return None  # no config class of another architecture is read either
+    config = AutoConfig.from_pretrained(str(path))
+    if config_reason(config) is not None:
+        return None
+    tensors = _checkpoint_tensors(path)
+    if tensors is None:
+        return None
+    model = LightCausalLM(config)  # on the meta device until the tensors are assigned
+    expected = {k: v.shape for k, v in model.state_dict().items()}
+    tied = bool(getattr(config, "tie_word_embeddings", False))
+    if tied:
+        tensors.pop("lm_head.weight", None)
+        expected.pop("lm_head.weight", None)
+    if set(tensors) != set(expected) or any(
+        tuple(tensors[k].shape) != tuple(shape) for k, shape in expected.items()
+    ):
+        return None
+    model.load_state_dict({k: v.to(dtype) for k, v in tensors.items()}, strict=False, assign=True)
+    if tied:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    model.generation_config = _generation_config(path)
+    return model.eval()
