@@ -8,16 +8,17 @@ never runs that code: it reads the parameters and computes the forward itself. S
 where the decoder covers a checkpoint exactly, the transformers engine loads it as a
 :class:`LightCausalLM`: the same parameters under the same names
 (``model.layers.0.self_attn.q_proj.weight``, ...), read from the checkpoint's
-``*.safetensors`` files, with the rotary frequencies computed as transformers computes
-them (``transformers.modeling_rope_utils``, a light import). Its forward (for
-:meth:`~rftstream.engines.transformers_engine.TransformersEngine.score` and the tests)
-is the fast decoder's, over every position.
+safetensors files, with the rotary frequencies computed as transformers computes
+them (``transformers.modeling_rope_utils``, a light import). Called as HF's model is
+(``model(input_ids=..., attention_mask=...).logits``), it runs the fast decoder over every
+position, and refuses what it does not do (a KV cache, position ids).
 
 :func:`load_light_causal_lm` returns None, and the engine loads the model with
 ``from_pretrained`` as before, for anything it does not cover exactly: another
 architecture or option (:func:`~rftstream.engines.fast_decoder.config_reason`), a
-checkpoint without safetensors, or one whose tensor names or shapes are not the ones
-the model's config implies.
+checkpoint without ``model.safetensors`` (or the shards of its index), one whose tensor
+names or shapes are not the ones the model's config implies, or one whose config ties
+the LM head to the embeddings while its file holds another LM head.
 
 Pure tensor and file code; every call blocks.
 """
@@ -156,29 +157,55 @@ class LightCausalLM(nn.Module):
         input_ids: torch.Tensor,
         attention_mask: torch.Tensor | None = None,
         logits_to_keep: int = 0,
-        **_: Any,
+        use_cache: bool | None = None,
+        **unsupported: Any,
     ) -> LightOutput:
         """The logits of the last ``logits_to_keep`` positions (all with 0) of left-padded
         ``input_ids``: one full forward of the fast decoder, as HF's with ``use_cache=False``.
         Inference only (under ``torch.inference_mode``; raises ``ValueError`` in training
-        mode)."""
+        mode). Raises ``TypeError`` for what it does not do (a KV cache, position ids,
+        any other argument of HF's forward) rather than ignore it."""
+        given = sorted(k for k, v in unsupported.items() if v is not None)
+        if use_cache or given:
+            what = given if given else ["use_cache=True"]
+            raise TypeError(
+                f"LightCausalLM.forward computes a full forward from input_ids and "
+                f"attention_mask only; got {what} (load the model with from_pretrained, "
+                "or the engine with fast_decoder=False, for the rest of HF's forward)"
+            )
         if attention_mask is None:
             attention_mask = torch.ones_like(input_ids)
         keep = int(logits_to_keep) or input_ids.shape[1]
         return LightOutput(FastDecoder(self).logits(input_ids, attention_mask, keep))
 
 
+def _checkpoint_files(path: Path) -> list[Path] | None:
+    """The safetensors files ``from_pretrained`` reads: the shards its index names, else
+    ``model.safetensors``; None when there are neither."""
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        with open(index, encoding="utf-8") as f:
+            shards = sorted(set(json.load(f).get("weight_map", {}).values()))
+        files = [path / name for name in shards]
+        return files if files and all(f.is_file() for f in files) else None
+    single = path / "model.safetensors"
+    return [single] if single.is_file() else None
+
+
 def _checkpoint_tensors(path: Path) -> dict[str, torch.Tensor] | None:
-    """Every tensor of the checkpoint's ``*.safetensors`` files (None when it has none)."""
+    """Every tensor of the checkpoint's safetensors files (:func:`_checkpoint_files`), or
+    None when there are none or a name is in two of them."""
     from safetensors import safe_open
 
-    files = sorted(path.glob("*.safetensors"))
-    if not files:
+    files = _checkpoint_files(path)
+    if files is None:
         return None
     out: dict[str, torch.Tensor] = {}
     for file in files:
         with safe_open(str(file), framework="pt") as f:
             for key in f.keys():  # noqa: SIM118 - safe_open is not a mapping
+                if key in out:
+                    return None
                 out[key] = f.get_tensor(key)
     return out
 
@@ -200,8 +227,8 @@ def load_light_causal_lm(model_path: str, dtype: torch.dtype) -> LightCausalLM |
     from transformers import AutoConfig
 
     path = Path(model_path)
-    if not path.is_dir():
-        return None
+    if not (path / "config.json").is_file():
+        return None  # a hub id, or no checkpoint: from_pretrained says what is wrong
     with open(path / "config.json", encoding="utf-8") as f:
         declared = json.load(f)
     if declared.get("model_type") not in ("qwen2", "llama", "mistral"):
@@ -216,7 +243,10 @@ def load_light_causal_lm(model_path: str, dtype: torch.dtype) -> LightCausalLM |
     expected = {k: v.shape for k, v in model.state_dict().items()}
     tied = bool(getattr(config, "tie_word_embeddings", False))
     if tied:
-        tensors.pop("lm_head.weight", None)
+        head = tensors.pop("lm_head.weight", None)
+        embed = tensors.get("model.embed_tokens.weight")
+        if head is not None and (embed is None or not torch.equal(head, embed)):
+            return None  # tied by the config, not by the file: transformers decides
         expected.pop("lm_head.weight", None)
     if set(tensors) != set(expected) or any(
         tuple(tensors[k].shape) != tuple(shape) for k, shape in expected.items()

@@ -561,8 +561,12 @@ class TransformersEngine(RolloutEngine):
     def _score(self, ids: list[int], start: int, temperature: float, top: int) -> TokenScores:
         with torch.inference_mode():
             seq = torch.tensor([ids], dtype=torch.long, device=self.device)
-            out = self._model(input_ids=seq, use_cache=False, logits_to_keep=len(ids) - start + 1)
-            logits = out.logits[0, :-1].float()  # predictions for positions start .. len-1
+            keep = len(ids) - start + 1
+            if self._decoder is not None:  # the engine's own (its fused weights are current)
+                full = self._decoder.logits(seq, torch.ones_like(seq), keep)
+            else:
+                full = self._model(input_ids=seq, use_cache=False, logits_to_keep=keep).logits
+            logits = full[0, :-1].float()  # predictions for positions start .. len-1
             t = temperature if temperature > 0 else 1.0
             lp = torch.log_softmax(logits / t, dim=-1)
             chosen = lp.gather(-1, seq[0, start:, None]).squeeze(-1).tolist()

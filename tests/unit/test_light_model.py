@@ -9,6 +9,7 @@ model samples, leave to ``from_pretrained`` whatever it does not cover, and keep
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -216,3 +217,113 @@ def test_score_matches_between_light_and_hf(tiny_model_path: str, fast: bool) ->
         lp = torch.log_softmax(hf(input_ids=torch.tensor([ids])).logits[0, :-1], -1)
     want = [lp[i - 1, ids[i]].item() for i in range(3, len(ids))]
     assert scores.logprobs == pytest.approx(want, abs=1e-5)
+
+
+def test_checkpoint_files_are_read_as_from_pretrained_reads_them(
+    tiny_model_path: str, tmp_path: Path
+) -> None:
+    """Sharded checkpoints load from their index; other safetensors files beside the
+    model (an EMA copy, say) are not read; a name in two shards, or a config that ties
+    the head while the file holds another one, is left to ``from_pretrained``."""
+    from safetensors.torch import load_file, save_file
+
+    base = AutoModelForCausalLM.from_pretrained(tiny_model_path)
+    sharded = Path(_save(base, tmp_path / "sharded", max_shard_size="100KB"))
+    assert (sharded / "model.safetensors.index.json").is_file()
+    light = load_light_causal_lm(str(sharded), torch.float32)
+    assert light is not None
+    for key, value in base.state_dict().items():
+        assert torch.equal(light.state_dict()[key], value), key
+
+    ema = Path(_save(base, tmp_path / "ema"))
+    noisy = {k: v + 1.0 for k, v in load_file(str(ema / "model.safetensors")).items()}
+    save_file(noisy, str(ema / "model_ema.safetensors"), metadata={"format": "pt"})
+    light = load_light_causal_lm(str(ema), torch.float32)
+    assert light is not None
+    assert torch.equal(light.model.norm.weight, base.model.norm.weight)
+
+    index = json.loads((sharded / "model.safetensors.index.json").read_text())
+    first, *rest = sorted(set(index["weight_map"].values()))
+    twice = next(k for k, f in index["weight_map"].items() if f == rest[0])
+    moved = load_file(str(sharded / first))
+    moved[twice] = load_file(str(sharded / rest[0]))[twice]
+    save_file(moved, str(sharded / first), metadata={"format": "pt"})
+    assert load_light_causal_lm(str(sharded), torch.float32) is None
+
+    tied = Path(_save(base, tmp_path / "tied"))
+    tensors = load_file(str(tied / "model.safetensors"))
+    assert base.config.tie_word_embeddings
+    tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"].clone()
+    save_file(tensors, str(tied / "model.safetensors"), metadata={"format": "pt"})
+    same = load_light_causal_lm(str(tied), torch.float32)
+    assert same is not None and same.lm_head.weight is same.model.embed_tokens.weight
+    tensors["lm_head.weight"] = torch.randn_like(tensors["lm_head.weight"])
+    save_file(tensors, str(tied / "model.safetensors"), metadata={"format": "pt"})
+    assert load_light_causal_lm(str(tied), torch.float32) is None
+
+
+def test_a_half_precision_checkpoint_loads_as_float32(tiny_model_path: str, tmp_path: Path) -> None:
+    half = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float16)
+    path = _save(half, tmp_path / "fp16")
+    light = load_light_causal_lm(path, torch.float32)
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    assert light is not None
+    for key, value in hf.state_dict().items():
+        got = light.state_dict()[key]
+        assert got.dtype == torch.float32 and torch.equal(got, value), key
+
+
+def test_a_weight_sync_into_the_light_model(tiny_model_path: str) -> None:
+    """The trainer's whole state dict (tied head included) loads into the light model
+    and the engine then samples from exactly the trainer's weights."""
+    import anyio
+
+    engine = TransformersEngine(tiny_model_path)
+    assert isinstance(engine.model, LightCausalLM)
+    trained = AutoModelForCausalLM.from_pretrained(tiny_model_path).eval()
+    with torch.no_grad():
+        for p in trained.parameters():
+            p.add_(0.01 * torch.randn_like(p))
+    anyio.run(lambda: engine.load_weights(trained.state_dict(), 7))
+    light = engine.model
+    assert light.lm_head.weight is light.model.embed_tokens.weight
+    for key, value in trained.state_dict().items():
+        assert torch.equal(light.state_dict()[key], value), key
+    ids = torch.tensor([[4, 9, 17, 33, 80]])
+    with torch.no_grad():
+        assert torch.allclose(light(input_ids=ids).logits, trained(input_ids=ids).logits, atol=1e-5)
+    from rftstream.engines.base import SamplingParams
+    from rftstream.engines.transformers_engine import _Request
+
+    scores = anyio.run(lambda: engine.score([4, 9, 17, 33, 80], start=2))
+    with torch.no_grad():
+        lp = torch.log_softmax(trained(input_ids=ids).logits[0, :-1], -1)
+    assert scores.logprobs == pytest.approx(
+        [lp[i - 1, t].item() for i, t in [(2, 17), (3, 33), (4, 80)]], abs=1e-5
+    )
+    out = engine._generate_batch([_Request([5, 6, 7], SamplingParams(n=2, max_tokens=4))])
+    assert [len(c.token_ids) for c in out[0]] and engine.model_version == 7
+
+
+def test_score_runs_on_the_engines_decoder(tiny_model_path: str, monkeypatch) -> None:
+    """``score`` uses the engine's own decoder (whose fused weights follow every load),
+    not a new one a call; the light model's forward refuses what it does not do."""
+    import anyio
+
+    engine = TransformersEngine(tiny_model_path)
+
+    def no_forward(*_: object, **__: object) -> None:
+        raise AssertionError("score must not run the model's forward")
+
+    monkeypatch.setattr(LightCausalLM, "forward", no_forward)
+    assert len(anyio.run(lambda: engine.score([4, 9, 17, 33], start=1)).logprobs) == 3
+    monkeypatch.undo()
+    ids = torch.tensor([[4, 9, 17]])
+    with pytest.raises(TypeError, match="past_key_values"):
+        engine.model(input_ids=ids, past_key_values=object())
+    with pytest.raises(TypeError, match="use_cache"):
+        engine.model(input_ids=ids, use_cache=True)
+    assert engine.model(input_ids=ids, use_cache=False, position_ids=None).logits.shape[:2] == (
+        1,
+        3,
+    )
