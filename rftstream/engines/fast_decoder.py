@@ -41,6 +41,7 @@ __all__ = [
     "config_reason",
     "fast_decoder_for",
     "rms_norm",
+    "rope_parameters",
     "rope_tables",
     "unsupported_reason",
 ]
@@ -90,13 +91,20 @@ def config_reason(cfg: Any) -> str | None:
         return "sliding-window attention"
     if getattr(cfg, "mlp_bias", False) or getattr(cfg, "pretraining_tp", 1) not in (1, None):
         return "MLP bias / tensor-parallel pretraining layout"
-    rope = getattr(cfg, "rope_parameters", None)
-    if not isinstance(rope, dict):
-        rope = getattr(cfg, "rope_scaling", None) or {}
-    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    rope_type, _ = rope_parameters(cfg)
     if rope_type not in STATIC_ROPE:
         return f"rope_type {rope_type!r} (frequencies depend on the length)"
     return None
+
+
+def rope_parameters(cfg: Any) -> tuple[str, dict[str, Any]]:
+    """``(rope_type, parameters)`` of a model config: its ``rope_parameters`` (transformers
+    5), or its ``rope_scaling`` with ``rope_theta`` (before)."""
+    params = getattr(cfg, "rope_parameters", None)
+    if not isinstance(params, dict):
+        params = dict(getattr(cfg, "rope_scaling", None) or {})
+        params.setdefault("rope_theta", getattr(cfg, "rope_theta", 10000.0))
+    return str(params.get("rope_type", params.get("type", "default"))), params
 
 
 def fast_decoder_for(model: Any) -> FastDecoder | None:

@@ -33,7 +33,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from rftstream.engines.fast_decoder import FastDecoder, config_reason
+from rftstream.engines.fast_decoder import (
+    SUPPORTED_TYPES,
+    FastDecoder,
+    config_reason,
+    rope_parameters,
+)
 
 __all__ = ["LightCausalLM", "LightOutput", "load_light_causal_lm", "rope_frequencies"]
 
@@ -41,11 +46,7 @@ __all__ = ["LightCausalLM", "LightOutput", "load_light_causal_lm", "rope_frequen
 def rope_frequencies(config: Any) -> tuple[torch.Tensor, float, str]:
     """``(inv_freq, attention_scaling, rope_type)`` of ``config``, as the model's rotary
     module computes them (the default formula, or ``ROPE_INIT_FUNCTIONS``)."""
-    params = getattr(config, "rope_parameters", None)
-    if not isinstance(params, dict):  # transformers < 5: rope_theta and rope_scaling
-        params = dict(getattr(config, "rope_scaling", None) or {})
-        params.setdefault("rope_theta", getattr(config, "rope_theta", 10000.0))
-    rope_type = str(params.get("rope_type", params.get("type", "default")))
+    rope_type, params = rope_parameters(config)
     if rope_type == "default":
         base = float(params["rope_theta"])
         dim = int(
@@ -231,7 +232,7 @@ def load_light_causal_lm(model_path: str, dtype: torch.dtype) -> LightCausalLM |
         return None  # a hub id, or no checkpoint: from_pretrained says what is wrong
     with open(path / "config.json", encoding="utf-8") as f:
         declared = json.load(f)
-    if declared.get("model_type") not in ("qwen2", "llama", "mistral"):
+    if declared.get("model_type") not in SUPPORTED_TYPES:
         return None  # no config class of another architecture is read either
     config = AutoConfig.from_pretrained(str(path))
     if config_reason(config) is not None:
