@@ -43,6 +43,20 @@ async def _ack_pending(bus: Bus) -> tuple[int, int]:
     return int(info.num_pending), int(info.num_ack_pending)
 
 
+async def _ack_pending_settles(bus: Bus, expected: tuple[int, int], within: float = 10) -> None:
+    """Poll the consumer until it reports `expected`; fail with the last count after `within` s.
+
+    A plain ack is fire-and-forget: nats-server queues acks to the consumer's own goroutine, so
+    even after a flush its info may lag by a moment.
+    """
+    last = await _ack_pending(bus)
+    with anyio.move_on_after(within):
+        while last != expected:
+            await anyio.sleep(0.05)
+            last = await _ack_pending(bus)
+    assert last == expected
+
+
 def test_publish_acks_duplicates_and_headers(nats_url: str) -> None:
     async def main() -> None:
         async with await _bus(nats_url) as bus:
@@ -138,7 +152,7 @@ def test_fetch_returns_what_is_there_and_acks_nothing(nats_url: str) -> None:
             for m in first + rest:
                 await m.ack()
             await bus.transport.nc.flush()
-            assert await _ack_pending(bus) == (0, 0)
+            await _ack_pending_settles(bus, (0, 0))
             with pytest.raises(ValueError):
                 await consumer.fetch(0, timeout=1)
 
