@@ -1,4 +1,4 @@
-"""A Llama-family causal LM's parameters without transformers' modeling code, for sampling.
+"""A Llama-family causal LM's parameters without transformers' modeling code.
 
 Importing a ``transformers`` model class (``modeling_qwen2``, ``modeling_llama``, ...)
 imports ``transformers.masking_utils``, which imports ``torch._dynamo`` and
@@ -12,6 +12,13 @@ safetensors files, with the rotary frequencies computed as transformers computes
 them (``transformers.modeling_rope_utils``, a light import). Called as HF's model is
 (``model(input_ids=..., attention_mask=...).logits``), it runs the fast decoder over every
 position, and refuses what it does not do (a KV cache, position ids).
+
+The trainer loads its policy the same way where its lean forward
+(:mod:`rftstream.training.lean_forward`) will train it (float32 on the CPU, no dropout,
+no adapters, no gradient checkpointing, ZeRO below 3): the lean forward reads the
+parameters and never calls the module's forward, and :meth:`LightCausalLM.save_pretrained`
+writes the HF-format checkpoint ``save_pretrained`` writes (config, generation config,
+safetensors, sharded at the same size).
 
 :func:`load_light_causal_lm` returns None, and the engine loads the model with
 ``from_pretrained`` as before, for anything it does not cover exactly: another
@@ -41,6 +48,15 @@ from rftstream.engines.fast_decoder import (
 )
 
 __all__ = ["LightCausalLM", "LightOutput", "load_light_causal_lm", "rope_frequencies"]
+
+#: transformers' class for each covered ``model_type`` (``config.architectures`` on save)
+HF_CLASS = {
+    "qwen2": "Qwen2ForCausalLM",
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+}
+#: ``save_pretrained``'s default shard size in transformers 5 (one file below it)
+MAX_SHARD_BYTES = 50 * 10**9
 
 
 def rope_frequencies(config: Any) -> tuple[torch.Tensor, float, str]:
@@ -152,6 +168,67 @@ class LightCausalLM(nn.Module):
 
     def get_output_embeddings(self) -> nn.Linear:
         return self.lm_head
+
+    def get_input_embeddings(self) -> nn.Embedding:
+        return self.model.embed_tokens
+
+    def save_pretrained(
+        self,
+        save_directory: str | Path,
+        *,
+        state_dict: dict[str, torch.Tensor] | None = None,
+        safe_serialization: bool = True,
+    ) -> None:
+        """Write what transformers' ``save_pretrained`` writes for this model:
+        ``config.json`` (``architectures`` and ``dtype`` set as it sets them),
+        ``generation_config.json``, and ``state_dict`` (default: this model's, a tied LM
+        head left out) as ``model.safetensors``, or as shards with
+        ``model.safetensors.index.json`` above :data:`MAX_SHARD_BYTES`. Blocks.
+
+        Raises:
+            ValueError: ``safe_serialization=False`` (only safetensors is written).
+        """
+        from safetensors.torch import save_file
+
+        if not safe_serialization:
+            raise ValueError("LightCausalLM.save_pretrained writes safetensors only")
+        out = Path(save_directory)
+        out.mkdir(parents=True, exist_ok=True)
+        if state_dict is None:
+            state_dict = {k: v.detach() for k, v in self.state_dict().items()}
+            if getattr(self.config, "tie_word_embeddings", False):
+                state_dict.pop("lm_head.weight", None)
+        dtype = next(self.parameters()).dtype
+        self.config.dtype = str(dtype).removeprefix("torch.")
+        self.config.architectures = [HF_CLASS.get(self.config.model_type, "LightCausalLM")]
+        self.config.save_pretrained(str(out))
+        generation = self.generation_config
+        if generation is None:
+            from transformers import GenerationConfig
+
+            generation = GenerationConfig.from_model_config(self.config)
+        generation.save_pretrained(str(out))
+        shards: list[dict[str, torch.Tensor]] = [{}]
+        size = 0
+        for name, tensor in state_dict.items():
+            nbytes = tensor.numel() * tensor.element_size()
+            if shards[-1] and size + nbytes > MAX_SHARD_BYTES:
+                shards.append({})
+                size = 0
+            shards[-1][name] = tensor.contiguous()
+            size += nbytes
+        metadata = {"format": "pt"}
+        if len(shards) == 1:
+            save_file(shards[0], str(out / "model.safetensors"), metadata=metadata)
+            return
+        weight_map: dict[str, str] = {}
+        for i, shard in enumerate(shards, 1):
+            name = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
+            save_file(shard, str(out / name), metadata=metadata)
+            weight_map.update(dict.fromkeys(shard, name))
+        total = sum(t.numel() * t.element_size() for t in state_dict.values())
+        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+        (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
 
     def forward(
         self,

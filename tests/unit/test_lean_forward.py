@@ -16,6 +16,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaForCausalLM
 
+from rftstream.engines.light_model import LightCausalLM
 from rftstream.model_loading import output_cache
 from rftstream.training.lean_forward import LeanForward, lean_forward_reason
 from rftstream.training.policy_trainer import PolicyTrainer, _shared_prompts
@@ -154,6 +155,9 @@ def test_a_trainer_step_with_it_is_the_step_without_it(
         lean = grpo(tmp_path / f"lean{share}", tiny_model_path, share_prompts=share)
         hf = grpo(tmp_path / f"hf{share}", tiny_model_path, share_prompts=share, lean_forward=False)
         assert lean._lean and not hf._lean
+        # where the lean forward trains, the policy is loaded without transformers' model
+        assert isinstance(lean.engine.module, LightCausalLM)
+        assert not isinstance(hf.engine.module, LightCausalLM)
         before = params(lean)
         layers_run.clear()
         m_lean = lean.train_step(batch())
@@ -174,3 +178,4 @@ def test_the_trainer_keeps_the_hf_forward_where_it_must(
 ) -> None:
     checkpointed: PolicyTrainer = grpo(tmp_path, tiny_model_path, gradient_checkpointing=True)
     assert not checkpointed._lean
+    assert not isinstance(checkpointed.engine.module, LightCausalLM)  # HF's, checkpointed

@@ -10,6 +10,7 @@ model samples, leave to ``from_pretrained`` whatever it does not cover, and keep
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -327,3 +328,113 @@ def test_score_runs_on_the_engines_decoder(tiny_model_path: str, monkeypatch) ->
         1,
         3,
     )
+
+
+# ------------------------------------------------------------ the trainer's policy
+
+
+@pytest.mark.parametrize(
+    "which", ["tiny qwen2 (GQA, tied, biases)", "llama3 RoPE, attention bias, untied"]
+)
+def test_save_pretrained_writes_what_transformers_writes(
+    tiny_model_path: str, tmp_path: Path, which: str
+) -> None:
+    """The trainer's HF checkpoint of a light policy: the same files, config, generation
+    config and tensors as transformers' ``save_pretrained`` of the same weights."""
+    from safetensors.torch import load_file
+
+    path = _checkpoints(tiny_model_path, tmp_path)[which]
+    light = load_light_causal_lm(path, torch.float32)
+    assert light is not None
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    light.save_pretrained(tmp_path / "light")
+    hf.save_pretrained(str(tmp_path / "hf"))
+    files = sorted(p.name for p in (tmp_path / "hf").iterdir())
+    assert sorted(p.name for p in (tmp_path / "light").iterdir()) == files
+    for name in ("config.json", "generation_config.json"):
+        assert json.loads((tmp_path / "light" / name).read_text()) == json.loads(
+            (tmp_path / "hf" / name).read_text()
+        ), name
+    got, want = (load_file(str(tmp_path / d / "model.safetensors")) for d in ("light", "hf"))
+    assert sorted(got) == sorted(want)
+    for key in want:
+        assert torch.equal(got[key], want[key]), key
+
+
+def test_save_pretrained_shards_and_loads_back(
+    tiny_model_path: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Above the shard size the state dict is split with an index, as transformers does,
+    and both loaders read it back to the same weights."""
+    import rftstream.engines.light_model as light_model
+
+    light = load_light_causal_lm(tiny_model_path, torch.float32)
+    assert light is not None
+    monkeypatch.setattr(light_model, "MAX_SHARD_BYTES", 40_000)
+    light.save_pretrained(tmp_path / "sharded")
+    index = json.loads((tmp_path / "sharded" / "model.safetensors.index.json").read_text())
+    shards = sorted(set(index["weight_map"].values()))
+    assert len(shards) > 1 and not (tmp_path / "sharded" / "model.safetensors").exists()
+    again = load_light_causal_lm(str(tmp_path / "sharded"), torch.float32)
+    hf = AutoModelForCausalLM.from_pretrained(str(tmp_path / "sharded"), dtype=torch.float32)
+    assert again is not None
+    want = light.state_dict()
+    for other in (again, hf):
+        got = other.state_dict()
+        assert sorted(got) == sorted(want)
+        for key in want:
+            assert torch.equal(got[key], want[key]), key
+    with pytest.raises(ValueError, match="safetensors only"):
+        light.save_pretrained(tmp_path / "bin", safe_serialization=False)
+
+
+def test_the_trainer_trains_a_light_policy_and_saves_a_loadable_checkpoint(
+    tiny_model_path: str, tmp_path: Path
+) -> None:
+    """Where the lean forward trains (the default on the CPU), the trainer's policy is a
+    LightCausalLM; after a step its HF checkpoint loads with ``from_pretrained`` to the
+    trained weights."""
+    from tests.unit.test_trainer_fast_paths import batch, grpo, params
+
+    trainer = grpo(tmp_path / "run", tiny_model_path)
+    assert isinstance(trainer.engine.module, LightCausalLM)
+    before = params(trainer)
+    trainer.train_step(batch())
+    after = params(trainer)
+    assert any(not torch.equal(after[k], before[k]) for k in before)
+    saved = trainer.save_hf_checkpoint(tmp_path / "hf")
+    loaded = AutoModelForCausalLM.from_pretrained(str(saved), dtype=torch.float32)
+    got = dict(loaded.named_parameters())
+    assert sorted(got) == sorted(after)
+    for key, value in after.items():
+        assert torch.equal(got[key].detach(), value), key
+
+
+def test_the_trainer_process_imports_no_transformers_modeling_code(
+    tiny_model_path: str, tmp_path: Path
+) -> None:
+    """What the light policy is for in the trainer: ``transformers.masking_utils`` and
+    ``modeling_utils`` (about 1.5 s of CPU before the first step) are never imported."""
+    code = (
+        "import sys\n"
+        "from pathlib import Path\n"
+        "from tests.unit.test_trainer_fast_paths import grpo\n"
+        f"trainer = grpo(Path({str(tmp_path)!r}), {tiny_model_path!r})\n"
+        "heavy = sorted(m for m in sys.modules if m in "
+        "('transformers.masking_utils', 'transformers.modeling_utils'))\n"
+        "print(type(trainer.engine.module).__name__, heavy)\n"
+    )
+    # a process group of its own: not this process's (its port is taken here)
+    dist = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK")
+    env = {k: v for k, v in os.environ.items() if k not in dist}
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+        check=False,
+        cwd=Path(__file__).resolve().parents[2],
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.strip().splitlines()[-1] == "LightCausalLM []", out.stdout + out.stderr

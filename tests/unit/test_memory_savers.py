@@ -69,7 +69,9 @@ def loss_and_grads(trainer: PolicyTrainer) -> tuple[float, dict[str, torch.Tenso
 def test_gradient_checkpointing_keeps_loss_and_gradients(
     tmp_path: Path, tiny_model_path: str
 ) -> None:
-    plain = make(tmp_path, tiny_model_path)
+    # both through HF's forward (the lean forward, which checkpointing turns off, is
+    # compared with it in test_lean_forward)
+    plain = make(tmp_path, tiny_model_path, lean_forward=False)
     ckpt = make(tmp_path, tiny_model_path, gradient_checkpointing=True)
     loss0, grads0, calls0 = loss_and_grads(plain)
     loss1, grads1, calls1 = loss_and_grads(ckpt)
