@@ -209,7 +209,7 @@ class LightCausalLM(nn.Module):
             generation = GenerationConfig.from_model_config(self.config)
         generation.save_pretrained(str(out))
         shards: list[dict[str, torch.Tensor]] = [{}]
-        size = 0
+        size = total = 0
         for name, tensor in state_dict.items():
             nbytes = tensor.numel() * tensor.element_size()
             if shards[-1] and size + nbytes > MAX_SHARD_BYTES:
@@ -217,6 +217,7 @@ class LightCausalLM(nn.Module):
                 size = 0
             shards[-1][name] = tensor.contiguous()
             size += nbytes
+            total += nbytes
         metadata = {"format": "pt"}
         if len(shards) == 1:
             save_file(shards[0], str(out / "model.safetensors"), metadata=metadata)
@@ -226,7 +227,6 @@ class LightCausalLM(nn.Module):
             name = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
             save_file(shard, str(out / name), metadata=metadata)
             weight_map.update(dict.fromkeys(shard, name))
-        total = sum(t.numel() * t.element_size() for t in state_dict.values())
         index = {"metadata": {"total_size": total}, "weight_map": weight_map}
         (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
 

@@ -34,6 +34,8 @@ from rftstream.experience import Experience
 from rftstream.model_loading import (
     HF_LOAD_LOCK,
     forward_kwargs,
+    load_causal_lm,
+    load_tokenizer,
     output_cache,
     quiet_progress_bars,
     torch_dtype,
@@ -183,8 +185,6 @@ class PolicyTrainer:
                 deepspeed.init_distributed(
                     timeout=datetime.timedelta(seconds=cfg.trainer.nccl_timeout), verbose=False
                 )
-
-        from rftstream.model_loading import load_causal_lm, load_tokenizer
 
         self.cfg = cfg
         self.algorithm = algorithm
