@@ -68,7 +68,7 @@ def test_reused_old_logprob_kept_logits_and_shared_prompts_give_the_same_step(
 ) -> None:
     fast = grpo(tmp_path / "a", tiny_model_path, lean_forward=False)  # the HF forward's savings
     assert fast.reuse_old_logprob and fast.keep_kwarg == "logits_to_keep" and fast.share_prompts
-    slow = grpo(tmp_path / "b", tiny_model_path, share_prompts=False)
+    slow = grpo(tmp_path / "b", tiny_model_path, share_prompts=False, lean_forward=False)
     assert not slow.share_prompts
     slow.reuse_old_logprob = False  # the no-grad recompute pass
     slow.keep_kwarg = None  # logits for every position
@@ -83,8 +83,12 @@ def test_reused_old_logprob_kept_logits_and_shared_prompts_give_the_same_step(
     assert shared == [1, 1]  # both micro-batches (rows 0-5, 6-11) share their prompts
     after_fast, after_slow = params(fast), params(slow)
     assert any(not torch.equal(after_fast[k], before[k]) for k in before)  # it trained
+    # one Adam step moves every weight by about lr (2e-4) whatever its gradient's size, so
+    # a gradient near zero whose rounding differs between the two forwards (kept logits,
+    # shared prompts) moves by a different fraction of it: 1.7e-6 seen on an AMD EPYC;
+    # a real difference (another old_logprob, another loss) moves weights by lr
     for k in after_fast:
-        torch.testing.assert_close(after_fast[k], after_slow[k], atol=1e-6, rtol=1e-5, msg=k)
+        torch.testing.assert_close(after_fast[k], after_slow[k], atol=1e-5, rtol=1e-5, msg=k)
     for key in ("actor/pg_loss", "actor/ppo_kl", "actor/behav_imp_weight", "actor/loss"):
         assert abs(m_fast[key] - m_slow[key]) < 1e-5, key
     assert abs(m_fast["actor/ppo_kl"]) < 1e-6  # old_logprob is the current policy's
