@@ -73,6 +73,57 @@ def load_tokenizer(path: str, **kwargs: Any) -> Any:
         return AutoTokenizer.from_pretrained(path, **kwargs)
 
 
+def pad_token_id_from_files(path: str) -> int | None:
+    """The id the trainer pads with (the tokenizer's pad token, else its eos token), read
+    from the checkpoint's tokenizer files without transformers; None where the files do
+    not settle it, and then the tokenizer says (:func:`load_tokenizer`).
+
+    Settled: ``tokenizer_config.json`` names ``pad_token`` (a string, ``{"content": ...}``
+    or null: then ``eos_token``), there is no ``special_tokens_map.json`` that could name
+    another, and the token's id is in ``tokenizer.json`` (``added_tokens`` or the model's
+    vocabulary) or in ``added_tokens_decoder``. Reads two small files; a file that cannot
+    be read or parsed gives None.
+    """
+    import json
+    from pathlib import Path
+
+    root = Path(path)
+    try:
+        config = json.loads((root / "tokenizer_config.json").read_text(encoding="utf-8"))
+        if not isinstance(config, dict) or "pad_token" not in config:
+            return None  # a tokenizer class may set its own
+        if (root / "special_tokens_map.json").exists():
+            return None
+        name = _token_content(config.get("pad_token"))
+        if name is None:
+            name = _token_content(config.get("eos_token"))
+        if name is None:
+            return None
+        for key, entry in (config.get("added_tokens_decoder") or {}).items():
+            if isinstance(entry, dict) and entry.get("content") == name:
+                return int(key)
+        tokenizer = json.loads((root / "tokenizer.json").read_text(encoding="utf-8"))
+        for entry in tokenizer.get("added_tokens") or []:
+            if isinstance(entry, dict) and entry.get("content") == name:
+                return int(entry["id"])
+        vocab = (tokenizer.get("model") or {}).get("vocab")
+        if isinstance(vocab, dict) and isinstance(vocab.get(name), int):
+            return int(vocab[name])
+    except (OSError, ValueError, TypeError, KeyError, AttributeError):
+        return None
+    return None
+
+
+def _token_content(value: Any) -> str | None:
+    """A special token's text as ``tokenizer_config.json`` gives it: a string, or an added
+    token's ``{"content": ...}``."""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, dict) and isinstance(value.get("content"), str):
+        return str(value["content"])
+    return None
+
+
 def hf_classes(*names: str) -> tuple[Any, ...]:
     """``transformers.<name>`` for each name, imported under :data:`HF_LOAD_LOCK`."""
     with HF_LOAD_LOCK:

@@ -18,7 +18,9 @@ The trainer loads its policy the same way where its lean forward
 no adapters, no gradient checkpointing, ZeRO below 3): the lean forward reads the
 parameters and never calls the module's forward, and :meth:`LightCausalLM.save_pretrained`
 writes the HF-format checkpoint ``save_pretrained`` writes (config, generation config,
-safetensors, sharded at the same size).
+safetensors, sharded at the same size). It reads the config without transformers
+(:class:`JsonConfig`) where ``config.json`` settles every value the model reads, so
+that its process imports the library only when it saves a checkpoint.
 
 :func:`load_light_causal_lm` returns None, and the engine loads the model with
 ``from_pretrained`` as before, for anything it does not cover exactly: another
@@ -47,7 +49,14 @@ from rftstream.engines.fast_decoder import (
     rope_parameters,
 )
 
-__all__ = ["LightCausalLM", "LightOutput", "load_light_causal_lm", "rope_frequencies"]
+__all__ = [
+    "JsonConfig",
+    "LightCausalLM",
+    "LightOutput",
+    "json_config",
+    "load_light_causal_lm",
+    "rope_frequencies",
+]
 
 #: transformers' class for each covered ``model_type`` (``config.architectures`` on save)
 HF_CLASS = {
@@ -57,6 +66,79 @@ HF_CLASS = {
 }
 #: ``save_pretrained``'s default shard size in transformers 5 (one file below it)
 MAX_SHARD_BYTES = 50 * 10**9
+
+#: the keys a ``config.json`` must name for :class:`JsonConfig` (every one the model and
+#: :func:`~rftstream.engines.fast_decoder.config_reason` read whose default is the config
+#: class's, not the one they assume); by ``model_type``, the keys of that type
+JSON_CONFIG_KEYS = (
+    "model_type",
+    "hidden_size",
+    "intermediate_size",
+    "num_attention_heads",
+    "num_hidden_layers",
+    "num_key_value_heads",
+    "vocab_size",
+    "rms_norm_eps",
+    "hidden_act",
+    "tie_word_embeddings",
+    "rope_parameters",
+)
+JSON_CONFIG_KEYS_BY_TYPE = {
+    "qwen2": ("use_sliding_window",),
+    "llama": ("attention_bias", "mlp_bias"),
+    "mistral": ("sliding_window",),
+}
+
+
+class JsonConfig:
+    """A checkpoint's ``config.json`` as attributes, read without transformers.
+
+    What :func:`load_light_causal_lm` uses, with ``without_transformers``, in place of
+    ``AutoConfig`` (whose first use imports transformers: about 1.2 s of CPU) where the
+    file names every key the light model reads (:data:`JSON_CONFIG_KEYS`) and its rotary
+    embedding is the default one: then the attributes are the ones ``AutoConfig`` would
+    give. ``source`` is the checkpoint directory; :meth:`to_transformers` builds the
+    transformers config (``AutoConfig`` of ``source`` with every attribute set since
+    loading), which :meth:`LightCausalLM.save_pretrained` writes.
+    """
+
+    def __init__(self, source: Path, values: dict[str, Any]) -> None:
+        object.__setattr__(self, "source", source)
+        object.__setattr__(self, "changed", {})
+        for key, value in values.items():
+            object.__setattr__(self, key, value)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        self.changed[name] = value
+        object.__setattr__(self, name, value)
+
+    def to_transformers(self) -> Any:
+        """``AutoConfig.from_pretrained(source)`` with the attributes set since loading."""
+        from transformers import AutoConfig
+
+        config = AutoConfig.from_pretrained(str(self.source))
+        for key, value in self.changed.items():
+            setattr(config, key, value)
+        return config
+
+
+def json_config(path: Path, declared: dict[str, Any]) -> JsonConfig | None:
+    """``declared`` (``path``'s ``config.json``) as a :class:`JsonConfig`, or None where it
+    leaves a key the light model reads to the config class's default, or names a rotary
+    embedding other than the default one (then ``AutoConfig`` reads it)."""
+    keys = JSON_CONFIG_KEYS + JSON_CONFIG_KEYS_BY_TYPE.get(str(declared.get("model_type")), ())
+    if any(key not in declared for key in keys):
+        return None
+    rope = declared["rope_parameters"]
+    if (
+        not isinstance(rope, dict)
+        or rope.get("rope_type", "default") != "default"
+        or "rope_theta" not in rope
+        or "partial_rotary_factor" in rope
+        or "partial_rotary_factor" in declared
+    ):
+        return None
+    return JsonConfig(path, declared)
 
 
 def rope_frequencies(config: Any) -> tuple[torch.Tensor, float, str]:
@@ -151,8 +233,9 @@ class LightOutput:
 class LightCausalLM(nn.Module):
     """The parameters of a Qwen2 / Llama / Mistral causal LM under the names
     ``transformers`` gives them (``state_dict()`` keys and shapes are the same), with
-    ``config`` and ``generation_config`` as a transformers model has them. Nothing of
-    transformers' modeling code is imported. Built on the ``meta`` device (parameters
+    ``config`` and ``generation_config`` as a transformers model has them (or, loaded
+    ``without_transformers``, a :class:`JsonConfig` and no generation config until
+    :meth:`save_pretrained` reads it). Nothing of transformers' modeling code is imported. Built on the ``meta`` device (parameters
     without memory): :func:`load_light_causal_lm` assigns the checkpoint's tensors."""
 
     def __init__(self, config: Any, generation_config: Any = None) -> None:
@@ -199,14 +282,19 @@ class LightCausalLM(nn.Module):
             if getattr(self.config, "tie_word_embeddings", False):
                 state_dict.pop("lm_head.weight", None)
         dtype = next(self.parameters()).dtype
-        self.config.dtype = str(dtype).removeprefix("torch.")
-        self.config.architectures = [HF_CLASS.get(self.config.model_type, "LightCausalLM")]
-        self.config.save_pretrained(str(out))
+        config = self.config
         generation = self.generation_config
+        if isinstance(config, JsonConfig):  # read without transformers: its classes now
+            if generation is None:
+                generation = _generation_config(config.source)
+            config = config.to_transformers()
+        config.dtype = str(dtype).removeprefix("torch.")
+        config.architectures = [HF_CLASS.get(config.model_type, "LightCausalLM")]
+        config.save_pretrained(str(out))
         if generation is None:
             from transformers import GenerationConfig
 
-            generation = GenerationConfig.from_model_config(self.config)
+            generation = GenerationConfig.from_model_config(config)
         generation.save_pretrained(str(out))
         shards: list[dict[str, torch.Tensor]] = [{}]
         size = total = 0
@@ -297,13 +385,18 @@ def _generation_config(path: Path) -> Any:
     return GenerationConfig.from_pretrained(str(path))
 
 
-def load_light_causal_lm(model_path: str, dtype: torch.dtype) -> LightCausalLM | None:
+def load_light_causal_lm(
+    model_path: str, dtype: torch.dtype, *, without_transformers: bool = False
+) -> LightCausalLM | None:
     """The checkpoint at ``model_path`` as a :class:`LightCausalLM` in ``dtype``, in eval
     mode, or None where it cannot be loaded exactly (see the module docstring): then
     load it with ``from_pretrained``. Raises what reading the config or the files raises
-    (``OSError``, ``ValueError``)."""
-    from transformers import AutoConfig
+    (``OSError``, ``ValueError``).
 
+    ``without_transformers``: read the config as a :class:`JsonConfig` where it can be
+    (else with ``AutoConfig``) and leave ``generation_config`` None, read from the
+    checkpoint when the model is saved: nothing of transformers is imported (the
+    trainer's start-up; the explorer needs the library for its tokenizer anyway)."""
     path = Path(model_path)
     if not (path / "config.json").is_file():
         return None  # a hub id, or no checkpoint: from_pretrained says what is wrong
@@ -311,7 +404,11 @@ def load_light_causal_lm(model_path: str, dtype: torch.dtype) -> LightCausalLM |
         declared = json.load(f)
     if declared.get("model_type") not in SUPPORTED_TYPES:
         return None  # no config class of another architecture is read either
-    config = AutoConfig.from_pretrained(str(path))
+    config: Any = json_config(path, declared) if without_transformers else None
+    if config is None:
+        from transformers import AutoConfig
+
+        config = AutoConfig.from_pretrained(str(path))
     if config_reason(config) is not None:
         return None
     tensors = _checkpoint_tensors(path)
@@ -333,5 +430,6 @@ def load_light_causal_lm(model_path: str, dtype: torch.dtype) -> LightCausalLM |
     model.load_state_dict({k: v.to(dtype) for k, v in tensors.items()}, strict=False, assign=True)
     if tied:
         model.lm_head.weight = model.model.embed_tokens.weight
-    model.generation_config = _generation_config(path)
+    if not isinstance(config, JsonConfig):
+        model.generation_config = _generation_config(path)
     return model.eval()

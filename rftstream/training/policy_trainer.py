@@ -37,6 +37,7 @@ from rftstream.model_loading import (
     load_causal_lm,
     load_tokenizer,
     output_cache,
+    pad_token_id_from_files,
     quiet_progress_bars,
     torch_dtype,
 )
@@ -207,9 +208,15 @@ class PolicyTrainer:
         self.kl_penalty = (algorithm.config.kl_penalty_fn or "none") != "none"
         self.kl_loss = (algorithm.config.kl_loss_fn or "none") != "none"
         torch.manual_seed(cfg.seed)
-        self.tokenizer = load_tokenizer(model_path)
-        pad = self.tokenizer.pad_token_id
-        self.pad_token_id = int(pad if pad is not None else (self.tokenizer.eos_token_id or 0))
+        self.model_path = model_path
+        self._tokenizer: Any = None
+        # from the tokenizer's files where they settle it: loading the tokenizer imports
+        # transformers, about 1.2 s of the start-up's critical path (see the tokenizer)
+        pad = pad_token_id_from_files(model_path)
+        if pad is None:
+            pad = self.tokenizer.pad_token_id
+            pad = pad if pad is not None else (self.tokenizer.eos_token_id or 0)
+        self.pad_token_id = int(pad)
         self.bf16 = cfg.trainer.mixed_precision == "bf16"
         if self.bf16:
             check_bf16_supported()
@@ -331,6 +338,14 @@ class PolicyTrainer:
                     log.debug("trainer: the HF forward for %s (%s)", type(module).__name__, reason)
         self.global_step = 0
 
+    @property
+    def tokenizer(self) -> Any:
+        """The policy's tokenizer (``AutoTokenizer``), loaded on first use: for datasets
+        and checkpoints, not for training. Blocks for the load."""
+        if self._tokenizer is None:
+            self._tokenizer = load_tokenizer(self.model_path)
+        return self._tokenizer
+
     def _light_policy(self, model_path: str, checkpointing: bool) -> LightCausalLM | None:
         """The policy as a :class:`~rftstream.engines.light_model.LightCausalLM` (no
         transformers modeling code imported: about 1.5 s less CPU before the first step)
@@ -351,7 +366,7 @@ class PolicyTrainer:
         ):
             return None
         with HF_LOAD_LOCK:  # transformers' lazy imports race with a load in another thread
-            model = load_light_causal_lm(model_path, torch.float32)
+            model = load_light_causal_lm(model_path, torch.float32, without_transformers=True)
         if model is None or _has_active_dropout(model):
             return None
         return model

@@ -27,7 +27,13 @@ from transformers import (
     Qwen2ForCausalLM,
 )
 
-from rftstream.engines.light_model import LightCausalLM, load_light_causal_lm
+from rftstream.engines.light_model import (
+    JSON_CONFIG_KEYS,
+    JsonConfig,
+    LightCausalLM,
+    json_config,
+    load_light_causal_lm,
+)
 from rftstream.engines.transformers_engine import TransformersEngine
 
 
@@ -333,20 +339,84 @@ def test_score_runs_on_the_engines_decoder(tiny_model_path: str, monkeypatch) ->
 # ------------------------------------------------------------ the trainer's policy
 
 
+def test_json_config_gives_the_model_autoconfig_gives(tiny_model_path: str, tmp_path: Path) -> None:
+    """``without_transformers``: where ``config.json`` names every key (transformers 5
+    writes them all) and the RoPE is the default one, the config is read as a JsonConfig
+    and the model is the one ``AutoConfig`` gives (same parameters, same logits);
+    other RoPE types are read by ``AutoConfig``."""
+    torch.manual_seed(1)
+    plain_llama = LlamaConfig(
+        vocab_size=120,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        tie_word_embeddings=False,
+    )
+    paths = {
+        **_checkpoints(tiny_model_path, tmp_path),
+        "llama, default RoPE": _save(LlamaForCausalLM(plain_llama), tmp_path / "pl"),
+    }
+    read_as_json = {"tiny qwen2 (GQA, tied, biases)", "mistral", "llama, default RoPE"}
+    ids = torch.tensor([[3, 17, 9, 44, 2, 8, 11]])
+    for which, path in paths.items():
+        light = load_light_causal_lm(path, torch.float32, without_transformers=True)
+        hf_config = load_light_causal_lm(path, torch.float32)
+        assert light is not None and hf_config is not None, which
+        assert isinstance(light.config, JsonConfig) == (which in read_as_json), which
+        assert isinstance(hf_config.config, JsonConfig) is False
+        want = hf_config.state_dict()
+        got = light.state_dict()
+        assert sorted(got) == sorted(want), which
+        for key in want:
+            assert torch.equal(got[key], want[key]), (which, key)
+        with torch.no_grad():
+            torch.testing.assert_close(
+                light(input_ids=ids).logits, hf_config(input_ids=ids).logits, rtol=0, atol=0
+            )
+        assert (light.generation_config is None) == (which in read_as_json)
+
+
+@pytest.mark.parametrize(
+    "edit",
+    [
+        *({"drop": key} for key in JSON_CONFIG_KEYS),
+        {"drop": "use_sliding_window"},  # qwen2's own
+        {"rope_parameters": {"rope_type": "linear", "rope_theta": 1e4, "factor": 2.0}},
+        {"partial_rotary_factor": 0.5},
+    ],
+)
+def test_json_config_leaves_to_autoconfig_what_the_file_does_not_settle(
+    tiny_model_path: str, edit: dict
+) -> None:
+    declared = json.loads((Path(tiny_model_path) / "config.json").read_text())
+    if "drop" in edit:
+        declared.pop(edit["drop"])
+    else:
+        declared.update(edit)
+    assert json_config(Path(tiny_model_path), declared) is None
+
+
+@pytest.mark.parametrize("without_transformers", [False, True])
 @pytest.mark.parametrize(
     "which", ["tiny qwen2 (GQA, tied, biases)", "llama3 RoPE, attention bias, untied"]
 )
 def test_save_pretrained_writes_what_transformers_writes(
-    tiny_model_path: str, tmp_path: Path, which: str
+    tiny_model_path: str, tmp_path: Path, which: str, without_transformers: bool
 ) -> None:
     """The trainer's HF checkpoint of a light policy: the same files, config, generation
-    config and tensors as transformers' ``save_pretrained`` of the same weights."""
+    config and tensors as transformers' ``save_pretrained`` of the same weights, a config
+    attribute set after loading included (the trainer sets ``use_cache``), whether the
+    config was read by ``AutoConfig`` or as a JsonConfig."""
     from safetensors.torch import load_file
 
     path = _checkpoints(tiny_model_path, tmp_path)[which]
-    light = load_light_causal_lm(path, torch.float32)
+    light = load_light_causal_lm(path, torch.float32, without_transformers=without_transformers)
     assert light is not None
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    light.config.use_cache = False
+    hf.config.use_cache = False
     light.save_pretrained(tmp_path / "light")
     hf.save_pretrained(str(tmp_path / "hf"))
     files = sorted(p.name for p in (tmp_path / "hf").iterdir())
@@ -410,12 +480,14 @@ def test_the_trainer_trains_a_light_policy_and_saves_a_loadable_checkpoint(
         assert torch.equal(got[key].detach(), value), key
 
 
-def test_the_trainer_process_imports_no_transformers_modeling_code(
+def test_the_trainer_process_imports_neither_transformers_nor_dynamo(
     tiny_model_path: str, tmp_path: Path
 ) -> None:
-    """What the light policy is for in the trainer: ``transformers.masking_utils`` and
-    ``modeling_utils`` (about 1.5 s of CPU before the first step) are never imported; nor,
-    through two trainer steps, is ``torch._dynamo`` (1.2 s more: the optimizer is
+    """What the light policy is for in the trainer: through construction and two trainer
+    steps, transformers is never imported (its modeling code about 1.5 s of CPU before
+    the first step, the library itself, ``AutoConfig`` and the tokenizer about 1.2 s
+    more: the config is read as a JsonConfig, the pad id from the tokenizer's files), nor
+    ``torch._dynamo`` (1.2 s: the optimizer is
     :class:`~rftstream.training.eager_adamw.EagerAdamW`)."""
     code = (
         "import sys\n"
@@ -424,8 +496,7 @@ def test_the_trainer_process_imports_no_transformers_modeling_code(
         f"trainer = grpo(Path({str(tmp_path)!r}), {tiny_model_path!r})\n"
         "for _ in range(2):\n"
         "    trainer.train_step(batch())\n"
-        "heavy = sorted(m for m in sys.modules if m in "
-        "('transformers.masking_utils', 'transformers.modeling_utils', 'torch._dynamo'))\n"
+        "heavy = sorted(m for m in sys.modules if m in ('transformers', 'torch._dynamo'))\n"
         "print(type(trainer.engine.module).__name__, type(trainer.optimizer).__name__, heavy)\n"
     )
     # a process group of its own: not this process's (its port is taken here)

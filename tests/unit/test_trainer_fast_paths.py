@@ -17,7 +17,6 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM
 
 from rftstream.experience import EID, Experience
 from rftstream.training.policy_trainer import PolicyTrainer, _has_active_dropout
@@ -98,6 +97,8 @@ def test_old_logprob_is_recomputed_when_it_could_differ(
     tmp_path: Path, tiny_model_path: str
 ) -> None:
     assert not grpo(tmp_path, tiny_model_path, ppo_epochs=2).reuse_old_logprob
+    from transformers import AutoModelForCausalLM  # here: grpo() is used where it must stay out
+
     model = AutoModelForCausalLM.from_pretrained(tiny_model_path)
     assert not _has_active_dropout(model)
     model.config.attention_dropout = 0.1  # functional dropout inside attention
