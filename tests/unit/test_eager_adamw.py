@@ -80,6 +80,7 @@ def test_no_dynamo_import() -> None:
         "opt.add_param_group({'params': [torch.nn.Parameter(torch.zeros(2))]})\n"
         "for _ in range(2):\n"
         "    opt.zero_grad(); m(torch.ones(1, 3)).sum().backward(); opt.step()\n"
+        "opt.load_state_dict(opt.state_dict())\n"
         "print('torch._dynamo' in sys.modules)\n"
     )
     out = subprocess.run(
