@@ -235,8 +235,9 @@ class LightCausalLM(nn.Module):
     ``transformers`` gives them (``state_dict()`` keys and shapes are the same), with
     ``config`` and ``generation_config`` as a transformers model has them (or, loaded
     ``without_transformers``, a :class:`JsonConfig` and no generation config until
-    :meth:`save_pretrained` reads it). Nothing of transformers' modeling code is imported. Built on the ``meta`` device (parameters
-    without memory): :func:`load_light_causal_lm` assigns the checkpoint's tensors."""
+    :meth:`save_pretrained` reads it). Nothing of transformers' modeling code is
+    imported. Built on the ``meta`` device (parameters without memory):
+    :func:`load_light_causal_lm` assigns the checkpoint's tensors."""
 
     def __init__(self, config: Any, generation_config: Any = None) -> None:
         super().__init__()

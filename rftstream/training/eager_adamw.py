@@ -26,23 +26,20 @@ import torch
 __all__ = ["EagerAdamW"]
 
 
-def _undecorated(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """``fn`` without the wrappers that ``functools.wraps`` recorded (``__wrapped__``)."""
-    return inspect.unwrap(fn)
-
-
-_ADAM_STEP = _undecorated(torch.optim.Adam.step)
-_ADD_PARAM_GROUP = _undecorated(torch.optim.Optimizer.add_param_group)
-_ZERO_GRAD = _undecorated(torch.optim.Optimizer.zero_grad)
-_STATE_DICT = _undecorated(torch.optim.Optimizer.state_dict)
-_LOAD_STATE_DICT = _undecorated(torch.optim.Optimizer.load_state_dict)
+# each without the wrappers that ``functools.wraps`` recorded (``__wrapped__``)
+_ADAM_STEP = inspect.unwrap(torch.optim.Adam.step)
+_ADD_PARAM_GROUP = inspect.unwrap(torch.optim.Optimizer.add_param_group)
+_ZERO_GRAD = inspect.unwrap(torch.optim.Optimizer.zero_grad)
+_STATE_DICT = inspect.unwrap(torch.optim.Optimizer.state_dict)
+_LOAD_STATE_DICT = inspect.unwrap(torch.optim.Optimizer.load_state_dict)
 
 
 class EagerAdamW(torch.optim.AdamW):
     """``torch.optim.AdamW`` whose ``step``, ``add_param_group``, ``zero_grad``,
-    ``state_dict`` and ``load_state_dict`` skip the ``torch.compile`` guards (see the module docstring). Same arguments, state and
-    ``state_dict`` as ``AdamW``; ``differentiable=True`` is refused (the guard would then
-    keep the graph, which this class does not)."""
+    ``state_dict`` and ``load_state_dict`` skip the ``torch.compile`` guards (see the
+    module docstring). Same arguments, state and ``state_dict`` as ``AdamW``;
+    ``differentiable=True`` is refused (the guard would then keep the graph, which this
+    class does not)."""
 
     def __init__(self, params: Any, *args: Any, **kwargs: Any) -> None:
         if kwargs.get("differentiable"):

@@ -818,9 +818,7 @@ class PolicyTrainer:
         below 1) in a few calls, and its norm is logged as ``actor/grad_norm``. None
         (DeepSpeed clips) with several ranks, ZeRO 1-3, bf16/fp16 or no clipping."""
         max_norm = float(ds_config.get("gradient_clipping") or 0.0)
-        stage = int((ds_config.get("zero_optimization") or {}).get("stage", 0) or 0)
-        half = any((ds_config.get(k) or {}).get("enabled") for k in ("bf16", "fp16"))
-        if max_norm <= 0 or stage != 0 or half or self.world_size != 1:
+        if max_norm <= 0 or not _zero0_full_precision(ds_config) or self.world_size != 1:
             return None
         ds_config["gradient_clipping"] = 0.0
         return _GradientClipping(max_norm, params)
@@ -1302,18 +1300,27 @@ def _chunks(n: int, size: int) -> list[slice]:
     return [slice(i, min(i + size, n)) for i in range(0, n, size)]
 
 
-def _steps_optimizer_as_given(ds_config: dict[str, Any]) -> bool:
-    """Whether DeepSpeed, with ``ds_config``, steps the client optimizer itself: ZeRO stage 0
-    (stages 1-3 wrap it and accept only the optimizer classes they know), neither bf16
-    nor fp16 (their wrappers were not tried with :class:`EagerAdamW`)."""
+def _enabled(ds_config: dict[str, Any], section: str) -> bool:
+    """Whether ``ds_config[section]`` (``{"enabled": ...}``, or a bare flag) is on."""
+    value = ds_config.get(section) or {}
+    return bool(value.get("enabled", False)) if isinstance(value, dict) else bool(value)
+
+
+def _zero0_full_precision(ds_config: dict[str, Any]) -> bool:
+    """Whether DeepSpeed, with ``ds_config``, runs ZeRO stage 0 with neither bf16 nor fp16:
+    it then steps the client optimizer as given (stages 1-3 wrap it and accept only the
+    optimizer classes they know; the half-precision wrappers were not tried with
+    :class:`EagerAdamW`), and its gradient clipping is a plain norm clip."""
     zero = ds_config.get("zero_optimization") or {}
-    stage = zero.get("stage", 0) if isinstance(zero, dict) else 0
+    stage = int((zero.get("stage", 0) if isinstance(zero, dict) else 0) or 0)
+    return stage == 0 and not _enabled(ds_config, "bf16") and not _enabled(ds_config, "fp16")
 
-    def enabled(section: str) -> bool:
-        value = ds_config.get(section) or {}
-        return bool(value.get("enabled", False)) if isinstance(value, dict) else bool(value)
 
-    return stage == 0 and not enabled("bf16") and not enabled("fp16") and not enabled("amp")
+def _steps_optimizer_as_given(ds_config: dict[str, Any]) -> bool:
+    """Whether DeepSpeed, with ``ds_config``, steps the client optimizer itself, where
+    :class:`EagerAdamW` serves: ZeRO 0 in full precision (:func:`_zero0_full_precision`),
+    no ``amp``."""
+    return _zero0_full_precision(ds_config) and not _enabled(ds_config, "amp")
 
 
 def _deep_merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:

@@ -104,6 +104,8 @@ def test_no_dynamo_import() -> None:
         ({"zero_optimization": {"stage": 2}}, False),  # ZeRO accepts the classes it knows
         ({"zero_optimization": {"stage": 0}, "bf16": {"enabled": True}}, False),
         ({"fp16": {"enabled": True}}, False),
+        ({"bf16": True}, False),  # a bare flag
+        ({"amp": {"enabled": True}}, False),
     ],
 )
 def test_used_where_deepspeed_steps_the_optimizer_as_given(ds_config: dict, expected: bool) -> None:
