@@ -90,7 +90,7 @@ from rftstream.actors.common import (
 from rftstream.actors.evaluation import Evaluator
 from rftstream.actors.taskset_publisher import TasksetPublisher
 from rftstream.bus.client import Bus
-from rftstream.bus.state import END_STATUSES, RunState
+from rftstream.bus.state import END_STATUSES, MirroredState, RunState
 from rftstream.bus.transport import Delivery
 from rftstream.config.resolve import taskset_repeat_times
 from rftstream.config.resolved import ResolvedRun
@@ -128,8 +128,10 @@ from rftstream.weights.fetcher import WeightFetcher
 from rftstream.wire import (
     EXPLORER_DONE,
     EXPLORER_STEP,
+    STATUS,
     TRAINER_STARVING,
     TRAINER_UNACKED,
+    WEIGHTS_LATEST,
     WEIGHTS_PENDING,
     ExplorerDone,
     Heartbeat,
@@ -140,6 +142,9 @@ from rftstream.wire import (
 log = logging.getLogger(__name__)
 
 TASKS_DLQ_STAGE = "tasks"
+#: the keys each step and the staleness gate read, kept in the explorer's process
+#: (:class:`~rftstream.bus.state.MirroredState`): several reads per look otherwise
+GATE_KEYS = (STATUS, WEIGHTS_LATEST, WEIGHTS_PENDING, TRAINER_UNACKED, TRAINER_STARVING)
 RETRY_MAX_S = 30.0  # the longest wait between two attempts to publish a group
 # max_staleness with jetstream: how long the trainer's newest version is awaited at most
 # before the explorer goes on with older weights (it never came: the trainer failed)
@@ -212,6 +217,9 @@ class Explorer:
         # version staged here; not weights.pending / weights.latest, which come before
         # the acks and would wake the gate only to find the queue as it was
         self._gate_wakes: KeyWrites | None = None
+        # what the gate and each step read (status, the trainer's versions and totals),
+        # kept in this process by write notifications instead of read per look
+        self._gate_state: MirroredState | None = None
         # the room (experiences) the last look left after its take; None: look at once
         self._gate_spare: int | None = None
         # the trainer start (WeightsPointer.incarnation) whose weights the engine holds
@@ -288,6 +296,9 @@ class Explorer:
             await self.bus.kv(), (KV_TRAINER_STEP, KV_TRAINER_STARVING, KV_STATUS)
         )
         await self._gate_wakes.start()
+        gate_state = MirroredState(await self.bus.kv(), GATE_KEYS)
+        self._gate_state = gate_state
+        await gate_state.start()
         try:
             async with rollout_model(self.cfg, self.model_path, engine=engine) as (model, aux, _):
                 self.engine = model.engine
@@ -325,6 +336,7 @@ class Explorer:
                 await consumer.unsubscribe()
                 await self._weights_changes.stop()
                 await self._gate_wakes.stop()
+                await gate_state.stop()
                 try:  # the last word on this explorer's step and weights (the loop's may lag)
                     await state.heartbeat(self._heartbeat())
                 except Exception as exc:  # noqa: BLE001 - the connection may be gone
@@ -400,8 +412,9 @@ class Explorer:
         refill_at = self.cfg.explorer.runner_num - 1
         limiter = anyio.CapacityLimiter(self.cfg.explorer.runner_num)
         total_steps = self.cfg.buffer.total_steps
+        gate_state = self._gate_state or state
         while True:
-            status = await state.status()
+            status = await gate_state.status()
             if status in END_STATUSES:
                 return status
             if self.explore_only and total_steps is not None and self.step >= total_steps:
@@ -413,7 +426,7 @@ class Explorer:
             take = batch_size
             if self._syncs_weights():
                 if not self.explore_only:  # no trainer of ours to wait for otherwise
-                    take = await self._respect_staleness(state, next_step)
+                    take = await self._respect_staleness(gate_state, next_step)
                 await self._sync_weights(state, next_step)
             wait_sync = time.perf_counter() - t_wait
             msgs: list[Delivery] = []
@@ -958,7 +971,13 @@ class Explorer:
 
     async def _look(self, state: RunState, will_sync: bool) -> GateLook:
         """One :class:`GateLook`: our tasks in flight, then the queues, then the trainer's
-        versions, in that order (see :class:`GateLook`)."""
+        versions, in that order (see :class:`GateLook`).
+
+        ``state`` is the explorer's :class:`~rftstream.bus.state.MirroredState`: the KV
+        records cost no round trip, and one read after the queues' replies holds every
+        write made before the server sent them (``weights.pending`` and the ``acked``
+        total, written before the trainer's acks); ``trained``, read before the queues,
+        is at most as new as the bucket's, which only lowers what is subtracted."""
         # our tasks in flight are read before the queues: one published while these are
         # read is then counted twice, never missed (read after, it could be in neither)
         in_flight = self._in_flight

@@ -3,18 +3,20 @@
 Keys (see :mod:`rftstream.subjects`): ``status``, ``taskset.published``,
 ``explorer.<name>.step``, ``trainer.step``, ``weights.latest``,
 ``heartbeat.<actor>``. Values are JSON, readable with ``nats kv get``.
-Every method is one KV round trip (blocks for it). The bucket is a
+Every method is one KV round trip (blocks for it), except the reads of the keys a
+:class:`MirroredState` keeps. The bucket is a
 :class:`~rftstream.bus.transport.KeyValueStore` of any transport.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterable
 from typing import Any, TypeVar
 
 import msgspec
 
-from rftstream.bus.transport import KeyValueStore, KvEntry
+from rftstream.bus.transport import KeyValueStore, KvEntry, ValueWrites
 from rftstream.errors import BusError, CasConflict, KeyNotFound, SchemaError
 from rftstream.subjects import KV_HEARTBEAT_PREFIX
 from rftstream.wire import (
@@ -184,3 +186,71 @@ class RunState:
             if raw is not None:
                 out[key] = msgspec.json.decode(raw)
         return out
+
+
+class MirroredState(RunState):
+    """A :class:`RunState` whose reads of some keys cost no round trip: this process
+    keeps their newest values, written into it by the bucket's write notifications
+    (:meth:`~rftstream.bus.transport.KeyValueStore.on_value`). Every other key, and
+    :meth:`entry` / :meth:`revision` of any key, is read from the bucket as usual.
+
+    How new a kept value is: every write that reached the server before a reply this
+    process has since received (a consumer's counts, a publish's ack) is in it, since
+    the write comes down the same connection ahead of the reply. That is what a read
+    ordered after another read needs (the explorer's staleness gate reads the
+    trainer's ``weights.pending`` after the experience queues: see
+    :meth:`rftstream.actors.explorer.Explorer._look`). A value read before any reply
+    may be older than the bucket's, never newer than what was written. Only for keys
+    written unconditionally (a refused conditional write would be kept too).
+
+    :meth:`start` subscribes, then reads each key once; a value written meanwhile
+    wins over the read. When the connection was lost and came back (writes made
+    meanwhile were never handed on), the next read of a kept key reads them all
+    again first. :meth:`stop` unsubscribes (never raises). Use ``async with``.
+    """
+
+    def __init__(self, kv: KeyValueStore, keys: Iterable[Key[Any]]) -> None:
+        super().__init__(kv)
+        self.kept = tuple(dict.fromkeys(k.name for k in keys))
+        self._values: dict[str, bytes | None] = {}
+        self._written_since_read: set[str] = set()
+        self._writes: ValueWrites | None = None
+
+    def _written(self, key: str, value: bytes | None) -> None:
+        self._values[key] = value
+        self._written_since_read.add(key)
+
+    async def start(self) -> None:
+        """Subscribe to the kept keys, then read each once (a round trip each). Blocks."""
+        self._writes = await self.kv.on_value(self.kept, self._written)
+        await self._read_kept()
+
+    async def _read_kept(self) -> None:
+        self._written_since_read.clear()
+        for key in self.kept:
+            raw = await super()._raw(key)
+            if key not in self._written_since_read:  # a notified write is newer than the read
+                self._values[key] = raw
+
+    async def stop(self) -> None:
+        """Unsubscribe; reads then go to the bucket again. Never raises."""
+        writes, self._writes = self._writes, None
+        if writes is not None:
+            try:
+                await writes.unsubscribe()
+            except Exception:  # noqa: BLE001 - the connection may be gone
+                pass
+
+    async def __aenter__(self) -> MirroredState:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.stop()
+
+    async def _raw(self, key: str) -> bytes | None:
+        if self._writes is None or key not in self.kept:
+            return await super()._raw(key)
+        if self._writes.missed():
+            await self._read_kept()
+        return self._values.get(key)

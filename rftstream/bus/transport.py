@@ -182,6 +182,10 @@ class ConsumerState:
     num_redelivered: int = 0
 
 
+#: JetStream's header on a KV delete (``DEL``) or purge (``PURGE``) marker
+H_KV_OPERATION = "KV-Operation"
+
+
 @dataclass(frozen=True, slots=True)
 class KvEntry:
     """A key's value, its revision (the bucket stream's sequence) and when it was written."""
@@ -254,6 +258,17 @@ class Unsubscribe(Protocol):
     async def unsubscribe(self) -> None: ...
 
 
+class ValueWrites(Protocol):
+    """What :meth:`KeyValueStore.on_value` returns."""
+
+    def missed(self) -> bool:
+        """Whether writes may have gone unseen since the previous call (the connection
+        was lost and came back meanwhile): True once per such loss."""
+        ...
+
+    async def unsubscribe(self) -> None: ...
+
+
 class KeyValueStore(Protocol):
     """A bucket of keys; each write is a new revision (the bucket stream's sequence).
 
@@ -289,6 +304,19 @@ class KeyValueStore(Protocol):
         self, keys: tuple[str, ...], callback: Callable[[], Awaitable[None]]
     ) -> Unsubscribe:
         """Call ``callback`` after each write of one of ``keys`` from now on (values not read)."""
+        ...
+
+    async def on_value(
+        self, keys: tuple[str, ...], callback: Callable[[str, bytes | None], None]
+    ) -> ValueWrites:
+        """Call ``callback(key, value)`` for each write of one of ``keys`` from now on,
+        with the value written (None for a delete or purge), in the order the writes
+        reached the server. A write is handed on before any reply that reached this
+        connection after it (on NATS both come down the one connection, in order, and
+        the callback runs before the reply's waiter resumes): a value read after a reply
+        is at least as new as every write that preceded the reply at the server. A
+        conditional write the bucket refuses is handed on too: use it for keys written
+        unconditionally."""
         ...
 
 

@@ -37,6 +37,7 @@ from rftstream.bus.jetstream.records import (
 )
 from rftstream.bus.jetstream.resilient import ResilientJetStream
 from rftstream.bus.transport import (
+    H_KV_OPERATION,
     ConsumerSpec,
     ConsumerState,
     Delivery,
@@ -239,12 +240,42 @@ class _JetStreamKV:
             subs.subs.append(await self._nc.subscribe(f"$KV.{self.bucket}.{key}", cb=changed))
         return subs
 
+    async def on_value(
+        self, keys: tuple[str, ...], callback: Callable[[str, bytes | None], None]
+    ) -> _Subscriptions:
+        """Plain NATS subscriptions on the keys' subjects, as :meth:`on_write`; each
+        message is a write as published (a ``KV-Operation`` header marks a delete or
+        purge). nats-py queues a subscription's messages as it parses them and runs
+        their callbacks in parse order with the callback of a request's reply, so a
+        write parsed before a reply is handed on before the reply's waiter resumes."""
+        subs = _Subscriptions(self._nc)
+        for key in keys:
+
+            async def written(msg: Msg, key: str = key) -> None:
+                op = (msg.headers or {}).get(H_KV_OPERATION)
+                callback(key, None if op in ("DEL", "PURGE") else msg.data)
+
+            subs.subs.append(await self._nc.subscribe(f"$KV.{self.bucket}.{key}", cb=written))
+        return subs
+
 
 class _Subscriptions:
     """Core NATS subscriptions ended together."""
 
-    def __init__(self) -> None:
+    def __init__(self, nc: NatsClient | None = None) -> None:
         self.subs: list[Any] = []
+        self._nc = nc
+        self._reconnects = self._reconnect_count()
+
+    def _reconnect_count(self) -> int:
+        return int(self._nc.stats.get("reconnects", 0)) if self._nc is not None else 0
+
+    def missed(self) -> bool:
+        """Whether the connection came back from a loss since the previous call (what
+        was published meanwhile never reached these subscriptions)."""
+        now = self._reconnect_count()
+        lost, self._reconnects = now != self._reconnects, now
+        return lost
 
     async def unsubscribe(self) -> None:
         for sub in self.subs:

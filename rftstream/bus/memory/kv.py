@@ -6,10 +6,8 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable
 
 from rftstream.bus.memory.streams import Stored, Stream
-from rftstream.bus.transport import KvEntry
+from rftstream.bus.transport import H_KV_OPERATION, KvEntry
 from rftstream.errors import CasConflict, KeyNotFound
-
-H_KV_OPERATION = "KV-Operation"  # JetStream's marker of a deleted (or purged) key
 
 
 class WriteListeners:
@@ -25,6 +23,25 @@ class WriteListeners:
             self._kv.listeners.remove(self)
 
 
+class ValueListener:
+    """A callback for the values written to some keys (:meth:`MemoryKV.on_value`)."""
+
+    def __init__(
+        self, kv: MemoryKV, keys: tuple[str, ...], cb: Callable[[str, bytes | None], None]
+    ) -> None:
+        self._kv = kv
+        self.keys = keys
+        self.cb = cb
+
+    def missed(self) -> bool:
+        """Never: in memory every write reaches every listener."""
+        return False
+
+    async def unsubscribe(self) -> None:
+        if self in self._kv.value_listeners:
+            self._kv.value_listeners.remove(self)
+
+
 class MemoryKV:
     """A KV bucket over the stream ``KV_<bucket>`` (:class:`~rftstream.bus.transport.KeyValueStore`)."""
 
@@ -33,6 +50,7 @@ class MemoryKV:
         self.bucket = bucket
         self._pre = f"$KV.{bucket}."
         self.listeners: list[WriteListeners] = []
+        self.value_listeners: list[ValueListener] = []
 
     def _last(self, key: str) -> tuple[int, Stored] | None:
         subject = self._pre + key
@@ -47,6 +65,10 @@ class MemoryKV:
 
     async def _write(self, key: str, value: bytes, headers: dict[str, str] | None = None) -> int:
         ack = self._stream.store(self._pre + key, value, headers)
+        deleted = (headers or {}).get(H_KV_OPERATION) in ("DEL", "PURGE")
+        for value_listener in list(self.value_listeners):
+            if key in value_listener.keys:
+                value_listener.cb(key, None if deleted else value)
         for listener in list(self.listeners):
             if key in listener.keys:
                 await listener.cb()
@@ -86,4 +108,11 @@ class MemoryKV:
     ) -> WriteListeners:
         listener = WriteListeners(self, tuple(keys), callback)
         self.listeners.append(listener)
+        return listener
+
+    async def on_value(
+        self, keys: tuple[str, ...], callback: Callable[[str, bytes | None], None]
+    ) -> ValueListener:
+        listener = ValueListener(self, tuple(keys), callback)
+        self.value_listeners.append(listener)
         return listener
