@@ -102,6 +102,7 @@ from rftstream.control.staleness import (
     IDLE_LOOK_S,
     AwaitWeights,
     Blocked,
+    ConsumerListing,
     GateLook,
     LoadNewest,
     StalenessGate,
@@ -220,6 +221,8 @@ class Explorer:
         # what the gate and each step read (status, the trainer's versions and totals),
         # kept in this process by write notifications instead of read per look
         self._gate_state: MirroredState | None = None
+        # the experience stream's consumers, listed again only when they change
+        self._gate_listing: ConsumerListing | None = None
         # the room (experiences) the last look left after its take; None: look at once
         self._gate_spare: int | None = None
         # the trainer start (WeightsPointer.incarnation) whose weights the engine holds
@@ -299,6 +302,9 @@ class Explorer:
         gate_state = MirroredState(await self.bus.kv(), GATE_KEYS)
         self._gate_state = gate_state
         await gate_state.start()
+        listing = ConsumerListing(self.bus, self.names.exp_stream)
+        self._gate_listing = listing
+        await listing.start()
         try:
             async with rollout_model(self.cfg, self.model_path, engine=engine) as (model, aux, _):
                 self.engine = model.engine
@@ -337,6 +343,7 @@ class Explorer:
                 await self._weights_changes.stop()
                 await self._gate_wakes.stop()
                 await gate_state.stop()
+                await listing.stop()
                 try:  # the last word on this explorer's step and weights (the loop's may lag)
                     await state.heartbeat(self._heartbeat())
                 except Exception as exc:  # noqa: BLE001 - the connection may be gone
@@ -982,7 +989,9 @@ class Explorer:
         # read is then counted twice, never missed (read after, it could be in neither)
         in_flight = self._in_flight
         before = await state.get(TRAINER_UNACKED)
-        queued = await experience_backlog(self.bus, self.names.exp_stream)
+        queued = await experience_backlog(
+            self.bus, self.names.exp_stream, listing=self._gate_listing
+        )
         if before is not None and before.trained > before.acked:
             # the trainer holds trained messages unacked until its next checkpoint: they
             # are in its consumer's counts but no longer ahead of anything we start

@@ -16,7 +16,7 @@ from typing import Any, TypeVar
 
 import msgspec
 
-from rftstream.bus.transport import KeyValueStore, KvEntry, ValueWrites
+from rftstream.bus.transport import KeyValueStore, KvEntry, Notifications
 from rftstream.errors import BusError, CasConflict, KeyNotFound, SchemaError
 from rftstream.subjects import KV_HEARTBEAT_PREFIX
 from rftstream.wire import (
@@ -214,7 +214,7 @@ class MirroredState(RunState):
         self.kept = tuple(dict.fromkeys(k.name for k in keys))
         self._values: dict[str, bytes | None] = {}
         self._written_since_read: set[str] = set()
-        self._writes: ValueWrites | None = None
+        self._writes: Notifications | None = None
 
     def _written(self, key: str, value: bytes | None) -> None:
         self._values[key] = value

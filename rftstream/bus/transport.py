@@ -258,8 +258,9 @@ class Unsubscribe(Protocol):
     async def unsubscribe(self) -> None: ...
 
 
-class ValueWrites(Protocol):
-    """What :meth:`KeyValueStore.on_value` returns."""
+class Notifications(Protocol):
+    """What :meth:`KeyValueStore.on_value` and :meth:`Transport.on_consumers_changed`
+    return."""
 
     def missed(self) -> bool:
         """Whether writes may have gone unseen since the previous call (the connection
@@ -308,7 +309,7 @@ class KeyValueStore(Protocol):
 
     async def on_value(
         self, keys: tuple[str, ...], callback: Callable[[str, bytes | None], None]
-    ) -> ValueWrites:
+    ) -> Notifications:
         """Call ``callback(key, value)`` for each write of one of ``keys`` from now on,
         with the value written (None for a delete or purge), in the order the writes
         reached the server. A write is handed on before any reply that reached this
@@ -437,6 +438,14 @@ class Transport(Protocol):
 
     async def delete_consumer(self, stream: str, durable: str) -> None:
         """Raises ``ConsumerNotFound``."""
+        ...
+
+    async def on_consumers_changed(
+        self, stream: str, callback: Callable[[], None]
+    ) -> Notifications:
+        """Call ``callback`` after each creation or deletion of a durable consumer of
+        ``stream`` from now on (on NATS ephemeral ones too: the server's consumer
+        advisories, which a standalone server queues before it answers the creator)."""
         ...
 
     async def kv(

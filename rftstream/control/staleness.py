@@ -3,7 +3,7 @@ decides by and the pure machine that decides.
 
 :func:`experience_backlog` counts the experience waiting for (or in) the trainer
 from the durable consumers of the experience stream (I/O: JetStream API round
-trips). :class:`StalenessGate` is the pure machine: given one :class:`GateLook`
+trips; a :class:`ConsumerListing` spares it the listing while they stay the same). :class:`StalenessGate` is the pure machine: given one :class:`GateLook`
 (the counts, the weight versions, this explorer's tasks in flight) it says how
 many tasks the explorer's next step may take, or what to do first:
 :class:`AwaitWeights` (the trainer's newest version is on its way to this
@@ -20,15 +20,19 @@ nothing here blocks, reads or sleeps.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
 from rftstream.bus.client import Bus
+from rftstream.bus.transport import Notifications
 from rftstream.config.sync_policy import SyncPolicy
 from rftstream.errors import BusError, BusTimeout, ConsumerNotFound
 from rftstream.wire import TrainerStarving
 
+#: the longest a :class:`ConsumerListing` keeps a list without a change noticed
+LISTING_MAX_AGE_S = 2.0
 #: a pause taken while the counts moved (a group may have been counted twice) is
 #: looked at again this soon
 RECOUNT_S = 0.01
@@ -81,7 +85,73 @@ def pipeline_order(consumers: Sequence[tuple[str, str]]) -> list[str]:
     return sorted(stage_of, key=rank)
 
 
-async def experience_backlog(bus: Bus, stream: str, exclude: tuple[str, ...] = ()) -> Backlog:
+class ConsumerListing:
+    """The consumers of one stream as :func:`experience_backlog` needs them (name and
+    filter subject), listed again only when they may have changed: a consumer of the
+    stream created or deleted (:meth:`~rftstream.bus.transport.Transport.on_consumers_changed`),
+    the connection lost and back, a listed consumer gone when its counts are read
+    (:meth:`forget`), or the list older than ``max_age`` seconds (a change whose
+    notice was lost). Without it every look lists them: one JetStream API round
+    trip, twice a trainer step.
+
+    :meth:`start` subscribes to the changes (a round trip); :meth:`stop` unsubscribes
+    (never raises). A change noticed while a listing is under way is listed again at
+    the next read.
+    """
+
+    def __init__(self, bus: Bus, stream: str, *, max_age: float = LISTING_MAX_AGE_S) -> None:
+        self.bus, self.stream, self.max_age = bus, stream, max_age
+        self._listed: list[tuple[str, str]] | None = None
+        self._listed_at = 0.0
+        self._changes: Notifications | None = None
+        self.listings = 0  # how many times the consumers were listed
+
+    def _changed(self) -> None:
+        self._listed = None
+
+    def forget(self) -> None:
+        """List again at the next read (a listed consumer was not found)."""
+        self._listed = None
+
+    async def start(self) -> None:
+        self._changes = await self.bus.transport.on_consumers_changed(self.stream, self._changed)
+
+    async def stop(self) -> None:
+        changes, self._changes = self._changes, None
+        if changes is not None:
+            try:
+                await changes.unsubscribe()
+            except Exception:  # noqa: BLE001 - the connection may be gone
+                pass
+
+    async def durables(self, exclude: tuple[str, ...] = ()) -> list[tuple[str, str]]:
+        """``(name, filter subject)`` of the stream's durable consumers, less ``exclude``.
+        Raises as :meth:`~rftstream.bus.client.Bus.consumers` does."""
+        listed = self._listed
+        now = time.monotonic()
+        if (
+            listed is None
+            or self._changes is None
+            or self._changes.missed()
+            or now - self._listed_at > self.max_age
+        ):
+            self._listed = []  # a change noticed from now on lists again next time
+            self._listed_at = now
+            self.listings += 1
+            try:
+                found = await self.bus.consumers(self.stream)
+            except BaseException:
+                self._listed = None
+                raise
+            listed = [(c.name, c.filter_subject) for c in found if c.durable]
+            if self._listed is not None:  # no change noticed while listing
+                self._listed = listed
+        return [c for c in listed if c[0] not in exclude]
+
+
+async def experience_backlog(
+    bus: Bus, stream: str, exclude: tuple[str, ...] = (), listing: ConsumerListing | None = None
+) -> Backlog:
     """The backlog of the durable consumers of ``stream``, and the trainer's part of it.
 
     Ephemeral consumers (the trainer's ordered watch of ``exp.raw`` headers, a
@@ -94,20 +164,28 @@ async def experience_backlog(bus: Bus, stream: str, exclude: tuple[str, ...] = (
     consumers are read one at a time, upstream first (:func:`pipeline_order`),
     so a message moving downstream while they are read is counted at least
     once (read downstream first, it could be missed by both). One JetStream
-    API round trip for the list, then one per consumer.
+    API round trip for the list (none with a ``listing`` that has not seen the
+    consumers change), then one per consumer.
     """
     try:
-        listed = await bus.consumers(stream)
+        if listing is not None:
+            consumers = await listing.durables(exclude)
+        else:
+            listed = await bus.consumers(stream)
+            consumers = [
+                (c.name, c.filter_subject) for c in listed if c.name not in exclude and c.durable
+            ]
     except BusTimeout:
         raise
     except BusError:  # no such stream (yet), or the server refused the listing
         return Backlog(0, 0)
-    consumers = [(c.name, c.filter_subject) for c in listed if c.name not in exclude and c.durable]
     total = held = working = 0
     for name in pipeline_order(consumers):
         try:
             info = await bus.consumer_state(stream, name)
         except ConsumerNotFound:
+            if listing is not None:
+                listing.forget()
             continue  # deleted meanwhile (a splice retired it): its messages were handed on
         pending, unacked = info.num_pending, info.num_ack_pending
         total += pending + unacked

@@ -614,6 +614,21 @@ class JetStreamTransport:
         with self._api(f"deleting consumer {stream}/{durable}", ConsumerNotFound):
             await self.js.delete_consumer(stream, durable)
 
+    async def on_consumers_changed(
+        self, stream: str, callback: Callable[[], None]
+    ) -> _Subscriptions:
+        """Core subscriptions on the server's ``$JS.EVENT.ADVISORY.CONSUMER.CREATED``
+        and ``.DELETED`` advisories for ``stream``."""
+
+        async def changed(_msg: Msg) -> None:
+            callback()
+
+        subs = _Subscriptions(self.nc)
+        for event in ("CREATED", "DELETED"):
+            subject = f"$JS.EVENT.ADVISORY.CONSUMER.{event}.{stream}.*"
+            subs.subs.append(await self.nc.subscribe(subject, cb=changed))
+        return subs
+
     # ------------------------------------------------------------ KV
     async def kv(
         self, bucket: str, *, create: bool, description: str = "", replicas: int = 1

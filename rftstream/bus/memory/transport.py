@@ -29,6 +29,26 @@ from rftstream.errors import (
 DEFAULT_MAX_PAYLOAD = 8 * 1024 * 1024
 
 
+class ConsumerListeners:
+    """A callback for the consumers of one stream coming and going
+    (:meth:`MemoryTransport.on_consumers_changed`)."""
+
+    def __init__(
+        self, registry: list[ConsumerListeners], stream: str, callback: Callable[[], None]
+    ) -> None:
+        self._registry = registry
+        self.stream = stream
+        self.callback = callback
+
+    def missed(self) -> bool:
+        """Never: in memory every change reaches every listener."""
+        return False
+
+    async def unsubscribe(self) -> None:
+        if self in self._registry:
+            self._registry.remove(self)
+
+
 class MemoryTransport:
     """Streams, consumers and KV buckets in this process (see the module docstring).
 
@@ -44,6 +64,7 @@ class MemoryTransport:
         self.clock = clock
         self._streams: dict[str, Stream] = {}
         self._buckets: dict[str, MemoryKV] = {}
+        self._consumer_listeners: list[ConsumerListeners] = []
         self._closed = False
 
     def connection(self) -> MemoryTransport:
@@ -53,6 +74,7 @@ class MemoryTransport:
         other = MemoryTransport(max_payload=self._max_payload, clock=self.clock)
         other._streams = self._streams
         other._buckets = self._buckets
+        other._consumer_listeners = self._consumer_listeners
         return other
 
     @property
@@ -158,6 +180,7 @@ class MemoryTransport:
         if spec.durable not in found.consumers:
             start = spec.start_seq if spec.start_seq is not None else found.first_seq
             found.consumers[spec.durable] = Consumer(found, spec, next_seq=start)
+            self._consumers_changed(stream)
 
     # -- streams
     async def stream_state(self, stream: str, subjects_filter: str | None = None) -> StreamState:
@@ -215,6 +238,19 @@ class MemoryTransport:
     async def delete_consumer(self, stream: str, durable: str) -> None:
         self._consumer(stream, durable)
         del self._streams[stream].consumers[durable]
+        self._consumers_changed(stream)
+
+    async def on_consumers_changed(
+        self, stream: str, callback: Callable[[], None]
+    ) -> ConsumerListeners:
+        listener = ConsumerListeners(self._consumer_listeners, stream, callback)
+        self._consumer_listeners.append(listener)
+        return listener
+
+    def _consumers_changed(self, stream: str) -> None:
+        for listener in list(self._consumer_listeners):
+            if listener.stream == stream:
+                listener.callback()
 
     # -- KV
     async def kv(
