@@ -3,7 +3,8 @@ decides by and the pure machine that decides.
 
 :func:`experience_backlog` counts the experience waiting for (or in) the trainer
 from the durable consumers of the experience stream (I/O: JetStream API round
-trips; a :class:`ConsumerListing` spares it the listing while they stay the same). :class:`StalenessGate` is the pure machine: given one :class:`GateLook`
+trips; a started :class:`ConsumerListing` spares it the listing while they stay
+the same). :class:`StalenessGate` is the pure machine: given one :class:`GateLook`
 (the counts, the weight versions, this explorer's tasks in flight) it says how
 many tasks the explorer's next step may take, or what to do first:
 :class:`AwaitWeights` (the trainer's newest version is on its way to this
@@ -91,8 +92,8 @@ class ConsumerListing:
     stream created or deleted (:meth:`~rftstream.bus.transport.Transport.on_consumers_changed`),
     the connection lost and back, a listed consumer gone when its counts are read
     (:meth:`forget`), or the list older than ``max_age`` seconds (a change whose
-    notice was lost). Without it every look lists them: one JetStream API round
-    trip, twice a trainer step.
+    notice was lost). Not started, it lists them at every read: one JetStream API
+    round trip a look, twice a trainer step.
 
     :meth:`start` subscribes to the changes (a round trip); :meth:`stop` unsubscribes
     (never raises). A change noticed while a listing is under way is listed again at
@@ -167,14 +168,9 @@ async def experience_backlog(
     API round trip for the list (none with a ``listing`` that has not seen the
     consumers change), then one per consumer.
     """
+    listing = listing or ConsumerListing(bus, stream)  # not started: lists every time
     try:
-        if listing is not None:
-            consumers = await listing.durables(exclude)
-        else:
-            listed = await bus.consumers(stream)
-            consumers = [
-                (c.name, c.filter_subject) for c in listed if c.name not in exclude and c.durable
-            ]
+        consumers = await listing.durables(exclude)
     except BusTimeout:
         raise
     except BusError:  # no such stream (yet), or the server refused the listing
@@ -184,8 +180,7 @@ async def experience_backlog(
         try:
             info = await bus.consumer_state(stream, name)
         except ConsumerNotFound:
-            if listing is not None:
-                listing.forget()
+            listing.forget()
             continue  # deleted meanwhile (a splice retired it): its messages were handed on
         pending, unacked = info.num_pending, info.num_ack_pending
         total += pending + unacked
