@@ -16,7 +16,7 @@ from typing import Any, TypeVar
 
 import msgspec
 
-from rftstream.bus.transport import KeyValueStore, KvEntry, Notifications
+from rftstream.bus.transport import KeyValueStore, KvEntry, Notifications, unsubscribe_quietly
 from rftstream.errors import BusError, CasConflict, KeyNotFound, SchemaError
 from rftstream.subjects import KV_HEARTBEAT_PREFIX
 from rftstream.wire import (
@@ -235,11 +235,7 @@ class MirroredState(RunState):
     async def stop(self) -> None:
         """Unsubscribe; reads then go to the bucket again. Never raises."""
         writes, self._writes = self._writes, None
-        if writes is not None:
-            try:
-                await writes.unsubscribe()
-            except Exception:  # noqa: BLE001 - the connection may be gone
-                pass
+        await unsubscribe_quietly(writes)
 
     async def __aenter__(self) -> MirroredState:
         await self.start()

@@ -270,6 +270,16 @@ class Notifications(Protocol):
     async def unsubscribe(self) -> None: ...
 
 
+async def unsubscribe_quietly(sub: Unsubscribe | None) -> None:
+    """End ``sub`` (nothing for None), errors ignored: the connection may be gone."""
+    if sub is None:
+        return
+    try:
+        await sub.unsubscribe()
+    except Exception:  # noqa: BLE001 - the connection may be gone
+        pass
+
+
 class KeyValueStore(Protocol):
     """A bucket of keys; each write is a new revision (the bucket stream's sequence).
 

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 from rftstream.bus.client import Bus
-from rftstream.bus.transport import Notifications
+from rftstream.bus.transport import Notifications, unsubscribe_quietly
 from rftstream.config.sync_policy import SyncPolicy
 from rftstream.errors import BusError, BusTimeout, ConsumerNotFound
 from rftstream.wire import TrainerStarving
@@ -119,11 +119,7 @@ class ConsumerListing:
 
     async def stop(self) -> None:
         changes, self._changes = self._changes, None
-        if changes is not None:
-            try:
-                await changes.unsubscribe()
-            except Exception:  # noqa: BLE001 - the connection may be gone
-                pass
+        await unsubscribe_quietly(changes)
 
     async def durables(self, exclude: tuple[str, ...] = ()) -> list[tuple[str, str]]:
         """``(name, filter subject)`` of the stream's durable consumers, less ``exclude``.

@@ -72,28 +72,31 @@ async def test_listed_again_only_when_the_consumers_change(connections: list[Tra
     explorer, other = await _bus(connections[0], "explorer"), await _bus(connections[1], "op")
     listing = ConsumerListing(explorer, NAMES.exp_stream, max_age=3600)
     await listing.start()
+    # the advisories of the consumers the two buses provisioned may still be on their way
+    await anyio.sleep(0.3)
     try:
         first = await listing.durables()
         assert NAMES.trainer_consumer in dict(first)
+        base = listing.listings
         for _ in range(5):
             assert await listing.durables() == first
-        assert listing.listings == 1
+        assert listing.listings == base
         spec = ConsumerSpec(durable="op_raw_to_extra", filter_subject=NAMES.exp_subject(RAW_STAGE))
         await other.transport.ensure_consumer(NAMES.exp_stream, spec)
         await _until(lambda: listing._listed is None)  # the change was noticed
         assert "op_raw_to_extra" in dict(await listing.durables())
-        assert listing.listings == 2
+        assert listing.listings == base + 1
         assert "op_raw_to_extra" not in dict(await listing.durables(exclude=("op_raw_to_extra",)))
         await other.transport.delete_consumer(NAMES.exp_stream, "op_raw_to_extra")
         await _until(lambda: listing._listed is None)
         assert "op_raw_to_extra" not in dict(await listing.durables())
-        assert listing.listings == 3
+        assert listing.listings == base + 2
         listing.forget()  # a listed consumer was not found when its counts were read
         await listing.durables()
-        assert listing.listings == 4
+        assert listing.listings == base + 3
         listing.max_age = 0.0  # a list older than max_age is listed again
         await listing.durables()
-        assert listing.listings == 5
+        assert listing.listings == base + 4
     finally:
         await listing.stop()
 
@@ -119,6 +122,6 @@ async def test_a_consumer_created_elsewhere_is_in_the_next_look(
             after = await experience_backlog(explorer, NAMES.exp_stream, listing=listing)
             # the new consumer holds a message and has the rest of raw pending
             assert after.held_by_operators >= before.held_by_operators + 1, i
-        assert listing.listings <= 31
+        assert listing.listings < 2 * 30  # two looks an iteration: not listed at each
     finally:
         await listing.stop()
