@@ -17,7 +17,7 @@ from typing import Any, TypeVar
 
 import anyio
 
-from rftstream.bus.transport import KeyValueStore, Unsubscribe
+from rftstream.bus.transport import KeyValueStore, Unsubscribe, unsubscribe_quietly
 from rftstream.wire import Key
 
 T = TypeVar("T")
@@ -84,10 +84,7 @@ class KeyWrites:
 
     async def stop(self) -> None:
         for sub in self._subs:
-            try:
-                await sub.unsubscribe()
-            except Exception:  # noqa: BLE001 - the connection may be gone
-                pass
+            await unsubscribe_quietly(sub)
         self._subs = []
 
     async def __aenter__(self) -> KeyWrites:

@@ -46,6 +46,7 @@ from rftstream.bus.transport import (
     StoredMsg,
     StreamSpec,
     StreamState,
+    unsubscribe_quietly,
 )
 from rftstream.config.secrets import redact_url
 from rftstream.errors import (
@@ -279,10 +280,7 @@ class _Subscriptions:
 
     async def unsubscribe(self) -> None:
         for sub in self.subs:
-            try:
-                await sub.unsubscribe()
-            except Exception:  # noqa: BLE001 - the connection may be gone
-                pass
+            await unsubscribe_quietly(sub)
         self.subs = []
 
 

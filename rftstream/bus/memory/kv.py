@@ -4,10 +4,14 @@ revisions as its sequences, deletes as marker messages (as JetStream keeps them)
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
+from typing import Generic, TypeVar
 
 from rftstream.bus.memory.streams import Stored, Stream
 from rftstream.bus.transport import H_KV_OPERATION, KvEntry
 from rftstream.errors import CasConflict, KeyNotFound
+
+C = TypeVar("C")
+ValueCallback = Callable[[str, bytes | None], None]
 
 
 class WriteListeners:
@@ -23,23 +27,24 @@ class WriteListeners:
             self._kv.listeners.remove(self)
 
 
-class ValueListener:
-    """A callback for the values written to some keys (:meth:`MemoryKV.on_value`)."""
+class Listener(Generic[C]):
+    """A callback for what happens to some names (keys written, a stream's consumers
+    coming and going), kept in ``registry`` until :meth:`unsubscribe`: what
+    :meth:`MemoryKV.on_value` and ``MemoryTransport.on_consumers_changed`` return."""
 
-    def __init__(
-        self, kv: MemoryKV, keys: tuple[str, ...], cb: Callable[[str, bytes | None], None]
-    ) -> None:
-        self._kv = kv
-        self.keys = keys
-        self.cb = cb
+    def __init__(self, registry: list[Listener[C]], names: tuple[str, ...], callback: C) -> None:
+        self._registry = registry
+        self.names = names
+        self.callback = callback
+        registry.append(self)
 
     def missed(self) -> bool:
-        """Never: in memory every write reaches every listener."""
+        """Never: in memory every change reaches every listener."""
         return False
 
     async def unsubscribe(self) -> None:
-        if self in self._kv.value_listeners:
-            self._kv.value_listeners.remove(self)
+        if self in self._registry:
+            self._registry.remove(self)
 
 
 class MemoryKV:
@@ -50,7 +55,7 @@ class MemoryKV:
         self.bucket = bucket
         self._pre = f"$KV.{bucket}."
         self.listeners: list[WriteListeners] = []
-        self.value_listeners: list[ValueListener] = []
+        self.value_listeners: list[Listener[ValueCallback]] = []
 
     def _last(self, key: str) -> tuple[int, Stored] | None:
         subject = self._pre + key
@@ -67,8 +72,8 @@ class MemoryKV:
         ack = self._stream.store(self._pre + key, value, headers)
         deleted = (headers or {}).get(H_KV_OPERATION) in ("DEL", "PURGE")
         for value_listener in list(self.value_listeners):
-            if key in value_listener.keys:
-                value_listener.cb(key, None if deleted else value)
+            if key in value_listener.names:
+                value_listener.callback(key, None if deleted else value)
         for listener in list(self.listeners):
             if key in listener.keys:
                 await listener.cb()
@@ -112,7 +117,5 @@ class MemoryKV:
 
     async def on_value(
         self, keys: tuple[str, ...], callback: Callable[[str, bytes | None], None]
-    ) -> ValueListener:
-        listener = ValueListener(self, tuple(keys), callback)
-        self.value_listeners.append(listener)
-        return listener
+    ) -> Listener[ValueCallback]:
+        return Listener(self.value_listeners, tuple(keys), callback)

@@ -6,7 +6,7 @@ import time
 from collections.abc import Awaitable, Callable
 from datetime import datetime
 
-from rftstream.bus.memory.kv import MemoryKV
+from rftstream.bus.memory.kv import Listener, MemoryKV
 from rftstream.bus.memory.streams import Consumer, Pull, PushWatch, Reader, Stream, subject_matches
 from rftstream.bus.transport import (
     ConsumerSpec,
@@ -29,26 +29,6 @@ from rftstream.errors import (
 DEFAULT_MAX_PAYLOAD = 8 * 1024 * 1024
 
 
-class ConsumerListeners:
-    """A callback for the consumers of one stream coming and going
-    (:meth:`MemoryTransport.on_consumers_changed`)."""
-
-    def __init__(
-        self, registry: list[ConsumerListeners], stream: str, callback: Callable[[], None]
-    ) -> None:
-        self._registry = registry
-        self.stream = stream
-        self.callback = callback
-
-    def missed(self) -> bool:
-        """Never: in memory every change reaches every listener."""
-        return False
-
-    async def unsubscribe(self) -> None:
-        if self in self._registry:
-            self._registry.remove(self)
-
-
 class MemoryTransport:
     """Streams, consumers and KV buckets in this process (see the module docstring).
 
@@ -64,7 +44,7 @@ class MemoryTransport:
         self.clock = clock
         self._streams: dict[str, Stream] = {}
         self._buckets: dict[str, MemoryKV] = {}
-        self._consumer_listeners: list[ConsumerListeners] = []
+        self._consumer_listeners: list[Listener[Callable[[], None]]] = []
         self._closed = False
 
     def connection(self) -> MemoryTransport:
@@ -242,14 +222,12 @@ class MemoryTransport:
 
     async def on_consumers_changed(
         self, stream: str, callback: Callable[[], None]
-    ) -> ConsumerListeners:
-        listener = ConsumerListeners(self._consumer_listeners, stream, callback)
-        self._consumer_listeners.append(listener)
-        return listener
+    ) -> Listener[Callable[[], None]]:
+        return Listener(self._consumer_listeners, (stream,), callback)
 
     def _consumers_changed(self, stream: str) -> None:
         for listener in list(self._consumer_listeners):
-            if listener.stream == stream:
+            if stream in listener.names:
                 listener.callback()
 
     # -- KV
