@@ -7,10 +7,11 @@ operator host run in processes of their own (``rftstream up`` does so whenever
 weights can leave the process: here they travel on the run's weights stream,
 ``sync_method: jetstream``, fetched in the background and swapped in between
 requests); the explorer
-never waits for the trainer (``dynamic_by_explorer``), keeps up to 24 tasks in
-flight (``runner_num``: the staleness window's three batches of 8, so that the
+never waits for the trainer (``dynamic_by_explorer``), keeps up to 32 tasks in
+flight (``runner_num``: the staleness window's four batches of 8, so that the
 window, not the runners, bounds it), and pauses rather than let trained experience
-be more than two versions stale (``max_staleness: 2``); the policy loss corrects for that staleness with
+be more than three versions stale (``max_staleness: 3``: with two, a slow verifier
+or long replies leave the trainer waiting; see docs/performance.md); the policy loss corrects for that staleness with
 the rollout log-probs (``decoupled_ppo``, chosen for GRPO whenever experience
 can be stale). No KL term (TRL's ``beta: 0``), so no reference model.
 """
@@ -37,14 +38,14 @@ DEFAULT_CONFIG: dict[str, Any] = {
         },
     },
     "explorer": {
-        "runner_num": 24,
+        "runner_num": 32,
         "rollout_model": {"engine_type": "transformers", "max_batch_size": 128},
     },
     "synchronizer": {
         "sync_method": "jetstream",
         "sync_style": "dynamic_by_explorer",
         "sync_interval": 1,
-        "max_staleness": 2,
+        "max_staleness": 3,
     },
     "algorithm": {
         "algorithm_type": "grpo",
