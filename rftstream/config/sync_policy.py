@@ -72,14 +72,18 @@ class SyncPolicy:
         them. Counting by position, not by whole batches, lets an explorer top
         up a trainer batch that waits for a few groups (a failed task, a
         filter, a group that came in late) instead of waiting for a whole
-        batch's worth of room. A starving trainer (less than one batch waiting)
-        always gets at least a batch, so filters can never deadlock the run.
+        batch's worth of room.
+
+        No floor: with weights within the bound there is always room to
+        complete the trainer's next batch, and a whole batch taken when less
+        than one waits would put its tail a version past the bound whenever
+        the weights are behind. A trainer that starves for what the count
+        cannot see (filtered messages carry fewer experiences than a group)
+        is served by :meth:`starving_trainer_overrides`.
         """
         if self.max_staleness is None:
             return None
         room = (self.max_staleness - version_lag + 1) * train_batch_size - backlog_experiences
-        if backlog_experiences < train_batch_size:
-            room = max(room, train_batch_size)
         return max(0, room)
 
     def explorer_may_run(
@@ -92,8 +96,7 @@ class SyncPolicy:
         upstream of (or inside) the trainer, i.e. about ``backlog /
         train_batch_size`` trainer versions later. The explorer runs only if
         ``version_lag + backlog / train_batch_size <= max_staleness``. A
-        starving trainer (less than one batch waiting) never pauses the
-        explorer, so filters can never deadlock the run.
+        starving trainer is not seen here: see :meth:`starving_trainer_overrides`.
         """
         room = self.explorer_quota(backlog_experiences, train_batch_size, version_lag)
         return room is None or room >= train_batch_size

@@ -139,7 +139,35 @@ def _wait(driver: Any, condition: Any, timeout: float = 20, what: str = "") -> A
     # may be gone, which is not a failed condition (it is asked again)
     ignored = (NoSuchElementException, StaleElementReferenceException)
     wait = WebDriverWait(driver, timeout, poll_frequency=0.2, ignored_exceptions=ignored)
-    return wait.until(condition, message=what)
+    return wait.until(_asked_again_across_navigation(condition), message=what)
+
+
+# chromedriver's words when a page navigates while a condition reads the old document
+# (Run's redirect to the live view): the element's node or the script's context is gone
+_NAVIGATED_AWAY = (
+    "does not belong to the document",
+    "Execution context was destroyed",
+    "Cannot find context with specified id",
+    "Inspected target navigated or closed",
+)
+
+
+def _asked_again_across_navigation(condition: Any) -> Any:
+    """The condition, read as not yet true when the page navigated under it.
+
+    Only chromedriver's navigation errors are swallowed; any other WebDriver error, and
+    an AssertionError the condition raises, still fail the wait at once."""
+    from selenium.common.exceptions import WebDriverException
+
+    def asked(driver: Any) -> Any:
+        try:
+            return condition(driver)
+        except WebDriverException as exc:
+            if any(words in str(exc.msg) for words in _NAVIGATED_AWAY):
+                return False
+            raise
+
+    return asked
 
 
 def _screenshot(driver: Any, path: Path) -> None:
@@ -297,9 +325,16 @@ def _click_run(driver: Any, run: str) -> None:
     def on_live_view(d: Any) -> bool:
         if d.current_url.endswith(f"/live?run={run}"):
             return True
-        error = d.find_element(By.ID, "launch-error").text
-        if error or d.find_element(By.ID, "general-errors").text:
-            raise AssertionError(f"Run refused: {error} {d.find_element(By.ID, 'status').text}")
+        # one script, so the three texts come from one document (Run navigates away)
+        page = d.execute_script(
+            "const t = id => (document.getElementById(id) || {}).textContent || '';"
+            "return {url: location.href, error: t('launch-error'),"
+            " general: t('general-errors'), status: t('status')};"
+        )
+        if page["url"].endswith(f"/live?run={run}"):
+            return True
+        if page["error"] or page["general"]:
+            raise AssertionError(f"Run refused: {page['error']} {page['general']} {page['status']}")
         return False
 
     _wait(driver, on_live_view, timeout=60, what="the live view of the started run")

@@ -52,10 +52,12 @@ def test_max_staleness_bounds_backlog_plus_version_lag() -> None:
     p2 = policy(max_staleness=2)
     assert p2.explorer_may_run(backlog_experiences=64, train_batch_size=64, version_lag=1)
     assert not p2.explorer_may_run(backlog_experiences=128, train_batch_size=64, version_lag=1)
-    # a starving trainer never pauses the explorer, whatever the bound
-    assert policy(max_staleness=0).explorer_may_run(
-        backlog_experiences=63, train_batch_size=64, version_lag=5
+    # weights past the bound: nothing fits, however little waits (a starving trainer is
+    # served by starving_trainer_overrides, which sees what the count cannot)
+    assert not policy(max_staleness=0).explorer_may_run(
+        backlog_experiences=0, train_batch_size=64, version_lag=1
     )
+    assert policy(max_staleness=0).explorer_may_run(backlog_experiences=0, train_batch_size=64)
     assert not policy(max_staleness=0).explorer_may_run(backlog_experiences=64, train_batch_size=64)
     assert policy().explorer_may_run(backlog_experiences=10**9, train_batch_size=1, version_lag=99)
 
@@ -195,7 +197,10 @@ def test_explorer_quota_counts_positions_not_whole_batches() -> None:
     # a trainer waiting for one group (56 held): nine groups fit (one completes its batch)
     assert p.explorer_quota(56, 64) == 72
     assert p.explorer_quota(64, 64, version_lag=1) == 0
-    assert p.explorer_quota(0, 64, version_lag=3) == 64  # starving: at least a batch, always
+    # weights one version behind, half a batch on its way: only the other half fits (a
+    # whole batch would put its last 32 a version past the bound)
+    assert p.explorer_quota(32, 64, version_lag=1) == 32
+    assert p.explorer_quota(0, 64, version_lag=3) == 0  # past the bound: nothing
     assert policy(max_staleness=None).explorer_quota(10**6, 64) is None
     # the whole-batch rule is the room for a whole batch
     for backlog in range(0, 200, 8):

@@ -136,3 +136,25 @@ def test_a_take_that_leaves_no_groups_room_waits_to_be_woken_before_the_next_loo
     # unbounded, or unknown (a take a settle granted): look at once
     assert gate(None).room_after(full, 4) is None
     assert not gate().blocked_until_woken(None)
+
+
+def test_weights_at_the_bound_with_less_than_a_batch_waiting_take_only_what_fits() -> None:
+    """The trainer made version 7 and acked its batch, our fetcher still holds 5 (two
+    behind: the bound) and 4 groups (32) are on their way to its next batch. Only the 32
+    positions left in that batch are trained within the bound; a whole batch here put
+    its last 4 groups one version past it (the smoke run's staleness 2 under a bound of
+    1 at its fifth step, when staging a version lagged the trainer's ack)."""
+    behind = look(total=4, newest=7, mine=5, staged=5)
+    assert gate().decide(behind) == Take(4)
+    assert gate(1).decide(look(total=4, newest=6, mine=5, staged=5)) == Take(4)
+    # the same queue with the weights held past the bound: nothing fits; the version
+    # on its way is awaited, and once that gave up, only a starving trainer is served
+    past = look(total=4, newest=8, mine=5, staged=5)
+    assert gate().decide(past) == AwaitWeights((0, 8))
+    blocked = gate().decide(replace(past, may_await=False))
+    assert blocked == Blocked(ahead=4, held_by_trainer=0, in_flight=0, hidden=False)
+    # with all of it in the trainer's hands and the trainer starving, a batch is taken
+    held = gate().decide(replace(look(total=4, trainer=4, newest=8, mine=5), may_load=False))
+    assert isinstance(held, Blocked) and held.ahead == 0
+    starving = TrainerStarving(since=1.0, held=4)
+    assert gate().settle(held, starving, ended=False, in_flight_now=0) == Take(BATCH)
