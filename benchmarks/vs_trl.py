@@ -52,8 +52,10 @@ Targets (median of the seeds): seconds to 0.7 at most 0.6x TRL's and steps at mo
 
 Needs the ``bench`` extra (``pip install -e '.[bench]'``: TRL). Usage:
 ``python benchmarks/vs_trl.py [--workload default|longtail|genheavy|all] [--seeds 1,2,3,4,5]
-[--out DIR]``. Exits 0 when every target passes, 1 on a MISS, 2 when a run failed, 130
-when interrupted.
+[--out DIR] [--trl-metrics]``. Exits 0 when every target passes, 1 on a MISS, 2 when a
+run failed, 130 when interrupted. ``--trl-metrics`` keeps TRL's own metrics of every step
+(entropy, gradient norm, reply lengths) in each TRL run's ``trl.jsonl.metrics.jsonl``, to
+set beside rftstream's ``metrics.jsonl`` (for curves: TRL then logs every step).
 """
 
 from __future__ import annotations
@@ -401,6 +403,12 @@ def trl_child(args: argparse.Namespace) -> int:
                 control.should_training_stop = True
             return control
 
+        def on_log(self, targs: Any, state: Any, control: Any, logs: Any = None, **kw: Any) -> Any:
+            if metrics_log is not None and logs:
+                metrics_log.write(json.dumps({"step": state.global_step, **logs}) + "\n")
+                metrics_log.flush()
+            return control
+
     class TimedGRPOTrainer(GRPOTrainer):  # type: ignore[misc]
         def _generate_and_score_completions(self, *a: Any, **kw: Any) -> Any:
             t = time.perf_counter()
@@ -412,6 +420,10 @@ def trl_child(args: argparse.Namespace) -> int:
     config = trl_grpo_config(
         workload, str(Path(args.out).parent / "trl_output"), args.max_steps, args.seed
     )
+    metrics_log = None
+    if getattr(args, "log_metrics", False):  # TRL's metrics of every step, beside the clock's
+        config.logging_steps = 1
+        metrics_log = Path(f"{args.out}.metrics.jsonl").open("w")
     trainer = TimedGRPOTrainer(
         model=model,
         processing_class=tokenizer,
@@ -451,6 +463,7 @@ class Settings:
     after_s: float
     budget_s: float
     trl_threads: int
+    trl_metrics: bool = False  # TRL's own metrics of every step, to trl.jsonl.metrics.jsonl
 
 
 def run_trl(s: Settings, workload: Workload, seed: int, name: str) -> Curve:
@@ -468,6 +481,7 @@ def run_trl(s: Settings, workload: Workload, seed: int, name: str) -> Curve:
         *("--t0", repr(t0), "--threads", str(s.trl_threads)),
         *("--eval-every", str(s.eval_every), "--after-s", str(s.after_s)),
         *("--budget-s", str(s.budget_s)),
+        *(("--log-metrics",) if s.trl_metrics else ()),
     ]
     with (workdir / "trl.log").open("w") as logf:
         proc = subprocess.run(argv, stdout=logf, stderr=subprocess.STDOUT, env=_quiet_env())
@@ -881,6 +895,12 @@ def main(argv: list[str] | None = None) -> int:
         ("--budget-s", float),
     ):
         child.add_argument(flag, type=kind, required=True)
+    child.add_argument(
+        "--log-metrics",
+        action="store_true",
+        help="also write TRL's own metrics of every step (entropy, grad_norm, lengths, "
+        "clip ratios) to <out>.metrics.jsonl: for comparing curves, not for timing",
+    )
     ap.add_argument("--workload", choices=(*WORKLOADS, "all"), default="all")
     ap.add_argument("--seeds", default="1,2,3,4,5", help="comma-separated (default 1,2,3,4,5)")
     ap.add_argument("--max-steps", type=int, default=5000, help="cap per run (default 5000)")
@@ -892,6 +912,13 @@ def main(argv: list[str] | None = None) -> int:
         "--trl-threads", type=int, default=cpus or 1, help="TRL's torch threads (all cores)"
     )
     ap.add_argument("--no-warmup", action="store_true", help="skip the untimed warm-up runs")
+    ap.add_argument(
+        "--trl-metrics",
+        action="store_true",
+        help="also keep TRL's own metrics of every step (entropy, grad_norm, lengths) in "
+        "each TRL run's trl.jsonl.metrics.jsonl (TRL then logs every step: compare curves "
+        "with it, not seconds)",
+    )
     ap.add_argument("--out", default="benchmarks/results/vs_trl", help="runs, plot, results")
     args = ap.parse_args(argv)
     if args.cmd == "_trl":
@@ -913,7 +940,13 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
     s = Settings(
-        out, args.max_steps, args.eval_every, args.after_s, args.budget_s, args.trl_threads
+        out,
+        args.max_steps,
+        args.eval_every,
+        args.after_s,
+        args.budget_s,
+        args.trl_threads,
+        args.trl_metrics,
     )
     console.print(
         f"TRL {trl.__version__} GRPOTrainer: one process, torch threads {s.trl_threads}, fp32, "
