@@ -82,6 +82,11 @@ log = logging.getLogger(__name__)
 
 _KEY = "data_processor.experience_pipeline"
 MAX_BACKOFF_S = 10.0
+#: empty fetches in a row (of ``fetch_timeout`` each) before a host looks whether the run
+#: ended, and after it saw the end before it stops: the groups an explorer finishes before
+#: it sees the end are handled, not left pending on the host's stage
+QUIET_FETCHES_BEFORE_END = 4
+QUIET_FETCHES_AFTER_END = 2
 
 
 class DrainControl:
@@ -237,7 +242,13 @@ class OperatorHost:
         return self.names.stage_consumer(self.from_stage, self.to_stage)
 
     async def run(self) -> None:
-        """Process until the run ends (or, with a :class:`DrainControl`, until drained). Blocks."""
+        """Process until the run ends (or, with a :class:`DrainControl`, until drained). Blocks.
+
+        The run's end is looked for after :data:`QUIET_FETCHES_BEFORE_END` empty fetches
+        in a row (2 s by default); once seen, the host stops after
+        :data:`QUIET_FETCHES_AFTER_END` more in a row (1 s): an explorer that has not yet
+        seen the end still publishes the groups it finishes, and those are handled, not
+        left pending on this stage."""
         try:
             await self._run()
         finally:
@@ -283,6 +294,7 @@ class OperatorHost:
         self, consumer: PullSubscription, state: RunState, ticker: InProgressTicker
     ) -> None:
         idle_checks = 0
+        ended = False  # this host saw the run's end
         while True:
             control = self.control
             if control is not None and control.stopping and control.cut is None:
@@ -301,9 +313,15 @@ class OperatorHost:
             msgs = await consumer.fetch(self.batch_messages, timeout=self.fetch_timeout)
             if not msgs:
                 idle_checks += 1
-                if idle_checks % 4 == 0 and await state.status() in END_STATUSES:
-                    return
+                if ended:
+                    if idle_checks >= QUIET_FETCHES_AFTER_END:
+                        return
+                elif idle_checks % QUIET_FETCHES_BEFORE_END == 0 and (
+                    await state.status() in END_STATUSES
+                ):
+                    ended, idle_checks = True, 0
                 continue
+            idle_checks = 0  # quiet is counted in empty fetches in a row
             await self._process_held(msgs, ticker)
 
     async def _process_held(self, msgs: list[Delivery], ticker: InProgressTicker) -> None:

@@ -383,3 +383,42 @@ async def test_operator_gives_inputs_back_on_a_publish_failure(tmp_path: Path) -
     assert sorted(stored_once(train)) == sorted(e.eid.uid for g in groups for e in g)
     metrics = await read_metrics(server, names, "operator")
     assert sum(r.values.get("operator/publish_failures", 0) for r in metrics) >= FAILS
+
+
+async def test_a_group_published_after_the_host_saw_the_end_is_handled_before_it_stops(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An explorer that has not yet seen the run's end still publishes the groups it
+    finishes (the chaos run's restarted explorer did, a second after the trainer's last
+    step): the host that saw the end handles them before it stops, so nothing is left
+    pending on its stage."""
+    from rftstream.actors import operator_host
+    from rftstream.bus.state import RunState
+
+    run = memory_run(tmp_path)
+    names = run.names
+    server = MemoryTransport()
+    producer = Bus(server.connection(), names, run.cfg.nats, "producer")
+    await producer.provision()
+    await RunState(await producer.kv()).set_status("finished")
+    saw_the_end = anyio.Event()
+    status = RunState.status
+
+    async def status_seen(self: RunState) -> str:
+        value = await status(self)
+        if value in operator_host.END_STATUSES:
+            saw_the_end.set()
+        return value
+
+    monkeypatch.setattr(RunState, "status", status_seen)
+    bus = Bus(server.connection(), names, run.cfg.nats, "operator")
+    pipeline = ExperiencePipeline([EXPERIENCE_OPERATORS.get("reward_filter")(THRESHOLD)])
+    host = OperatorHost(bus, pipeline, from_stage="raw", to_stage="train", fetch_timeout=0.01)
+    late = _group(7, 1.0, 4)
+    with anyio.fail_after(10):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(host.run)  # returns by itself: the run has ended
+            await saw_the_end.wait()
+            await producer.publish_group("raw", late, msg_id="raw-late")
+    assert sorted(await _train_uids(server, names)) == sorted(e.eid.uid for e in late)
+    await wait_drained(server, names.exp_stream, host.durable)
