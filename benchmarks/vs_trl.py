@@ -421,7 +421,7 @@ def trl_child(args: argparse.Namespace) -> int:
         workload, str(Path(args.out).parent / "trl_output"), args.max_steps, args.seed
     )
     metrics_log = None
-    if getattr(args, "log_metrics", False):  # TRL's metrics of every step, beside the clock's
+    if args.log_metrics:  # TRL's metrics of every step, beside the clock's
         config.logging_steps = 1
         metrics_log = Path(f"{args.out}.metrics.jsonl").open("w")
     trainer = TimedGRPOTrainer(
@@ -440,6 +440,8 @@ def trl_child(args: argparse.Namespace) -> int:
     trainer.train()
     snapshot(time.time())
     log.close()
+    if metrics_log is not None:
+        metrics_log.close()
     return 0
 
 

@@ -323,8 +323,6 @@ def _click_run(driver: Any, run: str) -> None:
     driver.find_element(By.ID, "run").click()
 
     def on_live_view(d: Any) -> bool:
-        if d.current_url.endswith(f"/live?run={run}"):
-            return True
         # one script, so the three texts come from one document (Run navigates away)
         page = d.execute_script(
             "const t = id => (document.getElementById(id) || {}).textContent || '';"

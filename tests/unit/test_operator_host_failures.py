@@ -392,8 +392,7 @@ async def test_a_group_published_after_the_host_saw_the_end_is_handled_before_it
     finishes (the chaos run's restarted explorer did, a second after the trainer's last
     step): the host that saw the end handles them before it stops, so nothing is left
     pending on its stage."""
-    from rftstream.actors import operator_host
-    from rftstream.bus.state import RunState
+    from rftstream.bus.state import END_STATUSES, RunState
 
     run = memory_run(tmp_path)
     names = run.names
@@ -406,7 +405,7 @@ async def test_a_group_published_after_the_host_saw_the_end_is_handled_before_it
 
     async def status_seen(self: RunState) -> str:
         value = await status(self)
-        if value in operator_host.END_STATUSES:
+        if value in END_STATUSES:
             saw_the_end.set()
         return value
 
