@@ -28,6 +28,7 @@ Pure tensor code, no I/O; every call blocks (run it in a worker thread).
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -255,7 +256,16 @@ class FastDecoder:
             kc[:, :, start:end] = k
             vc[:, :, start:end] = v
             keys, values = kc[:, :, :end], vc[:, :, :end]
-            if self.n_kv == self.n_heads:
+            if T == 1 and mask.dtype != torch.bool:
+                # a decode step: two batched matmuls with the session's additive mask
+                # (SDPA's CPU kernel costs about a third more for one query row); the
+                # query heads that share a kv head are that head's query rows
+                rep = self.n_heads // self.n_kv
+                q = q.reshape(B, self.n_kv, rep, self.head_dim)
+                scores = torch.matmul(q, keys.transpose(-1, -2)).mul_(self.scale).add_(mask)
+                a = torch.matmul(scores.softmax(dim=-1), values)
+                a = a.reshape(B, self.n_heads, 1, self.head_dim)
+            elif self.n_kv == self.n_heads:
                 a = F.scaled_dot_product_attention(
                     q, keys, values, attn_mask=mask, scale=self.scale
                 )
@@ -319,6 +329,7 @@ class FastDecoder:
         # a padding query row sees itself, so it never attends to nothing (no NaN)
         mask = (causal[None] & real[:, None, :]) | torch.eye(P, dtype=torch.bool, device=device)
         session.keys_mask[:, :P] = real
+        session.keys_bias[:, :P].masked_fill_(~real, -math.inf)
         session.next_pos = positions[:, -1] + 1
         session.length = P
         logits = self._forward(input_ids, cos, sin, session, 0, mask[:, None], keep)
@@ -335,6 +346,8 @@ class DecodeSession:
         self.k = [torch.empty(shape, dtype=decoder.dtype, device=device) for _ in range(n)]
         self.v = [torch.empty(shape, dtype=decoder.dtype, device=device) for _ in range(n)]
         self.keys_mask = torch.zeros(batch, width, dtype=torch.bool, device=device)
+        # keys_mask as the additive mask a decode step's attention takes (0 or -inf)
+        self.keys_bias = torch.zeros(batch, width, dtype=decoder.dtype, device=device)
         self.next_pos = torch.zeros(batch, dtype=torch.long, device=device)
         self.length = 0
 
@@ -345,9 +358,10 @@ class DecodeSession:
         d = self.decoder
         col = self.length
         self.keys_mask[:, col] = active
+        self.keys_bias[:, col] = torch.where(active, 0.0, -math.inf)
         self.length = col + 1
         cos, sin = d._rope(self.next_pos[:, None])
-        mask = self.keys_mask[:, None, None, : col + 1]
+        mask = self.keys_bias[:, None, None, : col + 1]
         logits = d._forward(tokens[:, None], cos, sin, self, col, mask)
         self.next_pos = self.next_pos + 1
         return logits[:, -1].float()
@@ -357,4 +371,5 @@ class DecodeSession:
         self.k = [t[rows] for t in self.k]
         self.v = [t[rows] for t in self.v]
         self.keys_mask = self.keys_mask[rows]
+        self.keys_bias = self.keys_bias[rows]
         self.next_pos = self.next_pos[rows]
