@@ -228,9 +228,16 @@ def sample_sequences(
         next_pos = positions[:, -1] + 1
         alive = [True] * len(rows)  # host-side copy of the active mask (no per-row device syncs)
         produced = 0  # tokens each live row has drawn (rows advance in lockstep)
+        # the end-token ban is the same from step to step until a row reaches its
+        # min_new_tokens or the rows are pruned: built again only then
+        banned: torch.Tensor | None = None
+        banned_for: tuple[list[int], list[int]] | None = None
         while True:
             gens = [seqs[i].generator for i in rows]
-            banned = _end_tokens_banned(seqs, rows, produced, eos_token_ids, logits)
+            short = [r for r, i in enumerate(rows) if seqs[i].min_new_tokens > produced]
+            if banned_for is None or banned_for != (rows, short):
+                banned = _end_tokens_banned(seqs, rows, short, eos_token_ids, logits)
+                banned_for = (rows, short)
             tok, lp = _sample_step(logits, temps, top_k, top_p, gens, generator, banned)
             produced += 1
             tok_list, lp_list = tok.tolist(), lp.tolist()
@@ -301,14 +308,13 @@ def sample_sequences(
 def _end_tokens_banned(
     seqs: list[SequenceSpec],
     rows: list[int],
-    produced: int,
+    short: list[int],
     eos_token_ids: set[int],
     logits: torch.Tensor,
 ) -> torch.Tensor | None:
-    """The bool [B, V] mask of end tokens (eos, the row's stop ids) that the rows still
-    short of their ``min_new_tokens`` may not draw after ``produced`` tokens; None when
-    no row is."""
-    short = [r for r, i in enumerate(rows) if seqs[i].min_new_tokens > produced]
+    """The bool [B, V] mask of end tokens (eos, the row's stop ids) that the ``short``
+    rows (positions in ``rows``, still short of their ``min_new_tokens``) may not draw;
+    None when no row is."""
     if not short:
         return None
     vocab = logits.shape[-1]
