@@ -703,7 +703,11 @@ class TransformersEngine(RolloutEngine):
                 if batch is None:
                     return
                 if batch:
+                    # taken off the stream: failed by the finally below if cancelled
+                    # before it is served
+                    self._inflight = batch
                     await self._serve(batch, limiter)
+                    self._inflight = []
         finally:
             self._running = False
             for req in [*self._inflight, *pending]:
@@ -724,12 +728,26 @@ class TransformersEngine(RolloutEngine):
 
     # ------------------------------------------------------------ batcher
     async def _collect(self, pending: deque[_Request]) -> list[_Request] | None:
-        """Wait for a first request, then gather more for up to ``batch_wait`` seconds."""
+        """The next batch: every request already waiting, up to ``max_batch_size`` sequences.
+
+        Only an engine that was idle (its first request had to be awaited) then waits up
+        to ``batch_wait`` seconds for more, so that requests made together are sampled
+        together. Requests that queued while a batch was being sampled start at once:
+        waiting would yield the event loop to the workflows of the batch just finished
+        (decoding, scoring, publishing), and the sampler would stand idle meanwhile.
+        """
+        waited = False
         if pending:
             first = pending.popleft()
         else:
             try:
-                first = await self._recv.receive()
+                first = self._recv.receive_nowait()
+            except anyio.WouldBlock:
+                waited = True
+                try:
+                    first = await self._recv.receive()
+                except (anyio.EndOfStream, anyio.ClosedResourceError):
+                    return None
             except (anyio.EndOfStream, anyio.ClosedResourceError):
                 return None
         batch: list[_Request] = []
@@ -737,7 +755,7 @@ class TransformersEngine(RolloutEngine):
         if not first.cancelled:
             batch.append(first)
             size = first.params.n
-        deadline = anyio.current_time() + self.batch_wait
+        deadline = anyio.current_time() + (self.batch_wait if waited else 0.0)
         while size < self.max_batch_size:
             try:
                 req = self._recv.receive_nowait()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from collections import deque
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
@@ -13,7 +14,7 @@ import torch
 
 from rftstream.engines import SamplingParams, create_engine
 from rftstream.engines.base import Completion
-from rftstream.engines.transformers_engine import TransformersEngine
+from rftstream.engines.transformers_engine import TransformersEngine, _Request
 from rftstream.errors import RftError
 
 pytestmark = pytest.mark.anyio
@@ -85,6 +86,47 @@ async def test_max_batch_size_splits_batches(tiny_model_path: str) -> None:
                     engine.generate, chat_ids(engine, f"{i}+1="), SamplingParams(n=2, max_tokens=3)
                 )
         assert engine.stats["batches"] >= 3  # 12 sequences, at most 4 per batch
+
+
+async def test_requests_queued_during_a_batch_start_without_the_batch_wait(
+    tiny_model_path: str,
+) -> None:
+    """An engine that finds requests already waiting (they queued while it sampled the batch
+    before) starts them at once: a batch wait would hand the event loop to the workflows
+    of the batch just finished and leave the sampler idle."""
+    engine = create_engine("transformers", tiny_model_path, batch_wait_ms=5000, max_batch_size=8)
+    assert isinstance(engine, TransformersEngine)
+    for i in range(3):
+        await engine._send.send(_Request(chat_ids(engine, f"{i}+1="), SamplingParams(n=2)))
+    pending: deque[_Request] = deque()
+    t0 = time.perf_counter()
+    batch = await engine._collect(pending)
+    assert time.perf_counter() - t0 < 1.0  # not the 5 s batch wait
+    assert batch is not None and [r.params.n for r in batch] == [2, 2, 2] and not pending
+    await engine.aclose()
+
+
+async def test_an_idle_engine_waits_the_batch_wait_to_gather_requests(tiny_model_path: str) -> None:
+    """Requests made together reach an idle engine one after another: the first one's batch
+    waits up to batch_wait_ms for the others."""
+    engine = create_engine("transformers", tiny_model_path, batch_wait_ms=2000, max_batch_size=8)
+    assert isinstance(engine, TransformersEngine)
+    prompt = chat_ids(engine, "1+1=")
+
+    async def send_later() -> None:
+        for _ in range(3):
+            await anyio.sleep(0.05)
+            await engine._send.send(_Request(prompt, SamplingParams(n=2)))
+        await anyio.sleep(0.05)
+        await engine._send.send(_Request(prompt, SamplingParams(n=4)))  # over max_batch_size
+
+    pending: deque[_Request] = deque()
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(send_later)
+        batch = await engine._collect(pending)
+    assert batch is not None and [r.params.n for r in batch] == [2, 2, 2]
+    assert [r.params.n for r in pending] == [4]  # the next batch's first
+    await engine.aclose()
 
 
 @pytest.mark.parametrize("temperature,top_k,top_p", [(1.0, -1, 1.0), (0.7, 5, 0.9), (0.0, -1, 1.0)])
