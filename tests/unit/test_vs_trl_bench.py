@@ -173,6 +173,43 @@ def test_report_fails_a_miss_and_a_run_that_never_got_there(bench: ModuleType) -
     assert not ok and "—x" in lines[0]  # most seeds never reached 0.7: no ratio, a MISS
 
 
+def test_median_at_least_counts_a_run_that_never_got_there_where_it_stopped(
+    bench: ModuleType,
+) -> None:
+    f = bench.median_at_least
+    assert f([3.0, 1.0, 2.0], [None] * 3) == (2.0, True)
+    assert f([], []) == (None, True)
+    # bounds above the middle cannot move it: exact
+    assert f([10.0, None, 20.0, None, 5.0], [0, 240.0, 0, 240.0, 0]) == (20.0, True)
+    assert f([10.0, None, 20.0], [0, 20.0, 0]) == (20.0, True)  # its true value is >= 20
+    # a bound in the middle: the true median is at least it, not it
+    assert f([10.0, None, 30.0], [0, 20.0, 0]) == (20.0, False)
+    assert f([202.7, None, None, 140.4, None], [0, 242.0, 242.0, 0, 242.0]) == (242.0, False)
+
+
+def test_report_bounds_the_ratio_when_trl_never_got_there(bench: ModuleType) -> None:
+    """TRL seeds that never reach 0.7 within the budget count as reaching it where they
+    stopped: the ratio is then an upper bound, a PASS only when the bound passes, and
+    never the 0.00x an infinite median would give."""
+    from rich.console import Console
+
+    def curve(label: str, secs: float | None, ran_s: float = 100.0, n: int = 30) -> object:
+        c = bench.Curve(label)
+        reward = 1.0 if secs is not None else 0.0
+        c.points = [(i, (secs or ran_s) * i / n, reward) for i in range(1, n + 1)]
+        return c
+
+    w = bench.WORKLOADS["genheavy"]  # target: seconds <= 0.5x
+    console = Console(file=open("/dev/null", "w"))  # noqa: SIM115
+    trl = [curve("TRL", 150.0), curve("TRL", None, 240.0), curve("TRL", None, 240.0)]
+    lines, ok = bench.report(w, trl, [curve("rftstream", 90.0)] * 3, console)
+    # rftstream reaches it at 60 s (20 of 30 points); TRL's median is at least 240 s
+    assert ok and "<= 0.25x" in lines[0] and "2 TRL run(s) never" in lines[0]
+    assert lines[0].endswith("PASS")
+    lines, ok = bench.report(w, trl, [curve("rftstream", 270.0)] * 3, console)  # 180 / 240
+    assert not ok and "<= 0.75x" in lines[0] and lines[0].endswith("UNDECIDED (raise --budget-s)")
+
+
 def test_workload_overrides_name_the_keys_rftstream_up_takes(bench: ModuleType) -> None:
     import copy
 
