@@ -275,7 +275,7 @@ class RolloutModelConfig(_Base):
     enable_openai_api: bool = False
     enable_history: bool = False
     max_batch_size: int = 64  # requests batched into one forward pass
-    batch_wait_ms: float = 5.0  # how long the batcher waits for more requests
+    batch_wait_ms: float = 5.0  # how long an idle batcher waits for more requests
     base_url: str = ""  # for engine_type: openai
     api_key: str = "EMPTY"
     seed: int = 42

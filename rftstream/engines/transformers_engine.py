@@ -3,7 +3,8 @@
 Concurrent :meth:`TransformersEngine.generate` calls are put on an anyio
 memory object stream; :meth:`TransformersEngine.run` (started by the owner in
 its task group) collects them into one batch (up to ``max_batch_size``
-sequences, waiting at most ``batch_wait_ms`` after the first request), then
+sequences: every request already waiting; an idle engine waits at most
+``batch_wait_ms`` after the first request for more), then
 runs ONE sampling loop for the whole batch in a worker thread. The loop is
 written here (no ``model.generate``): left-padded prompts, a KV cache,
 per-sequence temperature / top-p / top-k / min_tokens / max_tokens / stop, and
