@@ -210,6 +210,14 @@ def test_report_bounds_the_ratio_when_trl_never_got_there(bench: ModuleType) -> 
     assert not ok and "<= 0.75x" in lines[0] and lines[0].endswith("UNDECIDED (raise --budget-s)")
 
 
+def test_each_workload_has_its_own_budget_unless_one_is_given(bench: ModuleType) -> None:
+    own = bench.Settings(Path("."), 10, 5.0, 15.0, None, 1)
+    assert own.budget_for(bench.WORKLOADS["default"]) == 240.0
+    assert own.budget_for(bench.WORKLOADS["genheavy"]) == 480.0
+    given = bench.Settings(Path("."), 10, 5.0, 15.0, 100.0, 1)
+    assert given.budget_for(bench.WORKLOADS["genheavy"]) == 100.0
+
+
 def test_workload_overrides_name_the_keys_rftstream_up_takes(bench: ModuleType) -> None:
     import copy
 
