@@ -876,12 +876,6 @@ def report(
         )
     console.print(table)
 
-    def med(curves: list[Curve], pick: Callable[[Curve], float | None]) -> float | None:
-        values = [pick(c) for c in curves]
-        if any(v is None for v in values):  # a run that never got there: the median is honest
-            values = [v if v is not None else float("inf") for v in values]
-        return median(values) if values else None  # type: ignore[type-var]
-
     def secs(c: Curve) -> float | None:
         hit = c.reached(THRESHOLD)
         return hit[1] if hit else None
@@ -906,7 +900,8 @@ def report(
         if key not in workload.targets:
             continue
         target = workload.targets[key]
-        mine = med(ours, pick)
+        # a run of ours that never got there counts as never (infinity): the median is honest
+        mine, _ = median_at_least([pick(c) for c in ours], [None] * len(ours))
         theirs, exact = median_at_least(
             [pick(c) for c in trl], [ran(c) if ran else None for c in trl]
         )

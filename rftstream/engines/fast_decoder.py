@@ -328,7 +328,6 @@ class FastDecoder:
         causal = torch.ones(P, P, dtype=torch.bool, device=device).tril()
         # a padding query row sees itself, so it never attends to nothing (no NaN)
         mask = (causal[None] & real[:, None, :]) | torch.eye(P, dtype=torch.bool, device=device)
-        session.keys_mask[:, :P] = real
         session.keys_bias[:, :P].masked_fill_(~real, -math.inf)
         session.next_pos = positions[:, -1] + 1
         session.length = P
@@ -345,8 +344,8 @@ class DecodeSession:
         n = len(decoder.layers)
         self.k = [torch.empty(shape, dtype=decoder.dtype, device=device) for _ in range(n)]
         self.v = [torch.empty(shape, dtype=decoder.dtype, device=device) for _ in range(n)]
-        self.keys_mask = torch.zeros(batch, width, dtype=torch.bool, device=device)
-        # keys_mask as the additive mask a decode step's attention takes (0 or -inf)
+        # which cached keys a decode step attends to, as the additive mask its attention
+        # takes: 0 for a real token, -inf for padding and finished rows' tokens
         self.keys_bias = torch.zeros(batch, width, dtype=decoder.dtype, device=device)
         self.next_pos = torch.zeros(batch, dtype=torch.long, device=device)
         self.length = 0
@@ -357,7 +356,6 @@ class DecodeSession:
         their token is masked out for every later step) and return the next logits [B, vocab]."""
         d = self.decoder
         col = self.length
-        self.keys_mask[:, col] = active
         self.keys_bias[:, col] = torch.where(active, 0.0, -math.inf)
         self.length = col + 1
         cos, sin = d._rope(self.next_pos[:, None])
@@ -370,6 +368,5 @@ class DecodeSession:
         """Keep only ``rows`` (a LongTensor of row indices) of the batch."""
         self.k = [t[rows] for t in self.k]
         self.v = [t[rows] for t in self.v]
-        self.keys_mask = self.keys_mask[rows]
         self.keys_bias = self.keys_bias[rows]
         self.next_pos = self.next_pos[rows]

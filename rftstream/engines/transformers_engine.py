@@ -705,7 +705,7 @@ class TransformersEngine(RolloutEngine):
                     return
                 if batch:
                     # taken off the stream: failed by the finally below if cancelled
-                    # before it is served
+                    # before or while it is served
                     self._inflight = batch
                     await self._serve(batch, limiter)
                     self._inflight = []
@@ -792,7 +792,6 @@ class TransformersEngine(RolloutEngine):
             if not live:
                 return
             version = self._version
-            self._inflight = live
             try:
                 results = await anyio.to_thread.run_sync(
                     self._generate_batch, live, limiter=limiter
@@ -802,8 +801,6 @@ class TransformersEngine(RolloutEngine):
                 for r in live:
                     r.fail(f"generation failed: {type(exc).__name__}: {exc}")
                 return
-            finally:
-                self._inflight = []
             self.stats["batches"] += 1
             self.stats["requests"] += len(live)
             self.stats["sequences"] += sum(r.params.n for r in live)
