@@ -863,7 +863,14 @@ def _print_status(r: dict[str, Any]) -> None:
         console.print(f"[bold red]waiting:[/] {escape(str(r['waiting']))}")
     if r["explorers"]:
         ex = Table(title="explorers")
-        for col in ("explorer", "step", "model version", "staleness", "heartbeat"):
+        for col in (
+            "explorer",
+            "step",
+            "model version",
+            "staleness",
+            "tasks in flight",
+            "heartbeat",
+        ):
             ex.add_column(col)
         for e in r["explorers"]:
             ex.add_row(
@@ -871,6 +878,7 @@ def _print_status(r: dict[str, Any]) -> None:
                 format_number(e["step"], "d"),
                 format_number(e["model_version"], "d"),
                 format_number(e["staleness"], "d"),
+                format_number(e.get("tasks_in_flight"), "d"),
                 age(e["heartbeat_age"]),
             )
         console.print(ex)

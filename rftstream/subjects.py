@@ -158,6 +158,10 @@ KV_EVAL_STEP = "eval.step.{step}"  # claimed by the explorer that evaluates afte
 KV_EVAL_FINAL = "eval.final"  # claimed by the explorer that runs the final evaluation
 KV_EXPLORER_STEP = "explorer.{name}.step"
 KV_EXPLORER_DONE = "explorer.{name}.done"
+# wire.ExplorerFlight: an explorer's tasks claimed and done, as two running totals (the
+# staleness gates of several explorers count each other's tasks in flight by them)
+KV_EXPLORER_FLIGHT = "explorers.in_flight.{name}"
+KV_EXPLORER_FLIGHT_PREFIX = KV_EXPLORER_FLIGHT.format(name="")  # every explorer's record
 KV_TRAINER_STEP = "trainer.step"
 KV_TRAINER_STARTED = "trainer.started"  # wire.TrainerStarted
 KV_TRAINER_DONE = "trainer.done"  # wire.TrainerDone

@@ -31,6 +31,7 @@ from rftstream.subjects import (
     KV_EVAL_FINAL,
     KV_EVAL_STEP,
     KV_EXPLORER_DONE,
+    KV_EXPLORER_FLIGHT,
     KV_EXPLORER_STEP,
     KV_HEARTBEAT,
     KV_SPLICE,
@@ -503,6 +504,34 @@ class ExplorerDone(msgspec.Struct, kw_only=True):
     why: str
 
 
+class ExplorerFlight(msgspec.Struct, kw_only=True):
+    """KV record ``explorers.in_flight.<name>``: the tasks explorer ``<name>`` has claimed
+    and finished, as two running totals (``claimed - done`` are in flight, or reserved
+    by its staleness gate while it looks: ``reserved`` of them). The staleness gates of
+    several explorers count each other's tasks in flight by them
+    (:class:`rftstream.control.flights.FlightBoard`).
+
+    ``claimed`` is written before the tasks it counts start (never behind), ``done``
+    after the groups it counts are published, failed or given back (never ahead): a
+    reader that takes ``done`` from a read before the experience queues' counts and
+    ``claimed`` from a read after them gets an upper bound of the tasks whose groups
+    those counts miss. ``since`` tells one run of the explorer from the next (its totals
+    start again at 0); ``closed``: it stopped exploring and has nothing in flight.
+    """
+
+    claimed: int = 0
+    done: int = 0
+    reserved: int = 0
+    started: int = 0  # tasks started so far: of two contending gates, fewer goes first
+    since: float = 0.0
+    ts: float = 0.0
+    closed: bool = False
+
+    @property
+    def in_flight(self) -> int:
+        return max(0, self.claimed - self.done)
+
+
 class Heartbeat(msgspec.Struct, kw_only=True, omit_defaults=True):
     """KV record ``heartbeat.<actor>``: an actor is alive, with its own progress fields.
 
@@ -561,6 +590,7 @@ TASKSET_CLAIM: Key[TasksetClaim] = Key(KV_TASKSET_CLAIM, TasksetClaim)
 TRAINER_STARVING: Key[TrainerStarving] = Key(KV_TRAINER_STARVING, TrainerStarving)
 EXPLORER_STEP: Key[int] = Key(KV_EXPLORER_STEP, int)  # the explorer's last step, a JSON int
 EXPLORER_DONE: Key[ExplorerDone] = Key(KV_EXPLORER_DONE, ExplorerDone)
+EXPLORER_FLIGHT: Key[ExplorerFlight] = Key(KV_EXPLORER_FLIGHT, ExplorerFlight)  # .of(name=...)
 HEARTBEAT: Key[Heartbeat] = Key(KV_HEARTBEAT, Heartbeat)  # HEARTBEAT.of(actor=...)
 EVAL_STEP: Key[EvalClaim] = Key(KV_EVAL_STEP, EvalClaim)  # EVAL_STEP.of(step=...)
 EVAL_FINAL: Key[EvalClaim] = Key(KV_EVAL_FINAL, EvalClaim)

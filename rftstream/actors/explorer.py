@@ -97,6 +97,7 @@ from rftstream.config.resolved import ResolvedRun
 from rftstream.config.schema import TRAINER_MODES, Config, TasksetConfig
 from rftstream.config.validate import eval_tasksets, training_tasksets
 from rftstream.control import KeyWrites
+from rftstream.control.flights import FLIGHT_TTL_S, FlightBoard, OwnFlight, PeerWork
 from rftstream.control.liveness import heartbeat_loop
 from rftstream.control.staleness import (
     IDLE_LOOK_S,
@@ -225,6 +226,11 @@ class Explorer:
         self._gate_listing: ConsumerListing | None = None
         # the room (experiences) the last look left after its take; None: look at once
         self._gate_spare: int | None = None
+        # max_staleness with several explorers: the others' tasks in flight (their KV
+        # records), and this explorer's totals and record (rftstream.control.flights)
+        self._flight_board: FlightBoard | None = None
+        self._flights: OwnFlight | None = None
+        self._peers_since: float | None = None  # when announced, until the peers answered
         # the trainer start (WeightsPointer.incarnation) whose weights the engine holds
         self._weights_incarnation = 0
         # sync_method jetstream: fetches and stages versions in the background (made with the
@@ -305,6 +311,14 @@ class Explorer:
         listing = ConsumerListing(self.bus, self.names.exp_stream)
         self._gate_listing = listing
         await listing.start()
+        if self.gate.enforced and not self.explore_only:
+            kv = await self.bus.kv()
+            board = FlightBoard(kv, self.name, on_room=self._peer_gave_room)
+            self._flights = OwnFlight(kv, self.name, board)
+            board.on_join = self._flights.answer
+            self._flight_board = board
+            await board.start()
+            self._peers_since = await self._flights.announce()
         try:
             async with rollout_model(self.cfg, self.model_path, engine=engine) as (model, aux, _):
                 self.engine = model.engine
@@ -318,6 +332,8 @@ class Explorer:
                     async with anyio.create_task_group() as tg:
                         tg.start_soon(ticker.run)
                         tg.start_soon(heartbeat_loop, state, self._heartbeat)
+                        if self._flights is not None:
+                            tg.start_soon(self._flights.run)
                         if (
                             self.cfg.synchronizer.sync_method == "jetstream"
                             and self._syncs_weights()
@@ -344,6 +360,10 @@ class Explorer:
                 await self._gate_wakes.stop()
                 await gate_state.stop()
                 await listing.stop()
+                if self._flights is not None:  # nothing in flight here any more
+                    await self._flights.close()
+                if self._flight_board is not None:
+                    await self._flight_board.stop()
                 try:  # the last word on this explorer's step and weights (the loop's may lag)
                     await state.heartbeat(self._heartbeat())
                 except Exception as exc:  # noqa: BLE001 - the connection may be gone
@@ -463,6 +483,8 @@ class Explorer:
             self.step = next_step
             version = self._version()
             self._started(len(msgs), version)
+            if self._flights is not None:  # the reservation's tasks not found in the queue
+                self._flights.started(len(msgs))
             steps.start_soon(
                 self._run_step, next_step, msgs, runner, limiter, ticker, wait_sync, version
             )
@@ -483,6 +505,8 @@ class Explorer:
         self._flight_versions[version] += n
 
     def _finished(self, n: int = 1, version: int = 0) -> None:
+        if self._flights is not None:
+            self._flights.finished(n)
         self._in_flight -= n
         self._flight_versions[version] -= n
         if self._flight_versions[version] <= 0:
@@ -884,13 +908,16 @@ class Explorer:
             newest = max(newest, (pending.incarnation, pending.version))
         return newest, published[1]
 
-    async def _await_coming(self, state: RunState, key: tuple[int, int]) -> bool:
+    async def _await_coming(
+        self, state: RunState, key: tuple[int, int], before_wait: Callable[[], None] = lambda: None
+    ) -> bool:
         """``max_staleness`` with ``jetstream``: the trainer's version ``key`` is newer than
         the bound allows generating with ours; wait up to a second for the fetcher to
         stage it. Returns whether the caller should count again: False once the version
         cannot come (refused), the run ended, or it has been awaited for
         :data:`COMING_WAIT_S` (it never went out: the trainer failed or restarted), so
-        the explorer goes on rather than stall the run."""
+        the explorer goes on rather than stall the run. ``before_wait`` is called just
+        before it waits (not when it returns False)."""
         assert self.fetcher is not None
         if not self.fetcher.coming(key) or await state.status() in END_STATUSES:
             return False
@@ -907,6 +934,7 @@ class Explorer:
                     self._version(),
                 )
             return False
+        before_wait()
         await self.fetcher.wait_staged(key, 1.0)
         return True
 
@@ -923,8 +951,11 @@ class Explorer:
         (:meth:`~rftstream.control.staleness.StalenessGate.blocked_until_woken`). The backlog is
         what waits on (or in) the trainer's side plus this explorer's tasks in flight
         (they are published soon, and before anything started with newer weights:
-        :meth:`_after_older_tasks`). Other explorers' tasks in flight are not seen:
-        with several explorers the bound can be passed by what they have in flight.
+        :meth:`_after_older_tasks`) and the other explorers' tasks in flight or reserved
+        (their KV records, :mod:`rftstream.control.flights`): before each look this
+        explorer reserves a whole batch (a KV write it waits for, while another explorer
+        is about), gives back what it does not take, and gives it all back before it
+        waits (for the trainer, or for a version on its way).
         Messages the trainer trained and holds unacked until its next checkpoint
         (``trainer.save_interval``) are not backlog: the ``trainer.trained_unacked``
         totals read before and after the queues bound them from below
@@ -943,13 +974,32 @@ class Explorer:
             # now would only be told no (see StalenessGate.blocked_until_woken)
             await wakes.wait(IDLE_LOOK_S)
         self._gate_spare = None
+        flights, board = self._flights, self._flight_board
+        if board is not None and self._peers_since is not None:
+            # the first look counts what the other explorers have in flight: they write
+            # their records when they see this one's (at most PEER_REPLY_S)
+            silent = await board.wait_for_peers(self._peers_since)
+            self._peers_since = None
+            if silent:
+                log.warning(
+                    "%s: no flight record from %s since this explorer started; counting "
+                    "their tasks by their last record until it is %.0f s old",
+                    self.name,
+                    ", ".join(silent),
+                    FLIGHT_TTL_S,
+                )
         while True:
             if wakes is not None:
                 wakes.forget()  # a write from now on wakes the pause below
+            if flights is not None and not flights.reserved:
+                await flights.reserve(gate.batch_size)  # stored before the queues are read
             look = await self._look(state, will_sync)
             decision = gate.decide(look)
             if isinstance(decision, AwaitWeights):
-                if await self._await_coming(state, decision.key):
+                # a gate waiting for weights holds no reservation (the others may go on);
+                # the next look reserves again
+                release = flights.release if flights is not None else lambda: None
+                if await self._await_coming(state, decision.key, release):
                     continue
                 decision = gate.decide(replace(look, may_await=False))
             if isinstance(decision, LoadNewest):
@@ -959,7 +1009,7 @@ class Explorer:
                 decision = gate.decide(replace(look, may_await=False, may_load=False))
             if isinstance(decision, Take):
                 self._gate_spare = gate.room_after(look, decision.tasks)
-                return decision.tasks
+                return self._keep_reserved(decision.tasks)
             assert isinstance(decision, Blocked)
             # the record matters only with nothing ahead of the trainer: not read otherwise
             starving = await state.get(TRAINER_STARVING) if decision.ahead == 0 else None
@@ -970,11 +1020,25 @@ class Explorer:
                 in_flight_now=self._in_flight,
             )
             if isinstance(settled, Take):
-                return settled.tasks
+                return self._keep_reserved(settled.tasks)
+            if flights is not None and not settled.keep_reservation:
+                flights.release()  # no room: another explorer may take what this would not
             if wakes is not None:
                 await wakes.wait(settled.wake_s)
             else:
                 await anyio.sleep(settled.wake_s)
+
+    def _peer_gave_room(self, _peer: str) -> None:
+        """Another explorer gave back a reservation (or stopped): a waiting gate looks again."""
+        if self._gate_wakes is not None:
+            self._gate_wakes.poke()
+
+    def _keep_reserved(self, tasks: int) -> int:
+        """Keep ``tasks`` of the gate's reservation for the step (the rest is given back
+        now, and what the queue does not have once the step is fetched); returns ``tasks``."""
+        if self._flights is not None:
+            self._flights.keep(tasks)
+        return tasks
 
     async def _look(self, state: RunState, will_sync: bool) -> GateLook:
         """One :class:`GateLook`: our tasks in flight, then the queues, then the trainer's
@@ -988,6 +1052,10 @@ class Explorer:
         # our tasks in flight are read before the queues: one published while these are
         # read is then counted twice, never missed (read after, it could be in neither)
         in_flight = self._in_flight
+        board = self._flight_board
+        # the others' records before the queues (what they finished) and after (what they
+        # claimed): see rftstream.control.flights
+        others_before = await board.snapshot() if board is not None else {}
         before = await state.get(TRAINER_UNACKED)
         queued = await experience_backlog(
             self.bus, self.names.exp_stream, listing=self._gate_listing
@@ -1000,8 +1068,13 @@ class Explorer:
                 queued = queued.without_trained(before.trained - after.acked)
         # after the queues: the trainer writes weights.pending before it acks
         newest, published = await self._trainer_version(state)
+        others = PeerWork()
+        if board is not None and self._flights is not None:
+            started = self._flights.started_total
+            others = board.count(others_before, await board.snapshot(), started)
         return GateLook(
             in_flight=in_flight,
+            others=others,
             queued=queued,
             newest=newest,
             published=published,

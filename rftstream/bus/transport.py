@@ -321,13 +321,14 @@ class KeyValueStore(Protocol):
         self, keys: tuple[str, ...], callback: Callable[[str, bytes | None], None]
     ) -> Notifications:
         """Call ``callback(key, value)`` for each write of one of ``keys`` from now on,
-        with the value written (None for a delete or purge), in the order the writes
-        reached the server. A write is handed on before any reply that reached this
-        connection after it (on NATS both come down the one connection, in order, and
-        the callback runs before the reply's waiter resumes): a value read after a reply
-        is at least as new as every write that preceded the reply at the server. A
-        conditional write the bucket refuses is handed on too: use it for keys written
-        unconditionally."""
+        with the key written and its value (None for a delete or purge); a key may be a
+        pattern with subject wildcards (``explorers.in_flight.>``: every key under that
+        prefix). In the order the writes reached the server. A write is handed on before
+        any reply that reached this connection after it (on NATS both come down the one
+        connection, in order, and the callback runs before the reply's waiter resumes): a
+        value read after a reply is at least as new as every write that preceded the reply
+        at the server. A conditional write the bucket refuses is handed on too: use it for
+        keys written unconditionally."""
         ...
 
 

@@ -5,7 +5,8 @@ decides by and the pure machine that decides.
 from the durable consumers of the experience stream (I/O: JetStream API round
 trips; a started :class:`ConsumerListing` spares it the listing while they stay
 the same). :class:`StalenessGate` is the pure machine: given one :class:`GateLook`
-(the counts, the weight versions, this explorer's tasks in flight) it says how
+(the counts, the weight versions, the tasks in flight here and, by their KV
+records, at the other explorers: :mod:`rftstream.control.flights`) it says how
 many tasks the explorer's next step may take, or what to do first:
 :class:`AwaitWeights` (the trainer's newest version is on its way to this
 explorer), :class:`LoadNewest` (only this explorer's old weights stand in the
@@ -29,6 +30,7 @@ from typing import NamedTuple
 from rftstream.bus.client import Bus
 from rftstream.bus.transport import Notifications, unsubscribe_quietly
 from rftstream.config.sync_policy import SyncPolicy
+from rftstream.control.flights import PeerWork
 from rftstream.errors import BusError, BusTimeout, ConsumerNotFound
 from rftstream.wire import TrainerStarving
 
@@ -206,6 +208,14 @@ class GateLook:
     will_sync: bool  # the step about to start loads weights first (sync_style, interval)
     may_await: bool = True  # False once waiting for the newest version gave up
     may_load: bool = True  # False once loading the newest brought nothing newer
+    # the other explorers' tasks in flight or reserved (rftstream.control.flights), read
+    # around the queues: their groups may land ahead of this step's
+    others: PeerWork = PeerWork()
+
+    @property
+    def backlog(self) -> int:
+        """Groups ahead of this step's: queued, and in flight here or at another explorer."""
+        return self.queued.total + self.in_flight + self.others.tasks
 
 
 class Take(NamedTuple):
@@ -232,16 +242,21 @@ class Blocked(NamedTuple):
     """No room for one task's group: :meth:`StalenessGate.settle` it with the trainer's
     starving record (read only when ``ahead`` is 0) and the run's status."""
 
-    ahead: int  # messages upstream of the trainer, with this explorer's tasks in flight
+    ahead: int  # messages upstream of the trainer, with every explorer's tasks in flight
     held_by_trainer: int
     in_flight: int  # the in-flight count the look was made with
     hidden: bool  # a group moving while counted (counted twice) could hide room
+    contended: bool = False  # another explorer's gate held a reservation (it is looking too)
+    yields: bool = False  # ... and one that goes first did (fewer tasks started): this one waits
 
 
 class Pause(NamedTuple):
-    """Wait for a write of the trainer's keys, at most ``wake_s``, then look again."""
+    """Wait for a write of the trainer's keys (or another explorer's reservation given
+    back), at most ``wake_s``, then look again; give this explorer's reservation back
+    first unless ``keep_reservation`` (it goes first: the others give theirs back)."""
 
     wake_s: float
+    keep_reservation: bool = False
 
 
 Decision = Take | AwaitWeights | LoadNewest | Blocked
@@ -297,7 +312,7 @@ class StalenessGate:
             and newest - mine > self.policy.max_staleness
         ):
             return AwaitWeights(look.newest)
-        backlog = look.queued.total + look.in_flight
+        backlog = look.backlog
         room = self._room(backlog, newest - mine)
         if room is None or room >= self.group:
             return Take(
@@ -311,17 +326,19 @@ class StalenessGate:
         # that many could be counted twice, and only then may looking again find room
         settled = self._room(backlog - look.queued.held_by_operators, newest - mine)
         return Blocked(
-            ahead=look.queued.in_transit + look.in_flight,
+            ahead=look.queued.in_transit + look.in_flight + look.others.tasks,
             held_by_trainer=look.queued.held_by_trainer,
             in_flight=look.in_flight,
             hidden=look.queued.held_by_operators > 0 and (settled is None or settled >= self.group),
+            contended=look.others.reserved > 0,
+            yields=look.others.yields,
         )
 
     def room_after(self, look: GateLook, tasks: int) -> int | None:
         """The room (in experiences) ``look`` leaves once this explorer takes ``tasks``
         more; None: unbounded. Only a later write of the trainer's keys, or a version
         staged here, can make more (see :meth:`blocked_until_woken`)."""
-        room = self._room(look.queued.total + look.in_flight, look.newest[1] - self.mine(look))
+        room = self._room(look.backlog, look.newest[1] - self.mine(look))
         return None if room is None else room - tasks * self.group
 
     def blocked_until_woken(self, spare: int | None) -> bool:
@@ -343,13 +360,19 @@ class StalenessGate:
     ) -> Take | Pause:
         """A blocked look, given the trainer's ``trainer.starving`` record (None when
         unread or absent), whether the run ended, and the tasks in flight now: a
-        starving trainer is never stalled, an ended run takes its batch (and stops
-        at the run's end), else pause; briefly when the counts were moving."""
+        starving trainer is never stalled (nothing is ahead of it, at any explorer), an
+        ended run takes its batch (and stops at the run's end), else pause. Briefly when
+        the counts were moving, or when another explorer's gate looked at the same time
+        and this one goes first (it keeps its reservation; the other gives its back and
+        waits: two gates that see each other never both wait for the trainer; which goes
+        first: :meth:`rftstream.control.flights.FlightBoard.count`)."""
         if self.policy.starving_trainer_overrides(
             starving, held_by_trainer=blocked.held_by_trainer, ahead_of_trainer=blocked.ahead
         ):
             return Take(self.batch_size)
         if ended:
             return Take(self.batch_size)
+        if blocked.contended and not blocked.yields:
+            return Pause(RECOUNT_S, keep_reservation=True)
         moving = in_flight_now != blocked.in_flight or blocked.hidden
         return Pause(RECOUNT_S if moving else IDLE_LOOK_S)

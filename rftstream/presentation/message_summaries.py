@@ -18,6 +18,7 @@ from rftstream.experience import SCHEMA_NAME, decode_group_msg, from_record
 from rftstream.subjects import KV_HEARTBEAT_PREFIX, KV_TRAINER_STEP, KV_WEIGHTS
 from rftstream.wire import (
     DLQ_HEADERS,
+    EXPLORER_FLIGHT,
     HEARTBEAT,
     METRICS_SCHEMA,
     SPLICE,
@@ -112,8 +113,9 @@ def status_report(
 
     ``trainer``: its step and version (its step: the newest of ``trainer.step``,
     its heartbeat's and the published weights' version). ``explorers``: each one's step,
-    ``model_version`` (weights it generates with, from its heartbeat) and
-    ``staleness`` = trainer version - model_version. ``heartbeats``: every
+    ``model_version`` (weights it generates with, from its heartbeat),
+    ``staleness`` = trainer version - model_version and ``tasks_in_flight`` (its
+    ``explorers.in_flight.<name>`` record; None without one). ``heartbeats``: every
     actor's role, age in seconds and the rest of its record. ``chain``: the
     stages from ``exp.<input_stage>`` to the trainer, spliced operators named.
     """
@@ -158,6 +160,7 @@ def status_report(
     for name in sorted(names):
         hb = next((h for h in heartbeats if h["role"] == "explorer" and h["actor"] == name), None)
         mv = _int((hb or {}).get("info", {}).get("model_version"))
+        flight = EXPLORER_FLIGHT.convert(values.get(EXPLORER_FLIGHT.of(name=name).name))
         explorers.append(
             {
                 "name": name,
@@ -166,6 +169,8 @@ def status_report(
                 "staleness": None if mv is None or version is None else version - mv,
                 "heartbeat_age": hb["age"] if hb else None,
                 "done": values.get(f"explorer.{name}.done") is not None,
+                # what the others' staleness gates count (written while another explorer is about)
+                "tasks_in_flight": None if flight is None else flight.in_flight,
             }
         )
     prefix = STAGE.name.split("{")[0]

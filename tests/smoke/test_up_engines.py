@@ -4,7 +4,11 @@ engines, as two explorer processes (``explorer``, ``explorer-2``) sharing the ta
 The run is short, so an explorer that starts a few seconds after the other (a loaded CI
 machine) could find every task taken. The workflow, loaded with ``--plugin-dir``, therefore
 holds its first task until both explorer processes have run one: the one that started first
-keeps at most ``explorer.runner_num`` tasks while it waits, so the other gets the rest.
+keeps at most ``explorer.runner_num`` tasks while it waits, so the other gets the rest. Each
+explorer's staleness gate counts the other's tasks in flight against the window of
+``max_staleness: 3`` (four batches of 8 tasks), so ``runner_num`` is 8 here: with the
+embedded default's 32, the first explorer's tasks held at the barrier would fill the window,
+and the second would rightly wait for them.
 """
 
 from __future__ import annotations
@@ -56,6 +60,7 @@ def test_up_runs_engine_num_explorers(tmp_path: Path, tiny_model_path: str) -> N
         run_dir,
         tiny_model_path,
         *("--steps", "10", "--set", "explorer.rollout_model.engine_num=2"),
+        *("--set", "explorer.runner_num=8"),
         *("--plugin-dir", str(plugins)),
         *("--set", "buffer.explorer_input.taskset.default_workflow_type=math_after_both_explorers"),
         timeout=420,
@@ -63,6 +68,8 @@ def test_up_runs_engine_num_explorers(tmp_path: Path, tiny_model_path: str) -> N
     assert len(list(barrier.iterdir())) == 2  # the workflow ran in both explorer processes
     assert "2 explorers and operator host run in processes" in " ".join(stdout.split())
     assert [r["step"] for r in records] == list(range(1, 11))  # the run finished
+    worst = [(r["step"], r["staleness/max"]) for r in records]
+    assert all(s <= 3 for _, s in worst), worst  # max_staleness over both explorers
     for name in ("explorer", "explorer-2"):  # two processes, each ran its own explorer
         log = (run_dir / "logs" / f"{name}.log").read_text()
         assert f"running explorer of run default (explorers {name})" in log, log[-2000:]

@@ -64,6 +64,7 @@ def test_status_report_versions_staleness_heartbeats_and_chain() -> None:
         "explorer.e1.step": 7,
         "explorer.e2.step": 9,
         "explorer.e2.done": {"step": 9},
+        "explorers.in_flight.e1": {"claimed": 40, "done": 34, "reserved": 2, "since": 1.0},
         "trainer.input": {"stage": "f2", "consumer": "trainer_f2"},
         "stage.f2": _stage("dedup", "filtered", "f2"),
         "stage.filtered": _stage("reward_filter", "train", "filtered"),
@@ -82,6 +83,7 @@ def test_status_report_versions_staleness_heartbeats_and_chain() -> None:
             "staleness": 2,
             "heartbeat_age": 3.0,
             "done": False,
+            "tasks_in_flight": 6,
         },
         {
             "name": "e2",
@@ -90,6 +92,7 @@ def test_status_report_versions_staleness_heartbeats_and_chain() -> None:
             "staleness": 0,
             "heartbeat_age": 20.0,
             "done": True,
+            "tasks_in_flight": None,
         },
     ]
     ages = {h["actor"]: (h["role"], h["age"]) for h in r["heartbeats"]}

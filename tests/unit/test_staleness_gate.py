@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from rftstream.config.sync_policy import SyncPolicy
+from rftstream.control.flights import PeerWork
 from rftstream.control.staleness import (
     IDLE_LOOK_S,
     RECOUNT_S,
@@ -38,6 +39,7 @@ def look(
     mine: int = 5,
     staged: int | None = None,
     will_sync: bool = True,
+    others: PeerWork = PeerWork(),
 ) -> GateLook:
     """``total`` messages (one group each) waiting anywhere, ``trainer`` of them held by
     the trainer, ``operators`` by an operator stage."""
@@ -49,6 +51,7 @@ def look(
         engine_version=mine,
         staged_version=staged,
         will_sync=will_sync,
+        others=others,
     )
 
 
@@ -158,3 +161,37 @@ def test_weights_at_the_bound_with_less_than_a_batch_waiting_take_only_what_fits
     assert isinstance(held, Blocked) and held.ahead == 0
     starving = TrainerStarving(since=1.0, held=4)
     assert gate().settle(held, starving, ended=False, in_flight_now=0) == Take(BATCH)
+
+
+def test_the_other_explorers_tasks_in_flight_count_as_ahead_of_this_step() -> None:
+    """Two explorers share the window: what another has in flight (or reserved) lands
+    ahead of this step's groups, and keeps a starving trainer from being served twice."""
+    # 12 groups queued, 8 tasks in flight at another explorer: 160 of 192 positions
+    assert gate().decide(look(total=12, others=PeerWork(tasks=8))) == Take(4)
+    assert gate().decide(look(total=12)) == Take(BATCH)  # what the gate saw before
+    # the trainer holds all that is queued and starves, but another explorer's tasks are
+    # on their way to it: not starving for this explorer's work
+    blocked = gate().decide(look(total=24, trainer=24, others=PeerWork(tasks=8)))
+    assert isinstance(blocked, Blocked) and blocked.ahead == 8 and not blocked.contended
+    starving = TrainerStarving(since=1.0, held=24)
+    assert gate().settle(blocked, starving, ended=False, in_flight_now=0) == Pause(IDLE_LOOK_S)
+
+
+def test_of_two_gates_that_see_each_other_one_goes_on_and_one_waits() -> None:
+    """Both reserved a batch and found no room for it: the one that goes first (fewer
+    tasks claimed so far: ``PeerWork.yields`` is False for it) keeps its reservation and
+    looks again at once; the other gives it back and waits."""
+    full = look(total=24, trainer=24)  # no room even alone, and the trainer starves
+    first = gate().decide(replace(full, others=PeerWork(tasks=8, reserved=8, yields=False)))
+    second = gate().decide(replace(full, others=PeerWork(tasks=8, reserved=8, yields=True)))
+    assert isinstance(first, Blocked) and first.contended and not first.yields
+    assert isinstance(second, Blocked) and second.contended and second.yields
+    starving = TrainerStarving(since=1.0, held=24)
+    assert gate().settle(first, starving, ended=False, in_flight_now=0) == Pause(
+        RECOUNT_S, keep_reservation=True
+    )
+    assert gate().settle(second, starving, ended=False, in_flight_now=0) == Pause(IDLE_LOOK_S)
+    # once the other's reservation is given back, the first is served as a lone explorer
+    alone = gate().decide(full)
+    assert isinstance(alone, Blocked) and alone.ahead == 0
+    assert gate().settle(alone, starving, ended=False, in_flight_now=0) == Take(BATCH)

@@ -249,14 +249,15 @@ class _JetStreamKV:
         purge). nats-py queues a subscription's messages as it parses them and runs
         their callbacks in parse order with the callback of a request's reply, so a
         write parsed before a reply is handed on before the reply's waiter resumes."""
+        pre = f"$KV.{self.bucket}."
+
+        async def written(msg: Msg) -> None:
+            op = (msg.headers or {}).get(H_KV_OPERATION)
+            callback(msg.subject[len(pre) :], None if op in ("DEL", "PURGE") else msg.data)
+
         subs = _Subscriptions(self._nc)
         for key in keys:
-
-            async def written(msg: Msg, key: str = key) -> None:
-                op = (msg.headers or {}).get(H_KV_OPERATION)
-                callback(key, None if op in ("DEL", "PURGE") else msg.data)
-
-            subs.subs.append(await self._nc.subscribe(f"$KV.{self.bucket}.{key}", cb=written))
+            subs.subs.append(await self._nc.subscribe(pre + key, cb=written))
         return subs
 
 

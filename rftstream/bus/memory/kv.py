@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable
 from typing import Generic, TypeVar
 
-from rftstream.bus.memory.streams import Stored, Stream
+from rftstream.bus.memory.streams import Stored, Stream, subject_matches
 from rftstream.bus.transport import H_KV_OPERATION, KvEntry
 from rftstream.errors import CasConflict, KeyNotFound
 
@@ -72,7 +72,7 @@ class MemoryKV:
         ack = self._stream.store(self._pre + key, value, headers)
         deleted = (headers or {}).get(H_KV_OPERATION) in ("DEL", "PURGE")
         for value_listener in list(self.value_listeners):
-            if key in value_listener.names:
+            if any(subject_matches(name, key) for name in value_listener.names):
                 value_listener.callback(key, None if deleted else value)
         for listener in list(self.listeners):
             if key in listener.keys:
