@@ -97,7 +97,7 @@ from rftstream.config.resolved import ResolvedRun
 from rftstream.config.schema import TRAINER_MODES, Config, TasksetConfig
 from rftstream.config.validate import eval_tasksets, training_tasksets
 from rftstream.control import KeyWrites
-from rftstream.control.flights import FLIGHT_TTL_S, FlightBoard, OwnFlight, PeerWork
+from rftstream.control.flights import FLIGHT_TTL_S, OwnFlight, PeerWork
 from rftstream.control.liveness import heartbeat_loop
 from rftstream.control.staleness import (
     IDLE_LOOK_S,
@@ -228,7 +228,6 @@ class Explorer:
         self._gate_spare: int | None = None
         # max_staleness with several explorers: the others' tasks in flight (their KV
         # records), and this explorer's totals and record (rftstream.control.flights)
-        self._flight_board: FlightBoard | None = None
         self._flights: OwnFlight | None = None
         self._peers_since: float | None = None  # when announced, until the peers answered
         # the trainer start (WeightsPointer.incarnation) whose weights the engine holds
@@ -312,13 +311,9 @@ class Explorer:
         self._gate_listing = listing
         await listing.start()
         if self.gate.enforced and not self.explore_only:
-            kv = await self.bus.kv()
-            board = FlightBoard(kv, self.name, on_room=self._peer_gave_room)
-            self._flights = OwnFlight(kv, self.name, board)
-            board.on_join = self._flights.answer
-            self._flight_board = board
-            await board.start()
-            self._peers_since = await self._flights.announce()
+            self._flights, self._peers_since = await OwnFlight.open(
+                await self.bus.kv(), self.name, on_room=self._peer_gave_room
+            )
         try:
             async with rollout_model(self.cfg, self.model_path, engine=engine) as (model, aux, _):
                 self.engine = model.engine
@@ -362,8 +357,7 @@ class Explorer:
                 await listing.stop()
                 if self._flights is not None:  # nothing in flight here any more
                     await self._flights.close()
-                if self._flight_board is not None:
-                    await self._flight_board.stop()
+                    await self._flights.board.stop()
                 try:  # the last word on this explorer's step and weights (the loop's may lag)
                     await state.heartbeat(self._heartbeat())
                 except Exception as exc:  # noqa: BLE001 - the connection may be gone
@@ -974,11 +968,11 @@ class Explorer:
             # now would only be told no (see StalenessGate.blocked_until_woken)
             await wakes.wait(IDLE_LOOK_S)
         self._gate_spare = None
-        flights, board = self._flights, self._flight_board
-        if board is not None and self._peers_since is not None:
+        flights = self._flights
+        if flights is not None and self._peers_since is not None:
             # the first look counts what the other explorers have in flight: they write
             # their records when they see this one's (at most PEER_REPLY_S)
-            silent = await board.wait_for_peers(self._peers_since)
+            silent = await flights.board.wait_for_peers(self._peers_since)
             self._peers_since = None
             if silent:
                 log.warning(
@@ -1052,10 +1046,10 @@ class Explorer:
         # our tasks in flight are read before the queues: one published while these are
         # read is then counted twice, never missed (read after, it could be in neither)
         in_flight = self._in_flight
-        board = self._flight_board
+        flights = self._flights
         # the others' records before the queues (what they finished) and after (what they
         # claimed): see rftstream.control.flights
-        others_before = await board.snapshot() if board is not None else {}
+        others_before = await flights.board.snapshot() if flights is not None else {}
         before = await state.get(TRAINER_UNACKED)
         queued = await experience_backlog(
             self.bus, self.names.exp_stream, listing=self._gate_listing
@@ -1069,9 +1063,9 @@ class Explorer:
         # after the queues: the trainer writes weights.pending before it acks
         newest, published = await self._trainer_version(state)
         others = PeerWork()
-        if board is not None and self._flights is not None:
-            started = self._flights.started_total
-            others = board.count(others_before, await board.snapshot(), started)
+        if flights is not None:
+            others_after = await flights.board.snapshot()
+            others = flights.board.count(others_before, others_after, flights.started_total)
         return GateLook(
             in_flight=in_flight,
             others=others,

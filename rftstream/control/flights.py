@@ -36,7 +36,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Mapping
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import anyio
 import msgspec
@@ -266,6 +266,7 @@ class OwnFlight:
     """
 
     def __init__(self, kv: KeyValueStore, name: str, board: FlightBoard) -> None:
+        """Use :meth:`open` (it also starts the board and announces this explorer)."""
         self.kv, self.name, self.board = kv, name, board
         self.key = EXPLORER_FLIGHT.of(name=name).name
         self.claimed = 0
@@ -277,6 +278,18 @@ class OwnFlight:
         self.writes = 0
         self._lock = anyio.Lock()
         self._dirty = anyio.Event()
+
+    @classmethod
+    async def open(cls, kv: KeyValueStore, name: str, **board_kw: Any) -> tuple[OwnFlight, float]:
+        """Explorer ``name``'s totals, with a started :class:`FlightBoard` of the others'
+        records (``board_kw``: its keyword arguments) that answers a joining explorer with
+        this one's record; the record written (:meth:`announce`). Returns it and when it
+        was written, for :meth:`FlightBoard.wait_for_peers`. Blocks; raises ``BusError``."""
+        board = FlightBoard(kv, name, **board_kw)
+        own = cls(kv, name, board)
+        board.on_join = own.answer
+        await board.start()
+        return own, await own.announce()
 
     @property
     def in_flight(self) -> int:

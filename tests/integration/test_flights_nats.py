@@ -10,7 +10,7 @@ import pytest
 
 from rftstream.bus.client import Bus
 from rftstream.config.schema import NatsConfig
-from rftstream.control.flights import FlightBoard, OwnFlight, PeerWork
+from rftstream.control.flights import OwnFlight, PeerWork
 from rftstream.control.staleness import experience_backlog
 from rftstream.subjects import RunNames
 
@@ -19,12 +19,7 @@ pytestmark = pytest.mark.integration
 
 async def _explorer(bus: Bus, name: str) -> tuple[OwnFlight, float]:
     """An explorer's flights, announced; and when (what ``wait_for_peers`` takes)."""
-    kv = await bus.kv()
-    board = FlightBoard(kv, name)
-    own = OwnFlight(kv, name, board)
-    board.on_join = own.answer
-    await board.start()
-    return own, await own.announce()
+    return await OwnFlight.open(await bus.kv(), name)
 
 
 async def _two_explorers(url: str) -> None:

@@ -40,11 +40,7 @@ async def bucket() -> KeyValueStore:
 
 
 async def explorer(kv: KeyValueStore, name: str, **board_kw: object) -> OwnFlight:
-    board = FlightBoard(kv, name, **board_kw)  # type: ignore[arg-type]
-    own = OwnFlight(kv, name, board)
-    board.on_join = own.answer
-    await board.start()
-    await own.announce()
+    own, _ = await OwnFlight.open(kv, name, **board_kw)
     return own
 
 
