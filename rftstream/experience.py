@@ -426,12 +426,39 @@ def to_record(exp: Experience) -> ExperienceRecord:
     d = exp.__dict__
     wire = d.get("_wire")
     if wire is None:  # made in this process: every array is an attribute
-        tokens = _to_bytes(d["tokens"], _LE_I32)
-        logprobs = None if (t := d["logprobs"]) is None else _to_bytes(t, _LE_F32)
+        # the common case inline (CPU tensors of the wire dtypes: one view and one copy
+        # each); anything else goes through the general conversion
+        tk, lp, adv, am = d["tokens"], d["logprobs"], d["advantages"], d["action_mask"]
+        try:
+            if not _LITTLE:
+                raise TypeError("big-endian host: the general conversion swaps bytes")
+            tokens = (
+                tk.numpy().tobytes()
+                if type(tk) is _Tensor and tk.dtype is _I32
+                else _to_bytes(tk, _LE_I32)
+            )
+            logprobs = (
+                lp.numpy().tobytes()
+                if type(lp) is _Tensor and lp.dtype is _F32
+                else _to_bytes(lp, _LE_F32)
+            )
+            advantages = (
+                adv.numpy().tobytes()
+                if type(adv) is _Tensor and adv.dtype is _F32
+                else _to_bytes(adv, _LE_F32)
+            )
+            mask = (  # torch.bool is one byte, 0 or 1
+                am.numpy().tobytes()
+                if type(am) is _Tensor and am.dtype is _BOOL
+                else _mask_bytes(am)
+            )
+        except (RuntimeError, TypeError):  # requires grad, not on the CPU, a negative view, ...
+            tokens = _to_bytes(tk, _LE_I32)
+            logprobs = _to_bytes(lp, _LE_F32)
+            advantages = _to_bytes(adv, _LE_F32)
+            mask = _mask_bytes(am)
         tlr = None if (t := d["token_level_reward"]) is None else _to_bytes(t, _LE_F32)
-        advantages = None if (t := d["advantages"]) is None else _to_bytes(t, _LE_F32)
         returns = None if (t := d["returns"]) is None else _to_bytes(t, _LE_F32)
-        mask = _mask_bytes(d["action_mask"])
         chosen = None if (t := d["chosen"]) is None else _to_bytes(t, _LE_I32)
         rejected = None if (t := d["rejected"]) is None else _to_bytes(t, _LE_I32)
     else:
@@ -688,7 +715,8 @@ def summary_headers(
         v = e.model_version
         if version is None or v < version:
             version = v
-        tokens += _token_count(e)
+        t = e.__dict__.get("tokens")  # absent: a decoded experience's tokens still on the wire
+        tokens += t.numel() if t is not None else _token_count(e)
     headers = {
         H_SCHEMA: SCHEMA_NAME,
         H_TASK: group_id if group_id is not None else (exps[0].group_id if exps else ""),
@@ -712,6 +740,7 @@ class EncodedMessage:
     headers: dict[str, str]
     msg_id: str
     count: int
+    size: int = -1  # payload + headers as the server counts them (-1: not computed)
 
 
 def pack_group(
@@ -740,10 +769,11 @@ def pack_group(
                 chunk, actor=actor, msg_id=mid, group_id=gid, part=i, parts=len(chunks)
             )
             data = encode_group(chunk, group_id=gid, producer=actor, part=i, parts=len(chunks))
-            if len(data) + headers_size(headers) > max_payload:
+            size = len(data) + headers_size(headers)
+            if size > max_payload:
                 too_big = True
                 break
-            out.append(EncodedMessage(data=data, headers=headers, msg_id=mid, count=len(chunk)))
+            out.append(EncodedMessage(data, headers, mid, len(chunk), size))
         if not too_big:
             return out
         if all(len(c) <= 1 for c in chunks):

@@ -92,6 +92,8 @@ log = logging.getLogger(__name__)
 # a dead letter keeps at most this prefix of the body it copies (its headers say the
 # original size and hash): a stream of poison messages must not fill the DLQ stream
 DEAD_LETTER_BODY_LIMIT = 64 * 1024
+PUBLISH_TIMEOUT_S = 10.0  # one publish attempt waits this long for its ack
+PUBLISH_RETRIES = 5  # attempts after the first before the retry window decides
 
 SCHEMA_META = "rft.experience.v1"
 
@@ -468,8 +470,8 @@ class Bus:
         *,
         headers: dict[str, str] | None = None,
         msg_id: str | None = None,
-        timeout: float = 10.0,
-        retries: int = 5,
+        timeout: float = PUBLISH_TIMEOUT_S,
+        retries: int = PUBLISH_RETRIES,
     ) -> PubAck:
         """Publish to the stream of ``subject`` and wait for the ack.
 
@@ -489,6 +491,19 @@ class Bus:
         if msg_id is not None:
             hdrs[H_MSG_ID] = msg_id
         size = len(data) + (headers_size(hdrs) if hdrs else 0)
+        return await self._publish_sized(subject, data, hdrs or None, size, timeout, retries)
+
+    async def _publish_sized(
+        self,
+        subject: str,
+        data: bytes,
+        hdrs: dict[str, str] | None,
+        size: int,
+        timeout: float,
+        retries: int,
+    ) -> PubAck:
+        """:meth:`publish` of headers that carry their ``Nats-Msg-Id`` already, ``size``
+        bytes with them (never modified here)."""
         if size > self.max_payload:
             raise PayloadTooLargeError(
                 f"{self.actor}: message to {subject} is {size} bytes with headers; max_payload is {self.max_payload}"
@@ -501,7 +516,7 @@ class Bus:
         while True:
             attempt += 1
             try:
-                return await self.transport.publish(subject, data, hdrs or None, timeout)
+                return await self.transport.publish(subject, data, hdrs, timeout)
             except BusTimeout as exc:
                 if attempt >= retries and time.monotonic() >= give_up:
                     raise BusError(
@@ -525,7 +540,13 @@ class Bus:
             delay = min(delay * 2, 5.0)
 
     async def publish_encoded(self, subject: str, msg: EncodedMessage) -> PubAck:
-        return await self.publish(subject, msg.data, headers=msg.headers, msg_id=msg.msg_id)
+        """:meth:`publish` of a message :func:`~rftstream.experience.pack_group` made (its
+        headers and size taken as they are: they carry its ``Nats-Msg-Id``)."""
+        if msg.size < 0 or msg.headers.get(H_MSG_ID) != msg.msg_id:
+            return await self.publish(subject, msg.data, headers=msg.headers, msg_id=msg.msg_id)
+        return await self._publish_sized(
+            subject, msg.data, msg.headers, msg.size, PUBLISH_TIMEOUT_S, PUBLISH_RETRIES
+        )
 
     async def publish_group(
         self, stage: str, exps: Sequence[Experience], *, msg_id: str, group_id: str | None = None
@@ -548,7 +569,10 @@ class Bus:
             max_payload=self.max_payload,
             group_id=group_id,
         ):
-            ack = await self.publish_encoded(subject, part)
+            # pack_group's headers carry the Nats-Msg-Id and its size counts them
+            ack = await self._publish_sized(
+                subject, part.data, part.headers, part.size, PUBLISH_TIMEOUT_S, PUBLISH_RETRIES
+            )
             stored += 0 if ack.duplicate else 1
         return stored
 

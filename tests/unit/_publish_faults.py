@@ -16,20 +16,21 @@ FAILS = 2  # attempts of each second part that fail
 def flaky_publish(bus: Bus, stage: str) -> list[str]:
     """Make ``bus`` fail the first ``FAILS`` publishes of every part ``#1`` to ``exp.<stage>``
     (as the bus does after its own retries); returns the ids it failed, one per failure."""
-    real = bus.publish
+    real = bus._publish_sized  # where every publish goes (publish_group's parts too)
     subject = bus.names.exp_subject(stage)
     attempts: Counter[str] = Counter()
     failed: list[str] = []
 
-    async def publish(subj: str, data: bytes, *, msg_id: str | None = None, **kw: Any) -> Any:
+    async def publish(subj: str, data: bytes, hdrs: dict[str, str] | None, *a: Any) -> Any:
+        msg_id = (hdrs or {}).get(H_MSG_ID)
         if subj == subject and msg_id is not None and msg_id.endswith("#1"):
             attempts[msg_id] += 1
             if attempts[msg_id] <= FAILS:
                 failed.append(msg_id)
                 raise BusError(f"{bus.actor}: publish to {subj} timed out 6 times (injected)")
-        return await real(subj, data, msg_id=msg_id, **kw)
+        return await real(subj, data, hdrs, *a)
 
-    bus.publish = publish  # type: ignore[method-assign]
+    bus._publish_sized = publish  # type: ignore[method-assign]
     return failed
 
 
