@@ -312,7 +312,7 @@ class Explorer:
         await listing.start()
         if self.gate.enforced and not self.explore_only:
             self._flights, self._peers_since = await OwnFlight.open(
-                await self.bus.kv(), self.name, on_room=self._peer_gave_room
+                await self.bus.kv(), self.name, self._oldest_version, on_room=self._peer_gave_room
             )
         try:
             async with rollout_model(self.cfg, self.model_path, engine=engine) as (model, aux, _):
@@ -510,19 +510,30 @@ class Explorer:
         self._flight_changed.set()
         self._flight_changed = anyio.Event()
 
+    def _oldest_version(self) -> int:
+        """The oldest weights version of this explorer's tasks started and not done (-1:
+        none): for its flight record, on which other explorers order their publishes."""
+        return min(self._flight_versions, default=-1)
+
     async def _after_older_tasks(self, version: int) -> None:
-        """Wait until no task started with weights older than ``version`` is in flight.
+        """Wait until no task started with weights older than ``version`` is in flight,
+        here or at another explorer (its flight record's ``oldest``).
 
         Experience reaches the trainer in the order of the weights it was sampled
         with, so ``max_staleness``, counted by position in the trainer's queue
         (:meth:`_respect_staleness`), holds for every task: without this a slow task
-        started before a sync could be published behind tasks started after it and be
-        trained a version past the bound. Tasks of one version are not ordered. Never
-        waits on a newer task (no cycle); a task that fails counts as done. Blocks;
-        cancelling loses nothing (the task is not acked yet).
+        started before a sync (or another explorer's step) could be published behind
+        tasks started after it and be trained a version past the bound. Tasks of one
+        version are not ordered. Never waits on a newer task (no cycle, across
+        explorers too); a task that fails counts as done. Blocks; cancelling loses
+        nothing (the task is not acked yet).
         """
-        while any(v < version for v in self._flight_versions):
-            await self._flight_changed.wait()
+        while True:
+            while any(v < version for v in self._flight_versions):
+                await self._flight_changed.wait()
+            if self._flights is None or not await self._flights.board.older_in_flight(version):
+                return
+            await self._flights.board.wait_for_older(version)
 
     async def _room_for(self, limit: int) -> None:
         """Wait until at most ``limit`` tasks are in flight."""

@@ -26,6 +26,13 @@ it keeps its reservation and looks again at once, the other gives its reservatio
 and waits (:class:`PeerWork` ``yields``), so a window with room for one batch at a time
 is shared in turn. A reservation given back wakes the others' waiting gates (``on_room``).
 
+Groups reach the trainer in the order of the weights they were sampled with, across
+explorers as within one: a record carries the oldest weights version of its tasks in
+flight (``oldest``), and an explorer publishes a group sampled with newer weights only
+once no other explorer has older ones in flight (:meth:`FlightBoard.older_in_flight`).
+Without it a step of one explorer could land ahead of another's older tasks, push them
+back a batch, and have them trained a version past ``max_staleness``.
+
 A record not refreshed for :data:`FLIGHT_TTL_S` counts nothing (its explorer died; its
 tasks come back to the queue after ``nats.ack_wait``). A lone explorer writes its
 record twice (at its start and its end): its gate costs what it did before.
@@ -215,6 +222,28 @@ class FlightBoard:
                 await changed.wait()
         return self._silent(since)
 
+    async def older_in_flight(self, version: int) -> bool:
+        """Whether another live explorer has tasks in flight (or reserved) sampled with
+        weights older than ``version`` (its record's ``oldest``). No round trip, as
+        :meth:`snapshot`."""
+        return any(
+            record.in_flight > 0 and 0 <= record.oldest < version
+            for record in (await self.snapshot()).values()
+        )
+
+    async def wait_for_older(self, version: int, recheck_s: float = REFRESH_S) -> None:
+        """Wait until no other live explorer has tasks in flight sampled with weights
+        older than ``version`` (:meth:`older_in_flight`): each record write wakes it, and
+        it looks again every ``recheck_s`` s (a record that ages past the TTL counts
+        nothing). Never waits on an explorer with nothing older, so two explorers never
+        wait on each other. Blocks; cancelling it changes nothing."""
+        while True:
+            changed = self._changed  # taken before the look: a write during it wakes us
+            if not await self.older_in_flight(version):
+                return
+            with anyio.move_on_after(recheck_s):
+                await changed.wait()
+
     def _silent(self, since: float) -> list[str]:
         return sorted(
             name
@@ -265,9 +294,21 @@ class OwnFlight:
     then count on the last record they saw, which is never too low.
     """
 
-    def __init__(self, kv: KeyValueStore, name: str, board: FlightBoard) -> None:
-        """Use :meth:`open` (it also starts the board and announces this explorer)."""
+    def __init__(
+        self,
+        kv: KeyValueStore,
+        name: str,
+        board: FlightBoard,
+        oldest_version: Callable[[], int] = lambda: -1,
+    ) -> None:
+        """Use :meth:`open` (it also starts the board and announces this explorer).
+        ``oldest_version()``: the oldest weights version of the tasks started here and not
+        done (-1: none, or unknown). Tasks reserved or taken and not started count no
+        version: the gates that look after they were taken count them ahead of their
+        own, and a version read before the start could be far behind the weights the
+        step loads when it starts (other explorers would wait on it for nothing)."""
         self.kv, self.name, self.board = kv, name, board
+        self.oldest_version = oldest_version
         self.key = EXPLORER_FLIGHT.of(name=name).name
         self.claimed = 0
         self.done = 0
@@ -280,13 +321,20 @@ class OwnFlight:
         self._dirty = anyio.Event()
 
     @classmethod
-    async def open(cls, kv: KeyValueStore, name: str, **board_kw: Any) -> tuple[OwnFlight, float]:
+    async def open(
+        cls,
+        kv: KeyValueStore,
+        name: str,
+        oldest_version: Callable[[], int] = lambda: -1,
+        **board_kw: Any,
+    ) -> tuple[OwnFlight, float]:
         """Explorer ``name``'s totals, with a started :class:`FlightBoard` of the others'
         records (``board_kw``: its keyword arguments) that answers a joining explorer with
-        this one's record; the record written (:meth:`announce`). Returns it and when it
-        was written, for :meth:`FlightBoard.wait_for_peers`. Blocks; raises ``BusError``."""
+        this one's record; the record written (:meth:`announce`). ``oldest_version``: as
+        for the constructor. Returns it and when it was written, for
+        :meth:`FlightBoard.wait_for_peers`. Blocks; raises ``BusError``."""
         board = FlightBoard(kv, name, **board_kw)
-        own = cls(kv, name, board)
+        own = cls(kv, name, board, oldest_version)
         board.on_join = own.answer
         await board.start()
         return own, await own.announce()
@@ -302,6 +350,7 @@ class OwnFlight:
             done=self.done,
             reserved=self.reserved,
             started=self.started_total,
+            oldest=self.oldest_version() if self.in_flight > 0 else -1,
             since=self.since,
             ts=time.time(),
             closed=closed,
@@ -340,10 +389,11 @@ class OwnFlight:
         unclaimed = tasks - self.taken
         if unclaimed > 0:
             self.claimed += unclaimed
-            self._dirty.set()
         else:
             self._give_back(-unclaimed)
         self.taken = 0
+        if tasks > 0:  # the record's oldest version may be these tasks'
+            self._dirty.set()
 
     def release(self) -> None:
         """Give back the whole reservation (the gate found no room and waits)."""

@@ -246,3 +246,65 @@ async def test_a_pattern_of_keys_is_handed_on_with_the_key_written() -> None:
         ("explorers.in_flight.b.c", b"2"),
         ("explorers.in_flight.a", None),
     ]
+
+
+async def test_a_group_waits_for_another_explorers_older_tasks_and_not_for_newer_ones() -> None:
+    kv = await bucket()
+    started: dict[str, list[int]] = {"explorer": [], "explorer-2": []}  # versions of tasks started
+    a, _ = await OwnFlight.open(kv, "explorer", lambda: min(started["explorer"], default=-1))
+    b, _ = await OwnFlight.open(kv, "explorer-2", lambda: min(started["explorer-2"], default=-1))
+    await a.reserve(8)  # stored at once (shared), with no version: nothing started yet
+    assert (await b.board.snapshot())["explorer"].oldest == -1
+    assert not await b.board.older_in_flight(9)  # a reservation holds no publish back
+    a.keep(8)
+    started["explorer"] = [5] * 8  # a's step samples with version 5
+    a.started(8)
+    started["explorer-2"] = [7] * 8
+    await b.reserve(8)
+    b.keep(8)
+    b.started(8)
+
+    waited: list[str] = []
+
+    async def publish_b_group() -> None:
+        await b.board.wait_for_older(7, recheck_s=60)  # woken by a's write, not by the clock
+        waited.append("published")
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(a.run)
+        tg.start_soon(b.run)
+        with anyio.fail_after(5):
+            while (await b.board.snapshot())["explorer"].oldest != 5:
+                await anyio.sleep(0.01)
+        tg.start_soon(publish_b_group)
+        assert await b.board.older_in_flight(6)
+        assert not await b.board.older_in_flight(5)  # the same version is not ordered
+        with anyio.fail_after(5):
+            while (await a.board.snapshot())["explorer-2"].oldest != 7:
+                await anyio.sleep(0.01)
+        assert not await a.board.older_in_flight(5)  # b's tasks are newer: a never waits
+        await anyio.sleep(0.05)
+        assert waited == []  # a's version-5 tasks are in flight
+        started["explorer"] = [5]
+        a.finished(7)
+        await anyio.sleep(0.05)
+        assert waited == []  # one of them still is
+        started["explorer"] = []
+        a.finished(1)  # nothing in flight at a: its record says oldest -1
+        with anyio.fail_after(5):
+            while not waited:
+                await anyio.sleep(0.01)
+        tg.cancel_scope.cancel()
+    assert (await b.board.snapshot())["explorer"].oldest == -1
+
+
+async def test_an_older_record_that_ages_past_the_ttl_holds_nothing_back() -> None:
+    kv = await bucket()
+    clock = Clock()
+    a, _ = await OwnFlight.open(kv, "explorer", lambda: 3)
+    b = await explorer(kv, "explorer-2", clock=clock, ttl_s=30.0)
+    await a.reserve(8)  # in flight (reserved), with a task of version 3 started
+    assert await b.board.older_in_flight(4)
+    clock.t += 31  # a died with tasks in flight: they come back after ack_wait
+    with anyio.fail_after(5):
+        await b.board.wait_for_older(4, recheck_s=0.01)
