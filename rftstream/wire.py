@@ -523,7 +523,7 @@ class ExplorerFlight(msgspec.Struct, kw_only=True):
     done: int = 0
     reserved: int = 0
     started: int = 0  # tasks started so far: of two contending gates, fewer goes first
-    # the oldest weights version of its tasks in flight or reserved (-1: none): another
+    # the oldest weights version of its tasks started and not done (-1: none): another
     # explorer publishes a group sampled with newer weights only after these are done
     oldest: int = -1
     since: float = 0.0

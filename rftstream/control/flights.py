@@ -27,8 +27,8 @@ and waits (:class:`PeerWork` ``yields``), so a window with room for one batch at
 is shared in turn. A reservation given back wakes the others' waiting gates (``on_room``).
 
 Groups reach the trainer in the order of the weights they were sampled with, across
-explorers as within one: a record carries the oldest weights version of its tasks in
-flight (``oldest``), and an explorer publishes a group sampled with newer weights only
+explorers as within one: a record carries the oldest weights version of its tasks
+started and not done (``oldest``), and an explorer publishes a group sampled with newer weights only
 once no other explorer has older ones in flight (:meth:`FlightBoard.older_in_flight`).
 Without it a step of one explorer could land ahead of another's older tasks, push them
 back a batch, and have them trained a version past ``max_staleness``.
@@ -223,9 +223,9 @@ class FlightBoard:
         return self._silent(since)
 
     async def older_in_flight(self, version: int) -> bool:
-        """Whether another live explorer has tasks in flight (or reserved) sampled with
-        weights older than ``version`` (its record's ``oldest``). No round trip, as
-        :meth:`snapshot`."""
+        """Whether another live explorer has tasks started and not done that were sampled
+        with weights older than ``version`` (its record's ``oldest``; a reservation counts
+        no version). No round trip, as :meth:`snapshot`."""
         return any(
             record.in_flight > 0 and 0 <= record.oldest < version
             for record in (await self.snapshot()).values()
