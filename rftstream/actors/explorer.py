@@ -528,11 +528,10 @@ class Explorer:
         explorers too); a task that fails counts as done. Blocks; cancelling loses
         nothing (the task is not acked yet).
         """
-        while True:
-            while any(v < version for v in self._flight_versions):
-                await self._flight_changed.wait()
-            if self._flights is None or not await self._flights.board.older_in_flight(version):
-                return
+        while any(v < version for v in self._flight_versions):
+            await self._flight_changed.wait()
+        # no older task can start here meanwhile: the engine's version only grows
+        if self._flights is not None:
             await self._flights.board.wait_for_older(version)
 
     async def _room_for(self, limit: int) -> None:

@@ -569,10 +569,7 @@ class Bus:
             max_payload=self.max_payload,
             group_id=group_id,
         ):
-            # pack_group's headers carry the Nats-Msg-Id and its size counts them
-            ack = await self._publish_sized(
-                subject, part.data, part.headers, part.size, PUBLISH_TIMEOUT_S, PUBLISH_RETRIES
-            )
+            ack = await self.publish_encoded(subject, part)
             stored += 0 if ack.duplicate else 1
         return stored
 
