@@ -126,7 +126,7 @@ from rftstream.experience import (
     decode_group,
     pack_group,
 )
-from rftstream.nats_server.embedded import find_nats_server
+from rftstream.nats_server.embedded import SMALL_RUNS_FILE_STORE, find_nats_server
 from rftstream.subjects import RAW_STAGE, TRAIN_STAGE, RunNames
 
 console = Console(width=230, highlight=False)
@@ -1070,7 +1070,10 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     try:
         workers = Workers()
-        with tempfile.TemporaryDirectory() as d, EmbeddedNatsServer(d) as server:
+        with (
+            tempfile.TemporaryDirectory() as d,
+            EmbeddedNatsServer(d, max_file_store=SMALL_RUNS_FILE_STORE) as server,
+        ):
             bench = Bench(server, s, workers)
             try:
                 res = bench.run_all()

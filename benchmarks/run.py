@@ -27,6 +27,7 @@ from rich.table import Table
 from rftstream.bus import Bus, EmbeddedNatsServer
 from rftstream.config.schema import NatsConfig
 from rftstream.experience import EID, Experience, decode_group, encode_group
+from rftstream.nats_server.embedded import SMALL_RUNS_FILE_STORE
 from rftstream.subjects import RunNames
 
 console = Console()
@@ -141,7 +142,10 @@ async def _bus_round(url: str, run: str, per_message: int, groups: int) -> float
 
 
 def bench_bus(groups: int) -> list[tuple[str, str, str]]:
-    with tempfile.TemporaryDirectory() as d, EmbeddedNatsServer(d) as server:
+    with (
+        tempfile.TemporaryDirectory() as d,
+        EmbeddedNatsServer(d, max_file_store=SMALL_RUNS_FILE_STORE) as server,
+    ):
         grouped = anyio.run(_bus_round, server.url, "bench_group", 8, groups, backend="asyncio")
         single = anyio.run(_bus_round, server.url, "bench_single", 1, groups, backend="asyncio")
     return [

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from rftstream.nats_server.embedded import EmbeddedNatsServer
+from rftstream.nats_server.embedded import SMALL_RUNS_FILE_STORE, EmbeddedNatsServer
 from rftstream.plugins.registry import Registry
 
 
@@ -43,7 +43,7 @@ def nats_server(tmp_path: Path) -> Iterator[EmbeddedNatsServer]:
     default) and the server's own default, 75% of the free disk, would make a test with
     several runs pass or fail with the disk's fill. What is written is small.
     test_bounded_streams checks the refusal on a store that is really too small."""
-    server = EmbeddedNatsServer(tmp_path / "nats", max_file_store=1024**4)
+    server = EmbeddedNatsServer(tmp_path / "nats", max_file_store=SMALL_RUNS_FILE_STORE)
     server.start()
     try:
         yield server

@@ -67,6 +67,13 @@ def _go_procs() -> str:
     return str(max(1, (cpus or 1) // 4))
 
 
+#: A ``max_file_store`` for servers whose runs write little (tests, benchmarks): JetStream
+#: reserves each file stream's ``max_bytes`` against it (3.5 GiB a run by default), so the
+#: server's own default, 75% of the free disk, refuses a second run, or a first one, with
+#: the disk's fill. The reservation is bookkeeping: what is written stays small.
+SMALL_RUNS_FILE_STORE = 1024**4
+
+
 class EmbeddedNatsServer:
     """A nats-server child process with JetStream, storing under ``store_dir``.
 

@@ -14,7 +14,7 @@ from nats.js import api
 from rftstream.bus.client import Bus
 from rftstream.config.schema import NatsConfig
 from rftstream.errors import BusError, StreamFullError
-from rftstream.nats_server.embedded import EmbeddedNatsServer
+from rftstream.nats_server.embedded import SMALL_RUNS_FILE_STORE, EmbeddedNatsServer
 from rftstream.retention.limits import ExperienceRoom
 from rftstream.subjects import RunNames
 
@@ -147,7 +147,7 @@ async def test_discard_old_loss_under_a_consumer_is_reported(
 async def test_long_run_stays_under_its_bound_and_trains_everything(tmp_path: Path) -> None:
     """Explorers publish ~24x the stream's byte bound through an operator stage to a
     trainer; the stream (and the server's store on disk) stays bounded, nothing is lost."""
-    server = EmbeddedNatsServer(tmp_path / "nats")
+    server = EmbeddedNatsServer(tmp_path / "nats", max_file_store=SMALL_RUNS_FILE_STORE)
     url = server.start()
     bound = 64 * 1024
     cfg = _nats(experience={"max_bytes": bound, "keep_acked_msgs": 5})

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from rftstream.nats_server.embedded import EmbeddedNatsServer, _go_procs
+from rftstream.nats_server.embedded import SMALL_RUNS_FILE_STORE, EmbeddedNatsServer, _go_procs
 
 
 def _server_env(server: EmbeddedNatsServer) -> dict[str, str]:
@@ -24,14 +24,14 @@ def test_gomaxprocs_is_a_quarter_of_the_cores_unless_set(
     cpus = len(os.sched_getaffinity(0))
     assert _go_procs() == str(max(1, cpus // 4))
     monkeypatch.delenv("GOMAXPROCS", raising=False)
-    server = EmbeddedNatsServer(tmp_path / "a")
+    server = EmbeddedNatsServer(tmp_path / "a", max_file_store=SMALL_RUNS_FILE_STORE)
     server.start()
     try:
         assert _server_env(server)["GOMAXPROCS"] == _go_procs()
     finally:
         server.stop()
     monkeypatch.setenv("GOMAXPROCS", "3")
-    server = EmbeddedNatsServer(tmp_path / "b")
+    server = EmbeddedNatsServer(tmp_path / "b", max_file_store=SMALL_RUNS_FILE_STORE)
     server.start()
     try:
         assert _server_env(server)["GOMAXPROCS"] == "3"

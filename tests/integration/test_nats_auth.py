@@ -25,7 +25,7 @@ from rftstream.bus.client import Bus
 from rftstream.config.schema import NatsConfig, NatsTlsConfig
 from rftstream.errors import BusError
 from rftstream.experience import decode_group
-from rftstream.nats_server.embedded import EmbeddedNatsServer
+from rftstream.nats_server.embedded import SMALL_RUNS_FILE_STORE, EmbeddedNatsServer
 from rftstream.subjects import RunNames
 from tests.integration._nats_auth import (
     ConfiguredNats,
@@ -227,7 +227,7 @@ def test_accounts_isolate_runs_sharing_a_server(server: Any, tmp_path: Path) -> 
 
 
 def test_embedded_server_listens_on_loopback_only(tmp_path: Path) -> None:
-    with EmbeddedNatsServer(tmp_path / "nats") as srv:
+    with EmbeddedNatsServer(tmp_path / "nats", max_file_store=SMALL_RUNS_FILE_STORE) as srv:
         conf = (tmp_path / "nats" / "nats-server.conf").read_text()
         assert f"listen: 127.0.0.1:{srv.port}\n" in conf
         assert srv.url.startswith("nats://127.0.0.1:")

@@ -16,7 +16,7 @@ from rftstream.bus.client import Bus
 from rftstream.config.schema import NatsConfig
 from rftstream.errors import BusError
 from rftstream.experience import decode_group
-from rftstream.nats_server.embedded import EmbeddedNatsServer
+from rftstream.nats_server.embedded import SMALL_RUNS_FILE_STORE, EmbeddedNatsServer
 from rftstream.subjects import RunNames
 from tests.integration._util import _group
 
@@ -35,7 +35,7 @@ def _kill(server: EmbeddedNatsServer, sig: signal.Signals) -> None:
 
 @pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM], ids=["sigkill", "sigterm"])
 def test_survives_a_restart_within_the_window(tmp_path: Path, sig: signal.Signals) -> None:
-    server = EmbeddedNatsServer(tmp_path / "nats")
+    server = EmbeddedNatsServer(tmp_path / "nats", max_file_store=SMALL_RUNS_FILE_STORE)
     server.start()
     cfg = msgspec.structs.replace(NatsConfig(), reconnect_window=30.0, ack_wait=5.0)
 
@@ -68,7 +68,7 @@ def test_survives_a_restart_within_the_window(tmp_path: Path, sig: signal.Signal
 
 
 def test_gives_up_after_the_window(tmp_path: Path) -> None:
-    server = EmbeddedNatsServer(tmp_path / "nats")
+    server = EmbeddedNatsServer(tmp_path / "nats", max_file_store=SMALL_RUNS_FILE_STORE)
     server.start()
     cfg = msgspec.structs.replace(NatsConfig(), reconnect_window=2.0)
 

@@ -20,7 +20,7 @@ import anyio
 import pytest
 
 from rftstream.experience import H_ACTOR
-from rftstream.nats_server.embedded import EmbeddedNatsServer
+from rftstream.nats_server.embedded import SMALL_RUNS_FILE_STORE, EmbeddedNatsServer
 from tests.integration._util import read_stream, run_up
 
 pytestmark = pytest.mark.smoke
@@ -76,7 +76,7 @@ def test_up_runs_engine_num_explorers(tmp_path: Path, tiny_model_path: str) -> N
         assert "(exit 0)" in log, log[-2000:]
 
     # both published experience: the raw stage's messages name their explorer
-    server = EmbeddedNatsServer(run_dir / "nats")
+    server = EmbeddedNatsServer(run_dir / "nats", max_file_store=SMALL_RUNS_FILE_STORE)
     url = server.start()
     try:
         msgs = anyio.run(read_stream, url, "rft.default.exp.raw")
