@@ -8,6 +8,8 @@ venv := ".venv"
 py := venv + "/bin/python"
 # CPU wheel by default (CI and laptops); GPU users: RFTSTREAM_TORCH='torch' just setup
 torch_spec := env_var_or_default("RFTSTREAM_TORCH", "torch==2.13.0")
+# pytest workers of `just test`
+test_workers := env_var_or_default("RFTSTREAM_TEST_WORKERS", "2")
 
 # (the runtime and the CPU torch wheel, no extras)
 # create .venv and install what `rftstream up` needs
@@ -33,9 +35,11 @@ browser:
 up *ARGS: setup-run
     {{venv}}/bin/rftstream up {{ARGS}}
 
-# the whole test suite (units, integration against a real nats-server, smoke)
+# the whole test suite (units, integration against a real nats-server, smoke), its files
+# spread over RFTSTREAM_TEST_WORKERS pytest workers (default 2; most cases wait on
+# subprocesses and the server, and one worker left two cores 65-80% idle)
 test *ARGS: setup browser
-    {{venv}}/bin/pytest -q {{ARGS}}
+    {{venv}}/bin/pytest -q -n {{test_workers}} --dist loadfile {{ARGS}}
 
 # ruff lint and format check
 lint: setup
