@@ -419,6 +419,11 @@ def reconcile(
     )
     stages: list[StageAccount] = []
     depth = _stage_depths(readers)
+    # where each stage was first read: a splice's new stage from the splice's sequence on
+    first_read: dict[str, int] = {}
+    for (stage, _), segments in readers.items():
+        for s in segments:
+            first_read[stage] = min(first_read.get(stage, s.lo), s.lo)
     for (from_stage, reader), segments in sorted(
         readers.items(), key=lambda kv: _chain_order(kv[0], kv[1], depth)
     ):
@@ -433,7 +438,9 @@ def reconcile(
         acc = StageAccount(from_stage, reader, ", ".join(d.name for d in live) or "-", trainer)
         acc.segments = [(s.lo, s.hi) for s in segments]
         rec = purged.get(from_stage, PurgedPrefix())
-        p_msgs, p_exps, p_malformed, split_known = _purged_part(rec, segments)
+        p_msgs, p_exps, p_malformed, split_known = _purged_part(
+            rec, segments, first_read.get(from_stage, 0)
+        )
         if not split_known:
             notes.append(
                 f"exp.{from_stage} was purged past a splice's cut before the cut was recorded "
@@ -576,10 +583,13 @@ def _below(purged: dict[str, PurgedPrefix], stage: str) -> int:
     return rec.below_seq if rec is not None else 0
 
 
-def _purged_part(rec: PurgedPrefix, segments: list[Segment]) -> tuple[int, int, int, bool]:
+def _purged_part(
+    rec: PurgedPrefix, segments: list[Segment], first_read: int = 0
+) -> tuple[int, int, int, bool]:
     """``(messages, experiences, malformed)`` of ``rec``'s purged prefix inside ``segments``,
     and whether the record knew every cut needed (if not, the part before an unknown cut
-    counts at the first segment)."""
+    counts at the first segment). ``first_read``: the sequence the stage's first reader
+    began at (a stage a splice made: the splice's); everything below it counts there."""
     whole = (rec.messages, rec.experiences, rec.malformed)
     total = [0, 0, 0]
     known = True
@@ -587,7 +597,7 @@ def _purged_part(rec: PurgedPrefix, segments: list[Segment]) -> tuple[int, int, 
         if s.lo >= rec.below_seq:
             continue
         high = rec.below(rec.below_seq if s.hi is None else min(s.hi, rec.below_seq))
-        low = rec.below(s.lo)
+        low = (0, 0, 0) if s.lo <= first_read else rec.below(s.lo)
         known = known and high is not None and low is not None
         for i, (h, lo) in enumerate(zip(high or whole, low or whole, strict=True)):
             total[i] += h - lo

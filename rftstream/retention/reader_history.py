@@ -88,8 +88,9 @@ def reader_segments(
 
 
 def cut_seqs(edges: Sequence[TopologyEdge], stage: str) -> list[int]:
-    """The stream sequences at which ``exp.<stage>`` changed reader (sorted, distinct)."""
-    cuts = {e.seq for e in edges if e.from_stage == stage and e.op == "splice"}
+    """The stream sequences at which ``exp.<stage>`` changed reader (sorted, distinct),
+    the splice that gave a new stage its first reader included."""
+    cuts = {e.seq for e in edges if e.op == "splice" and stage in (e.from_stage, e.to_stage)}
     cuts |= {e.seq for e in edges if e.to_stage == stage and e.op == "unsplice"}
     return sorted(cuts)
 

@@ -214,6 +214,35 @@ def test_a_purge_record_without_the_split_says_so() -> None:
     assert acc.explored == 12
 
 
+def test_a_purged_prefix_of_the_stage_a_splice_made_counts_at_its_reader() -> None:
+    """The run of test_a_run_that_ends_spliced_balances, with exp.filtered purged below seq
+    14 once the trainer acked seq 13 (seq 9's group). The trainer's reading of exp.filtered
+    begins at the splice's seq 9, so the purged group (2 experiences) lies in it: trained
+    4 (exp.train seq 7-8) + 2 purged + 2 (seq 14) = 8, filtered 4. The purge record keeps
+    the count below seq 9 (none): the splice gave exp.filtered its first reader there."""
+    assert cut_seqs([SPLICE, UNSPLICE], "filtered") == [9]
+    msgs = [*_streams(), StoredMessage(14, "filtered", _ids(5))]
+    durables = [
+        OP_HOST,
+        Durable("op_train_to_filtered", "train", "filtered", 12, 0, delivered=12, ack_pending=0),
+        _trainer("trainer_filtered", "filtered", 14),
+    ]
+    recorded = extend(PurgedPrefix(), [(13, 2), (14, 2)], 14, cut_seqs([SPLICE], "filtered"))
+    assert recorded.splits == {9: (0, 0, 0)}
+    # a record without that split (written before the splice counted as a cut) is read alike
+    older = PurgedPrefix(below_seq=14, messages=1, experiences=2)
+    for record in (recorded, older):
+        acc = reconcile(
+            "r", msgs, [], durables, trained=8, purged={"filtered": record}, topology=[SPLICE]
+        )
+        assert acc.balanced and acc.settled and not acc.problems, acc.problems
+        assert not acc.notes, acc.notes
+        rows = {(s.from_stage, s.to_stage): s for s in acc.stages}
+        f = rows[("filtered", "trained")]
+        assert (f.experiences_in, f.purged_experiences, f.out) == (4, 2, 4)
+        assert (acc.trained, acc.filtered) == (8, 4)
+
+
 def test_trained_messages_held_until_a_checkpoint_are_not_trained_twice() -> None:
     """A running account: the trainer trained exp.train seq 7-8 and 11-12 and exp.filtered
     seq 13 (10) but holds seq 11-12 unacked until its next resumable checkpoint (its floor
