@@ -133,6 +133,13 @@ def test_run_starts_up_refuses_a_second_start_and_stop_sends_sigint(tmp_path: Pa
         status, out = await _json(client, "POST", "/api/launch", {"values": values, "fresh": True})
         assert status == 200 and out["launch"]["command"].endswith("--fresh")
         assert "--fresh" not in out["launch"]["continue_command"]
+        # its trap is set (it echoes after setting it): the SIGINT at the studio's close
+        # must find it, not a shell still starting
+        deadline = time.monotonic() + 10
+        while "fake up:" not in out["launch"]["tail"] and time.monotonic() < deadline:
+            await anyio.sleep(0.05)
+            _, out = await _json(client, "GET", "/api/launch")
+        assert "fake up:" in out["launch"]["tail"], out["launch"]
 
     _with_client(launcher, body)
     # the app's cleanup stopped the second run (SIGINT) when the studio closed
