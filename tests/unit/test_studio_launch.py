@@ -65,11 +65,15 @@ async def _json(client: TestClient[Any, Any], method: str, url: str, body: Any =
     return resp.status, await resp.json()
 
 
-async def _until(client: TestClient[Any, Any], state: str, timeout: float = 10) -> Any:
+async def _until(
+    client: TestClient[Any, Any], done: str | Callable[[Any], bool], timeout: float = 10
+) -> Any:
+    """The launch once it is in state ``done`` (or ``done(launch)`` holds), or at ``timeout``."""
+    holds = (lambda launch: launch["state"] == done) if isinstance(done, str) else done
     deadline = time.monotonic() + timeout
     while True:
         _, out = await _json(client, "GET", "/api/launch")
-        if out["launch"]["state"] == state or time.monotonic() > deadline:
+        if holds(out["launch"]) or time.monotonic() > deadline:
             return out["launch"]
         await anyio.sleep(0.05)
 
@@ -135,11 +139,8 @@ def test_run_starts_up_refuses_a_second_start_and_stop_sends_sigint(tmp_path: Pa
         assert "--fresh" not in out["launch"]["continue_command"]
         # its trap is set (it echoes after setting it): the SIGINT at the studio's close
         # must find it, not a shell still starting
-        deadline = time.monotonic() + 10
-        while "fake up:" not in out["launch"]["tail"] and time.monotonic() < deadline:
-            await anyio.sleep(0.05)
-            _, out = await _json(client, "GET", "/api/launch")
-        assert "fake up:" in out["launch"]["tail"], out["launch"]
+        second = await _until(client, lambda launch: "fake up:" in launch["tail"])
+        assert "fake up:" in second["tail"], second
 
     _with_client(launcher, body)
     # the app's cleanup stopped the second run (SIGINT) when the studio closed
