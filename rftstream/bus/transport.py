@@ -423,6 +423,12 @@ class Transport(Protocol):
         """The newest message on ``subject``. Raises ``MessageNotFound`` (or ``StreamNotFound``)."""
         ...
 
+    async def first_seq_since(self, stream: str, since: datetime) -> int | None:
+        """The stream sequence of the first message ``stream`` stored at or after ``since``
+        (the server's timestamps); None when every stored message is older. Raises
+        ``StreamNotFound``."""
+        ...
+
     async def get_msg(self, stream: str, seq: int, *, direct: bool = False) -> StoredMsg:
         """The message at ``seq``. Raises ``MessageNotFound`` (or ``StreamNotFound``).
 

@@ -566,13 +566,17 @@ class ExperienceStreamConfig(StreamLimitsConfig):
 
     ``purge_acked`` true: explorers purge messages that every durable consumer of
     the stream has acked (trained or filtered), keeping the newest
-    ``keep_acked_msgs`` of them for ``rftstream tail`` / ``nats stream view``;
+    ``keep_acked_msgs`` of them for ``rftstream tail`` / ``nats stream view``, and,
+    while the stream is below 40% of its limits, every message younger than
+    ``keep_acked_s`` seconds (so that a forward repeated after a killed server lost its
+    source's ack still finds its first copy, and the server deduplicates it);
     false: everything is kept (replay, inspection) until ``max_bytes``.
     """
 
     max_bytes: int = 2 * 1024**3
     purge_acked: bool = True
     keep_acked_msgs: int = 1000
+    keep_acked_s: float = 10.0
 
 
 class TasksStreamConfig(StreamLimitsConfig):

@@ -169,7 +169,7 @@ class Checker:
     def at_least(self, key: str, value: Any, low: int | float, *, optional: bool = False) -> None:
         if value is None and optional:
             return
-        if value is None or value < low:
+        if value is None or not value >= low:  # NaN too
             none = " or null" if optional else ""
             self.fail(key, f"must be >= {low}{none}", value)
 
@@ -290,6 +290,7 @@ def _check_stream_limits(c: Checker, cfg: Config) -> None:
         c.at_least(f"{key}.max_age", limits.max_age, 0)
     exp = cfg.nats.streams.experience
     c.at_least("nats.streams.experience.keep_acked_msgs", exp.keep_acked_msgs, 0)
+    c.at_least("nats.streams.experience.keep_acked_s", exp.keep_acked_s, 0)
     if 0 < exp.max_bytes < 2 * cfg.nats.max_payload:
         c.fail(
             "nats.streams.experience.max_bytes",

@@ -18,8 +18,13 @@ and cleanup"):
   :data:`HIGH_WATER` of a limit, so operators and the trainer, which free
   room by consuming, always have the rest to publish their outputs into.
 * ``purge_acked`` (experience): messages every durable consumer has acked are
-  purged, but for the newest ``keep_acked_msgs`` of them; a long run's
-  experience stream then holds only the backlog and that window.
+  purged, but for the newest ``keep_acked_msgs`` of them and (while the stream is
+  far from its limits) those younger than ``keep_acked_s``; a long run's
+  experience stream then holds only the backlog and that window. The young ones
+  stay for deduplication: a server killed before an operator's ack of its
+  source was stored redelivers the source, the operator forwards it again with the
+  same ``Nats-Msg-Id``, and the restarted server recognises the id only while the
+  first copy is stored (it rebuilds its duplicate window from the stored messages).
 * ``discard: old`` (dead letters and metrics by default): the oldest messages
   go. Those streams have no durable consumers, so what went is exactly the
   stream's first sequence less one (:func:`removed_by_limits`). ``discard: old`` or ``max_age`` on the
@@ -34,6 +39,7 @@ import logging
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
+from datetime import UTC, datetime, timedelta
 
 import anyio
 
@@ -103,6 +109,7 @@ def purge_points(
     keep: int,
     min_batch: int = 1,
     stored: Mapping[str, int] | None = None,
+    young_seq: int | None = None,
 ) -> dict[str, int]:
     """Per subject, the stream sequence below which its messages may be purged.
 
@@ -117,11 +124,14 @@ def purge_points(
     ``first_seq`` (purges are batched). With ``stored`` (messages per subject), so are
     subjects holding fewer than ``min_batch`` messages: ``first_seq`` is the slowest
     subject's, so a subject read ahead of it (``exp.raw``) would otherwise pass the
-    batch test at every call with only a few messages to purge.
+    batch test at every call with only a few messages to purge. ``young_seq``: the first
+    sequence stored too recently to purge (None: no such bound); nothing from it on goes.
     """
     if last_seq < first_seq:
         return {}
     cap = last_seq + 1 - max(0, keep)
+    if young_seq is not None:
+        cap = min(cap, young_seq)
     shared = min(
         (c.ack_floor for c in consumers if not _exact(c.filter) and c.outstanding > 0),
         default=last_seq,
@@ -224,7 +234,8 @@ async def purge_acked(
     ``trainer.acked_below`` record (with ``state``: one KV read more). While the stream is
     far from its limits, purges are batched: a
     subject is purged once ``keep_acked_msgs`` sequences can go and it holds at
-    least that many messages itself; near them, whatever can go. With ``state``
+    least that many messages itself, and messages younger than ``keep_acked_s`` stay
+    (one API round trip more when something could go); near them, whatever can go. With ``state``
     (the run's KV), each subject's purge is first recorded under
     ``purged.<stage>`` (``<stage>``: the subject less ``subject_prefix``;
     :mod:`rftstream.retention.purged`) so the run's account can count what it no
@@ -253,6 +264,18 @@ async def purge_acked(
     far = fill_ratio(result.bytes, result.messages, cfg) < HIGH_WATER / 2
     batch = max(1, cfg.keep_acked_msgs) if far else 1
     points = purge_points(first, last, floors, cfg.keep_acked_msgs, batch, st.subjects)
+    if points and far and cfg.keep_acked_s > 0:
+        # keep what is younger than keep_acked_s: a forward repeated because a killed server
+        # lost its source's ack (the last acks before the kill) then still finds its first
+        # copy stored, which the restarted server's deduplication rebuilds from
+        since = datetime.now(UTC) - timedelta(seconds=cfg.keep_acked_s)
+        try:
+            young = await transport.first_seq_since(stream, since)
+        except BusError as exc:
+            raise BusError(f"stream {stream}: reading its young messages failed: {exc}") from exc
+        points = purge_points(
+            first, last, floors, cfg.keep_acked_msgs, batch, st.subjects, young_seq=young
+        )
     if not points:
         return result
     try:

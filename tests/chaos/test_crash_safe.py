@@ -51,6 +51,10 @@ def _config(tmp: Path, tiny_model_path: str, name: str, **over: object) -> Path:
         "synchronizer__sync_method": "jetstream",
         "nats__ack_wait": 3.0,
         "nats__streams__experience__keep_acked_msgs": 8,
+        # what is younger stays for the server's deduplication after a kill (the lost acks
+        # are milliseconds old); the default 10 s would let the run train most of its steps
+        # before the first purge, leaving too few for the kill points after it
+        "nats__streams__experience__keep_acked_s": 2.0,
         "monitor": {"plot": False},
     }
     cfg = small_config(tmp, tiny_model_path, **{**settings, **over})

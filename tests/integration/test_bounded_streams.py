@@ -150,7 +150,8 @@ async def test_long_run_stays_under_its_bound_and_trains_everything(tmp_path: Pa
     server = EmbeddedNatsServer(tmp_path / "nats", max_file_store=SMALL_RUNS_FILE_STORE)
     url = server.start()
     bound = 64 * 1024
-    cfg = _nats(experience={"max_bytes": bound, "keep_acked_msgs": 5})
+    # purged as soon as acked (keep_acked_s 0): the young messages' dedup is another test's
+    cfg = _nats(experience={"max_bytes": bound, "keep_acked_msgs": 5, "keep_acked_s": 0})
     names = RunNames("longrun")
     n_groups, body = 400, 2000
     trained: list[str] = []

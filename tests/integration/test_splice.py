@@ -204,9 +204,13 @@ def test_rftstream_operator_splice_against_a_running_up(
     data["name"] = "splicecli"
     # long enough for the operator process to start mid-run
     data["buffer"]["total_epochs"] = 4
-    # acked experience is purged (keeping only the newest 8 of each stage): the account
-    # counts the purged part of exp.train from its record, split at the splice's cut
-    data["nats"]["streams"]["experience"] = {"purge_acked": True, "keep_acked_msgs": 8}
+    # acked experience is purged (keeping only the newest 8 of each stage, however young):
+    # the account counts the purged part of exp.train from its record, split at the cut
+    data["nats"]["streams"]["experience"] = {
+        "purge_acked": True,
+        "keep_acked_msgs": 8,
+        "keep_acked_s": 0,
+    }
     cfg_path = tmp_path / "run.yaml"
     cfg_path.write_text(yaml.safe_dump(data))
     run = prepare_run(config_from_dict(data))

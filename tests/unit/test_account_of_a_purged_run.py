@@ -39,7 +39,8 @@ def _group(i: int) -> tuple[bytes, dict[str, str]]:
 
 async def test_a_purged_run_balances_by_id_and_by_record() -> None:
     cfg = msgspec.convert(
-        {"streams": {"experience": {"purge_acked": True, "keep_acked_msgs": 3}}}, NatsConfig
+        {"streams": {"experience": {"purge_acked": True, "keep_acked_msgs": 3, "keep_acked_s": 0}}},
+        NatsConfig,
     )
     names = RunNames("purgedacc")
     async with Bus.in_memory(names, cfg, "t") as bus:

@@ -199,12 +199,52 @@ async def test_backlog_and_purge_of_acked_experience() -> None:
     backlog = await experience_backlog(explorer, NAMES.exp_stream)
     assert (backlog.total, backlog.held_by_trainer) == (2, 1)
     state = await explorer.state()
-    cfg = ExperienceStreamConfig(purge_acked=True, keep_acked_msgs=0)
+    cfg = ExperienceStreamConfig(purge_acked=True, keep_acked_msgs=0, keep_acked_s=0)
     prefix = NAMES.exp_wildcard[:-1]
     res = await purge_acked(transport, NAMES.exp_stream, cfg, state, prefix)
     assert (res.purged, res.messages, res.first_seq) == (2, 2, 3)
     record = (await read_purged(state))[TRAIN_STAGE]
     assert (record.below_seq, record.messages, record.experiences) == (3, 2, 4)
+
+
+async def test_acked_experience_younger_than_keep_acked_s_stays_while_the_stream_has_room() -> None:
+    """Far from its limits the stream keeps acked messages younger than ``keep_acked_s``
+    (a repeated forward must still find its first copy); near them, room comes first."""
+    transport = MemoryTransport()
+    explorer = await _bus("explorer", transport)
+    for task in range(4):
+        await explorer.publish_group(TRAIN_STAGE, _group(task), msg_id=f"g{task}")
+    sub = await explorer.pull(NAMES.exp_stream, NAMES.trainer_consumer)
+    for m in await sub.fetch(4, 0.01):
+        await m.ack()
+    prefix = NAMES.exp_wildcard[:-1]
+    young = ExperienceStreamConfig(purge_acked=True, keep_acked_msgs=0, keep_acked_s=60.0)
+    res = await purge_acked(transport, NAMES.exp_stream, young, await explorer.state(), prefix)
+    assert (res.purged, res.messages) == (0, 4)
+    # the same messages, the stream at half its bound: every acked one goes
+    size = (await transport.stream_state(NAMES.exp_stream)).bytes
+    near = ExperienceStreamConfig(
+        purge_acked=True, keep_acked_msgs=0, keep_acked_s=60.0, max_bytes=2 * size
+    )
+    res = await purge_acked(transport, NAMES.exp_stream, near, await explorer.state(), prefix)
+    assert (res.purged, res.messages) == (4, 0)
+
+
+async def test_a_purge_keeps_what_came_after_the_first_young_message() -> None:
+    transport = MemoryTransport()
+    explorer = await _bus("explorer", transport)
+    for task in range(2):
+        await explorer.publish_group(TRAIN_STAGE, _group(task), msg_id=f"old{task}")
+    await anyio.sleep(0.3)
+    for task in range(2, 4):
+        await explorer.publish_group(TRAIN_STAGE, _group(task), msg_id=f"new{task}")
+    sub = await explorer.pull(NAMES.exp_stream, NAMES.trainer_consumer)
+    for m in await sub.fetch(4, 0.01):
+        await m.ack()
+    cfg = ExperienceStreamConfig(purge_acked=True, keep_acked_msgs=0, keep_acked_s=0.2)
+    prefix = NAMES.exp_wildcard[:-1]
+    res = await purge_acked(transport, NAMES.exp_stream, cfg, await explorer.state(), prefix)
+    assert (res.purged, res.first_seq) == (2, 3)
 
 
 async def test_a_purge_goes_by_the_trainers_acked_below_record_where_it_is_higher() -> None:
@@ -220,7 +260,7 @@ async def test_a_purge_goes_by_the_trainers_acked_below_record_where_it_is_highe
     msgs = await sub.fetch(4, 0.01)
     await msgs[0].ack()  # the memory server's floor: 1 (the rest stay held for the test)
     state = await explorer.state()
-    cfg = ExperienceStreamConfig(purge_acked=True, keep_acked_msgs=0)
+    cfg = ExperienceStreamConfig(purge_acked=True, keep_acked_msgs=0, keep_acked_s=0)
     prefix = NAMES.exp_wildcard[:-1]
     res = await purge_acked(transport, NAMES.exp_stream, cfg, state, prefix)
     assert (res.purged, res.first_seq) == (1, 2)  # by the server's floor alone

@@ -47,7 +47,7 @@ async def test_keep_purges_acked_experience_in_the_background_while_publishes_go
     bus = await _bus()
     for task in range(4):
         await bus.publish_group(TRAIN_STAGE, _group(task), msg_id=f"g{task}")
-    room = _room(bus, purge_acked=True, keep_acked_msgs=0)
+    room = _room(bus, purge_acked=True, keep_acked_msgs=0, keep_acked_s=0)
     room.state = await bus.state()
     purging = anyio.Event()
     real_purge = bus.transport.purge

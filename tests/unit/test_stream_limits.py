@@ -136,6 +136,8 @@ def _cfg(**streams: dict):
         ({"metrics": {"max_msgs": -5}}, "nats.streams.metrics.max_msgs"),
         ({"dead_letter": {"max_age": -1}}, "nats.streams.dead_letter.max_age"),
         ({"experience": {"keep_acked_msgs": -1}}, "nats.streams.experience.keep_acked_msgs"),
+        ({"experience": {"keep_acked_s": -0.5}}, "nats.streams.experience.keep_acked_s"),
+        ({"experience": {"keep_acked_s": float("nan")}}, "nats.streams.experience.keep_acked_s"),
         ({"experience": {"max_bytes": 1000}}, "nats.streams.experience.max_bytes"),
         ({"weights": {"max_msgs": 0}}, "nats.streams.weights.max_msgs"),
     ],

@@ -37,6 +37,8 @@ T = TypeVar("T")
 DEFAULT_RETRY_WINDOW = 60.0
 _PAUSE = 0.25  # s between attempts; doubled up to _MAX_PAUSE
 _MAX_PAUSE = 2.0
+#: JetStream's "no message found" (a get by time past the stream's last message)
+_NO_MESSAGE = 10037
 #: how long a consumer listing with unreachable consumers is asked again (s)
 LISTING_SETTLE_S = 5.0
 
@@ -185,6 +187,23 @@ class ResilientJetStream(_RetriedApiRequests, JetStreamContext):
                 return found
             await anyio.sleep(pause)
             pause = min(pause * 2, _MAX_PAUSE)
+
+    async def first_seq_since(self, stream: str, start_time: str) -> int | None:
+        """The sequence of the first message of ``stream`` stored at or after ``start_time``
+        (RFC 3339, UTC), from one ``STREAM.MSG.GET`` request by start time (retried as
+        every API request); None when the server has no such message. The answer carries
+        that message's body too (base64): one message, whatever its size."""
+        try:
+            resp = await self._api_request(
+                f"{self._prefix}.STREAM.MSG.GET.{stream}",
+                json.dumps({"start_time": start_time}).encode(),
+                timeout=self._timeout,
+            )
+        except nats.js.errors.NotFoundError as exc:
+            if exc.err_code == _NO_MESSAGE:
+                return None
+            raise
+        return int(resp["message"]["seq"])
 
     async def get_msg(self, *args: Any, **kwargs: Any) -> api.RawStreamMsg:
         """``get_msg`` (direct gets included: they bypass ``_api_request``), retried."""

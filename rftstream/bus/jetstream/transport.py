@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Awaitable, Callable, Iterator
 from contextlib import contextmanager
-from datetime import datetime
+from datetime import UTC, datetime
 from typing import Any, TypeVar
 
 import anyio
@@ -591,6 +591,12 @@ class JetStreamTransport:
         with self._api(f"last message on {subject} of stream {stream}", MessageNotFound):
             raw = await self.js.get_last_msg(stream, subject)
         return StoredMsg(raw.subject or subject, int(raw.seq or 0), raw.data or b"", raw.headers)
+
+    async def first_seq_since(self, stream: str, since: datetime) -> int | None:
+        """One ``STREAM.MSG.GET`` by ``start_time`` (see :meth:`ResilientJetStream.first_seq_since`)."""
+        stamp = since.astimezone(UTC).isoformat().replace("+00:00", "Z")
+        with self._api(f"first message of stream {stream} since {stamp}", StreamNotFound):
+            return await self.js.first_seq_since(stream, stamp)
 
     async def get_msg(self, stream: str, seq: int, *, direct: bool = False) -> StoredMsg:
         with self._api(f"message {seq} of stream {stream}", MessageNotFound):

@@ -188,6 +188,12 @@ class MemoryTransport:
                 return StoredMsg(m.subject, seq, m.data, m.headers)
         raise MessageNotFound(f"stream {stream}: no message on {subject}")
 
+    async def first_seq_since(self, stream: str, since: datetime) -> int | None:
+        for seq, m in self._stream(stream).msgs.items():
+            if m.stamp >= since:
+                return seq
+        return None
+
     async def get_msg(self, stream: str, seq: int, *, direct: bool = False) -> StoredMsg:
         m = self._stream(stream).msgs.get(seq)
         if m is None:
