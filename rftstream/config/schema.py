@@ -568,8 +568,9 @@ class ExperienceStreamConfig(StreamLimitsConfig):
     the stream has acked (trained or filtered), keeping the newest
     ``keep_acked_msgs`` of them for ``rftstream tail`` / ``nats stream view``, and,
     while the stream is below 40% of its limits, every message younger than
-    ``keep_acked_s`` seconds (so that a forward repeated after a killed server lost its
-    source's ack still finds its first copy, and the server deduplicates it);
+    ``keep_acked_s`` seconds and everything stored after an operator's first unacked
+    message (so that a group published again after a killed server lost an ack still
+    finds its first copy, and the server deduplicates it);
     false: everything is kept (replay, inspection) until ``max_bytes``.
     """
 

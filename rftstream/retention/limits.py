@@ -18,13 +18,15 @@ and cleanup"):
   :data:`HIGH_WATER` of a limit, so operators and the trainer, which free
   room by consuming, always have the rest to publish their outputs into.
 * ``purge_acked`` (experience): messages every durable consumer has acked are
-  purged, but for the newest ``keep_acked_msgs`` of them and (while the stream is
-  far from its limits) those younger than ``keep_acked_s``; a long run's
-  experience stream then holds only the backlog and that window. The young ones
-  stay for deduplication: a server killed before an operator's ack of its
-  source was stored redelivers the source, the operator forwards it again with the
-  same ``Nats-Msg-Id``, and the restarted server recognises the id only while the
-  first copy is stored (it rebuilds its duplicate window from the stored messages).
+  purged, but for the newest ``keep_acked_msgs`` of them and, while the stream is
+  far from its limits, those stored after an operator's first unacked message
+  (:func:`first_forwardable`) or younger than ``keep_acked_s``; a long run's
+  experience stream then holds only the backlog and that window. Those stay for
+  deduplication: a server killed before an operator's ack of its source was
+  stored redelivers the source, the operator forwards it again with the same
+  ``Nats-Msg-Id``, and a restarted server recognises the id only while the first
+  copy is stored (it rebuilds its duplicate window from the stored messages); an
+  explorer whose task ack was lost publishes the task's group again the same way.
 * ``discard: old`` (dead letters and metrics by default): the oldest messages
   go. Those streams have no durable consumers, so what went is exactly the
   stream's first sequence less one (:func:`removed_by_limits`). ``discard: old`` or ``max_age`` on the
@@ -71,6 +73,21 @@ class ConsumerFloor:
     filter: str  # its filter subject ("" or a wildcard: it reads several subjects)
     ack_floor: int
     outstanding: int  # undelivered (num_pending) + delivered and unacked (num_ack_pending)
+    # whether what it reads may be published again to the stream (an operator's durable;
+    # the trainer's publishes nothing): see first_forwardable
+    forwards: bool = True
+
+
+def first_forwardable(consumers: Sequence[ConsumerFloor]) -> int | None:
+    """The first stream sequence an operator may still forward, or publish a copy after:
+    the lowest ``ack_floor + 1`` of the forwarding consumers with something outstanding
+    (None: none). Every forward of a message is stored after it (one stream, one sequence),
+    so a message from this sequence on may be the first copy of a forward that comes again
+    (its source's ack lost with a killed server) and must stay for the server's
+    deduplication, which a restarted server rebuilds from the messages it stores. Pure."""
+    return min(
+        (c.ack_floor + 1 for c in consumers if c.forwards and c.outstanding > 0), default=None
+    )
 
 
 def with_acked_below(
@@ -109,7 +126,7 @@ def purge_points(
     keep: int,
     min_batch: int = 1,
     stored: Mapping[str, int] | None = None,
-    young_seq: int | None = None,
+    hold_from: int | None = None,
 ) -> dict[str, int]:
     """Per subject, the stream sequence below which its messages may be purged.
 
@@ -124,14 +141,14 @@ def purge_points(
     ``first_seq`` (purges are batched). With ``stored`` (messages per subject), so are
     subjects holding fewer than ``min_batch`` messages: ``first_seq`` is the slowest
     subject's, so a subject read ahead of it (``exp.raw``) would otherwise pass the
-    batch test at every call with only a few messages to purge. ``young_seq``: the first
-    sequence stored too recently to purge (None: no such bound); nothing from it on goes.
+    batch test at every call with only a few messages to purge. ``hold_from``: the first
+    sequence that must stay for deduplication (None: no such bound); nothing from it on goes.
     """
     if last_seq < first_seq:
         return {}
     cap = last_seq + 1 - max(0, keep)
-    if young_seq is not None:
-        cap = min(cap, young_seq)
+    if hold_from is not None:
+        cap = min(cap, hold_from)
     shared = min(
         (c.ack_floor for c in consumers if not _exact(c.filter) and c.outstanding > 0),
         default=last_seq,
@@ -198,7 +215,13 @@ def experience_full(
 async def consumer_floors(transport: Transport, stream: str) -> list[ConsumerFloor]:
     """The durable consumers of ``stream`` and their acked floors (one API round trip)."""
     return [
-        ConsumerFloor(c.name, c.filter_subject, c.ack_floor, c.num_pending + c.num_ack_pending)
+        ConsumerFloor(
+            c.name,
+            c.filter_subject,
+            c.ack_floor,
+            c.num_pending + c.num_ack_pending,
+            forwards=c.metadata.get("rft.role") != "trainer",
+        )
         for c in await transport.consumers(stream)
         if c.durable  # an ordered watch (tail, the trainer's header watch) keeps nothing
     ]
@@ -234,8 +257,10 @@ async def purge_acked(
     ``trainer.acked_below`` record (with ``state``: one KV read more). While the stream is
     far from its limits, purges are batched: a
     subject is purged once ``keep_acked_msgs`` sequences can go and it holds at
-    least that many messages itself, and messages younger than ``keep_acked_s`` stay
-    (one API round trip more when something could go); near them, whatever can go. With ``state``
+    least that many messages itself, and what may be the first copy of a repeated
+    publish stays (after an operator's first unacked message, or younger than
+    ``keep_acked_s``: one API round trip more when something could go); near them,
+    whatever can go. With ``state``
     (the run's KV), each subject's purge is first recorded under
     ``purged.<stage>`` (``<stage>``: the subject less ``subject_prefix``;
     :mod:`rftstream.retention.purged`) so the run's account can count what it no
@@ -264,18 +289,25 @@ async def purge_acked(
     far = fill_ratio(result.bytes, result.messages, cfg) < HIGH_WATER / 2
     batch = max(1, cfg.keep_acked_msgs) if far else 1
     points = purge_points(first, last, floors, cfg.keep_acked_msgs, batch, st.subjects)
-    if points and far and cfg.keep_acked_s > 0:
-        # keep what is younger than keep_acked_s: a forward repeated because a killed server
-        # lost its source's ack (the last acks before the kill) then still finds its first
-        # copy stored, which the restarted server's deduplication rebuilds from
-        since = datetime.now(UTC) - timedelta(seconds=cfg.keep_acked_s)
-        try:
-            young = await transport.first_seq_since(stream, since)
-        except BusError as exc:
-            raise BusError(f"stream {stream}: reading its young messages failed: {exc}") from exc
-        points = purge_points(
-            first, last, floors, cfg.keep_acked_msgs, batch, st.subjects, young_seq=young
-        )
+    if points and far:
+        # what may be the first copy of a forward that comes again stays, so that the
+        # server deduplicates the repeat (a restarted server knows only the ids it
+        # stores): everything from an operator's first unacked message on, and what is
+        # younger than keep_acked_s (a group an explorer may publish again)
+        hold = [first_forwardable(floors)]
+        if cfg.keep_acked_s > 0:
+            since = datetime.now(UTC) - timedelta(seconds=cfg.keep_acked_s)
+            try:
+                hold.append(await transport.first_seq_since(stream, since))
+            except BusError as exc:
+                raise BusError(
+                    f"stream {stream}: reading its young messages failed: {exc}"
+                ) from exc
+        held = [h for h in hold if h is not None]
+        if held:
+            points = purge_points(
+                first, last, floors, cfg.keep_acked_msgs, batch, st.subjects, hold_from=min(held)
+            )
     if not points:
         return result
     try:

@@ -230,6 +230,30 @@ async def test_acked_experience_younger_than_keep_acked_s_stays_while_the_stream
     assert (res.purged, res.messages) == (4, 0)
 
 
+async def test_a_purge_keeps_the_forwards_of_what_an_operator_has_not_acked() -> None:
+    """Raw 2's ack is lost: the operator may forward it again, so its first copy (train 4,
+    trained) stays while raw 2 is unacked, for the server to deduplicate the repeat."""
+    transport = MemoryTransport()
+    bus = await _bus("operator", transport)
+    for task in range(2):
+        await bus.publish_group("raw", _group(task), msg_id=f"raw:{task}")  # seqs 1, 2
+    op = await bus.pull(NAMES.exp_stream, NAMES.stage_consumer("raw", TRAIN_STAGE))
+    raw0, raw1 = await op.fetch(2, 0.01)
+    for task in range(2):
+        await bus.publish_group(TRAIN_STAGE, _group(task), msg_id=f"train:raw:{task}")  # 3, 4
+    await raw0.ack()
+    trainer = await bus.pull(NAMES.exp_stream, NAMES.trainer_consumer)
+    for m in await trainer.fetch(2, 0.01):
+        await m.ack()
+    cfg = ExperienceStreamConfig(purge_acked=True, keep_acked_msgs=0, keep_acked_s=0)
+    prefix = NAMES.exp_wildcard[:-1]
+    res = await purge_acked(transport, NAMES.exp_stream, cfg, await bus.state(), prefix)
+    assert (res.purged, res.first_seq, res.messages) == (1, 2, 3)  # raw 1 only
+    await raw1.ack()
+    res = await purge_acked(transport, NAMES.exp_stream, cfg, await bus.state(), prefix)
+    assert (res.purged, res.messages) == (3, 0)
+
+
 async def test_a_purge_keeps_what_came_after_the_first_young_message() -> None:
     transport = MemoryTransport()
     explorer = await _bus("explorer", transport)

@@ -19,6 +19,7 @@ from rftstream.retention.limits import (
     ConsumerFloor,
     experience_full,
     fill_ratio,
+    first_forwardable,
     lost_below_head,
     purge_points,
     removed_by_limits,
@@ -85,6 +86,23 @@ def test_a_subject_read_ahead_of_the_head_waits_for_a_batch_of_its_own() -> None
     assert purge_points(1, 20, consumers, 0, min_batch=8) == {RAW: 21}  # stream-wide
     assert purge_points(1, 20, consumers, 0, 8, stored={RAW: 3, TRAIN: 17}) == {}
     assert purge_points(1, 20, consumers, 0, 8, stored={RAW: 8, TRAIN: 12}) == {RAW: 21}
+
+
+def test_nothing_an_operator_may_forward_again_is_purged_after_its_source() -> None:
+    # the operator's ack of raw 15 was lost: it may forward 15 again, and the first copy
+    # (stored after 15) must stay for the server to recognise the repeat's Nats-Msg-Id
+    consumers = [
+        ConsumerFloor("op_raw_to_train", RAW, 14, 2),
+        ConsumerFloor("trainer", TRAIN, 30, 1, forwards=False),
+    ]
+    hold = first_forwardable(consumers)
+    assert hold == 15
+    assert purge_points(1, 31, consumers, 0) == {RAW: 15, TRAIN: 31}
+    assert purge_points(1, 31, consumers, 0, hold_from=hold) == {RAW: 15, TRAIN: 15}
+    # the trainer publishes nothing: what it holds unacked holds nothing back
+    assert first_forwardable([ConsumerFloor("trainer", TRAIN, 3, 5, forwards=False)]) is None
+    # an operator that acked all it read forwards nothing again
+    assert first_forwardable([ConsumerFloor("op", RAW, 3, 0)]) is None
 
 
 def test_loss_and_removed_counts() -> None:
