@@ -278,7 +278,9 @@ class RolloutModelConfig(_Base):
     batch_wait_ms: float = 5.0  # how long an idle batcher waits for more requests
     base_url: str = ""  # for engine_type: openai
     api_key: str = "EMPTY"
-    seed: int = 42
+    # the sampler's seed; None: the run's top-level ``seed`` (42 by default), so that a run
+    # started with another seed samples other rollouts, as TRL's and verl's ``seed`` do
+    seed: int | None = None
     # engine_type: vllm (GPU)
     gpu_memory_utilization: float = 0.9
     enforce_eager: bool = False

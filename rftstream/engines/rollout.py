@@ -19,6 +19,13 @@ if TYPE_CHECKING:
     from rftstream.engines.model_wrapper import ModelWrapper
 
 
+def rollout_seed(cfg: Config) -> int:
+    """The rollout engines' seed: ``explorer.rollout_model.seed``, or the run's ``seed``
+    where that is not set."""
+    seed = cfg.explorer.rollout_model.seed
+    return int(cfg.seed if seed is None else seed)
+
+
 @asynccontextmanager
 async def rollout_model(
     cfg: Config, model_path: str, *, engine: Any = None
@@ -42,7 +49,7 @@ async def rollout_model(
         kwargs: dict[str, Any] = {
             "max_batch_size": rm.max_batch_size,
             "batch_wait_ms": rm.batch_wait_ms,
-            "seed": rm.seed,
+            "seed": rollout_seed(cfg),
             "dtype": cfg.model.dtype,
             "default_max_tokens": cfg.model.max_response_tokens,
         }
@@ -86,7 +93,7 @@ async def rollout_model(
 
             aux = await stack.enter_async_context(
                 serve_auxiliary_models(
-                    cfg.explorer.auxiliary_models, dtype=cfg.model.dtype, seed=rm.seed
+                    cfg.explorer.auxiliary_models, dtype=cfg.model.dtype, seed=rollout_seed(cfg)
                 )
             )
         yield model, aux, engine_s
