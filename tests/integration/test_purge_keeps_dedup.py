@@ -39,6 +39,26 @@ def _kill_and_restart(server: EmbeddedNatsServer) -> None:
     server.start()  # same port, same store
 
 
+async def _restart(server: EmbeddedNatsServer, bus: Bus) -> None:
+    """SIGKILL the server, start it again on its store, wait for ``bus`` to reconnect."""
+    await anyio.to_thread.run_sync(_kill_and_restart, server)
+    with anyio.fail_after(20):
+        while not bus.transport.nc.is_connected:
+            await anyio.sleep(0.1)
+
+
+async def _purge(bus: Bus, cfg: NatsConfig) -> int:
+    """The explorers' purge of acked experience, once; the messages it purged."""
+    res = await purge_acked(
+        bus.transport,
+        NAMES.exp_stream,
+        cfg.streams.experience,
+        await bus.state(),
+        NAMES.exp_wildcard[:-1],
+    )
+    return res.purged
+
+
 @pytest.mark.parametrize(
     ("keep_acked_s", "purged", "repeat_stored"),
     [(60.0, 0, 0), (0.0, 3, 1)],
@@ -67,18 +87,8 @@ def test_a_forward_repeated_after_a_restart_is_deduplicated_only_while_its_first
             trainer = await bus.pull(NAMES.exp_stream, NAMES.trainer_consumer)
             for m in await trainer.fetch(3, timeout=2):
                 await m.ack_sync()
-            res = await purge_acked(
-                bus.transport,
-                NAMES.exp_stream,
-                cfg.streams.experience,
-                await bus.state(),
-                NAMES.exp_wildcard[:-1],
-            )
-            assert res.purged == purged
-            await anyio.to_thread.run_sync(_kill_and_restart, server)
-            with anyio.fail_after(20):
-                while not bus.transport.nc.is_connected:
-                    await anyio.sleep(0.1)
+            assert await _purge(bus, cfg) == purged
+            await _restart(server, bus)
             # the operator's forward of raw task 1, again, after its ack was lost
             stored = await bus.publish_group(TRAIN_STAGE, _group(1, 1.0), msg_id="train:raw:1")
             assert stored == repeat_stored
@@ -116,19 +126,9 @@ def test_the_forward_of_an_unacked_message_stays_for_deduplication_across_restar
             trainer = await bus.pull(NAMES.exp_stream, NAMES.trainer_consumer)
             for m in await trainer.fetch(1, timeout=2):
                 await m.ack_sync()
-            res = await purge_acked(
-                bus.transport,
-                NAMES.exp_stream,
-                cfg.streams.experience,
-                await bus.state(),
-                NAMES.exp_wildcard[:-1],
-            )
-            assert res.purged == 0  # train 2 is trained, but stored after the unacked raw 1
+            assert await _purge(bus, cfg) == 0  # train 2 is trained, but after raw 1 (unacked)
             for _ in range(2):
-                await anyio.to_thread.run_sync(_kill_and_restart, server)
-                with anyio.fail_after(20):
-                    while not bus.transport.nc.is_connected:
-                        await anyio.sleep(0.1)
+                await _restart(server, bus)
             assert await bus.publish_group(TRAIN_STAGE, _group(7, 1.0), msg_id="train:raw:7") == 0
 
     try:
