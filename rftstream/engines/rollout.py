@@ -44,12 +44,13 @@ async def rollout_model(
     from rftstream.engines.model_wrapper import ModelWrapper
 
     rm = cfg.explorer.rollout_model
+    seed = rollout_seed(cfg)
     t0 = time.perf_counter()
     if engine is None:
         kwargs: dict[str, Any] = {
             "max_batch_size": rm.max_batch_size,
             "batch_wait_ms": rm.batch_wait_ms,
-            "seed": rollout_seed(cfg),
+            "seed": seed,
             "dtype": cfg.model.dtype,
             "default_max_tokens": cfg.model.max_response_tokens,
         }
@@ -93,7 +94,7 @@ async def rollout_model(
 
             aux = await stack.enter_async_context(
                 serve_auxiliary_models(
-                    cfg.explorer.auxiliary_models, dtype=cfg.model.dtype, seed=rollout_seed(cfg)
+                    cfg.explorer.auxiliary_models, dtype=cfg.model.dtype, seed=seed
                 )
             )
         yield model, aux, engine_s
