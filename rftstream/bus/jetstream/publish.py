@@ -27,14 +27,13 @@ _HEADER_KEY = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
 _VALUE_NEWLINES = str.maketrans({"\r": " ", "\n": " "})
 _checked_keys: set[str] = set()
 # the lean path needs these of nats-py's client; without them, Client.publish
-_LEAN = all(
-    hasattr(NatsClient, name) for name in ("_send_command", "_flush_pending", "is_draining_pubs")
-)
+_LEAN = all(hasattr(NatsClient, name) for name in ("_flush_pending", "is_draining_pubs"))
+_CRLF = b"\r\n"
 
 
 def hpub_parts(subject: str, reply: str, payload: bytes, headers: dict[str, str]) -> list[bytes]:
     """The protocol bytes of a publish with headers, as nats-py's ``Client.publish`` sends
-    them (same key check, same value clean-up), in three parts joined once (nats-py
+    them (same key check, same value clean-up), in three parts never joined here (nats-py
     copies the payload twice): the ``HPUB`` line with the header block, the payload, the
     final CRLF.
     Raises ``nats.errors.Error`` (nats-py's ``BadHeaderError``) for a key nats-py refuses."""
@@ -52,7 +51,7 @@ def hpub_parts(subject: str, reply: str, payload: bytes, headers: dict[str, str]
     block = "".join(lines).encode()
     n = len(block)
     head = f"HPUB {subject} {reply} {n} {n + len(payload)}\r\n".encode()
-    return [head + block, payload, b"\r\n"]
+    return [head + block, payload, _CRLF]
 
 
 async def publish(
@@ -62,21 +61,32 @@ async def publish(
 
     nats-py builds a header block with a regex check and four buffer appends per header
     and copies the payload twice into one command; on this hot path (every experience
-    message carries ten headers) the command is :func:`hpub_parts` joined once, queued
-    whole through the client's own pending buffer and flusher. Without headers, while not
-    connected (nats-py buffers or refuses), draining or closed, it is ``nc.publish``."""
+    message carries ten headers) the command is :func:`hpub_parts`, its three parts queued
+    on the client's own pending buffer side by side (the payload not copied: the flusher
+    joins the buffer into one write anyway, and a copy of every body alive until its
+    flush doubled a producer's memory traffic), and flushed by the client's flusher.
+    Without headers, while not connected (nats-py buffers or refuses), draining or
+    closed, it is ``nc.publish``."""
     if (
         not _LEAN
         or headers is None
+        or not hasattr(nc, "_pending_data_size")
         or not nc.is_connected
         or nc.is_draining_pubs
         or len(payload) > nc.max_payload
     ):
         await nc.publish(subject, payload, reply=reply, headers=headers)
         return
-    # one command: _send_command may flush (and yield) when the pending buffer is full,
-    # and another publish's bytes must never land between this one's parts
-    await nc._send_command(b"".join(hpub_parts(subject, reply, payload, headers)))
+    # the parts go in without a yield between them (another publish's bytes must never
+    # land between them); then, as _send_command does, a forced flush past the limit
+    head, body, crlf = hpub_parts(subject, reply, payload, headers)
+    pending = nc._pending
+    pending.append(head)
+    pending.append(body)
+    pending.append(crlf)
+    nc._pending_data_size += len(head) + len(body) + 2
+    if 0 < nc._max_pending_size < nc._pending_data_size:
+        await nc._flush_pending(force_flush=True)
     nc.stats["out_msgs"] += 1
     nc.stats["out_bytes"] += len(payload)
     flush_queue = nc._flush_queue
