@@ -54,7 +54,11 @@ The two sides
 Fairness choices: the same bytes on the wire (body and headers), the same
 stream and consumer, the same publish window and fetch batch (``--fetch-msgs``
 messages, at most ``--fetch-mib`` MiB per fetch), one process and one
-connection per actor on both sides, the same interpreter and libraries. Where
+connection per actor on both sides, the same interpreter and libraries, the same
+``malloc`` settings (those rftstream's actor processes set,
+:mod:`rftstream.utils.malloc`; the raw client's figures are the same with glibc's
+defaults, ``--glibc-malloc``, while rftstream's producer then spends about a fifth more
+CPU per 64 KiB message: its bodies live until their acks). Where
 the raw client could do less work than rftstream it does (no schema check, no
 summary headers to compute, no mask copy, no byte cap on its window, the
 faster of two consumers); nothing is added to both sides to dilute the ratio
@@ -75,7 +79,7 @@ Target: in the headline scenario, rftstream moves at least 0.8x the messages
 per second of the tuned raw client at EVERY size (median ratio over the
 rounds). Exit status: 0 PASS, 1 MISS, 2 error.
 
-Usage: ``python benchmarks/bus.py [--quick] [--rounds N] [--sizes 8K,1M] [--profile DIR]``.
+Usage: ``python benchmarks/bus.py [--quick] [--rounds N] [--sizes 8K,1M] [--profile DIR] [--glibc-malloc]``.
 ``--profile DIR`` writes a cProfile file per worker and measurement (timings then
 are slowed down and do not count).
 """
@@ -128,6 +132,13 @@ from rftstream.experience import (
 )
 from rftstream.nats_server.embedded import SMALL_RUNS_FILE_STORE, find_nats_server
 from rftstream.subjects import RAW_STAGE, TRAIN_STAGE, RunNames
+from rftstream.utils.malloc import (
+    MMAP_THRESHOLD,
+    OPT_OUT,
+    TOP_PAD,
+    TRIM_THRESHOLD,
+    tune_malloc,
+)
 
 console = Console(width=230, highlight=False)
 
@@ -570,6 +581,7 @@ ROLES: dict[tuple[str, str], Callable[[Job, Gate], Awaitable[Result]]] = {
 def worker_main(conn: Connection, side: str, role: str) -> None:
     """A worker process: run the jobs the parent sends until it sends None."""
     _quiet_torch()
+    tune_malloc()  # both sides, as rftstream's actor processes start (--glibc-malloc: neither)
     while True:
         job = conn.recv()
         if job is None:
@@ -602,6 +614,7 @@ class Settings:
     raw_consumer: str
     profile: str
     rft_inflight: int  # rftstream's NatsConfig.max_inflight_bytes (its default unless asked)
+    glibc_malloc: bool = False  # both sides' workers keep glibc's malloc defaults
     shapes: dict[int, tuple[int, int]] = field(default_factory=dict)  # size -> (exps, tokens)
     bodies: dict[int, tuple[bytes, dict[str, str]]] = field(default_factory=dict)
 
@@ -907,6 +920,15 @@ def print_config(s: Settings) -> None:
             f"({len(s.bodies[z][0]):,} B + headers), {s.n(z):,} msgs a headline run"
             for z in s.sizes
         ),
+        "  malloc: "
+        + (
+            "glibc's defaults on both sides (--glibc-malloc)"
+            if s.glibc_malloc
+            else "both sides' workers with the settings rftstream's actor processes set "
+            "(rftstream.utils.malloc: mmap threshold "
+            f"{MMAP_THRESHOLD / mib:g} MiB, top pad {TOP_PAD / mib:g} MiB, trim threshold "
+            f"{TRIM_THRESHOLD / mib:g} MiB; --glibc-malloc for glibc's defaults)"
+        ),
         f"  rounds: {s.rounds} (all runs of a size and scenario back to back, the order "
         f"rotating); figures are medians; target: headline >= {TARGET}x at every size",
     ]
@@ -1017,6 +1039,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="rftstream's nats.max_inflight_bytes, MiB (its default; for experiments)",
     )
     ap.add_argument("--profile", default="", help="write cProfile files here (slow)")
+    ap.add_argument(
+        "--glibc-malloc",
+        action="store_true",
+        help="workers of both sides keep glibc's malloc defaults (default: both get the "
+        "settings rftstream's actor processes set, rftstream.utils.malloc)",
+    )
     return ap.parse_args(argv)
 
 
@@ -1040,6 +1068,7 @@ def settings_from(args: argparse.Namespace) -> Settings:
         raw_consumer=args.raw_consumer,
         rft_inflight=int(args.rft_inflight_mib * (1 << 20)),
         profile=args.profile,
+        glibc_malloc=args.glibc_malloc,
     )
 
 
@@ -1059,6 +1088,8 @@ def prepare(s: Settings) -> None:
 def main(argv: list[str] | None = None) -> int:
     try:
         s = settings_from(parse_args(argv))
+        if s.glibc_malloc:  # the spawned workers inherit it: tune_malloc leaves glibc alone
+            os.environ[OPT_OUT] = "0"
         if s.profile:
             os.makedirs(s.profile, exist_ok=True)
         prepare(s)

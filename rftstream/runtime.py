@@ -45,6 +45,7 @@ from rftstream.retention import purge_on_full
 from rftstream.run_inputs import check_run_inputs
 from rftstream.subjects import KV_EXPLORER_DONE, RunNames
 from rftstream.training.schedule import lr_schedule
+from rftstream.utils.malloc import tune_malloc
 from rftstream.wire import TRAINER_DONE
 from rftstream.workflow import WORKFLOWS
 
@@ -660,7 +661,9 @@ async def run_actors(
     one per rollout engine; they share the task queue). ``on_step``: each
     trainer step record; ``on_progress``: each step of the first explorer;
     ``on_eval``: each evaluation record (whichever explorer claimed it).
+    The process gets the actors' ``malloc`` settings first (:func:`tune_malloc`).
     """
+    tune_malloc()
     if roles is None:
         roles = roles_for(run.cfg)
     unknown = [r for r in roles if r not in ROLES]

@@ -212,10 +212,10 @@ def test_fetch_cancelled_with_messages_in_hand_gives_them_to_the_next_fetch(
             took: list[Any] = []
             real_next = consumer._next
 
-            async def slow_end(deadline: float) -> Any:
+            async def slow_end() -> Any:
                 if len(took) == 2:
                     await anyio.sleep_forever()
-                msg = await real_next(deadline)
+                msg = await real_next()
                 took.append(msg)
                 return msg
 

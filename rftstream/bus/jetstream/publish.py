@@ -26,7 +26,8 @@ _STATUS = api.Header.STATUS
 _HEADER_KEY = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
 _VALUE_NEWLINES = str.maketrans({"\r": " ", "\n": " "})
 _checked_keys: set[str] = set()
-# the lean path needs these of nats-py's client; without them, Client.publish
+# the lean path needs these of nats-py's client (and the instance's _pending,
+# _pending_data_size and _max_pending_size, checked per call); without them, Client.publish
 _LEAN = all(hasattr(NatsClient, name) for name in ("_flush_pending", "is_draining_pubs"))
 _CRLF = b"\r\n"
 

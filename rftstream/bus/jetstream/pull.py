@@ -118,20 +118,19 @@ class JetStreamPull:
         self._queue.task_done()  # type: ignore[union-attr] # the subscription's drain() joins it
         return msg
 
-    async def _next(self, deadline: float) -> Msg | None:
-        """The next delivered message (or status), or None at ``deadline``."""
+    async def _next(self) -> Msg:
+        """The next delivered message (or status), waiting as long as it takes (the
+        caller's cancel scope bounds the wait). Cancel-safe: ``asyncio.Queue.get``,
+        cancelled, has taken nothing."""
         queue = self._queue
         assert queue is not None
-        if not queue.empty():
-            return self._took(queue.get_nowait())
-        left = deadline - time.monotonic()
-        if left > 0:
-            # asyncio.Queue.get is cancel-safe: cancelled, it has taken nothing
-            with anyio.move_on_after(left):
-                return self._took(await queue.get())
+        return self._took(queue.get_nowait() if not queue.empty() else await queue.get())
+
+    def _closed_check(self) -> None:
+        """Raise ``ConnectionClosedError`` when the connection is closed (a wait that ran
+        out may have run out because nothing can come any more)."""
         if self._nc is not None and self._nc.is_closed:
             raise nats.errors.ConnectionClosedError
-        return None
 
     async def _request(self, batch: int, expires: float | None, no_wait: bool) -> None:
         req: dict[str, Any] = {"batch": batch}
@@ -142,22 +141,25 @@ class JetStreamPull:
         await self._nc.publish(self._nms, json.dumps(req).encode(), self._deliver)  # type: ignore[union-attr,arg-type]
 
     async def _collect(self, msgs: list[Msg], batch: int, deadline: float, probe: bool) -> None:
-        """Append deliveries of the pending request to ``msgs`` until it ends, ``batch`` or ``deadline``."""
-        while len(msgs) < batch:
-            msg = await self._next(deadline)
-            if msg is None:
-                return
-            status = msg.headers.get(_STATUS) if msg.headers else None
-            if not status:
-                msgs.append(msg)
-            elif status == _HEARTBEAT:
-                continue
-            elif status not in _END_STATUSES:
-                raise nats.js.errors.APIError.from_msg(msg)
-            elif probe or msgs:
-                return  # this request is over: no more messages for now
-            # else a lingering request ended empty-handed (a stale 408 of an earlier
-            # fetch, a 409): wait out the deadline rather than make the caller spin
+        """Append deliveries of the pending request to ``msgs`` until it ends, ``batch`` or
+        ``deadline``. One timeout for the whole wait, not one per message (a cancel scope
+        costs about 5 us, a tenth of what a consumer spends on a message)."""
+        with anyio.move_on_after(max(0.0, deadline - time.monotonic())) as scope:
+            while len(msgs) < batch:
+                msg = await self._next()
+                status = msg.headers.get(_STATUS) if msg.headers else None
+                if not status:
+                    msgs.append(msg)
+                elif status == _HEARTBEAT:
+                    continue
+                elif status not in _END_STATUSES:
+                    raise nats.js.errors.APIError.from_msg(msg)
+                elif probe or msgs:
+                    return  # this request is over: no more messages for now
+                # else a lingering request ended empty-handed (a stale 408 of an earlier
+                # fetch, a 409): wait out the deadline rather than make the caller spin
+        if scope.cancelled_caught:
+            self._closed_check()
 
     async def _fetch_direct(self, msgs: list[Msg], batch: int, timeout: float) -> None:
         """Fill ``msgs`` (in place: a cancelled fetch's messages are not lost, see :meth:`fetch`)."""
