@@ -23,6 +23,30 @@ RAW_STAGE = "raw"
 TRAIN_STAGE = "train"
 
 
+#: a durable's ``rft.role`` metadata that marks the trainer's (it publishes nothing back)
+TRAINER_ROLE = "trainer"
+#: the trainer's durable on ``exp.train`` (:attr:`RunNames.trainer_consumer`)
+TRAINER_DURABLE = "trainer"
+
+
+def reads_for_trainer(name: str, filter_subject: str, metadata: dict[str, str]) -> bool:
+    """Whether the durable ``name`` of an experience stream is a trainer's (it trains what
+    it reads and forwards nothing), not an operator's: its ``rft.role`` is the trainer's;
+    or, for a durable of an older release without that metadata, its name is
+    :data:`TRAINER_DURABLE`, or it reads ``exp.train`` and is not named ``op_...``.
+    (The run's account and the purge rules both ask this.)"""
+    role = metadata.get("rft.role", "")
+    return (
+        role == TRAINER_ROLE
+        or name == TRAINER_DURABLE
+        or (
+            not role
+            and filter_subject.endswith(f".exp.{TRAIN_STAGE}")
+            and not name.startswith("op_")
+        )
+    )
+
+
 def check_stage(stage: str) -> str:
     """Validate a pipeline stage name (one subject token: lower-case, digits, ``_``/``-``)."""
     if not _STAGE_RE.match(stage):
@@ -135,7 +159,7 @@ class RunNames:
 
     @property
     def trainer_consumer(self) -> str:
-        return "trainer"
+        return TRAINER_DURABLE
 
     @property
     def kv_bucket(self) -> str:

@@ -65,6 +65,7 @@ from rftstream.subjects import (
     META_TO_STAGE,
     RAW_STAGE,
     TRAIN_STAGE,
+    TRAINER_ROLE,
     RunNames,
 )
 from rftstream.wire import (
@@ -333,7 +334,7 @@ class Bus:
                 n.trainer_consumer,
                 n.exp_subject(TRAIN_STAGE),
                 description=f"run {n.run}: the trainer reads exp.train",
-                role="trainer",
+                role=TRAINER_ROLE,
             )
 
     async def kv(self, *, create: bool = True) -> KeyValueStore:

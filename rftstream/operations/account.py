@@ -59,7 +59,7 @@ from rftstream.retention.reader_history import (
     holds,
     reader_segments,
 )
-from rftstream.subjects import META_TO_STAGE, RAW_STAGE, TRAIN_STAGE
+from rftstream.subjects import META_TO_STAGE, RAW_STAGE, TRAIN_STAGE, reads_for_trainer
 from rftstream.wire import (
     H_DLQ_REASON,
     H_DLQ_SEQ,
@@ -715,12 +715,7 @@ def _durable(info: ConsumerState, bus: Bus, stages: set[str]) -> Durable | None:
         return None
     from_stage = subject[len(prefix) :]
     meta = info.metadata
-    role = meta.get("rft.role", "")
-    if (
-        role == "trainer"
-        or name == bus.names.trainer_consumer
-        or (not role and from_stage == TRAIN_STAGE and not name.startswith("op_"))
-    ):
+    if reads_for_trainer(name, subject, meta):
         return Durable(
             name,
             from_stage,

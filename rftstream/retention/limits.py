@@ -53,6 +53,7 @@ from rftstream.errors import BusError, SchemaError
 from rftstream.fault_points import fault_point
 from rftstream.retention.purged import record_purge
 from rftstream.retention.reader_history import cut_seqs
+from rftstream.subjects import reads_for_trainer
 from rftstream.wire import TOPOLOGY, TRAINER_ACKED_BELOW, AckedBelow
 
 log = logging.getLogger(__name__)
@@ -220,7 +221,7 @@ async def consumer_floors(transport: Transport, stream: str) -> list[ConsumerFlo
             c.filter_subject,
             c.ack_floor,
             c.num_pending + c.num_ack_pending,
-            forwards=c.metadata.get("rft.role") != "trainer",
+            forwards=not reads_for_trainer(c.name, c.filter_subject, c.metadata),
         )
         for c in await transport.consumers(stream)
         if c.durable  # an ordered watch (tail, the trainer's header watch) keeps nothing
