@@ -71,6 +71,13 @@ class DecoupledPPOPolicyLossFn(PPOPolicyLossFn):
       ``"mask"`` (``w = 0`` where ``w > cap``, as AReaL's
       ``behav_imp_weight_cap``).
 
+    ``enable_sequence_masking`` (as ``ppo``'s) measures each row's mean KL against the
+    behaviour policy, ``mean(rollout_logprob - logprob)``, over the tokens that have a
+    rollout log-prob (``old_logprob`` for the others): the policy that sampled the row, as
+    DeepSeek-V3.2's off-policy sequence masking does. (``ppo`` measures it against
+    ``old_logprob``, as Trinity-RFT does; with one update a batch that is the current
+    policy, and nothing is ever masked.)
+
     Inputs: ``logprob``, ``old_logprob``, ``advantages``, ``rollout_logprob``
     ``(batch, response_len)`` float; ``action_mask`` and
     ``rollout_logprob_mask`` same shape, bool or float 0/1.
@@ -144,8 +151,15 @@ class DecoupledPPOPolicyLossFn(PPOPolicyLossFn):
     ) -> tuple[torch.Tensor, dict]:
         pg_losses, metrics = self.token_losses(logprob, old_logprob, action_mask, advantages)
         if self.enable_sequence_masking:
+            # the row KL against the policy that sampled it (DeepSeek-V3.2's off-policy
+            # sequence masking), where the token has a rollout log-prob; the proximal
+            # policy is the current one at a single update a batch, so against it
+            # nothing would ever be masked
+            behaviour = torch.where(
+                rollout_logprob_mask != 0, rollout_logprob.to(old_logprob.dtype), old_logprob
+            )
             pg_losses, mask_metrics = self.sequence_mask(
-                pg_losses, logprob, old_logprob, action_mask, advantages
+                pg_losses, logprob, behaviour, action_mask, advantages
             )
             metrics.update(mask_metrics)
         weight, weight_metrics = self.behav_imp_weight(

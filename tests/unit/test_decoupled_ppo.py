@@ -231,6 +231,33 @@ def test_without_recompute_old_logprob_is_logprob_detached(agg: str) -> None:
     assert metrics["pg_clipfrac"] == 0.0 and metrics["ppo_kl"] == 0.0
 
 
+def test_sequence_masking_measures_against_the_behaviour_policy() -> None:
+    """At one update a batch ``old_logprob`` is ``logprob`` detached: against it no row's
+    KL is ever above the threshold. ``decoupled_ppo`` measures the row KL against the
+    rollout log-probs (where a token has one) and drops the negative-advantage tokens of
+    rows above it; the other tokens keep the unmasked gradient."""
+    b = hand_batch()
+    # rows sampled by a policy that made their tokens likelier than the current one by
+    # 0.5 and 0.05 nats a token (row 2 has no rollout log-probs), and less likely by 0.2
+    shift = np.array([0.5, 0.05, 0.0, -0.2])[:, None]
+    b["rollout_logprob"] = np.where(MASK, b["logprob"] + shift, 0.0)
+    b["rollout_logprob"][2] = 0.0
+    b["rollout_logprob"] = b["rollout_logprob"].astype(np.float32).astype(np.float64)
+    delta = 0.1
+    high = np.array([True, False, False, False])
+    kw = {"enable_sequence_masking": True, "delta_sequence_masking": delta}
+    _, metrics, grad = run(DecoupledPPOPolicyLossFn(**kw), b, detach_old=True)
+    _, _, unmasked = run(DecoupledPPOPolicyLossFn(), b, detach_old=True)
+    drop = high[:, None] & (ADV < 0) & MASK
+    assert drop.any()
+    np.testing.assert_array_equal(grad[drop], 0.0)
+    np.testing.assert_allclose(grad[~drop], unmasked[~drop], rtol=1e-6)
+    assert metrics["seq_mask/masked_tokens"] == pytest.approx(drop.sum() / MASK.sum())
+    # the ppo loss's own masking, against old_logprob = logprob: nothing
+    _, ppo_metrics, _ = run(PPOPolicyLossFn(**kw), b, detach_old=True)
+    assert ppo_metrics["seq_mask/masked_tokens"] == 0.0
+
+
 def test_metrics() -> None:
     b = hand_batch()
     _, m, _ = run(DecoupledPPOPolicyLossFn(), b)
