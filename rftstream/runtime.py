@@ -532,8 +532,11 @@ async def run_explorer(
     on_eval: Callable[[dict[str, Any]], None] | None = None,
 ) -> None:
     """One explorer until it is done (``mode: bench``: the benchmark). ``engine``: a
-    ready rollout engine instead of the configured one."""
+    ready rollout engine instead of the configured one. The process gets the actors'
+    ``malloc`` settings first (:func:`tune_malloc`), as for every actor."""
     from rftstream.actors.explorer import Explorer
+
+    tune_malloc()
 
     async with await Bus.connect(
         url, run.names, run.cfg.nats, name, on_stream_full=purge_on_full
@@ -592,6 +595,7 @@ async def run_operator_replicas(
     """
     from rftstream.actors.operator_host import run_hosts
 
+    tune_malloc()
     built = [p if p is not None else run.build_pipeline() for p in pipelines]
     await run_hosts(url, run.names, run.cfg, built, name=name, **host_args)
 
@@ -616,8 +620,10 @@ async def run_trainer(
     name: str = "trainer",
     on_step: Callable[[dict[str, Any]], None] | None = None,
 ) -> None:
+    """The trainer until the run ends (the process's ``malloc`` settings first)."""
     from rftstream.actors.trainer import Trainer
 
+    tune_malloc()
     async with await Bus.connect(url, run.names, run.cfg.nats, name) as bus:
         await Trainer(
             run.cfg,
@@ -661,9 +667,8 @@ async def run_actors(
     one per rollout engine; they share the task queue). ``on_step``: each
     trainer step record; ``on_progress``: each step of the first explorer;
     ``on_eval``: each evaluation record (whichever explorer claimed it).
-    The process gets the actors' ``malloc`` settings first (:func:`tune_malloc`).
+    Each actor gives the process the actors' ``malloc`` settings (:func:`tune_malloc`).
     """
-    tune_malloc()
     if roles is None:
         roles = roles_for(run.cfg)
     unknown = [r for r in roles if r not in ROLES]

@@ -15,7 +15,8 @@ after a process has freed a large buffer once (its ceiling is 32 MiB for ``mmap`
 blocks under :data:`MMAP_THRESHOLD` come from the heap, the heap grows by
 :data:`TOP_PAD` at a time and keeps up to :data:`TRIM_THRESHOLD` free at its top.
 Model weights (blocks above the threshold) are ``mmap``-ed as before. Nothing here
-blocks; it is called once, as an actor process starts (:func:`rftstream.runtime.run_actors`).
+blocks; every actor's entry point calls it as it starts (``rftstream.runtime.run_explorer``,
+``run_operator_replicas``, ``run_trainer``; once per process).
 """
 
 from __future__ import annotations
