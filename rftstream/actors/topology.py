@@ -47,6 +47,7 @@ from rftstream.control.splice.protocol import (
     TrainerCut,
 )
 from rftstream.errors import BusError, ConsumerNotFound, RftError
+from rftstream.subjects import TRAINER_ROLE
 from rftstream.wire import (
     SPLICE,
     STAGE,
@@ -230,7 +231,7 @@ class TrainerTopology:
             name,
             n.exp_subject(stage),
             description=f"run {n.run}: the trainer reads exp.{stage} ({why})",
-            role="trainer",
+            role=TRAINER_ROLE,
             start_seq=max(1, start_seq),
         )
         return await self.bus.pull(n.exp_stream, name)

@@ -85,7 +85,7 @@ async def publish(
     pending.append(head)
     pending.append(body)
     pending.append(crlf)
-    nc._pending_data_size += len(head) + len(body) + 2
+    nc._pending_data_size += len(head) + len(body) + len(crlf)
     if 0 < nc._max_pending_size < nc._pending_data_size:
         await nc._flush_pending(force_flush=True)
     nc.stats["out_msgs"] += 1

@@ -126,12 +126,6 @@ class JetStreamPull:
         assert queue is not None
         return self._took(queue.get_nowait() if not queue.empty() else await queue.get())
 
-    def _closed_check(self) -> None:
-        """Raise ``ConnectionClosedError`` when the connection is closed (a wait that ran
-        out may have run out because nothing can come any more)."""
-        if self._nc is not None and self._nc.is_closed:
-            raise nats.errors.ConnectionClosedError
-
     async def _request(self, batch: int, expires: float | None, no_wait: bool) -> None:
         req: dict[str, Any] = {"batch": batch}
         if expires is not None:
@@ -158,8 +152,9 @@ class JetStreamPull:
                     return  # this request is over: no more messages for now
                 # else a lingering request ended empty-handed (a stale 408 of an earlier
                 # fetch, a 409): wait out the deadline rather than make the caller spin
-        if scope.cancelled_caught:
-            self._closed_check()
+        # a wait that ran out may have run out because nothing can come any more
+        if scope.cancelled_caught and self._nc is not None and self._nc.is_closed:
+            raise nats.errors.ConnectionClosedError
 
     async def _fetch_direct(self, msgs: list[Msg], batch: int, timeout: float) -> None:
         """Fill ``msgs`` (in place: a cancelled fetch's messages are not lost, see :meth:`fetch`)."""
