@@ -42,7 +42,7 @@ from rftstream.engines.fast_decoder import (
     rope_tables,
 )
 
-__all__ = ["LeanForward", "lean_forward_reason"]
+__all__ = ["LeanForward", "Packing", "lean_forward_reason"]
 
 
 def lean_forward_reason(
@@ -64,6 +64,27 @@ def lean_forward_reason(
     if adapters:
         return "adapters (LoRA) wrap the projections"
     return None
+
+
+class Packing:
+    """The real tokens of a [rows, width] layout, packed: ``index`` holds their flat
+    positions (row-major), so a [rows, width, ...] tensor's real entries are
+    ``t.reshape(rows * width, ...)[index]`` and back. Both directions keep autograd."""
+
+    __slots__ = ("rows", "width", "index")
+
+    def __init__(self, real: torch.Tensor) -> None:
+        self.rows, self.width = int(real.shape[0]), int(real.shape[1])
+        self.index = real.reshape(-1).nonzero().squeeze(1)
+
+    def pack(self, t: torch.Tensor) -> torch.Tensor:
+        """[rows, width, ...] -> [N, ...]."""
+        return t.reshape(self.rows * self.width, *t.shape[2:]).index_select(0, self.index)
+
+    def unpack(self, t: torch.Tensor) -> torch.Tensor:
+        """[N, ...] -> [rows, width, ...], zeros where padded."""
+        flat = t.new_zeros(self.rows * self.width, *t.shape[1:])
+        return flat.index_copy(0, self.index, t).view(self.rows, self.width, *t.shape[1:])
 
 
 class LeanForward:
@@ -100,19 +121,34 @@ class LeanForward:
         rope: tuple[torch.Tensor, torch.Tensor],
         mask: torch.Tensor,
         past: tuple[torch.Tensor, torch.Tensor] | None = None,
+        packing: Packing | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """One decoder layer; returns the hidden states and this call's keys and values."""
-        B, T, _ = x.shape
+        """One decoder layer; returns the hidden states and this call's keys and values.
+
+        ``x`` is [B, T, hidden], or with ``packing`` the [N, hidden] real tokens of a
+        [B, T] layout: everything but attention runs on those N tokens only, and
+        attention on the [B, T] layout they are scattered into (zeros where padded,
+        which ``mask`` hides from every real query)."""
         attn = layer.self_attn
         h = self._rms(x, layer.input_layernorm)
         q = F.linear(h, attn.q_proj.weight, attn.q_proj.bias)
         k = F.linear(h, attn.k_proj.weight, attn.k_proj.bias)
         v = F.linear(h, attn.v_proj.weight, attn.v_proj.bias)
+        if packing is None:
+            B, T, _ = x.shape
+        else:
+            B, T = packing.rows, packing.width
+            # the rotary embedding is per token: on the packed tokens, before the scatter
+            cos, sin = rope
+            q = apply_rope(q.view(-1, self.n_heads, self.head_dim), cos, sin)
+            k = apply_rope(k.view(-1, self.n_kv, self.head_dim), cos, sin)
+            q, k, v = packing.unpack(q), packing.unpack(k), packing.unpack(v)
         q = q.view(B, T, self.n_heads, self.head_dim).transpose(1, 2)
         k = k.view(B, T, self.n_kv, self.head_dim).transpose(1, 2)
         v = v.view(B, T, self.n_kv, self.head_dim).transpose(1, 2)
-        cos, sin = rope
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if packing is None:
+            cos, sin = rope
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         keys, values = (
             (k, v) if past is None else (torch.cat([past[0], k], 2), torch.cat([past[1], v], 2))
         )
@@ -120,6 +156,8 @@ class LeanForward:
             q, keys, values, attn_mask=mask, enable_gqa=self.n_kv != self.n_heads
         )
         o = o.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim)
+        if packing is not None:
+            o = packing.pack(o)
         x = x + F.linear(o, attn.o_proj.weight, attn.o_proj.bias)
         mlp = layer.mlp
         h = self._rms(x, layer.post_attention_layernorm)
@@ -187,3 +225,70 @@ class LeanForward:
         for layer, (k, v) in zip(self.inner.layers, past, strict=True):
             x, _, _ = self._layer(layer, x, rope, mask, (k[inverse], v[inverse]))
         return torch.cat([logits, self._head(x[:, : R - 1])], 1)
+
+    def shared_token_logprobs(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        position_ids: torch.Tensor,
+        prompt_width: int,
+        first: torch.Tensor,
+        inverse: torch.Tensor,
+        temperature: float,
+        *,
+        with_entropy: bool,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Each response token's log-prob under ``logits / temperature`` (and the
+        distribution's entropy there), [B, R], zeros where a row has no response token:
+        :meth:`shared_logits` followed by
+        :func:`~rftstream.training.batch.response_logprobs`, without the padding.
+
+        The prompts run as in :meth:`shared_logits`; the response pass runs every layer
+        but attention, and the LM head and softmax, on the response tokens that predict
+        a real token only (a row's last token predicts nothing), where the padded pass
+        runs them on ``B x R`` positions: with replies of uneven length a third of those
+        can be padding. Real tokens after a gap in a row's mask keep every real key
+        before them. Same values at every real token, to rounding, and the same
+        gradients."""
+        P = prompt_width
+        R = input_ids.shape[1] - P
+        prompt_ok = attention_mask[:, :P].bool()
+        mask = self._mask(prompt_ok[first], P)
+        rope = self._rope(position_ids[first, :P])
+        x = F.embedding(input_ids[first, :P], self.inner.embed_tokens.weight)
+        past: list[tuple[torch.Tensor, torch.Tensor]] = []
+        for layer in self.inner.layers:
+            x, k, v = self._layer(layer, x, rope, mask)
+            past.append((k, v))
+        heads = [self._head(x[:, -1])[inverse]]  # [B, vocab]: response token 0 of every row
+        targets = [input_ids[:, P]]
+        places = [torch.arange(input_ids.shape[0], device=input_ids.device) * R]
+        if R > 1:
+            real = attention_mask[:, P : P + R - 1].bool()
+            packing = Packing(real)
+            mask = self._mask(attention_mask[:, : P + R - 1].bool(), R - 1)
+            rope = self._rope(packing.pack(position_ids[:, P : P + R - 1]))
+            x = F.embedding(
+                packing.pack(input_ids[:, P : P + R - 1]), self.inner.embed_tokens.weight
+            )
+            for layer, (k, v) in zip(self.inner.layers, past, strict=True):
+                x, _, _ = self._layer(layer, x, rope, mask, (k[inverse], v[inverse]), packing)
+            # the LM head where the next token is real (not after a row's last token)
+            predicts = packing.pack(attention_mask[:, P + 1 :]).bool()
+            heads.append(self._head(x[predicts]))
+            targets.append(packing.pack(input_ids[:, P + 1 :])[predicts])
+            index = packing.index[predicts]
+            places.append(index // (R - 1) * R + index % (R - 1) + 1)
+        logits = torch.cat(heads) if len(heads) > 1 else heads[0]
+        if temperature and temperature != 1.0:
+            logits = logits / temperature
+        logp_all = torch.log_softmax(logits, dim=-1)
+        place = torch.cat(places)
+        target = torch.cat(targets)
+        logp = logp_all.gather(-1, target.unsqueeze(-1)).squeeze(-1)
+        B = input_ids.shape[0]
+        out = logp.new_zeros(B * R).index_copy(0, place, logp).view(B, R)
+        if not with_entropy:
+            return out, None
+        entropy = -(logp_all.exp() * logp_all).sum(-1)
+        return out, entropy.new_zeros(B * R).index_copy(0, place, entropy).view(B, R)

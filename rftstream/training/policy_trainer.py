@@ -492,9 +492,27 @@ class PolicyTrainer:
     def _forward(
         self, model: torch.nn.Module, mb: TrainBatch, *, with_entropy: bool
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Response log-probs (and entropy) of ``mb`` (see :meth:`_response_logits`)."""
+        """Response log-probs (and entropy) of ``mb`` (see :meth:`_response_logits`), zeros
+        where a row has no response token (every pass alike, so that a difference of two
+        passes is zero there, never a difference of two paddings). Rows that
+        share a prompt under the lean forward skip the response padding altogether
+        (:meth:`LeanForward.shared_token_logprobs`)."""
+        lean = self._lean_for(model)
+        if lean is not None and self.share_prompts:
+            shared = _shared_prompts(mb)
+            if shared is not None:
+                ids, mask, pos = mb.input_ids, mb.attention_mask, mb.position_ids
+                return lean.shared_token_logprobs(
+                    ids,
+                    mask,
+                    pos,
+                    mb.prompt_width,
+                    *shared,
+                    self.temperature,
+                    with_entropy=with_entropy,
+                )
         logits, start = self._response_logits(model, mb)
-        return response_logprobs(
+        logp, entropy = response_logprobs(
             logits,
             mb.input_ids,
             mb.prompt_width,
@@ -502,6 +520,7 @@ class PolicyTrainer:
             with_entropy=with_entropy,
             logits_start=start,
         )
+        return _zero_padding(logp, mb), None if entropy is None else _zero_padding(entropy, mb)
 
     def _response_logits(self, model: torch.nn.Module, mb: TrainBatch) -> tuple[torch.Tensor, int]:
         """The logits that predict ``mb``'s response tokens, and the sequence position of
@@ -645,9 +664,9 @@ class PolicyTrainer:
                 logits_start=start,
             )
             part = TokenStats(
-                _pad_columns(part.logprob, width),
-                _pad_columns(part.entropy, width),
-                None if part.nec is None else _pad_columns(part.nec, width),
+                _pad_columns(_zero_padding(part.logprob, mb), width),
+                _pad_columns(_zero_padding(part.entropy, mb), width),
+                None if part.nec is None else _pad_columns(_zero_padding(part.nec, mb), width),
             )
             stats = part if stats is None else stats.cat(part)
         assert stats is not None  # collate rejects an empty batch
@@ -1238,6 +1257,12 @@ def _fit(t: torch.Tensor | None, n: int) -> torch.Tensor:
         m = min(n, int(t.numel()))
         out[:m] = t.reshape(-1)[:m].to(torch.float32).cpu()
     return out
+
+
+def _zero_padding(t: torch.Tensor, mb: TrainBatch) -> torch.Tensor:
+    """``t`` [B, R] (one value per response column of ``mb``) with zeros where a row has
+    no response token, as :meth:`LeanForward.shared_token_logprobs` leaves them."""
+    return t.masked_fill(mb.attention_mask[:, mb.prompt_width :] == 0, 0.0)
 
 
 def _shared_prompts(mb: TrainBatch) -> tuple[torch.Tensor, torch.Tensor] | None:

@@ -18,6 +18,7 @@ from transformers import AutoModelForCausalLM, LlamaForCausalLM
 
 from rftstream.engines.light_model import LightCausalLM
 from rftstream.model_loading import output_cache
+from rftstream.training.batch import response_logprobs
 from rftstream.training.lean_forward import LeanForward, lean_forward_reason
 from rftstream.training.policy_trainer import PolicyTrainer, _shared_prompts
 from tests.unit.test_fast_decoder import _models as fast_decoder_models
@@ -114,6 +115,52 @@ def test_logits_and_gradients_are_the_hf_forwards(tiny_model_path: str, shared: 
         assert expected.keys() == got.keys() and len(got) == len(list(model.parameters())), name
         for key in expected:
             torch.testing.assert_close(got[key], expected[key], atol=1e-6, rtol=1e-4, msg=key)
+
+
+def _loss_grads(model: torch.nn.Module, loss: torch.Tensor) -> dict[str, torch.Tensor]:
+    model.zero_grad()
+    loss.backward()
+    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def test_packed_response_log_probs_are_the_padded_passes(tiny_model_path: str) -> None:
+    """``shared_token_logprobs`` skips the response padding: at every real response
+    token it gives the log-prob and entropy of the HF shared pass's logits (at a
+    temperature), zeros where a row has no token, and the same gradients."""
+    temperature = 0.7
+    for name, model in _models(tiny_model_path).items():
+        model.train()
+        lean = LeanForward(model)
+        ids, attn, pos, real = _batch(model.config.vocab_size)
+        shares = _shared_prompts(type("Mb", (), {"input_ids": ids, "prompt_width": P})())
+        assert shares is not None
+        hf = _hf_shared(model, ids, attn, pos, *shares)
+        hf_logp, hf_entropy = response_logprobs(
+            hf, ids, P, temperature, with_entropy=True, logits_start=P - 1
+        )
+        logp, entropy = lean.shared_token_logprobs(
+            ids, attn, pos, P, *shares, temperature, with_entropy=True
+        )
+        assert entropy is not None and logp.shape == entropy.shape == (ids.shape[0], R), name
+        assert int(real.sum()) < real.numel()  # the batch has response padding to skip
+        torch.testing.assert_close(logp[real], hf_logp[real], atol=1e-5, rtol=1e-5, msg=name)
+        torch.testing.assert_close(entropy[real], hf_entropy[real], atol=1e-5, rtol=1e-5)
+        assert not logp[~real].any() and not entropy[~real].any(), name
+
+        expected = _loss_grads(model, (hf_logp * real).sum() + (hf_entropy * real).sum() * 0.1)
+        logp, entropy = lean.shared_token_logprobs(
+            ids, attn, pos, P, *shares, temperature, with_entropy=True
+        )
+        assert entropy is not None
+        got = _loss_grads(model, (logp * real).sum() + (entropy * real).sum() * 0.1)
+        assert expected.keys() == got.keys() and len(got) == len(list(model.parameters())), name
+        for key in expected:
+            torch.testing.assert_close(got[key], expected[key], atol=1e-5, rtol=1e-4, msg=key)
+        without, none = lean.shared_token_logprobs(
+            ids, attn, pos, P, *shares, temperature, with_entropy=False
+        )
+        assert none is None
+        torch.testing.assert_close(without, logp.detach(), atol=0, rtol=0)
 
 
 def test_what_it_does_not_cover_keeps_the_hf_forward(tiny_model_path: str) -> None:
