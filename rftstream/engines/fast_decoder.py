@@ -206,6 +206,8 @@ class FastDecoder:
         self.rope_scaling = float(getattr(inner.rotary_emb, "attention_scaling", 1.0))
         self.dtype = self.embed.dtype
         self.layers: list[_Layer] = []
+        self._cos = self._sin = torch.empty(0, self.head_dim, dtype=self.dtype)
+        self._rope_device: torch.device | None = None
         self.refresh()
 
     def refresh(self) -> None:
@@ -223,10 +225,21 @@ class FastDecoder:
         return rms_norm(x, norm.weight, self.eps)
 
     def _rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin of shape [B, 1, T, head_dim] for integer ``positions`` [B, T]."""
-        return rope_tables(positions, self.inv_freq, self.rope_scaling, self.dtype)
+        """cos, sin of shape [B, T, 1, head_dim] for integer ``positions`` [B, T] (every
+        head of a token turns by the same angles), looked up in tables made once for
+        every position up to the longest session so far (:meth:`_rope_room`): a decode
+        step indexes them instead of computing the angles again."""
+        return self._cos[positions][:, :, None], self._sin[positions][:, :, None]
 
-    _rotate = staticmethod(apply_rope)
+    def _rope_room(self, width: int, device: torch.device) -> None:
+        """Make the rotary tables cover positions ``0 .. width - 1`` (on ``device``)."""
+        if self._cos.shape[0] >= width and self._rope_device == device:
+            return
+        self._rope_device = device
+        n = max(width, 2 * int(self._cos.shape[0]))
+        positions = torch.arange(n, device=device)[None]
+        cos, sin = rope_tables(positions, self.inv_freq, self.rope_scaling, self.dtype)
+        self._cos, self._sin = cos[0, 0], sin[0, 0]  # [n, head_dim]
 
     def _forward(
         self,
@@ -243,15 +256,16 @@ class FastDecoder:
         B, T = ids.shape
         x = F.embedding(ids, self.embed)
         end = start + T
+        heads = self.n_heads
         for i, layer in enumerate(self.layers):
             h = self._rms(x, layer.attn_norm)
             qkv = F.linear(h, layer.qkv_w, layer.qkv_b)
-            q, k, v = qkv.split((self.q_size, self.kv_size, self.kv_size), dim=-1)
-            q = q.view(B, T, self.n_heads, self.head_dim).transpose(1, 2)
-            k = k.view(B, T, self.n_kv, self.head_dim).transpose(1, 2)
-            v = v.view(B, T, self.n_kv, self.head_dim).transpose(1, 2)
-            q = self._rotate(q, cos, sin)
-            k = self._rotate(k, cos, sin)
+            # the query and key heads of a token are rotated together, in one pass
+            qk = qkv[..., : self.q_size + self.kv_size].view(B, T, heads + self.n_kv, -1)
+            qk = apply_rope(qk, cos, sin)
+            q = qk[:, :, :heads].transpose(1, 2)
+            k = qk[:, :, heads:].transpose(1, 2)
+            v = qkv[..., self.q_size + self.kv_size :].view(B, T, self.n_kv, -1).transpose(1, 2)
             kc, vc = session.k[i], session.v[i]
             kc[:, :, start:end] = k
             vc[:, :, start:end] = v
@@ -322,6 +336,7 @@ class FastDecoder:
         B, P = input_ids.shape
         device = input_ids.device
         session = DecodeSession(self, B, P + room, device)
+        self._rope_room(P + room + 1, device)
         positions = (attention_mask.cumsum(-1) - 1).clamp_min(0)
         cos, sin = self._rope(positions)
         real = attention_mask.bool()
