@@ -194,6 +194,27 @@ class LeanForward:
             x, _, _ = self._layer(layer, x, rope, mask)
         return self._head(x[:, -keep:])
 
+    def _prompts(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        position_ids: torch.Tensor,
+        prompt_width: int,
+        first: torch.Tensor,
+    ) -> tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]]:
+        """The distinct prompts (rows ``first``, the first ``prompt_width`` columns) through
+        every layer: their last hidden states [G, P, hidden] and each layer's keys and
+        values, for the responses of the rows that share them."""
+        P = prompt_width
+        mask = self._mask(attention_mask[first, :P].bool(), P)
+        rope = self._rope(position_ids[first, :P])
+        x = F.embedding(input_ids[first, :P], self.inner.embed_tokens.weight)
+        past: list[tuple[torch.Tensor, torch.Tensor]] = []
+        for layer in self.inner.layers:
+            x, k, v = self._layer(layer, x, rope, mask)
+            past.append((k, v))
+        return x, past
+
     def shared_logits(
         self,
         input_ids: torch.Tensor,
@@ -208,14 +229,7 @@ class LeanForward:
         the rows that have it (``inverse``), as the trainer's shared-prompt HF path."""
         P = prompt_width
         R = input_ids.shape[1] - P
-        prompt_ok = attention_mask[:, :P].bool()
-        mask = self._mask(prompt_ok[first], P)
-        rope = self._rope(position_ids[first, :P])
-        x = F.embedding(input_ids[first, :P], self.inner.embed_tokens.weight)
-        past: list[tuple[torch.Tensor, torch.Tensor]] = []
-        for layer in self.inner.layers:
-            x, k, v = self._layer(layer, x, rope, mask)
-            past.append((k, v))
+        x, past = self._prompts(input_ids, attention_mask, position_ids, P, first)
         logits = self._head(x[:, -1:])[inverse]  # predicts response token 0 of every row
         if R <= 1:
             return logits
@@ -252,15 +266,9 @@ class LeanForward:
         gradients."""
         P = prompt_width
         R = input_ids.shape[1] - P
-        prompt_ok = attention_mask[:, :P].bool()
-        mask = self._mask(prompt_ok[first], P)
-        rope = self._rope(position_ids[first, :P])
-        x = F.embedding(input_ids[first, :P], self.inner.embed_tokens.weight)
-        past: list[tuple[torch.Tensor, torch.Tensor]] = []
-        for layer in self.inner.layers:
-            x, k, v = self._layer(layer, x, rope, mask)
-            past.append((k, v))
-        heads = [self._head(x[:, -1])[inverse]]  # [B, vocab]: response token 0 of every row
+        x, past = self._prompts(input_ids, attention_mask, position_ids, P, first)
+        # [B, vocab]: response token 0 of every row (each has one: the trainer's check)
+        heads = [self._head(x[:, -1])[inverse]]
         targets = [input_ids[:, P]]
         places = [torch.arange(input_ids.shape[0], device=input_ids.device) * R]
         if R > 1:
