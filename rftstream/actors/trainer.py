@@ -912,7 +912,7 @@ class Trainer:
         waits for is counted in ``sync/trainer_blocking_seconds``.
 
         First KV ``weights.pending`` (every method: explorers count ``max_staleness``
-        from it). ``jetstream``: then a snapshot in the wire dtype (blocks for the
+        from it). ``jetstream``: meanwhile a snapshot in the wire dtype (blocks for the
         copy; a collective under ZeRO-3), which the publisher sends in the background
         (``inline``, or a version of at most ``SMALL_VERSION_BYTES``: now, before
         returning: a resumed trainer's first version, before the publisher runs; a
@@ -921,13 +921,19 @@ class Trainer:
         """
         method = self.cfg.synchronizer.sync_method
         t0 = time.perf_counter()
-        await state.put(
-            WEIGHTS_PENDING,
-            WeightsPending(version=step, incarnation=self.incarnation, ts=time.time()),
-        )
+        pending = WeightsPending(version=step, incarnation=self.incarnation, ts=time.time())
         if method == "jetstream":
             dtype = WIRE_DTYPES[weights_wire_dtype(self.cfg)]
-            snapshot = await anyio.to_thread.run_sync(trainer.wire_state_dict, dtype)
+            snapshot: dict[str, Any] = {}
+
+            async def take_snapshot() -> None:
+                snapshot.update(await anyio.to_thread.run_sync(trainer.wire_state_dict, dtype))
+
+            # the snapshot is copied while the pending record's put waits for its ack:
+            # both are done before anything of the version goes out
+            async with anyio.create_task_group() as both:
+                both.start_soon(take_snapshot)
+                await state.put(WEIGHTS_PENDING, pending)
             publisher = self._publisher(state, trainer)
             blocking = time.perf_counter() - t0
             small = sum(t.numel() * t.element_size() for t in snapshot.values())
@@ -939,6 +945,7 @@ class Trainer:
                 publisher.submit(step, step, snapshot, blocking)
             self._sync_blocking += time.perf_counter() - t0
             return
+        await state.put(WEIGHTS_PENDING, pending)
         weights_dir = self.checkpoint_dir / "weights"
 
         def _save() -> tuple[Any, int]:
