@@ -66,26 +66,6 @@ def lean_forward_reason(
     return None
 
 
-def _side_by_side(*modules: Any) -> torch.Tensor:
-    """The weights of ``modules`` (linear layers of one input) stacked along their
-    outputs: one product computes all of them."""
-    return torch.cat([m.weight for m in modules])
-
-
-def _biases(attn: Any) -> torch.Tensor | None:
-    """q, k and v's biases side by side (Qwen2's), zeros for one that has none; None
-    when none has one (Llama's default)."""
-    projections = (attn.q_proj, attn.k_proj, attn.v_proj)
-    if all(m.bias is None for m in projections):
-        return None
-    return torch.cat(
-        [
-            m.bias if m.bias is not None else m.weight.new_zeros(m.weight.shape[0])
-            for m in projections
-        ]
-    )
-
-
 class Packing:
     """The real tokens of a [rows, width] layout, packed: ``index`` holds their flat
     positions (row-major), so a [rows, width, ...] tensor's real entries are
@@ -132,12 +112,7 @@ class LeanForward:
         return rms_norm(x, norm.weight, self.eps)
 
     def _rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin for the token-major layout the heads are rotated in: [B, T, 1, head_dim]
-        for ``positions`` [B, T], [N, 1, head_dim] for packed ``positions`` [N]."""
-        cos, sin = rope_tables(positions, self.inv_freq, self.rope_scaling, torch.float32)
-        if positions.dim() == 2:
-            return cos.transpose(1, 2), sin.transpose(1, 2)
-        return cos, sin
+        return rope_tables(positions, self.inv_freq, self.rope_scaling, torch.float32)
 
     def _layer(
         self,
@@ -155,24 +130,25 @@ class LeanForward:
         attention on the [B, T] layout they are scattered into (zeros where padded,
         which ``mask`` hides from every real query)."""
         attn = layer.self_attn
-        heads, kv = self.n_heads, self.n_kv
         h = self._rms(x, layer.input_layernorm)
-        # q, k and v in one product with the three weights side by side (autograd hands
-        # each its slice of the gradient); the query and key heads rotated in one pass
-        qkv = F.linear(h, _side_by_side(attn.q_proj, attn.k_proj, attn.v_proj), _biases(attn))
-        qk = qkv[..., : (heads + kv) * self.head_dim].unflatten(-1, (heads + kv, -1))
-        v = qkv[..., (heads + kv) * self.head_dim :].unflatten(-1, (kv, -1))
-        cos, sin = rope
-        qk = apply_rope(qk, cos, sin)
+        q = F.linear(h, attn.q_proj.weight, attn.q_proj.bias)
+        k = F.linear(h, attn.k_proj.weight, attn.k_proj.bias)
+        v = F.linear(h, attn.v_proj.weight, attn.v_proj.bias)
         if packing is None:
-            B, T = x.shape[:2]
+            B, T, _ = x.shape
         else:
-            # the rotary embedding is per token: on the packed tokens, before the scatter
             B, T = packing.rows, packing.width
-            qk, v = packing.unpack(qk), packing.unpack(v)
-        q = qk[:, :, :heads].transpose(1, 2)
-        k = qk[:, :, heads:].transpose(1, 2)
-        v = v.transpose(1, 2)
+            # the rotary embedding is per token: on the packed tokens, before the scatter
+            cos, sin = rope
+            q = apply_rope(q.view(-1, self.n_heads, self.head_dim), cos, sin)
+            k = apply_rope(k.view(-1, self.n_kv, self.head_dim), cos, sin)
+            q, k, v = packing.unpack(q), packing.unpack(k), packing.unpack(v)
+        q = q.view(B, T, self.n_heads, self.head_dim).transpose(1, 2)
+        k = k.view(B, T, self.n_kv, self.head_dim).transpose(1, 2)
+        v = v.view(B, T, self.n_kv, self.head_dim).transpose(1, 2)
+        if packing is None:
+            cos, sin = rope
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         keys, values = (
             (k, v) if past is None else (torch.cat([past[0], k], 2), torch.cat([past[1], v], 2))
         )
@@ -185,8 +161,8 @@ class LeanForward:
         x = x + F.linear(o, attn.o_proj.weight, attn.o_proj.bias)
         mlp = layer.mlp
         h = self._rms(x, layer.post_attention_layernorm)
-        gate, up = F.linear(h, _side_by_side(mlp.gate_proj, mlp.up_proj)).chunk(2, dim=-1)
-        return x + F.linear(F.silu(gate) * up, mlp.down_proj.weight), k, v
+        gate = F.silu(F.linear(h, mlp.gate_proj.weight)) * F.linear(h, mlp.up_proj.weight)
+        return x + F.linear(gate, mlp.down_proj.weight), k, v
 
     def _head(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(self._rms(x, self.inner.norm), self.model.get_output_embeddings().weight)
