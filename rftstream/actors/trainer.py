@@ -924,16 +924,11 @@ class Trainer:
         pending = WeightsPending(version=step, incarnation=self.incarnation, ts=time.time())
         if method == "jetstream":
             dtype = WIRE_DTYPES[weights_wire_dtype(self.cfg)]
-            snapshot: dict[str, Any] = {}
-
-            async def take_snapshot() -> None:
-                snapshot.update(await anyio.to_thread.run_sync(trainer.wire_state_dict, dtype))
-
             # the snapshot is copied while the pending record's put waits for its ack:
             # both are done before anything of the version goes out
             async with anyio.create_task_group() as both:
-                both.start_soon(take_snapshot)
-                await state.put(WEIGHTS_PENDING, pending)
+                both.start_soon(state.put, WEIGHTS_PENDING, pending)
+                snapshot = await anyio.to_thread.run_sync(trainer.wire_state_dict, dtype)
             publisher = self._publisher(state, trainer)
             blocking = time.perf_counter() - t0
             small = sum(t.numel() * t.element_size() for t in snapshot.values())

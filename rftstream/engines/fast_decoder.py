@@ -207,7 +207,6 @@ class FastDecoder:
         self.dtype = self.embed.dtype
         self.layers: list[_Layer] = []
         self._cos = self._sin = torch.empty(0, self.head_dim, dtype=self.dtype)
-        self._rope_device: torch.device | None = None
         self.refresh()
 
     def refresh(self) -> None:
@@ -233,9 +232,8 @@ class FastDecoder:
 
     def _rope_room(self, width: int, device: torch.device) -> None:
         """Make the rotary tables cover positions ``0 .. width - 1`` (on ``device``)."""
-        if self._cos.shape[0] >= width and self._rope_device == device:
+        if self._cos.shape[0] >= width and self._cos.device == device:
             return
-        self._rope_device = device
         n = max(width, 2 * int(self._cos.shape[0]))
         positions = torch.arange(n, device=device)[None]
         cos, sin = rope_tables(positions, self.inv_freq, self.rope_scaling, self.dtype)

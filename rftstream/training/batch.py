@@ -284,11 +284,20 @@ def response_logprobs(
     """
     R = input_ids.shape[1] - prompt_width
     first = prompt_width - 1 - logits_start
-    lg = logits[:, first : first + R, :].float()
-    if temperature and temperature != 1.0:
-        lg = lg / temperature
-    logp_all = torch.log_softmax(lg, dim=-1)
     targets = input_ids[:, prompt_width : prompt_width + R]
+    return target_logprobs(
+        logits[:, first : first + R, :].float(), targets, temperature, with_entropy=with_entropy
+    )
+
+
+def target_logprobs(
+    logits: torch.Tensor, targets: torch.Tensor, temperature: float, *, with_entropy: bool
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Each target token's log-probability under ``logits / temperature`` (logits
+    ``[..., vocab]``, targets ``[...]``), and the distribution's entropy there."""
+    if temperature and temperature != 1.0:
+        logits = logits / temperature
+    logp_all = torch.log_softmax(logits, dim=-1)
     logp = torch.gather(logp_all, -1, targets.unsqueeze(-1)).squeeze(-1)
     entropy = None
     if with_entropy:

@@ -41,6 +41,7 @@ from rftstream.engines.fast_decoder import (
     rms_norm,
     rope_tables,
 )
+from rftstream.training.batch import target_logprobs
 
 __all__ = ["LeanForward", "Packing", "lean_forward_reason"]
 
@@ -258,12 +259,11 @@ class LeanForward:
         :func:`~rftstream.training.batch.response_logprobs`, without the padding.
 
         The prompts run as in :meth:`shared_logits`; the response pass runs every layer
-        but attention, and the LM head and softmax, on the response tokens that predict
-        a real token only (a row's last token predicts nothing), where the padded pass
-        runs them on ``B x R`` positions: with replies of uneven length a third of those
-        can be padding. Real tokens after a gap in a row's mask keep every real key
-        before them. Same values at every real token, to rounding, and the same
-        gradients."""
+        but attention on the real response tokens only, and the LM head and softmax on
+        those that predict a real token (not a row's last), where the padded pass runs
+        them on ``B x R`` positions: with replies of uneven length a third of those can
+        be padding. Real tokens after a gap in a row's mask keep every real key before
+        them. Same values at every real token, to rounding, and the same gradients."""
         P = prompt_width
         R = input_ids.shape[1] - P
         x, past = self._prompts(input_ids, attention_mask, position_ids, P, first)
@@ -287,16 +287,12 @@ class LeanForward:
             targets.append(packing.pack(input_ids[:, P + 1 :])[predicts])
             index = packing.index[predicts]
             places.append(index // (R - 1) * R + index % (R - 1) + 1)
-        logits = torch.cat(heads) if len(heads) > 1 else heads[0]
-        if temperature and temperature != 1.0:
-            logits = logits / temperature
-        logp_all = torch.log_softmax(logits, dim=-1)
-        place = torch.cat(places)
-        target = torch.cat(targets)
-        logp = logp_all.gather(-1, target.unsqueeze(-1)).squeeze(-1)
-        B = input_ids.shape[0]
-        out = logp.new_zeros(B * R).index_copy(0, place, logp).view(B, R)
-        if not with_entropy:
-            return out, None
-        entropy = -(logp_all.exp() * logp_all).sum(-1)
-        return out, entropy.new_zeros(B * R).index_copy(0, place, entropy).view(B, R)
+        logp, entropy = target_logprobs(
+            torch.cat(heads), torch.cat(targets), temperature, with_entropy=with_entropy
+        )
+        place, B = torch.cat(places), input_ids.shape[0]
+
+        def to_columns(t: torch.Tensor) -> torch.Tensor:  # [B, R], zeros where no token
+            return t.new_zeros(B * R).index_copy(0, place, t).view(B, R)
+
+        return to_columns(logp), None if entropy is None else to_columns(entropy)

@@ -498,20 +498,19 @@ class PolicyTrainer:
         share a prompt under the lean forward skip the response padding altogether
         (:meth:`LeanForward.shared_token_logprobs`)."""
         lean = self._lean_for(model)
-        if lean is not None and self.share_prompts:
-            shared = _shared_prompts(mb)
-            if shared is not None:
-                ids, mask, pos = mb.input_ids, mb.attention_mask, mb.position_ids
-                return lean.shared_token_logprobs(
-                    ids,
-                    mask,
-                    pos,
-                    mb.prompt_width,
-                    *shared,
-                    self.temperature,
-                    with_entropy=with_entropy,
-                )
-        logits, start = self._response_logits(model, mb)
+        shared = self._shares(mb)
+        if lean is not None and shared is not None:
+            ids, mask, pos = mb.input_ids, mb.attention_mask, mb.position_ids
+            return lean.shared_token_logprobs(
+                ids,
+                mask,
+                pos,
+                mb.prompt_width,
+                *shared,
+                self.temperature,
+                with_entropy=with_entropy,
+            )
+        logits, start = self._response_logits(model, mb, shared)
         logp, entropy = response_logprobs(
             logits,
             mb.input_ids,
@@ -522,20 +521,28 @@ class PolicyTrainer:
         )
         return _zero_padding(logp, mb), None if entropy is None else _zero_padding(entropy, mb)
 
-    def _response_logits(self, model: torch.nn.Module, mb: TrainBatch) -> tuple[torch.Tensor, int]:
+    def _shares(self, mb: TrainBatch) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """``(first, inverse)`` of :func:`_shared_prompts` when ``trainer.share_prompts`` is
+        on and rows of ``mb`` share prompts, else None: one pass's decision."""
+        return _shared_prompts(mb) if self.share_prompts else None
+
+    def _response_logits(
+        self,
+        model: torch.nn.Module,
+        mb: TrainBatch,
+        shared: tuple[torch.Tensor, torch.Tensor] | None,
+    ) -> tuple[torch.Tensor, int]:
         """The logits that predict ``mb``'s response tokens, and the sequence position of
         their first column. The LM head runs on the positions that predict response
         tokens only, where the model's forward can be told so. Rows that share a prompt
-        share its forward pass (``trainer.share_prompts``)."""
+        (``shared``: :meth:`_shares`) share its forward pass."""
         lean = self._lean_for(model)
-        if self.share_prompts:
-            shared = _shared_prompts(mb)
-            if shared is not None:
-                if lean is not None:
-                    P = mb.prompt_width
-                    ids, mask, pos = mb.input_ids, mb.attention_mask, mb.position_ids
-                    return lean.shared_logits(ids, mask, pos, P, *shared), P - 1
-                return self._forward_shared(model, mb, *shared)
+        if shared is not None:
+            if lean is not None:
+                P = mb.prompt_width
+                ids, mask, pos = mb.input_ids, mb.attention_mask, mb.position_ids
+                return lean.shared_logits(ids, mask, pos, P, *shared), P - 1
+            return self._forward_shared(model, mb, *shared)
         if lean is not None:
             response = mb.input_ids.shape[1] - mb.prompt_width
             logits = lean.logits(mb.input_ids, mb.attention_mask, mb.position_ids, response + 1)
@@ -652,9 +659,10 @@ class PolicyTrainer:
         width = batch.response_width
         batches = self._no_grad_batches(batch)
         for _ in range(self._lockstep_extra(len(batches))):
-            self._response_logits(self.engine.module, batches[0])  # see _lockstep_extra
+            first = batches[0]  # see _lockstep_extra
+            self._response_logits(self.engine.module, first, self._shares(first))
         for mb in batches:
-            logits, start = self._response_logits(self.engine.module, mb)
+            logits, start = self._response_logits(self.engine.module, mb, self._shares(mb))
             part = response_token_stats(
                 logits,
                 mb.input_ids,
