@@ -48,7 +48,8 @@ lint: setup
 
 # Codec; the bus against a tuned raw nats-py client; MIX vs GRPO reward per step; weight
 # sync, bus against files (`just bench --quick` for these four); then rftstream against
-# TRL's GRPOTrainer on three workloads, five seeds (about 45 minutes on 2 cores), and
+# TRL's GRPOTrainer on three workloads, five seeds (nine where generation dominates;
+# about 60 minutes on 2 cores), and
 # start-up from a fresh clone and warm, beside TRL's (about 5 minutes). Every
 # benchmark runs; the recipe fails at the end when one missed its target or failed.
 # every benchmark, each against a baseline measured in the same run

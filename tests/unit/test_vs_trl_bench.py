@@ -218,6 +218,16 @@ def test_each_workload_has_its_own_budget_unless_one_is_given(bench: ModuleType)
     assert given.budget_for(bench.WORKLOADS["genheavy"]) == 100.0
 
 
+def test_each_workload_runs_its_own_seeds_unless_they_are_named(bench: ModuleType) -> None:
+    w = bench.WORKLOADS
+    assert w["default"].seed_list() == w["longtail"].seed_list() == [1, 2, 3, 4, 5]
+    assert w["genheavy"].seed_list() == list(range(1, 10))
+    assert w["genheavy"].seed_list([3, 1]) == w["default"].seed_list([3, 1]) == [3, 1]
+    assert bench.seed_range(list(range(1, 10))) == "1-9"
+    assert bench.seed_range([1, 3, 7]) == "1,3,7"
+    assert bench.seed_range([4, 5]) == "4,5"
+
+
 def test_workload_overrides_name_the_keys_rftstream_up_takes(bench: ModuleType) -> None:
     import copy
 
