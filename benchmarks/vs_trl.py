@@ -287,6 +287,47 @@ def median_at_least(
     return float(sum(m for m, _ in middle) / len(middle)), exact
 
 
+def ratio_interval(
+    ours: Sequence[float | None],
+    theirs: Sequence[float | None],
+    their_bounds: Sequence[float | None],
+    *,
+    level: float = 0.95,
+    resamples: int = 2000,
+    seed: int = 0,
+) -> tuple[float, float] | None:
+    """A percentile bootstrap interval of the ratio of medians, ``median(ours) /
+    median(theirs)``, at confidence ``level``: each side's seeds are drawn again with
+    replacement (independently: rftstream's runs of a seed differ from run to run, so
+    seeds do not pair), ``resamples`` times, with a fixed generator (the same figures
+    give the same interval). Missing values count as :func:`median_at_least` counts them
+    (ours: never, infinity; theirs: where the run stopped). None when a side has no
+    value. It says how far the seeds alone could move the ratio: a verdict whose
+    interval straddles its target was decided by which seeds ran."""
+    import random
+
+    if not ours or not theirs:
+        return None
+    rng = random.Random(seed)
+    mine_bounds = [None] * len(ours)
+    pairs = list(zip(theirs, their_bounds, strict=True))
+    ratios = []
+    for _ in range(resamples):
+        mine, _ = median_at_least(rng.choices(list(ours), k=len(ours)), mine_bounds)
+        drawn = rng.choices(pairs, k=len(pairs))
+        base, _ = median_at_least([v for v, _ in drawn], [b for _, b in drawn])
+        if mine is None or base is None or base <= 0 or base == float("inf"):
+            continue
+        ratios.append(mine / base)
+    if not ratios:
+        return None
+    ratios.sort()
+    tail = (1.0 - level) / 2
+    lo = ratios[int(tail * (len(ratios) - 1))]
+    hi = ratios[int(round((1.0 - tail) * (len(ratios) - 1)))]
+    return lo, hi
+
+
 def verdict(value: float | None, target: float, *, at_least: bool = False) -> str:
     """``PASS`` or ``MISS`` of ``value`` against ``target`` (``<=``, or ``>=`` with
     ``at_least``); a missing value is a MISS."""
@@ -944,9 +985,16 @@ def report(
                     v = "UNDECIDED (raise --budget-s)"
         ok &= v == "PASS"
         at_most = "" if exact or r is None else "<= "
+        spread = ""
+        if r is not None:
+            bounds = [ran(c) if ran else None for c in trl]
+            interval = ratio_interval([pick(c) for c in ours], [pick(c) for c in trl], bounds)
+            if interval is not None:
+                lo, hi = (_fmt(x, ".2f") if x != float("inf") else "∞" for x in interval)
+                spread = f"; 95% bootstrap interval over seeds {lo}-{hi}x"
         lines.append(
             f"{workload.title}: {what}, rftstream / TRL = {at_most}{_fmt(r, '.2f')}x "
-            f"(median of {len(ours)} seeds{note}; target <= {target}x): {v}"
+            f"(median of {len(ours)} seeds{note}{spread}; target <= {target}x): {v}"
         )
     return lines, ok
 

@@ -19,6 +19,8 @@ Then :func:`rftstream.runtime.start_fresh` does the same on the server's side.
 
 from __future__ import annotations
 
+import os
+import re
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -43,6 +45,42 @@ class RunClaim:
 
 def _has_earlier_run(run_dir: Path) -> bool:
     return any((run_dir / name).exists() for name in RUN_FILES)
+
+
+def runs_moved_aside(run_dir: Path) -> tuple[int, int]:
+    """``(count, bytes)`` of the earlier runs of ``run_dir`` moved aside beside it (the
+    ``<name>.<YYYYmmdd-HHMMSS>[-n]`` directories :func:`~rftstream.run_lock.move_aside`
+    makes; nothing else is counted). Blocks on a walk of those directories; files that
+    vanish or cannot be read meanwhile count as nothing."""
+    pattern = re.compile(re.escape(run_dir.name) + r"\.\d{8}-\d{6}(-\d+)?")
+    count = total = 0
+    try:
+        siblings = list(run_dir.parent.iterdir())
+    except OSError:
+        return 0, 0
+    for entry in siblings:
+        if not pattern.fullmatch(entry.name) or not entry.is_dir() or entry.is_symlink():
+            continue
+        count += 1
+        for root, _, files in os.walk(entry):
+            for name in files:
+                try:
+                    total += os.lstat(os.path.join(root, name)).st_size
+                except OSError:
+                    pass
+    return count, total
+
+
+def _aside_note(run_dir: Path) -> str:
+    """What the runs moved aside beside ``run_dir`` hold, for the console; each
+    ``up --fresh`` adds one and nothing ever deletes them."""
+    count, size = runs_moved_aside(run_dir)
+    if count < 2:
+        return ""
+    return (
+        f" ({count} earlier runs moved aside there hold {size / 2**20:,.0f} MiB: delete the "
+        f"{run_dir.name}.<time> directories you no longer need)"
+    )
 
 
 def _when(ts: float | None) -> str:
@@ -81,7 +119,10 @@ def claim_run_dir(run_dir: Path, *, fresh: bool = False, keep_finished: bool = F
             return RunClaim(
                 lock,
                 continuing=False,
-                note=f"a new run starts ({why}); the earlier run's files are in {aside}",
+                note=(
+                    f"a new run starts ({why}); the earlier run's files are in {aside}"
+                    f"{_aside_note(run_dir)}"
+                ),
                 aside=aside,
             )
         how = {

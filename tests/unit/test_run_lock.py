@@ -24,7 +24,7 @@ from rftstream.run_lock import (
     new_embedded_auth,
     read_embedded_auth,
 )
-from rftstream.run_start import claim_run_dir
+from rftstream.run_start import claim_run_dir, runs_moved_aside
 
 
 def test_a_held_dir_is_refused_naming_the_holder_and_free_once_released(tmp_path: Path) -> None:
@@ -104,6 +104,24 @@ def test_fresh_and_a_finished_run_move_the_earlier_run_aside(tmp_path: Path) -> 
     assert not again.continuing and again.aside not in (None, claim.aside)
     assert again.note and "the earlier run had finished" in again.note
     assert len([p for p in tmp_path.iterdir() if p.name.startswith("run.")]) == 2
+
+
+def test_fresh_says_what_the_runs_moved_aside_hold(tmp_path: Path) -> None:
+    """Each ``--fresh`` keeps the earlier run beside the directory; from the second on,
+    the note says how many there are and how much they hold, so a filling disk has a
+    named cause."""
+    run_dir = tmp_path / "run"
+    (tmp_path / "run.notes").mkdir()  # not a moved-aside run: not counted
+    (tmp_path / "run.notes" / "big").write_bytes(b"x" * (3 << 20))
+    for size in (1 << 20, 2 << 20):
+        _earlier_run(run_dir, "stopped")
+        (run_dir / "nats" / "blk").write_bytes(b"x" * size)
+        claim = claim_run_dir(run_dir, fresh=True)
+        claim.lock.release("done")
+    assert claim.note and "2 earlier runs moved aside there hold 3 MiB" in claim.note
+    assert "run.<time>" in claim.note
+    assert runs_moved_aside(run_dir)[0] == 2
+    assert runs_moved_aside(run_dir)[1] >= 3 << 20
 
 
 def test_a_finished_stage_is_kept_as_it_is(tmp_path: Path) -> None:

@@ -166,6 +166,7 @@ def test_report_fails_a_miss_and_a_run_that_never_got_there(bench: ModuleType) -
     console = Console(file=open("/dev/null", "w"))  # noqa: SIM115
     lines, ok = bench.report(w, [curve("TRL", 100.0)] * 3, [curve("rftstream", 30.0)] * 3, console)
     assert ok and "0.30x" in lines[0] and lines[0].endswith("PASS")
+    assert "95% bootstrap interval over seeds 0.30-0.30x" in lines[0]
     lines, ok = bench.report(w, [curve("TRL", 100.0)] * 3, [curve("rftstream", 40.0)] * 3, console)
     assert not ok and lines[0].endswith("MISS")
     never = [curve("rftstream", None)] * 2 + [curve("rftstream", 10.0)]
@@ -185,6 +186,27 @@ def test_median_at_least_counts_a_run_that_never_got_there_where_it_stopped(
     # a bound in the middle: the true median is at least it, not it
     assert f([10.0, None, 30.0], [0, 20.0, 0]) == (20.0, False)
     assert f([202.7, None, None, 140.4, None], [0, 242.0, 242.0, 0, 242.0]) == (242.0, False)
+
+
+def test_ratio_interval_is_a_bootstrap_of_the_ratio_of_medians(bench: ModuleType) -> None:
+    f = bench.ratio_interval
+    # no spread: the interval is the ratio itself
+    assert f([30.0] * 5, [100.0] * 5, [None] * 5) == (0.3, 0.3)
+    # the sixteenth session's generation-heavy seconds to 0.7, seeds 1-9
+    ours = [65.0, 45.6, 38.2, 65.2, 24.3, 39.5, 36.4, 24.2, 25.9]
+    trl = [108.4, 61.3, 73.2, 91.2, 57.3, 175.5, 112.2, 80.0, 156.1]
+    lo, hi = f(ours, trl, [None] * 9)
+    point = bench.median_or_none(ours) / bench.median_or_none(trl)  # 0.42
+    assert lo < point < hi and hi < 1.0
+    assert f(ours, trl, [None] * 9) == (lo, hi)  # a fixed generator: the same interval
+    lo5, hi5 = f(ours[:5], trl[:5], [None] * 5)
+    assert hi5 - lo5 > hi - lo  # five seeds: wider
+    assert lo5 < 0.5 < hi5  # and straddling the target: decided by which seeds ran
+    # a run of ours that never got there is infinitely slow; TRL's counts where it stopped
+    lo, hi = f([None, None, 30.0], [100.0] * 3, [None] * 3)
+    assert lo == 0.3 and hi == float("inf")
+    assert f([30.0, 40.0], [None, None], [200.0, 200.0]) == (0.15, 0.2)
+    assert f([], [100.0], [None]) is None
 
 
 def test_report_bounds_the_ratio_when_trl_never_got_there(bench: ModuleType) -> None:
