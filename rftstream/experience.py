@@ -147,6 +147,11 @@ class Experience:
     rejected_text: str | None = None
     model_version: int = 0
     eid: EID = field(default_factory=EID)
+    # where the sampler banned tokens (min_tokens: end and stop tokens), per response
+    # token the log of the probability mass it could still draw from, under the
+    # distribution ``logprobs`` are of: log(1 - p(banned_ids)); 0 where nothing was banned
+    allowed_logprobs: torch.Tensor | Any = None
+    banned_ids: torch.Tensor | Any = None  # the token ids banned where allowed_logprobs < 0
 
     def __post_init__(self) -> None:
         self.tokens = _as_tensor(self.tokens, torch.int32, "tokens")
@@ -157,6 +162,12 @@ class Experience:
             setattr(self, name, _as_tensor(getattr(self, name), torch.float32, name))
         self.chosen = _as_tensor(self.chosen, torch.int32, "chosen")
         self.rejected = _as_tensor(self.rejected, torch.int32, "rejected")
+        if self.allowed_logprobs is not None:
+            self.allowed_logprobs = _as_tensor(
+                self.allowed_logprobs, torch.float32, "allowed_logprobs"
+            )
+        if self.banned_ids is not None:
+            self.banned_ids = _as_tensor(self.banned_ids, torch.int32, "banned_ids")
         mask = _as_tensor(self.action_mask, torch.bool, "action_mask")
         if mask is None:
             mask = torch.ones(self.response_length, dtype=torch.bool)
@@ -256,6 +267,8 @@ class ExperienceRecord(msgspec.Struct, omit_defaults=True, gc=False):
     chosen_text: str | None = None
     rejected_text: str | None = None
     model_version: int = 0
+    allowed_logprobs: memoryview | None = None  # float32, response length
+    banned_ids: memoryview | None = None  # int32
 
 
 class ExperienceGroupMsg(msgspec.Struct, omit_defaults=True, gc=False):
@@ -287,6 +300,8 @@ _WIRE_ARRAYS: dict[str, np.dtype] = {
     "action_mask": _U8,
     "chosen": _LE_I32,
     "rejected": _LE_I32,
+    "allowed_logprobs": _LE_F32,
+    "banned_ids": _LE_I32,
 }
 
 
@@ -461,6 +476,8 @@ def to_record(exp: Experience) -> ExperienceRecord:
         returns = None if (t := d["returns"]) is None else _to_bytes(t, _LE_F32)
         chosen = None if (t := d["chosen"]) is None else _to_bytes(t, _LE_I32)
         rejected = None if (t := d["rejected"]) is None else _to_bytes(t, _LE_I32)
+        allowed = None if (t := d.get("allowed_logprobs")) is None else _to_bytes(t, _LE_F32)
+        banned = None if (t := d.get("banned_ids")) is None else _to_bytes(t, _LE_I32)
     else:
         tokens = _array_bytes(d, wire, "tokens")
         logprobs = _array_bytes(d, wire, "logprobs")
@@ -470,6 +487,8 @@ def to_record(exp: Experience) -> ExperienceRecord:
         mask = _array_bytes(d, wire, "action_mask")
         chosen = _array_bytes(d, wire, "chosen")
         rejected = _array_bytes(d, wire, "rejected")
+        allowed = _array_bytes(d, wire, "allowed_logprobs")
+        banned = _array_bytes(d, wire, "banned_ids")
     # positional, in the order of ExperienceRecord's fields (five times cheaper than keywords)
     return ExperienceRecord(
         WireEID(eid.batch, eid.task, eid.run, eid.step, eid.suffix),
@@ -491,6 +510,8 @@ def to_record(exp: Experience) -> ExperienceRecord:
         exp.chosen_text,
         exp.rejected_text,
         exp.model_version,
+        allowed,
+        banned,
     )
 
 
@@ -595,6 +616,8 @@ def from_record(rec: ExperienceRecord) -> Experience:
         or (ret is not None and len(ret) & 3)
         or (rec.chosen is not None and len(rec.chosen) & 3)
         or (rec.rejected is not None and len(rec.rejected) & 3)
+        or (rec.allowed_logprobs is not None and len(rec.allowed_logprobs) & 3)
+        or (rec.banned_ids is not None and len(rec.banned_ids) & 3)
     ):
         _raise_ragged(rec)
     if not _torch_warned:

@@ -53,7 +53,9 @@ _ARRAYS: dict[str, tuple[str, str, str]] = {
     "logprobs": (
         "<f4",
         _RESPONSE,
-        "Log-probability of each response token under the policy that sampled it.",
+        "Log-probability of each response token under the policy that sampled it, at the "
+        "sampling temperature, before top-k / top-p and before any ban (vLLM's raw "
+        "log-probabilities; see allowed_logprobs).",
     ),
     "token_level_reward": ("<f4", _RESPONSE, "A reward per response token (optional)."),
     "advantages": (
@@ -71,6 +73,20 @@ _ARRAYS: dict[str, tuple[str, str, str]] = {
     ),
     "chosen": ("<i4", "len(chosen)", "DPO: token ids of the chosen response."),
     "rejected": ("<i4", "len(rejected)", "DPO: token ids of the rejected response."),
+    "allowed_logprobs": (
+        "<f4",
+        _RESPONSE,
+        "Where the sampler banned tokens (min_tokens: end and stop tokens before that many "
+        "new tokens), per response token the log of the probability it could still draw "
+        "from, log(1 - p(banned_ids)), under the distribution logprobs are of; 0 where "
+        "nothing was banned. The sampled distribution's log-probability of a token is "
+        "logprobs - allowed_logprobs. Absent: no token was drawn under a ban.",
+    ),
+    "banned_ids": (
+        "<i4",
+        "len(banned_ids)",
+        "The token ids the sampler banned where allowed_logprobs is below 0 (absent with it).",
+    ),
 }
 
 _FIELDS: dict[str, str] = {

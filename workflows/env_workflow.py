@@ -14,7 +14,9 @@ token ids so far, so the Experience has
 * ``action_mask`` 1 exactly on the tokens the model generated (its end-of-turn
   token included when it produced one) and 0 on the environment's,
 * ``logprobs`` the sampling log-probabilities on the model's tokens, 0 on the
-  environment's,
+  environment's (``allowed_logprobs`` / ``banned_ids`` alike where a turn was
+  sampled under ``rollout_args.min_tokens``; ``info["logprobs_exact"]`` False
+  when any turn's logprobs were not the engine convention's),
 * ``reward`` the episode's return (sum of step rewards), and
   ``messages`` the conversation, ``info`` / ``metrics`` the episode's
   ``env_steps``, ``env_done``, ``truncated`` and ``env_return`` (``info`` also
@@ -64,6 +66,8 @@ class TokenTrajectory:
         self.response_ids: list[int] = []
         self.mask: list[int] = []
         self.logprobs: list[float] = []
+        self.allowed: list[float] = []  # log(1 - p(banned)) per token, 0 where no ban
+        self.banned: set[tuple[int, ...]] = set()  # the banned ids of the replies with a ban
 
     @property
     def ids(self) -> list[int]:
@@ -72,17 +76,44 @@ class TokenTrajectory:
     def __len__(self) -> int:
         return len(self.prompt_ids) + len(self.response_ids)
 
-    def add_model(self, ids: list[int], logprobs: list[float]) -> None:
+    def add_model(
+        self,
+        ids: list[int],
+        logprobs: list[float],
+        allowed: list[float] | None = None,
+        banned: list[int] | None = None,
+    ) -> None:
+        """A reply's tokens (trained on), their logprobs and, where the engine sampled
+        them under a ban (``Completion.allowed_logprobs`` / ``banned_ids``), its banned mass."""
         if len(ids) != len(logprobs):
             raise WorkflowError(f"engine returned {len(ids)} tokens but {len(logprobs)} logprobs")
         self.response_ids += ids
         self.mask += [1] * len(ids)
         self.logprobs += [float(x) for x in logprobs]
+        if allowed is not None and banned is not None and len(allowed) == len(ids):
+            self.allowed += [float(x) for x in allowed]
+            self.banned.add(tuple(int(t) for t in banned))
+        else:
+            self.allowed += [0.0] * len(ids)
 
     def add_env(self, ids: list[int]) -> None:
         self.response_ids += ids
         self.mask += [0] * len(ids)
         self.logprobs += [0.0] * len(ids)
+        self.allowed += [0.0] * len(ids)
+
+    def ban_fields(self) -> dict[str, Any]:
+        """``allowed_logprobs`` / ``banned_ids`` of the episode's experience (empty when no
+        reply was sampled under a ban, or when replies banned different tokens: then
+        ``logprobs_exact`` False, one list cannot say which were banned where)."""
+        if not self.banned:
+            return {}
+        if len(self.banned) > 1:
+            return {"logprobs_exact": False}
+        return {
+            "allowed_logprobs": torch.tensor(self.allowed, dtype=torch.float32),
+            "banned_ids": list(next(iter(self.banned))),
+        }
 
 
 @WORKFLOWS.register_module("env_workflow")
@@ -247,6 +278,7 @@ class EnvWorkflow(Workflow):
         versions: list[int] = []
         step_rewards: list[float] = []
         finishes: list[str] = []
+        exact = True  # every reply's logprobs follow the engine convention
         while steps < self.max_env_steps:
             room = limit - len(traj)
             if room < 1:
@@ -264,9 +296,13 @@ class EnvWorkflow(Workflow):
                 top_p=float(ra.top_p),
                 top_k=int(ra.top_k),
                 max_tokens=max(1, min(int(want), room)),
+                min_tokens=int(ra.min_tokens),
             )
             (comp,) = await self.model.engine.generate(traj.ids, params)
-            traj.add_model(list(comp.token_ids), list(comp.logprobs))
+            traj.add_model(
+                list(comp.token_ids), list(comp.logprobs), comp.allowed_logprobs, comp.banned_ids
+            )
+            exact &= comp.info.get("logprobs_exact", True) is not False
             versions.append(int(comp.model_version))
             finishes.append(comp.finish_reason)
             with self._tokenizer() as tok:
@@ -294,6 +330,9 @@ class EnvWorkflow(Workflow):
             "truncated": float(truncated),
             "env_return": total,
         }
+        ban = traj.ban_fields()
+        if ban.pop("logprobs_exact", True) is False:
+            exact = False
         exp = Experience(
             tokens=torch.tensor(traj.ids, dtype=torch.int32),
             prompt_length=len(traj.prompt_ids),
@@ -311,8 +350,10 @@ class EnvWorkflow(Workflow):
                 "step_rewards": step_rewards,
                 "env_type": self.env_type,
                 "episode": index,
+                **({} if exact else {"logprobs_exact": False}),
             },
             metrics=dict(episode),
+            **ban,
         )
         exp.eid.run = self.run_id_base + index
         return exp

@@ -47,6 +47,8 @@ class Experience(msgspec.Struct, omit_defaults=True):
     chosen_text: str | None = None
     rejected_text: str | None = None
     model_version: int = 0
+    allowed_logprobs: bytes | None = None  # float32 LE, response: log(1 - p(banned)), 0: no ban
+    banned_ids: bytes | None = None  # int32 LE: the ids banned where allowed_logprobs < 0
 
 
 class Group(msgspec.Struct):

@@ -72,6 +72,14 @@ class Completion:
     ``logprobs[i]`` is the log-probability of ``token_ids[i]`` (see the module
     docstring for the convention); ``model_version`` is the engine's weight
     version that generated it.
+
+    ``allowed_logprobs`` (None: nothing was banned): where the sampler banned the
+    tokens ``banned_ids`` (``min_tokens``: end and stop tokens), ``allowed_logprobs[i]``
+    is the log of the probability it could still draw ``token_ids[i]`` from,
+    ``log(1 - p(banned_ids))`` under the distribution of ``logprobs``; 0 where no ban
+    applied. The token's log-probability under the distribution actually sampled is
+    ``logprobs[i] - allowed_logprobs[i]``: the trainer needs both to weight a stale
+    token by what sampled it (see :class:`~rftstream.experience.Experience`).
     """
 
     token_ids: list[int]
@@ -79,6 +87,8 @@ class Completion:
     finish_reason: FinishReason
     model_version: int = 0
     info: dict[str, Any] = field(default_factory=dict)
+    allowed_logprobs: list[float] | None = None
+    banned_ids: list[int] | None = None
 
 
 @dataclass

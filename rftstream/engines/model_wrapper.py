@@ -669,6 +669,8 @@ class ModelWrapper:
                     messages=convo,
                     model_version=c.model_version,
                     info={**c.info, "finish_reason": c.finish_reason, **extra_info},
+                    allowed_logprobs=c.allowed_logprobs,
+                    banned_ids=c.banned_ids,
                 )
             )
         return exps
@@ -852,7 +854,10 @@ def merge_history(experiences: Sequence[Experience]) -> list[Experience]:
     * ``action_mask``: 1 exactly on the tokens a call of the chain generated
       (its response tokens, under its own mask), 0 on everything the template
       or the user / tools added between them; ``logprobs`` aligned (0 where
-      the mask is 0);
+      the mask is 0), ``allowed_logprobs`` too where a call sampled under a ban
+      (``banned_ids`` then the calls' one list);
+    * ``info["logprobs_exact"]`` False when any call's was, or when calls banned
+      different tokens (one list cannot say which were banned where);
     * ``messages`` / ``response_text`` / ``info["finish_reason"]`` of the
       last call, ``prompt_text`` of the first, ``model_version`` the oldest
       of the chain, ``info["num_turns"]`` and ``info["turn_spans"]`` (the
@@ -891,6 +896,8 @@ def merge_history(experiences: Sequence[Experience]) -> list[Experience]:
         length = len(toks[leaf]) - start
         mask = torch.zeros(length, dtype=torch.bool)
         logprobs = torch.zeros(length, dtype=torch.float32)
+        allowed = torch.zeros(length, dtype=torch.float32)
+        banned: set[tuple[int, ...]] = set()
         spans = []
         for k in chain:
             e = exps[k]
@@ -898,11 +905,21 @@ def merge_history(experiences: Sequence[Experience]) -> list[Experience]:
             mask[lo:hi] = e.action_mask.to(torch.bool)[: hi - lo]
             if e.logprobs is not None and e.logprobs.numel() == hi - lo:
                 logprobs[lo:hi] = e.logprobs
+            if e.allowed_logprobs is not None and e.banned_ids is not None:
+                if e.allowed_logprobs.numel() == hi - lo:
+                    allowed[lo:hi] = e.allowed_logprobs
+                    banned.add(tuple(int(t) for t in e.banned_ids.tolist()))
             spans.append([e.prompt_length, len(toks[k])])
         logprobs = logprobs * mask
+        allowed = allowed * mask
         info = {k: v for k, v in last.info.items()}
         info["num_turns"] = len(chain)
         info["turn_spans"] = spans
+        if any(exps[k].info.get("logprobs_exact", True) is False for k in chain):
+            info["logprobs_exact"] = False  # one inexact turn: the row's weights would be wrong
+        if len(banned) > 1:  # turns banned different tokens: one list cannot say which where
+            info["logprobs_exact"] = False
+            banned.clear()
         merged.append(
             Experience(
                 tokens=last.tokens.clone(),
@@ -914,6 +931,8 @@ def merge_history(experiences: Sequence[Experience]) -> list[Experience]:
                 messages=[dict(m) for m in last.messages] if last.messages else None,
                 model_version=min(exps[k].model_version for k in chain),
                 info=info,
+                allowed_logprobs=allowed if banned else None,
+                banned_ids=list(next(iter(banned))) if banned else None,
             )
         )
     return merged

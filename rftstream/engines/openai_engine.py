@@ -15,7 +15,9 @@ logprobs come back exactly; a server that ignores both extensions gets its
 text re-tokenised (then the logprobs are kept only when the token counts
 agree, else they are zeros and ``info["logprobs_exact"]`` is False). The
 logprob convention is the server's (vLLM returns the raw model's logprobs by
-default; rftstream's own server divides by the temperature). Requests run
+default; rftstream's own server divides by the temperature). ``min_tokens`` is sent
+as vLLM's extension of the same name; the server's logprobs cannot say how much
+probability the ban took away, so such completions are flagged inexact too. Requests run
 concurrently (at most ``max_concurrency`` in flight); the server batches them.
 :meth:`score` uses ``echo`` with ``logprobs`` (prompt logprobs). Weights cannot
 be loaded: :meth:`load_weights` raises :class:`RftError`.
@@ -187,9 +189,14 @@ class OpenAIEngine(RolloutEngine):
             body["top_k"] = params.top_k
         if params.stop_token_ids:
             body["stop_token_ids"] = list(params.stop_token_ids)
+        if params.min_tokens:
+            body["min_tokens"] = int(params.min_tokens)
         resp = await self._request(body)
         choices = sorted(resp.choices, key=lambda c: c.index)
         out = [self._completion(c) for c in choices]
+        if params.min_tokens and params.temperature > 0:
+            for c in out:  # drawn under a ban whose mass the logprobs do not carry
+                c.info["logprobs_exact"] = False
         self.stats["requests"] += 1
         self.stats["sequences"] += len(out)
         self.stats["generated_tokens"] += sum(len(c.token_ids) for c in out)

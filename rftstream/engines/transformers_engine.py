@@ -15,6 +15,10 @@ token ``t`` at a step with logits ``z`` (float32), ``logprob =
 log_softmax(z / temperature)[t]``: the raw logits divided by the SAME
 temperature the rollout used, before top-k / top-p filtering and before the
 ``min_tokens`` ban on end tokens (greedy, ``temperature == 0``: ``log_softmax(z)[t]``).
+Where that ban applied, the completion also carries the log of the mass left to draw
+from, ``log(1 - p(banned))`` under the same distribution
+(``Completion.allowed_logprobs``, with ``banned_ids``): the trainer needs it to weight a
+stale token by the distribution that actually sampled it.
 
 Blocking: model forward passes and weight copies run in worker threads
 (``anyio.to_thread``, with the engine's own capacity limiter of one thread, so
@@ -115,18 +119,28 @@ def _sample_step(
     generators: list[torch.Generator | None],
     default_generator: torch.Generator | None,
     banned: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Sample one token per row; return (tokens [B], logprobs [B]) per the module convention.
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Sample one token per row; return (tokens [B], logprobs [B], allowed [B] or None)
+    per the module convention.
 
     ``banned`` (bool [B, V]): tokens a row may not draw (``min_tokens``); the logprob
-    stays that of the unbanned distribution, as the trainer computes it."""
+    stays that of the unbanned distribution, as the trainer computes it, and
+    ``allowed`` is the log of the probability mass left to draw from under that
+    distribution, ``log(1 - p(banned))`` (0 in a row with no ban; None without
+    ``banned``): the sampled token's log-probability under the distribution it was
+    drawn from is ``logprob - allowed``."""
     greedy = temps <= 0
     t = torch.where(greedy, torch.ones_like(temps), temps)
     scaled = logits / t[:, None]
     logprobs_all = torch.log_softmax(scaled, dim=-1)
+    allowed = None
     if banned is not None:
         scaled = scaled.masked_fill(banned, -math.inf)
         logits = logits.masked_fill(banned, -math.inf)
+        # a sum of the allowed tokens' probabilities, each exact, not 1 - p(banned):
+        # where an end token holds nearly all the mass, that difference would be rounding
+        kept = torch.logsumexp(logprobs_all.masked_fill(banned, -math.inf), dim=-1)
+        allowed = torch.where(banned.any(-1), kept.clamp(max=0.0), torch.zeros_like(kept))
     probs = _filter_logits(scaled, top_k, top_p).softmax(dim=-1)
     tokens = torch.empty(logits.shape[0], dtype=torch.long, device=logits.device)
     greedy_rows = greedy.tolist()
@@ -143,7 +157,7 @@ def _sample_step(
         gidx = greedy.nonzero().squeeze(-1)
         tokens[gidx] = logits[gidx].argmax(dim=-1)
     chosen = logprobs_all.gather(-1, tokens[:, None]).squeeze(-1)
-    return tokens, chosen
+    return tokens, chosen, allowed
 
 
 def sample_sequences(
@@ -175,6 +189,10 @@ def sample_sequences(
     device = next(model.parameters()).device
     out_tokens: list[list[int]] = [[] for _ in seqs]
     out_logprobs: list[list[float]] = [[] for _ in seqs]
+    # per token, log(1 - p(banned)) for sequences that may draw under a ban (min_new_tokens)
+    out_allowed: list[list[float] | None] = [
+        [] if s.min_new_tokens > 0 and _banned_ids(s, eos_token_ids) else None for s in seqs
+    ]
     reasons: list[str | None] = [None] * len(seqs)
     for i, s in enumerate(seqs):
         if s.max_new_tokens <= 0:
@@ -239,15 +257,19 @@ def sample_sequences(
             if banned_for is None or banned_for != (rows, short):
                 banned = _end_tokens_banned(seqs, rows, short, eos_token_ids, logits)
                 banned_for = (rows, short)
-            tok, lp = _sample_step(logits, temps, top_k, top_p, gens, generator, banned)
+            tok, lp, allowed = _sample_step(logits, temps, top_k, top_p, gens, generator, banned)
             produced += 1
             tok_list, lp_list = tok.tolist(), lp.tolist()
+            allowed_list = allowed.tolist() if allowed is not None else None
             for row, i in enumerate(rows):
                 if not alive[row]:
                     continue
                 t = tok_list[row]
                 out_tokens[i].append(t)
                 out_logprobs[i].append(lp_list[row])
+                kept = out_allowed[i]
+                if kept is not None:
+                    kept.append(allowed_list[row] if allowed_list is not None else 0.0)
                 spec = seqs[i]
                 if t in eos_token_ids or t in spec.stop_token_ids:
                     reasons[i] = "stop"
@@ -298,12 +320,26 @@ def sample_sequences(
         stats["forward_passes"] = stats.get("forward_passes", 0) + forwards
         stats["cache_prunes"] = stats.get("cache_prunes", 0) + prunes
         stats["generated_tokens"] = stats.get("generated_tokens", 0) + sum(map(len, out_tokens))
-    return [
-        Completion(
+    completions = []
+    for i, spec in enumerate(seqs):
+        c = Completion(
             token_ids=out_tokens[i], logprobs=out_logprobs[i], finish_reason=reasons[i] or "length"
         )  # type: ignore[arg-type]
-        for i in range(len(seqs))
-    ]
+        kept = out_allowed[i]
+        if kept and any(a < 0.0 for a in kept):  # some token was drawn from less than all
+            c.allowed_logprobs = kept
+            c.banned_ids = _banned_ids(spec, eos_token_ids, int(logits.shape[-1]))
+        completions.append(c)
+    return completions
+
+
+def _banned_ids(spec: SequenceSpec, eos_token_ids: set[int], vocab: int | None = None) -> list[int]:
+    """The token ids ``spec`` may not draw before its ``min_new_tokens``: the end tokens
+    and its stop ids, sorted; with ``vocab``, only those in the vocabulary (the others
+    are never banned, see :func:`_end_tokens_banned`)."""
+    stops = spec.stop_token_ids
+    ids = eos_token_ids | stops if stops else eos_token_ids
+    return sorted(t for t in ids if vocab is None or 0 <= t < vocab)
 
 
 def _end_tokens_banned(

@@ -42,7 +42,12 @@ top-p truncation (renormalised over the kept tokens). So:
   ``info["logprobs_exact"] = False`` (as the ``openai`` engine does) and the
   trainer's recomputation should be preferred;
 * vLLM without ``logprobs_mode``: raw logprobs, exact only at temperature 1
-  or 0 without filters; other completions are flagged the same way.
+  or 0 without filters; other completions are flagged the same way;
+* ``min_tokens`` > 0 at a temperature > 0: the tokens drawn while the end tokens
+  were banned need the banned mass to be weighted right (``Completion.allowed_logprobs``,
+  which the ``transformers`` engine records) and vLLM returns only the sampled token's
+  logprob, so these completions are flagged too (the trainer then gives them no
+  behaviour weight rather than a wrong one).
 
 :meth:`VLLMEngine.score` uses ``prompt_logprobs``, which vLLM always computes
 from the raw logits (temperature 1): exact for ``temperature`` 1 (or 0, which
@@ -528,7 +533,7 @@ class VLLMEngine(RolloutEngine):
         """Whether vLLM's sampled-token logprobs follow the engine convention (module docstring)."""
         if greedy:
             return True
-        if 0 < params.top_k < self.vocab_size or params.top_p < 1.0:
+        if 0 < params.top_k < self.vocab_size or params.top_p < 1.0 or params.min_tokens > 0:
             return False
         return self.logprobs_processed or abs(params.temperature - 1.0) < 1e-6
 

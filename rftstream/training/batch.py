@@ -62,6 +62,11 @@ class TrainBatch:
     rollout_logprob_mask: torch.Tensor  # [B, R] float: 1 where rollout_logprobs holds one
     rewards: torch.Tensor  # [B] float
     fields: dict[str, torch.Tensor]  # custom per-row fields (e.g. expert_mask)
+    # where a row's tokens were sampled under a ban (min_tokens): the behaviour policy's
+    # log(1 - p(banned)) per token, 0 elsewhere ([B, R] float), and each row's banned
+    # ids ([B, K] long, -1 padding); None when no row of the batch has any
+    rollout_allowed: torch.Tensor | None = None
+    ban_ids: torch.Tensor | None = None
 
     @property
     def size(self) -> int:
@@ -85,6 +90,8 @@ class TrainBatch:
             rollout_logprob_mask=fn(self.rollout_logprob_mask),
             rewards=fn(self.rewards),
             fields={k: fn(v) for k, v in self.fields.items()},
+            rollout_allowed=None if self.rollout_allowed is None else fn(self.rollout_allowed),
+            ban_ids=None if self.ban_ids is None else fn(self.ban_ids),
         )
 
     def to(self, device: torch.device | str) -> TrainBatch:
@@ -135,6 +142,33 @@ class TrainBatch:
             rollout_logprob_mask=resp(self.rollout_logprob_mask),
             rewards=self.rewards,
             fields=dict(self.fields),
+            rollout_allowed=None if self.rollout_allowed is None else resp(self.rollout_allowed),
+            ban_ids=self.ban_ids,
+        )
+
+    def token_ban(self) -> TokenBan | None:
+        """The tokens of this batch sampled under a ban, for the policy's pass to measure
+        the same banned mass (:func:`target_logprobs`); None when there are none."""
+        if self.rollout_allowed is None or self.ban_ids is None:
+            return None
+        return TokenBan(self.ban_ids, self.rollout_allowed < 0)
+
+    def behaviour_logprobs(self, policy_allowed: torch.Tensor | None) -> torch.Tensor:
+        """``rollout_logprobs`` made comparable with the policy's unbanned log-probs where
+        the behaviour policy sampled under a ban: ``rollout - log(1 - mu(banned)) +
+        log(1 - pi(banned))`` there (``policy_allowed``: the policy's ``log(1 -
+        pi(banned))``, [B, R], 0 elsewhere; None: no ban), so that ``exp(logprob_pi -
+        result)`` is the ratio of the two banned (sampled) distributions,
+        ``pi_banned(a) / mu_banned(a)``, where the unbanned ratio would be off by
+        ``(1 - mu(banned)) / (1 - pi(banned))`` (up to e^20 where the end token held
+        nearly all the mass). Elsewhere the rollout log-probs as they are."""
+        if policy_allowed is None or self.rollout_allowed is None:
+            return self.rollout_logprobs
+        width = self.rollout_logprobs.shape[1]
+        allowed = self.rollout_allowed[:, :width]
+        here = allowed < 0
+        return torch.where(
+            here, self.rollout_logprobs - allowed + policy_allowed[:, :width], self.rollout_logprobs
         )
 
 
@@ -217,6 +251,8 @@ def collate(
     returns_np = np.zeros((B, R), dtype=np.float32)
     rollout_np = np.zeros((B, R), dtype=np.float32)
     rewards_np = np.zeros(B, dtype=np.float32)
+    allowed_np: np.ndarray | None = None  # made at the first row sampled under a ban
+    banned_rows: dict[int, np.ndarray] = {}
     for i, (e, p, r) in enumerate(zip(exps, prompts, responses, strict=True)):
         np_, nr = p.shape[0], r.shape[0]
         input_ids_np[i, P - np_ : P] = p
@@ -231,6 +267,14 @@ def collate(
         _put(returns_np, i, array_numpy(e, "returns"), nr)
         _put(rollout_np, i, array_numpy(e, "logprobs"), nr)
         rewards_np[i] = float(e.reward) if e.reward is not None else 0.0
+        allowed = array_numpy(e, "allowed_logprobs")
+        if allowed is not None and has_rollout_logprobs(e, temperature):
+            banned = array_numpy(e, "banned_ids")
+            if banned is not None and banned.shape[0]:
+                if allowed_np is None:
+                    allowed_np = np.zeros((B, R), dtype=np.float32)
+                _put(allowed_np, i, allowed, nr)
+                banned_rows[i] = banned
     input_ids = torch.from_numpy(input_ids_np)
     attention_mask = torch.from_numpy(attention_np)
     response_mask = torch.from_numpy(response_np)
@@ -264,7 +308,67 @@ def collate(
         ),
         rewards=rewards,
         fields=fields,
+        rollout_allowed=None if allowed_np is None else torch.from_numpy(allowed_np),
+        ban_ids=_ban_ids(banned_rows, B),
     )
+
+
+def _ban_ids(rows: dict[int, np.ndarray], B: int) -> torch.Tensor | None:
+    """``[B, K]`` long: each row's banned ids, -1 padding (rows without a ban all -1)."""
+    if not rows:
+        return None
+    K = max(ids.shape[0] for ids in rows.values())
+    out = np.full((B, K), -1, dtype=np.int64)
+    for i, ids in rows.items():
+        out[i, : ids.shape[0]] = ids
+    return torch.from_numpy(out)
+
+
+@dataclass
+class TokenBan:
+    """Which tokens were sampled under a ban, and of which ids: ``ids`` ``[..., K]`` long
+    (-1 padding) and ``at`` ``[...]`` bool, of the leading shape of the targets they go
+    with (rows: ``ids`` ``[B, K]`` with ``at`` ``[B, R]`` is taken as every token of row
+    ``b`` banning ``ids[b]``; see :meth:`for_tokens`)."""
+
+    ids: torch.Tensor
+    at: torch.Tensor
+
+    def for_tokens(self) -> TokenBan:
+        """The per-row form (``ids`` [B, K], ``at`` [B, R]) as one id list per token
+        (``ids`` [B, R, K])."""
+        if self.ids.dim() == self.at.dim() + 1:
+            return self
+        R = self.at.shape[1]
+        return TokenBan(self.ids[:, None, :].expand(-1, R, -1), self.at)
+
+    def columns(self, first: int, width: int) -> TokenBan:
+        """The per-row form's response columns ``first:first + width``."""
+        return TokenBan(self.ids, self.at[:, first : first + width])
+
+
+def allowed_logprob(logp_all: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """``log(1 - sum_{i in ids} p_i)`` per position of ``logp_all`` ``[N, V]`` (log-probs),
+    ``ids`` ``[N, K]`` (-1 padding): the log of the mass left outside the banned ids.
+
+    Accurate at both ends: where the banned mass is under a half, ``log1p(-p)``; where
+    it is more, the log-sum-exp of the other tokens' log-probs (each exact), never ``1 -
+    p`` (rounding where an end token holds nearly all the mass). No gradient."""
+    with torch.no_grad():
+        valid = ids >= 0
+        safe = ids.clamp(min=0)
+        gathered = logp_all.gather(-1, safe).masked_fill(~valid, -torch.inf)
+        banned = torch.logsumexp(gathered, dim=-1)
+        out = torch.log1p(-torch.exp(banned).clamp(max=1.0))
+        big = banned > -0.6931471805599453  # p(banned) > 1/2
+        if bool(big.any()):
+            rows = big.nonzero().squeeze(-1)
+            hit = torch.zeros(
+                (rows.shape[0], logp_all.shape[-1]), dtype=torch.int32, device=logp_all.device
+            ).scatter_add_(-1, safe[rows], valid[rows].to(torch.int32))
+            kept = torch.logsumexp(logp_all[rows].masked_fill(hit > 0, -torch.inf), dim=-1)
+            out = out.index_copy(0, rows, kept)
+        return out.clamp(max=0.0)
 
 
 def response_logprobs(
@@ -275,26 +379,41 @@ def response_logprobs(
     *,
     with_entropy: bool = False,
     logits_start: int = 0,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Log-probabilities (and entropy) of the response tokens under ``logits / temperature``.
+    ban: TokenBan | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """Log-probabilities (and entropy, and with ``ban`` the allowed mass) of the response
+    tokens under ``logits / temperature``: see :func:`target_logprobs`.
 
     Uses the same temperature scaling as the rollout engine, so ratios start at 1.
     ``logits_start``: the sequence position of ``logits[:, 0]`` (logits computed
-    for the last positions only start at ``prompt_width - 1``).
+    for the last positions only start at ``prompt_width - 1``). ``ban``: the batch's
+    (:meth:`TrainBatch.token_ban`, per row).
     """
     R = input_ids.shape[1] - prompt_width
     first = prompt_width - 1 - logits_start
     targets = input_ids[:, prompt_width : prompt_width + R]
     return target_logprobs(
-        logits[:, first : first + R, :].float(), targets, temperature, with_entropy=with_entropy
+        logits[:, first : first + R, :].float(),
+        targets,
+        temperature,
+        with_entropy=with_entropy,
+        ban=None if ban is None else ban.columns(0, R).for_tokens(),
     )
 
 
 def target_logprobs(
-    logits: torch.Tensor, targets: torch.Tensor, temperature: float, *, with_entropy: bool
-) -> tuple[torch.Tensor, torch.Tensor | None]:
+    logits: torch.Tensor,
+    targets: torch.Tensor,
+    temperature: float,
+    *,
+    with_entropy: bool,
+    ban: TokenBan | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """Each target token's log-probability under ``logits / temperature`` (logits
-    ``[..., vocab]``, targets ``[...]``), and the distribution's entropy there."""
+    ``[..., vocab]``, targets ``[...]``), the distribution's entropy there (with
+    ``with_entropy``), and with ``ban`` (per token: ``ids`` ``[..., K]``, ``at``
+    ``[...]``) the log of the mass outside the banned ids where ``at`` holds
+    (:func:`allowed_logprob`; 0 elsewhere, no gradient), else None."""
     if temperature and temperature != 1.0:
         logits = logits / temperature
     logp_all = torch.log_softmax(logits, dim=-1)
@@ -302,29 +421,50 @@ def target_logprobs(
     entropy = None
     if with_entropy:
         entropy = -(logp_all.exp() * logp_all).sum(-1)
-    return logp, entropy
+    return logp, entropy, _allowed_at(logp_all, ban)
+
+
+def _allowed_at(logp_all: torch.Tensor, ban: TokenBan | None) -> torch.Tensor | None:
+    """:func:`allowed_logprob` where ``ban.at`` holds, 0 elsewhere (shape of ``ban.at``)."""
+    if ban is None:
+        return None
+    with torch.no_grad():
+        out = torch.zeros(ban.at.shape, dtype=torch.float32, device=logp_all.device)
+        if bool(ban.at.any()):
+            flat = out.view(-1)
+            where = ban.at.reshape(-1).nonzero().squeeze(-1)
+            V = logp_all.shape[-1]
+            rows = logp_all.detach().reshape(-1, V).index_select(0, where)
+            ids = ban.ids.reshape(-1, ban.ids.shape[-1]).index_select(0, where)
+            flat.index_copy_(0, where, allowed_logprob(rows.float(), ids))
+        return out
 
 
 @dataclass
 class TokenStats:
     """Per-token statistics of the policy over the response positions, ``(B, R)`` float32.
 
-    ``nec`` is ``H * sum(p^2) + sum(p^2 log p)`` (Clip_V's ``necs``), None unless asked for.
+    ``nec`` is ``H * sum(p^2) + sum(p^2 log p)`` (Clip_V's ``necs``), None unless asked for;
+    ``allowed`` the log of the mass outside the banned ids where a token was sampled under
+    a ban (:func:`target_logprobs`), None without one.
     """
 
     logprob: torch.Tensor
     entropy: torch.Tensor
     nec: torch.Tensor | None = None
+    allowed: torch.Tensor | None = None
 
     def cat(self, other: TokenStats) -> TokenStats:
         """Rows of ``self`` then rows of ``other``."""
-        nec = None
-        if self.nec is not None and other.nec is not None:
-            nec = torch.cat([self.nec, other.nec], 0)
+
+        def both(a: torch.Tensor | None, b: torch.Tensor | None) -> torch.Tensor | None:
+            return None if a is None or b is None else torch.cat([a, b], 0)
+
         return TokenStats(
             torch.cat([self.logprob, other.logprob], 0),
             torch.cat([self.entropy, other.entropy], 0),
-            nec,
+            both(self.nec, other.nec),
+            both(self.allowed, other.allowed),
         )
 
 
@@ -336,8 +476,10 @@ def response_token_stats(
     *,
     with_nec: bool = False,
     logits_start: int = 0,
+    ban: TokenBan | None = None,
 ) -> TokenStats:
-    """Log-prob, entropy (and ``nec``) of every response token under ``logits / temperature``.
+    """Log-prob, entropy (and ``nec``, and with ``ban`` the allowed mass) of every response
+    token under ``logits / temperature``.
 
     The same positions and scaling as :func:`response_logprobs`; with ``p`` the
     next-token distribution: ``entropy = -sum(p log p)``, ``nec = entropy *
@@ -357,7 +499,8 @@ def response_token_stats(
     if with_nec:
         p2 = p * p
         nec = entropy * p2.sum(-1) + (p2 * logp_all).sum(-1)
-    return TokenStats(logp, entropy, nec)
+    allowed = _allowed_at(logp_all, None if ban is None else ban.columns(0, R).for_tokens())
+    return TokenStats(logp, entropy, nec, allowed)
 
 
 def balanced_partitions(lengths: Sequence[int], k: int) -> list[list[int]]:

@@ -41,7 +41,7 @@ from rftstream.engines.fast_decoder import (
     rms_norm,
     rope_tables,
 )
-from rftstream.training.batch import target_logprobs
+from rftstream.training.batch import TokenBan, target_logprobs
 
 __all__ = ["LeanForward", "Packing", "lean_forward_reason"]
 
@@ -252,9 +252,12 @@ class LeanForward:
         temperature: float,
         *,
         with_entropy: bool,
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        ban: TokenBan | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         """Each response token's log-prob under ``logits / temperature`` (and the
-        distribution's entropy there), [B, R], zeros where a row has no response token:
+        distribution's entropy there, and with ``ban``, per row as
+        :meth:`~rftstream.training.batch.TrainBatch.token_ban` gives it, the mass outside
+        the banned ids), [B, R], zeros where a row has no response token:
         :meth:`shared_logits` followed by
         :func:`~rftstream.training.batch.response_logprobs`, without the padding.
 
@@ -287,12 +290,26 @@ class LeanForward:
             targets.append(packing.pack(input_ids[:, P + 1 :])[predicts])
             index = packing.index[predicts]
             places.append(index // (R - 1) * R + index % (R - 1) + 1)
-        logp, entropy = target_logprobs(
-            torch.cat(heads), torch.cat(targets), temperature, with_entropy=with_entropy
-        )
         place, B = torch.cat(places), input_ids.shape[0]
+        token_ban = None
+        if ban is not None:  # the packed tokens' own rows' ids and places
+            at = ban.at[:, :R].reshape(-1).index_select(0, place)
+            token_ban = TokenBan(
+                ban.ids.index_select(0, torch.div(place, R, rounding_mode="floor")), at
+            )
+        logp, entropy, allowed = target_logprobs(
+            torch.cat(heads),
+            torch.cat(targets),
+            temperature,
+            with_entropy=with_entropy,
+            ban=token_ban,
+        )
 
         def to_columns(t: torch.Tensor) -> torch.Tensor:  # [B, R], zeros where no token
             return t.new_zeros(B * R).index_copy(0, place, t).view(B, R)
 
-        return to_columns(logp), None if entropy is None else to_columns(entropy)
+        return (
+            to_columns(logp),
+            None if entropy is None else to_columns(entropy),
+            None if allowed is None else to_columns(allowed),
+        )

@@ -490,15 +490,18 @@ class PolicyTrainer:
 
     # ------------------------------------------------------------ forward
     def _forward(
-        self, model: torch.nn.Module, mb: TrainBatch, *, with_entropy: bool
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Response log-probs (and entropy) of ``mb`` (see :meth:`_response_logits`), zeros
-        where a row has no response token (every pass alike, so that a difference of two
-        passes is zero there, never a difference of two paddings). Rows that
+        self, model: torch.nn.Module, mb: TrainBatch, *, with_entropy: bool, banned: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """Response log-probs (and entropy; with ``banned``, where ``mb`` has tokens sampled
+        under a ban, the policy's ``log(1 - pi(banned))`` there, no gradient: see
+        :meth:`TrainBatch.behaviour_logprobs`) of ``mb`` (see :meth:`_response_logits`),
+        zeros where a row has no response token (every pass alike, so that a difference of
+        two passes is zero there, never a difference of two paddings). Rows that
         share a prompt under the lean forward skip the response padding altogether
         (:meth:`LeanForward.shared_token_logprobs`)."""
         lean = self._lean_for(model)
         shared = self._shares(mb)
+        ban = mb.token_ban() if banned else None
         if lean is not None and shared is not None:
             ids, mask, pos = mb.input_ids, mb.attention_mask, mb.position_ids
             return lean.shared_token_logprobs(
@@ -509,17 +512,23 @@ class PolicyTrainer:
                 *shared,
                 self.temperature,
                 with_entropy=with_entropy,
+                ban=ban,
             )
         logits, start = self._response_logits(model, mb, shared)
-        logp, entropy = response_logprobs(
+        logp, entropy, allowed = response_logprobs(
             logits,
             mb.input_ids,
             mb.prompt_width,
             self.temperature,
             with_entropy=with_entropy,
             logits_start=start,
+            ban=ban,
         )
-        return _zero_padding(logp, mb), None if entropy is None else _zero_padding(entropy, mb)
+        return (
+            _zero_padding(logp, mb),
+            None if entropy is None else _zero_padding(entropy, mb),
+            None if allowed is None else _zero_padding(allowed, mb),
+        )
 
     def _shares(self, mb: TrainBatch) -> tuple[torch.Tensor, torch.Tensor] | None:
         """``(first, inverse)`` of :func:`_shared_prompts` when ``trainer.share_prompts`` is
@@ -670,11 +679,17 @@ class PolicyTrainer:
                 self.temperature,
                 with_nec=with_nec,
                 logits_start=start,
+                ban=mb.token_ban(),
             )
+
+            def columns(t: torch.Tensor | None, mb: TrainBatch = mb) -> torch.Tensor | None:
+                return None if t is None else _pad_columns(_zero_padding(t, mb), width)
+
             part = TokenStats(
                 _pad_columns(_zero_padding(part.logprob, mb), width),
                 _pad_columns(_zero_padding(part.entropy, mb), width),
-                None if part.nec is None else _pad_columns(_zero_padding(part.nec, mb), width),
+                columns(part.nec),
+                columns(part.allowed),
             )
             stats = part if stats is None else stats.cat(part)
         assert stats is not None  # collate rejects an empty batch
@@ -682,6 +697,29 @@ class PolicyTrainer:
 
     def _logprobs_no_grad(self, model: torch.nn.Module, batch: TrainBatch) -> torch.Tensor:
         return self._no_grad(lambda mb: self._forward(model, mb, with_entropy=False)[0], batch)
+
+    def _old_logprobs_no_grad(self, batch: TrainBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The policy's log-probs of ``batch`` before the update and, where rows were sampled
+        under a ban, its ``log(1 - pi(banned))`` (None without): one no-grad pass."""
+        if batch.token_ban() is None:
+            return self._logprobs_no_grad(self.engine.module, batch), None
+        parts: list[tuple[torch.Tensor, torch.Tensor | None]] = []
+
+        def both(mb: TrainBatch) -> torch.Tensor:
+            logp, _, allowed = self._forward(
+                self.engine.module, mb, with_entropy=False, banned=True
+            )
+            parts.append((logp, allowed))
+            return logp
+
+        logp = self._no_grad(both, batch)
+        width = batch.response_width
+        real = parts[: len(self._no_grad_batches(batch))]  # not the lockstep's extra calls
+        allowed = torch.cat(
+            [_pad_columns(a if a is not None else torch.zeros_like(lp), width) for lp, a in real],
+            0,
+        )
+        return logp, allowed
 
     def check_experience(self, exp: Experience) -> str | None:
         """Why ``exp`` cannot be trained on this model, or None. Cheap; no forward pass."""
@@ -903,12 +941,14 @@ class PolicyTrainer:
             stats = self._token_stats_no_grad(batch, with_nec="nec" in self.advantage_inputs)
         # None: the gradient pass's own detached log-probs serve (see _old_logprob_is_redundant)
         old_logprob = None
+        # where rows were sampled under a ban: the policy's log(1 - pi(banned)) before the
+        # update (see TrainBatch.behaviour_logprobs); the reused pass computes its own
+        old_allowed = None
         if not self.reuse_old_logprob:
-            old_logprob = (
-                stats.logprob
-                if stats is not None
-                else self._logprobs_no_grad(self.engine.module, batch)
-            )
+            if stats is not None:
+                old_logprob, old_allowed = stats.logprob, stats.allowed
+            else:
+                old_logprob, old_allowed = self._old_logprobs_no_grad(batch)
         ref_logprob = (
             self._logprobs_no_grad(self.ref_model, batch) if self.ref_model is not None else None
         )
@@ -951,7 +991,7 @@ class PolicyTrainer:
                 # rows-weighted mean over the micro-batches (DeepSpeed divides by gas)
                 weight = rows.numel() * self.gas / batch.size
                 loss = self._actor_micro_step(
-                    batch, rows, old_logprob, ref_logprob, values, metrics
+                    batch, rows, old_logprob, ref_logprob, values, metrics, old_allowed
                 )
                 self.engine.backward(loss * (self._actor_weight(rows.numel(), weight) * rank_scale))
                 if not self.dynamic_bsz:
@@ -1068,8 +1108,14 @@ class PolicyTrainer:
         ref_logprob: torch.Tensor | None,
         values: torch.Tensor | None,
         metrics: dict[str, list[float]],
+        old_allowed: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Policy + KL + entropy loss of one micro-batch (not yet backpropagated)."""
+        """Policy + KL + entropy loss of one micro-batch (not yet backpropagated).
+
+        ``old_allowed``: with ``old_logprob``, the policy's ``log(1 - pi(banned))`` before
+        the update where rows were sampled under a ban (None: none, or ``old_logprob`` is
+        None and this pass measures it); the loss's ``rollout_logprob`` is
+        :meth:`TrainBatch.behaviour_logprobs` of it."""
         algo = self.algorithm
         mb = self._micro_batch(batch, rows)
         width = mb.response_width  # trimmed with use_dynamic_bsz: the first columns
@@ -1077,7 +1123,10 @@ class PolicyTrainer:
         def sub(t: torch.Tensor) -> torch.Tensor:
             return t[rows][:, :width]
 
-        logprob, entropy = self._forward(self.engine, mb, with_entropy=True)
+        banned = old_logprob is None and mb.token_ban() is not None
+        logprob, entropy, allowed = self._forward(self.engine, mb, with_entropy=True, banned=banned)
+        if old_logprob is not None and old_allowed is not None:
+            allowed = sub(old_allowed)
         if entropy is not None and not self.entropy_grad:
             entropy = entropy.detach()  # reported only: no B x R x V graph kept for it
         ref_mb = sub(ref_logprob) if ref_logprob is not None else None
@@ -1088,7 +1137,7 @@ class PolicyTrainer:
             "action_mask": mb.response_mask,
             "advantages": mb.advantages,
             "returns": mb.returns,
-            "rollout_logprob": mb.rollout_logprobs,
+            "rollout_logprob": mb.behaviour_logprobs(allowed),
             "rollout_logprob_mask": mb.rollout_logprob_mask,
             **mb.fields,
         }
@@ -1241,7 +1290,7 @@ def _advantage_kwargs(
     rollout = None
     if "rollout_logprob" in names:
         have = batch.rollout_logprob_mask > 0
-        rollout = torch.where(have, batch.rollout_logprobs, stats.logprob)
+        rollout = torch.where(have, batch.behaviour_logprobs(stats.allowed), stats.logprob)
     full = {
         "old_logprob": stats.logprob,
         "entropy": stats.entropy,

@@ -312,6 +312,12 @@ async def test_openai_engine_against_our_server(tiny_model_path: str) -> None:
                     e.tokens[e.prompt_length :], skip_special_tokens=True
                 )
             assert remote.stats["requests"] == 1 and remote.stats["sequences"] == 3
+            # min_tokens goes to the server (vLLM's extension); the logprobs cannot carry the
+            # banned mass, so the trainer must not weight by them: flagged inexact
+            prompt = exps[0].tokens[: exps[0].prompt_length].tolist()
+            banned = await remote.generate(prompt, SamplingParams(n=2, max_tokens=8, min_tokens=6))
+            for c in banned:
+                assert len(c.token_ids) >= 6 and c.info["logprobs_exact"] is False
             # scoring through echo + logprobs
             seq = exps[0].tokens.tolist()
             theirs = await remote.score(seq, start=3, top_logprobs=2)

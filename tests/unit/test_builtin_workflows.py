@@ -313,6 +313,29 @@ async def test_env_workflow_action_mask_and_logprobs(tiny_model_path: str) -> No
     assert multi_turn > 0  # the tiny model rarely guesses 5 at once
 
 
+@pytest.mark.anyio
+async def test_env_workflow_keeps_the_banned_mass_of_each_turn(tiny_model_path: str) -> None:
+    """With ``rollout_args.min_tokens`` every turn's first tokens were drawn under the ban:
+    their ``allowed_logprobs`` are below 0, every other token's 0 (the environment's too)."""
+    task = task_for(
+        {"target": 5, "max_guesses": 3},
+        "env_workflow",
+        repeat=3,
+        workflow_args={"env_type": "guess_number", "max_env_steps": 3},
+        rollout_args=GenerationConfig(max_tokens=4, min_tokens=2, temperature=1.0),
+    )
+    async with wrapper(tiny_model_path, max_response_tokens=100) as model:
+        exps = await run(model, task)
+        banned = sorted(model.engine.eos_token_ids)
+    for e in exps:
+        assert e.banned_ids is not None and e.banned_ids.tolist() == banned
+        allowed, mask = e.allowed_logprobs.tolist(), e.action_mask.int().tolist()
+        turn_start = [m and (i == 0 or not mask[i - 1]) for i, m in enumerate(mask)]
+        for i, m in enumerate(mask):
+            in_ban = m and (turn_start[i] or (i > 0 and turn_start[i - 1]))
+            assert (allowed[i] < 0) == bool(in_ban), (i, allowed, mask)
+
+
 class SlowCounter(TextEnv):
     """A user environment without ``fast``: its calls run in a worker thread."""
 

@@ -46,6 +46,8 @@ def _experience() -> Experience:
         rejected_text="j",
         model_version=4,
         eid=EID(1, "t", 2, 3, "s"),
+        allowed_logprobs=[-3.5, 0.0, 0.0],
+        banned_ids=[0, 2],
     )
 
 

@@ -135,10 +135,10 @@ def test_packed_response_log_probs_are_the_padded_passes(tiny_model_path: str) -
         shares = _shared_prompts(type("Mb", (), {"input_ids": ids, "prompt_width": P})())
         assert shares is not None
         hf = _hf_shared(model, ids, attn, pos, *shares)
-        hf_logp, hf_entropy = response_logprobs(
+        hf_logp, hf_entropy, _ = response_logprobs(
             hf, ids, P, temperature, with_entropy=True, logits_start=P - 1
         )
-        logp, entropy = lean.shared_token_logprobs(
+        logp, entropy, _ = lean.shared_token_logprobs(
             ids, attn, pos, P, *shares, temperature, with_entropy=True
         )
         assert entropy is not None and logp.shape == entropy.shape == (ids.shape[0], R), name
@@ -148,7 +148,7 @@ def test_packed_response_log_probs_are_the_padded_passes(tiny_model_path: str) -
         assert not logp[~real].any() and not entropy[~real].any(), name
 
         expected = _loss_grads(model, (hf_logp * real).sum() + (hf_entropy * real).sum() * 0.1)
-        logp, entropy = lean.shared_token_logprobs(
+        logp, entropy, _ = lean.shared_token_logprobs(
             ids, attn, pos, P, *shares, temperature, with_entropy=True
         )
         assert entropy is not None
@@ -156,7 +156,7 @@ def test_packed_response_log_probs_are_the_padded_passes(tiny_model_path: str) -
         assert expected.keys() == got.keys() and len(got) == len(list(model.parameters())), name
         for key in expected:
             torch.testing.assert_close(got[key], expected[key], atol=1e-5, rtol=1e-4, msg=key)
-        without, none = lean.shared_token_logprobs(
+        without, none, _ = lean.shared_token_logprobs(
             ids, attn, pos, P, *shares, temperature, with_entropy=False
         )
         assert none is None

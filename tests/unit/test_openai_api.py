@@ -160,6 +160,27 @@ def test_merge_history_chains_turns_and_masks_generated_tokens() -> None:
     assert merge_history([]) == []
 
 
+def test_merge_history_keeps_the_banned_mass_of_each_turn() -> None:
+    """Turns sampled under ``min_tokens`` keep their ``allowed_logprobs`` in place; turns
+    that banned different ids, or an inexact turn, make the conversation inexact."""
+    t1 = _turn([1, 2], [10, 11], -1.0)
+    t1.allowed_logprobs, t1.banned_ids = torch.tensor([-3.0, -0.5]), torch.tensor([0])
+    t2 = _turn([1, 2, 10, 11, 5], [12, 13], -2.0)
+    t2.allowed_logprobs, t2.banned_ids = torch.tensor([-4.0, 0.0]), torch.tensor([0])
+    (conv,) = merge_history([t1, t2])
+    assert conv.allowed_logprobs.tolist() == [-3.0, -0.5, 0.0, -4.0, 0.0]
+    assert conv.banned_ids.tolist() == [0] and "logprobs_exact" not in conv.info
+    (plain,) = merge_history([_turn([1], [2], -1.0), _turn([1, 2, 3], [4], -1.0)])
+    assert plain.allowed_logprobs is None and plain.banned_ids is None
+    t2.banned_ids = torch.tensor([0, 5])  # another stop id on the second turn
+    (mixed,) = merge_history([t1, t2])
+    assert mixed.info["logprobs_exact"] is False and mixed.allowed_logprobs is None
+    t2.banned_ids = torch.tensor([0])
+    t1.info = {"finish_reason": "stop", "logprobs_exact": False}  # e.g. vLLM with top_p
+    (inexact,) = merge_history([t1, t2])
+    assert inexact.info["logprobs_exact"] is False
+
+
 # ---------------------------------------------------------------------------
 # the server with a scripted engine
 # ---------------------------------------------------------------------------

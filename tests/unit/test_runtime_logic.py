@@ -116,7 +116,7 @@ def test_response_logprobs_against_numpy() -> None:
     logits = rng.normal(size=(2, 5, 7)).astype(np.float32)
     ids = rng.integers(0, 7, size=(2, 5))
     P, T = 3, 0.7
-    lp, ent = response_logprobs(torch.tensor(logits), torch.tensor(ids), P, T, with_entropy=True)
+    lp, ent, _ = response_logprobs(torch.tensor(logits), torch.tensor(ids), P, T, with_entropy=True)
     assert ent is not None
     for i in range(2):
         for j in range(2):

@@ -215,10 +215,27 @@ async def test_min_tokens_bans_end_tokens_until_reached(tiny_model_path: str) ->
         # the logprobs are those of the unbanned distribution (what the trainer recomputes)
         want = recompute_logprobs(engine, prompt, comps[0], 1.0)
         torch.testing.assert_close(torch.tensor(comps[0].logprobs), want, atol=2e-4, rtol=0)
+        # and the mass the ban left is recorded: log(1 - p(eos, 5)) for the first 12, then 0
+        banned = sorted({*engine.eos_token_ids, 5})
+        for c in comps[:4]:
+            assert c.banned_ids == banned
+            seq = torch.tensor([prompt + c.token_ids])
+            with torch.no_grad():
+                logits = engine.model(input_ids=seq).logits[0, len(prompt) - 1 : -1].double()
+            p = torch.softmax(logits, -1)
+            left = torch.log1p(-p[:, banned].sum(-1))
+            left[12:] = 0.0
+            assert c.allowed_logprobs is not None and len(c.allowed_logprobs) == len(c.token_ids)
+            torch.testing.assert_close(
+                torch.tensor(c.allowed_logprobs, dtype=torch.float64), left, atol=2e-3, rtol=2e-4
+            )
+            assert min(c.allowed_logprobs[:12]) < -1.0  # the model wanted to end: a real ban
+        assert all(c.allowed_logprobs is None for c in plain)  # nothing banned, nothing sent
         (greedy,) = await engine.generate(
             prompt, SamplingParams(temperature=0, max_tokens=10, min_tokens=10)
         )
         assert len(greedy.token_ids) == 10 and eos not in greedy.token_ids
+        assert greedy.allowed_logprobs is not None and greedy.banned_ids is not None
         with pytest.raises(ValueError, match="min_tokens"):
             SamplingParams(min_tokens=-1)
 

@@ -2,8 +2,9 @@
 //
 // The body of a message on rft.<run>.exp.<stage> is one msgpack map, schema
 // rft.experience.v1 (`rftstream schema` prints its JSON Schema). Arrays arrive as msgpack
-// bin values (Uint8Array) of little-endian elements: tokens, chosen, rejected: int32;
-// logprobs, advantages, returns, token_level_reward: float32; action_mask: one byte, 0/1.
+// bin values (Uint8Array) of little-endian elements: tokens, chosen, rejected, banned_ids:
+// int32; logprobs, advantages, returns, token_level_reward, allowed_logprobs: float32;
+// action_mask: one byte, 0/1.
 // tokens is the prompt and the response; the per-token arrays cover the response only.
 //
 // Usage: node decode_experience.mjs BODY_FILE...   (one JSON line per experience)
