@@ -32,7 +32,9 @@ Fairness (what a reviewer who distrusts the speed-up would check):
   (median 643), its seeds 1-5 being its quickest (median 523); rftstream's steps on a
   seed vary from run to run over a like spread. On five seeds the verdict said more
   about which runs were lucky than about either side; every seed's figures are
-  printed, so the five-seed verdict can be read off as well.
+  printed, so the five-seed verdict can be read off as well. Each ratio comes with a
+  95% bootstrap interval over the seeds (:func:`ratio_interval`): how far the choice of
+  seeds alone could move it.
 * A run stops at a trailing mean reward of 0.9, ``--after-s`` seconds after it reached
   0.7, or at the cap (``--budget-s``; by default the workload's, 240 s, generation-heavy
   480 s), whichever comes first: long enough to show what happens after the threshold,
