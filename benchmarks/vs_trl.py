@@ -29,7 +29,7 @@ Fairness (what a reviewer who distrusts the speed-up would check):
   between seeds. Figures are medians with the interquartile range; a ratio is the
   median of ours over the median of TRL's. Why nine there: TRL is deterministic per
   seed, and on that workload its steps to 0.7 spread from 439 to 1225 over seeds 1-9
-  (median 643), its seeds 1-5 being its quickest (median 523); rftstream's steps on a
+  (median 643; 778 over seeds 10-18), its seeds 1-5 quick (median 523); rftstream's steps on a
   seed vary from run to run over a like spread. On five seeds the verdict said more
   about which runs were lucky than about either side; every seed's figures are
   printed, so the five-seed verdict can be read off as well. Each ratio comes with a
