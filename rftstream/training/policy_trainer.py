@@ -698,28 +698,27 @@ class PolicyTrainer:
     def _logprobs_no_grad(self, model: torch.nn.Module, batch: TrainBatch) -> torch.Tensor:
         return self._no_grad(lambda mb: self._forward(model, mb, with_entropy=False)[0], batch)
 
+    @torch.no_grad()
     def _old_logprobs_no_grad(self, batch: TrainBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The policy's log-probs of ``batch`` before the update and, where rows were sampled
-        under a ban, its ``log(1 - pi(banned))`` (None without): one no-grad pass."""
+        under a ban, its ``log(1 - pi(banned))`` (None without): one no-grad pass, in the
+        micro-batches of :meth:`_no_grad`. Blocks."""
         if batch.token_ban() is None:
             return self._logprobs_no_grad(self.engine.module, batch), None
-        parts: list[tuple[torch.Tensor, torch.Tensor | None]] = []
-
-        def both(mb: TrainBatch) -> torch.Tensor:
+        width = batch.response_width
+        batches = self._no_grad_batches(batch)
+        logps, alloweds = [], []
+        for mb in batches:
             logp, _, allowed = self._forward(
                 self.engine.module, mb, with_entropy=False, banned=True
             )
-            parts.append((logp, allowed))
-            return logp
-
-        logp = self._no_grad(both, batch)
-        width = batch.response_width
-        real = parts[: len(self._no_grad_batches(batch))]  # not the lockstep's extra calls
-        allowed = torch.cat(
-            [_pad_columns(a if a is not None else torch.zeros_like(lp), width) for lp, a in real],
-            0,
-        )
-        return logp, allowed
+            logps.append(_pad_columns(logp, width))
+            alloweds.append(
+                _pad_columns(allowed if allowed is not None else torch.zeros_like(logp), width)
+            )
+        for _ in range(self._lockstep_extra(len(batches))):
+            self._forward(self.engine.module, batches[0], with_entropy=False)  # see _no_grad
+        return torch.cat(logps, 0), torch.cat(alloweds, 0)
 
     def check_experience(self, exp: Experience) -> str | None:
         """Why ``exp`` cannot be trained on this model, or None. Cheap; no forward pass."""
