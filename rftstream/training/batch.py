@@ -342,9 +342,10 @@ class TokenBan:
         R = self.at.shape[1]
         return TokenBan(self.ids[:, None, :].expand(-1, R, -1), self.at)
 
-    def columns(self, first: int, width: int) -> TokenBan:
-        """The per-row form's response columns ``first:first + width``."""
-        return TokenBan(self.ids, self.at[:, first : first + width])
+    def leading(self, width: int) -> TokenBan:
+        """The per-row form's first ``width`` response columns (a forward's logits cover
+        the response up to its longest row)."""
+        return TokenBan(self.ids, self.at[:, :width])
 
 
 def allowed_logprob(logp_all: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
@@ -397,7 +398,7 @@ def response_logprobs(
         targets,
         temperature,
         with_entropy=with_entropy,
-        ban=None if ban is None else ban.columns(0, R).for_tokens(),
+        ban=None if ban is None else ban.leading(R).for_tokens(),
     )
 
 
@@ -499,7 +500,7 @@ def response_token_stats(
     if with_nec:
         p2 = p * p
         nec = entropy * p2.sum(-1) + (p2 * logp_all).sum(-1)
-    allowed = _allowed_at(logp_all, None if ban is None else ban.columns(0, R).for_tokens())
+    allowed = _allowed_at(logp_all, None if ban is None else ban.leading(R).for_tokens())
     return TokenStats(logp, entropy, nec, allowed)
 
 
