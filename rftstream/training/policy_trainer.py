@@ -22,7 +22,7 @@ from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 
@@ -71,6 +71,7 @@ if TYPE_CHECKING:
     from rftstream.weights.codec import LoraWire
 
 log = logging.getLogger(__name__)
+_Part = TypeVar("_Part")  # what a no-grad pass computes per micro-batch (_no_grad_each)
 
 
 @contextlib.contextmanager
@@ -641,13 +642,18 @@ class PolicyTrainer:
         return mb.trimmed(responses=self.trim_responses) if self.dynamic_bsz else mb
 
     @torch.no_grad()
-    def _no_grad(self, fn: Callable[[TrainBatch], torch.Tensor], batch: TrainBatch) -> torch.Tensor:
-        width = batch.response_width
+    def _no_grad_each(self, fn: Callable[[TrainBatch], _Part], batch: TrainBatch) -> list[_Part]:
+        """``fn`` of each no-grad micro-batch of ``batch`` (:meth:`_no_grad_batches`), in
+        order; then as many discarded calls as :meth:`_lockstep_extra` says. Blocks."""
         batches = self._no_grad_batches(batch)
-        out = torch.cat([_pad_columns(fn(mb), width) for mb in batches], 0)
+        out = [fn(mb) for mb in batches]
         for _ in range(self._lockstep_extra(len(batches))):
             fn(batches[0])  # discarded: keeps this rank's forward calls in step
         return out
+
+    def _no_grad(self, fn: Callable[[TrainBatch], torch.Tensor], batch: TrainBatch) -> torch.Tensor:
+        width = batch.response_width
+        return torch.cat([_pad_columns(t, width) for t in self._no_grad_each(fn, batch)], 0)
 
     def _lockstep_extra(self, calls: int) -> int:
         """How many discarded forward calls this rank adds to its ``calls`` so that every
@@ -698,27 +704,26 @@ class PolicyTrainer:
     def _logprobs_no_grad(self, model: torch.nn.Module, batch: TrainBatch) -> torch.Tensor:
         return self._no_grad(lambda mb: self._forward(model, mb, with_entropy=False)[0], batch)
 
-    @torch.no_grad()
     def _old_logprobs_no_grad(self, batch: TrainBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The policy's log-probs of ``batch`` before the update and, where rows were sampled
         under a ban, its ``log(1 - pi(banned))`` (None without): one no-grad pass, in the
-        micro-batches of :meth:`_no_grad`. Blocks."""
+        micro-batches of :meth:`_no_grad_each`. Blocks."""
         if batch.token_ban() is None:
             return self._logprobs_no_grad(self.engine.module, batch), None
         width = batch.response_width
-        batches = self._no_grad_batches(batch)
-        logps, alloweds = [], []
-        for mb in batches:
-            logp, _, allowed = self._forward(
-                self.engine.module, mb, with_entropy=False, banned=True
-            )
-            logps.append(_pad_columns(logp, width))
-            alloweds.append(
-                _pad_columns(allowed if allowed is not None else torch.zeros_like(logp), width)
-            )
-        for _ in range(self._lockstep_extra(len(batches))):
-            self._forward(self.engine.module, batches[0], with_entropy=False)  # see _no_grad
-        return torch.cat(logps, 0), torch.cat(alloweds, 0)
+        parts = self._no_grad_each(
+            lambda mb: self._forward(self.engine.module, mb, with_entropy=False, banned=True),
+            batch,
+        )
+        logp = torch.cat([_pad_columns(lp, width) for lp, _, _ in parts], 0)
+        allowed = torch.cat(
+            [
+                _pad_columns(a if a is not None else torch.zeros_like(lp), width)
+                for lp, _, a in parts
+            ],
+            0,
+        )
+        return logp, allowed
 
     def check_experience(self, exp: Experience) -> str | None:
         """Why ``exp`` cannot be trained on this model, or None. Cheap; no forward pass."""
