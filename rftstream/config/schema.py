@@ -63,6 +63,11 @@ LossAggMode = Literal[
 ]
 LOSS_AGG_MODES: tuple[LossAggMode, ...] = get_args(LossAggMode)
 
+# which distribution the trainer's log-probs of a token sampled under a ban are of: the
+# sampler's (the banned ids left out) or the model's over the whole vocabulary
+LogprobsOf = Literal["sampler", "model"]
+LOGPROBS_OF: tuple[LogprobsOf, ...] = get_args(LogprobsOf)
+
 MixedPrecision = Literal["fp32", "bf16"]
 MIXED_PRECISIONS: tuple[MixedPrecision, ...] = get_args(MixedPrecision)
 
@@ -388,6 +393,10 @@ class AlgorithmConfig(_Base):
     entropy_loss_fn: str | None = None
     entropy_loss_fn_args: dict[str, Any] | None = None
     loss_agg_mode: LossAggMode | None = None  # None: the preset's, else token-mean
+    # tokens sampled under a ban (min_tokens' end tokens): "sampler" trains the log-probs
+    # of the distribution they were drawn from (the banned ids out of the softmax),
+    # "model" the model's over the whole vocabulary (TRL's, verl's): see docs/algorithms.md
+    logprobs_of: LogprobsOf = "sampler"
     optimizer: OptimizerConfig = msgspec.field(default_factory=OptimizerConfig)
 
 

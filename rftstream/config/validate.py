@@ -31,6 +31,7 @@ from rftstream.config.resolve import weights_wire_dtype
 from rftstream.config.schema import (
     DISCARD_POLICIES,
     ENGINE_TYPES,
+    LOGPROBS_OF,
     LOSS_AGG_MODES,
     MIXED_PRECISIONS,
     MODES,
@@ -223,6 +224,7 @@ def validate_config(cfg: Config, source: str | None = None) -> None:
 
     if cfg.algorithm.loss_agg_mode is not None:
         c.choice("algorithm.loss_agg_mode", cfg.algorithm.loss_agg_mode, LOSS_AGG_MODES)
+    c.choice("algorithm.logprobs_of", cfg.algorithm.logprobs_of, LOGPROBS_OF)
     c.at_least("algorithm.repeat_times", cfg.algorithm.repeat_times, 1, optional=True)
 
     check_monitor_config(cfg.monitor, source=source)

@@ -329,10 +329,15 @@ class TokenBan:
     """Which tokens were sampled under a ban, and of which ids: ``ids`` ``[..., K]`` long
     (-1 padding) and ``at`` ``[...]`` bool, of the leading shape of the targets they go
     with (rows: ``ids`` ``[B, K]`` with ``at`` ``[B, R]`` is taken as every token of row
-    ``b`` banning ``ids[b]``; see :meth:`for_tokens`)."""
+    ``b`` banning ``ids[b]``; see :meth:`for_tokens`).
+
+    ``exclude``: the log-probs wanted there are those of the distribution the sampler drew
+    from, the banned ids left out of the softmax (``algorithm.logprobs_of: sampler``),
+    not the model's over the whole vocabulary (``model``): see :func:`target_logprobs`."""
 
     ids: torch.Tensor
     at: torch.Tensor
+    exclude: bool = False
 
     def for_tokens(self) -> TokenBan:
         """The per-row form (``ids`` [B, K], ``at`` [B, R]) as one id list per token
@@ -340,12 +345,23 @@ class TokenBan:
         if self.ids.dim() == self.at.dim() + 1:
             return self
         R = self.at.shape[1]
-        return TokenBan(self.ids[:, None, :].expand(-1, R, -1), self.at)
+        return TokenBan(self.ids[:, None, :].expand(-1, R, -1), self.at, self.exclude)
 
     def leading(self, width: int) -> TokenBan:
         """The per-row form's first ``width`` response columns (a forward's logits cover
         the response up to its longest row)."""
-        return TokenBan(self.ids, self.at[:, :width])
+        return TokenBan(self.ids, self.at[:, :width], self.exclude)
+
+    def vocab_mask(self, vocab: int) -> torch.Tensor | None:
+        """The per-token form's (:meth:`for_tokens`) banned ids as a ``[..., vocab]`` bool
+        mask (True: banned at that token), or None where no token was sampled under the
+        ban."""
+        if not bool(self.at.any()):
+            return None
+        valid = (self.ids >= 0) & self.at[..., None]
+        hits = torch.zeros((*self.at.shape, vocab), dtype=torch.int32, device=self.at.device)
+        # counted, not written: a padding slot (-1, read as id 0) must not clear a real ban
+        return hits.scatter_add_(-1, self.ids.clamp(min=0).long(), valid.to(torch.int32)) > 0
 
 
 def allowed_logprob(logp_all: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
@@ -414,15 +430,40 @@ def target_logprobs(
     ``[..., vocab]``, targets ``[...]``), the distribution's entropy there (with
     ``with_entropy``), and with ``ban`` (per token: ``ids`` ``[..., K]``, ``at``
     ``[...]``) the log of the mass outside the banned ids where ``at`` holds
-    (:func:`allowed_logprob`; 0 elsewhere, no gradient), else None."""
+    (:func:`allowed_logprob`; 0 elsewhere, no gradient), else None.
+
+    With ``ban.exclude`` the distribution is the sampler's: where ``at`` holds, the
+    banned ids are left out of the softmax, so the log-prob is ``log p(a) - log(1 -
+    p(banned))`` with its gradient (none flows to the banned ids' logits there), the
+    entropy is that distribution's, and the mass outside the banned ids is all of it
+    (0)."""
     if temperature and temperature != 1.0:
         logits = logits / temperature
+    if ban is not None and ban.exclude:
+        return _sampler_logprobs(logits, targets, ban, with_entropy=with_entropy)
     logp_all = torch.log_softmax(logits, dim=-1)
     logp = torch.gather(logp_all, -1, targets.unsqueeze(-1)).squeeze(-1)
     entropy = None
     if with_entropy:
         entropy = -(logp_all.exp() * logp_all).sum(-1)
     return logp, entropy, _allowed_at(logp_all, ban)
+
+
+def _sampler_logprobs(
+    logits: torch.Tensor, targets: torch.Tensor, ban: TokenBan, *, with_entropy: bool
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """:func:`target_logprobs` under ``ban.exclude``: the banned ids masked out of the
+    softmax where ``ban.at`` holds (``logits`` already scaled by the temperature)."""
+    mask = ban.vocab_mask(logits.shape[-1])
+    if mask is not None:
+        logits = logits.masked_fill(mask, -torch.inf)
+    logp_all = torch.log_softmax(logits, dim=-1)
+    logp = torch.gather(logp_all, -1, targets.unsqueeze(-1)).squeeze(-1)
+    entropy = None
+    if with_entropy:
+        finite = logp_all if mask is None else logp_all.masked_fill(mask, 0.0)
+        entropy = -(logp_all.exp() * finite).sum(-1)
+    return logp, entropy, torch.zeros(ban.at.shape, dtype=torch.float32, device=logits.device)
 
 
 def _allowed_at(logp_all: torch.Tensor, ban: TokenBan | None) -> torch.Tensor | None:
@@ -491,16 +532,26 @@ def response_token_stats(
     lg = logits[:, first : first + R, :].float()
     if temperature and temperature != 1.0:
         lg = lg / temperature
+    token_ban = None if ban is None else ban.leading(R).for_tokens()
+    mask = None
+    if token_ban is not None and token_ban.exclude:
+        mask = token_ban.vocab_mask(lg.shape[-1])
+        if mask is not None:  # the sampler's distribution (see target_logprobs)
+            lg = lg.masked_fill(mask, -torch.inf)
     logp_all = torch.log_softmax(lg, dim=-1)
     p = logp_all.exp()
+    finite = logp_all if mask is None else logp_all.masked_fill(mask, 0.0)
     targets = input_ids[:, prompt_width : prompt_width + R]
     logp = torch.gather(logp_all, -1, targets.unsqueeze(-1)).squeeze(-1)
-    entropy = -(p * logp_all).sum(-1)
+    entropy = -(p * finite).sum(-1)
     nec = None
     if with_nec:
         p2 = p * p
-        nec = entropy * p2.sum(-1) + (p2 * logp_all).sum(-1)
-    allowed = _allowed_at(logp_all, None if ban is None else ban.leading(R).for_tokens())
+        nec = entropy * p2.sum(-1) + (p2 * finite).sum(-1)
+    if token_ban is not None and token_ban.exclude:
+        allowed = torch.zeros(token_ban.at.shape, dtype=torch.float32, device=lg.device)
+    else:
+        allowed = _allowed_at(logp_all, token_ban)
     return TokenStats(logp, entropy, nec, allowed)
 
 

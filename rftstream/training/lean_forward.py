@@ -295,7 +295,9 @@ class LeanForward:
         if ban is not None:  # the packed tokens' own rows' ids and places
             at = ban.at[:, :R].reshape(-1).index_select(0, place)
             token_ban = TokenBan(
-                ban.ids.index_select(0, torch.div(place, R, rounding_mode="floor")), at
+                ban.ids.index_select(0, torch.div(place, R, rounding_mode="floor")),
+                at,
+                ban.exclude,
             )
         logp, entropy, allowed = target_logprobs(
             torch.cat(heads),

@@ -20,7 +20,7 @@ import os
 import time
 from collections import defaultdict
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -43,6 +43,7 @@ from rftstream.model_loading import (
 )
 from rftstream.nats_server.embedded import free_port
 from rftstream.training.batch import (
+    TokenBan,
     TokenStats,
     TrainBatch,
     balanced_partitions,
@@ -193,6 +194,8 @@ class PolicyTrainer:
         self.algorithm = algorithm
         self.temperature = float(cfg.buffer.explorer_input.taskset.rollout_args.temperature or 1.0)
         self.loss_agg_mode = algorithm.config.loss_agg_mode or "token-mean"
+        # tokens sampled under a ban: log-probs of the sampler's distribution, not the model's
+        self.sampler_logprobs = algorithm.config.logprobs_of == "sampler"
         algo_type = algorithm.algorithm_type
         self.schema = str(getattr(algo_type, "schema", "experience"))
         self.pair_unit = 2 if self.schema == "dpo" else 1
@@ -499,10 +502,12 @@ class PolicyTrainer:
         zeros where a row has no response token (every pass alike, so that a difference of
         two passes is zero there, never a difference of two paddings). Rows that
         share a prompt under the lean forward skip the response padding altogether
-        (:meth:`LeanForward.shared_token_logprobs`)."""
+        (:meth:`LeanForward.shared_token_logprobs`). Under ``algorithm.logprobs_of:
+        sampler`` every pass gives the log-probs of the sampler's distribution where
+        tokens were sampled under a ban (:meth:`_token_ban`), ``banned`` or not."""
         lean = self._lean_for(model)
         shared = self._shares(mb)
-        ban = mb.token_ban() if banned else None
+        ban = self._token_ban(mb) if banned or self.sampler_logprobs else None
         if lean is not None and shared is not None:
             ids, mask, pos = mb.input_ids, mb.attention_mask, mb.position_ids
             return lean.shared_token_logprobs(
@@ -530,6 +535,12 @@ class PolicyTrainer:
             None if entropy is None else _zero_padding(entropy, mb),
             None if allowed is None else _zero_padding(allowed, mb),
         )
+
+    def _token_ban(self, mb: TrainBatch) -> TokenBan | None:
+        """``mb``'s tokens sampled under a ban (:meth:`TrainBatch.token_ban`), to be left out
+        of the softmax there under ``algorithm.logprobs_of: sampler``; None without any."""
+        ban = mb.token_ban()
+        return None if ban is None else replace(ban, exclude=self.sampler_logprobs)
 
     def _shares(self, mb: TrainBatch) -> tuple[torch.Tensor, torch.Tensor] | None:
         """``(first, inverse)`` of :func:`_shared_prompts` when ``trainer.share_prompts`` is
@@ -685,7 +696,7 @@ class PolicyTrainer:
                 self.temperature,
                 with_nec=with_nec,
                 logits_start=start,
-                ban=mb.token_ban(),
+                ban=self._token_ban(mb),
             )
 
             def columns(t: torch.Tensor | None, mb: TrainBatch = mb) -> torch.Tensor | None:

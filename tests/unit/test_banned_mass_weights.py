@@ -120,18 +120,23 @@ def test_the_fields_travel_and_collate(tmp_path: Path, tiny_model_path: str) -> 
     assert collate([plain], pad_token_id=0).token_ban() is None
 
 
+@pytest.mark.parametrize("logprobs_of", ["sampler", "model"])
 @pytest.mark.parametrize(
     "setup",
     ["reused_lean_shared", "recomputed_lean", "reused_hf", "recomputed_hf"],
 )
 def test_tokens_drawn_under_a_ban_weigh_what_the_banned_distributions_say(
-    tmp_path: Path, tiny_model_path: str, setup: str
+    tmp_path: Path, tiny_model_path: str, setup: str, logprobs_of: str
 ) -> None:
     """Every path that measures ``old_logprob`` (the gradient pass's own, or a no-grad
     pass; the lean forward with shared prompts, or the HF forward) gives weight 1 to every
-    token, where the unbanned ratio would be capped at 2 on every banned token."""
+    token, where the unbanned ratio would be capped at 2 on every banned token: with the
+    sampler's log-probs (``algorithm.logprobs_of: sampler``, the banned ids left out of
+    both sides) and with the model's (the behaviour's corrected by both banned masses)."""
     lean = setup.endswith(("lean", "lean_shared"))
     trainer = decoupled(tmp_path, tiny_model_path, lean_forward=lean)
+    assert trainer.sampler_logprobs  # the default
+    trainer.sampler_logprobs = logprobs_of == "sampler"
     if setup.startswith("recomputed"):
         trainer.reuse_old_logprob = False
     assert trainer.reuse_old_logprob == setup.startswith("reused")

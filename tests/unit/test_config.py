@@ -552,6 +552,12 @@ NOT_A_CHOICE = [
         "token-mean, seq-mean-token-sum, seq-mean-token-mean, seq-mean-token-sum-norm",
     ),
     (
+        {"algorithm": {"logprobs_of": "engine"}},
+        "algorithm.logprobs_of",
+        "engine",
+        "sampler, model",
+    ),
+    (
         {"monitor": {"monitor_type": "graphite"}},
         "monitor.monitor_type",
         "graphite",
