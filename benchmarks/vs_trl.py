@@ -20,6 +20,12 @@ Fairness (what a reviewer who distrusts the speed-up would check):
   every core (``torch.set_num_threads``, printed; ``--trl-threads``). rftstream runs
   ``rftstream up`` as it ships: trainer, explorer and operator host in their own
   processes, torch threads set per process by ``up`` (printed).
+* Where the two algorithms differ: tokens drawn under ``min_tokens`` (generation-heavy
+  only). rftstream trains the log-probs of the distribution the sampler drew them from,
+  the end tokens left out (``algorithm.logprobs_of: sampler``, its default); TRL those of
+  the model over the whole vocabulary, and has no option for the other.
+  ``--rft-set algorithm.logprobs_of=model`` runs rftstream with TRL's (printed at the
+  top); without bans the two take the same step (``tests/integration/test_trl_parity.py``).
 * The model is built, and both sides run once untimed (``--no-warmup`` skips it),
   before any timed run: every timed run starts on a warm cache.
 * Both clocks start in this (the parent) process just before the child starts; every
@@ -85,6 +91,13 @@ from statistics import median
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
+# printed at the top: where the two sides' algorithms differ (the generation-heavy workload)
+LOGPROBS_NOTE = (
+    "tokens drawn under min_tokens (generation-heavy): rftstream trains the log-probs of the "
+    "distribution they were drawn from, the end tokens left out (algorithm.logprobs_of: "
+    "sampler, its default); TRL the model's over the whole vocabulary "
+    "(--rft-set algorithm.logprobs_of=model: the same as TRL's)"
+)
 PLUGINS = ROOT / "benchmarks" / "plugins"
 THRESHOLD = 0.7
 STOP_AT = 0.9
@@ -557,6 +570,7 @@ class Settings:
     budget_s: float | None  # None: each workload's own (Workload.budget_s)
     trl_threads: int
     trl_metrics: bool = False  # TRL's own metrics of every step, to trl.jsonl.metrics.jsonl
+    rft_overrides: tuple[str, ...] = ()  # --rft-set: more ``up --set`` overrides, every run
 
     def budget_for(self, workload: Workload) -> float:
         """The cap per run of ``workload``'s runs, s."""
@@ -612,7 +626,7 @@ def run_rftstream(s: Settings, workload: Workload, seed: int, name: str) -> Curv
         *("--steps", str(s.max_steps), "--run-dir", str(run_dir), "--fresh"),
         *("--set", f"seed={seed}"),
     ]
-    for o in workload.overrides():
+    for o in (*workload.overrides(), *s.rft_overrides):
         argv += ["--set", o]
     if workload.plugins:
         argv += ["--plugin-dir", str(PLUGINS)]
@@ -1051,6 +1065,14 @@ def main(argv: list[str] | None = None) -> int:
         "each TRL run's trl.jsonl.metrics.jsonl (TRL then logs every step: compare curves "
         "with it, not seconds)",
     )
+    ap.add_argument(
+        "--rft-set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="another `rftstream up --set` for every rftstream run (repeatable), e.g. "
+        "algorithm.logprobs_of=model: TRL's log-probs under min_tokens",
+    )
     ap.add_argument("--out", default="benchmarks/results/vs_trl", help="runs, plot, results")
     args = ap.parse_args(argv)
     if args.cmd == "_trl":
@@ -1082,12 +1104,17 @@ def main(argv: list[str] | None = None) -> int:
         args.budget_s,
         args.trl_threads,
         args.trl_metrics,
+        tuple(args.rft_set),
     )
     console.print(
         f"TRL {trl.__version__} GRPOTrainer: one process, torch threads {s.trl_threads}, fp32, "
         "gradient checkpointing off, batch 64 = 8 prompts x 8, lr 2e-4, beta 0\n"
         f"rftstream up: trainer + explorer + operator host processes, torch threads "
-        f"{torch_threads_per_process(2)} per trainer/explorer process, operator 1\n"
+        f"{torch_threads_per_process(2)} per trainer/explorer process, operator 1"
+        + "".join(f"; --set {o}" for o in s.rft_overrides)
+        + "\n"
+        + LOGPROBS_NOTE
+        + "\n"
         f"{cpus} cores; seeds "
         + ", ".join(f"{w.name} {seed_range(plan[w.name])}" for w in workloads)
         + f"; stop at trailing {STOP_AT}, {s.after_s:.0f} s after "
