@@ -359,9 +359,13 @@ class TokenBan:
         if not bool(self.at.any()):
             return None
         valid = (self.ids >= 0) & self.at[..., None]
-        hits = torch.zeros((*self.at.shape, vocab), dtype=torch.int32, device=self.at.device)
-        # counted, not written: a padding slot (-1, read as id 0) must not clear a real ban
-        return hits.scatter_add_(-1, self.ids.clamp(min=0).long(), valid.to(torch.int32)) > 0
+        ids = self.ids.long()
+        # a padding slot (-1) writes where the token's first banned id is (True again), or
+        # with no banned id at that token, False at id 0 (False already)
+        first = ids.gather(-1, valid.long().argmax(-1, keepdim=True))
+        slots = torch.where(valid, ids, first).clamp(min=0)
+        mask = torch.zeros((*self.at.shape, vocab), dtype=torch.bool, device=self.at.device)
+        return mask.scatter_(-1, slots, valid.any(-1, keepdim=True).expand_as(slots))
 
 
 def allowed_logprob(logp_all: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
@@ -452,18 +456,46 @@ def target_logprobs(
 def _sampler_logprobs(
     logits: torch.Tensor, targets: torch.Tensor, ban: TokenBan, *, with_entropy: bool
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
-    """:func:`target_logprobs` under ``ban.exclude``: the banned ids masked out of the
-    softmax where ``ban.at`` holds (``logits`` already scaled by the temperature)."""
-    mask = ban.vocab_mask(logits.shape[-1])
-    if mask is not None:
-        logits = logits.masked_fill(mask, -torch.inf)
+    """:func:`target_logprobs` under ``ban.exclude`` (``logits`` already scaled by the
+    temperature), without a second ``[..., vocab]`` tensor: the model's log-softmax, then
+    where ``ban.at`` holds ``log pi(a) - log(1 - pi(banned))`` with its gradient.
+
+    ``log(1 - pi(banned))`` is ``log1p(-pi(banned))`` from the banned ids' gathered
+    log-probs where they hold under half the mass, and where they hold more the
+    log-sum-exp of the other tokens' log-probs on those positions only (``1 - p`` would be
+    rounding there, as in :func:`allowed_logprob`). The entropy is the banned
+    distribution's: from the model's entropy and the banned terms where the banned mass is
+    under half (divided by at most 2), from the masked rows where it is more."""
     logp_all = torch.log_softmax(logits, dim=-1)
     logp = torch.gather(logp_all, -1, targets.unsqueeze(-1)).squeeze(-1)
-    entropy = None
-    if with_entropy:
-        finite = logp_all if mask is None else logp_all.masked_fill(mask, 0.0)
-        entropy = -(logp_all.exp() * finite).sum(-1)
-    return logp, entropy, torch.zeros(ban.at.shape, dtype=torch.float32, device=logits.device)
+    entropy = -(logp_all.exp() * logp_all).sum(-1) if with_entropy else None
+    if not bool(ban.at.any()):
+        return logp, entropy, torch.zeros(ban.at.shape, dtype=torch.float32, device=logits.device)
+    valid = (ban.ids >= 0) & ban.at[..., None]
+    gathered = logp_all.gather(-1, ban.ids.clamp(min=0).long())  # [..., K]
+    zero = torch.zeros_like(gathered)
+    p_banned = torch.where(valid, gathered.exp(), zero).sum(-1)  # 0 where nothing is banned
+    big = p_banned > 0.5
+    # where the banned mass is over a half this gives 0 here and is replaced below (its
+    # gradient there is zero, never the infinite one of log1p(-1))
+    log_kept = torch.log1p(-torch.where(big, torch.zeros_like(p_banned), p_banned))
+    if entropy is not None:  # -sum over the kept ids of p log p, then of the banned distribution
+        kept_terms = entropy + torch.where(valid, gathered.exp() * gathered, zero).sum(-1)
+        entropy = torch.where(ban.at, kept_terms / log_kept.exp() + log_kept, entropy)
+    if bool(big.any()):
+        where = big.nonzero(as_tuple=True)
+        rows = logp_all[where]  # [n, vocab]: these positions only
+        ids, ok = ban.ids[where].long(), valid[where]
+        first = ids.gather(-1, ok.long().argmax(-1, keepdim=True))  # a banned id of the row
+        masked = rows.scatter(-1, torch.where(ok, ids, first), -torch.inf)
+        kept = torch.logsumexp(masked, dim=-1)
+        log_kept = log_kept.index_put(where, kept)
+        if entropy is not None:
+            lp = masked - kept[:, None]
+            finite = lp.masked_fill(torch.isinf(lp), 0.0)
+            entropy = entropy.index_put(where, -(lp.exp() * finite).sum(-1))
+    allowed = torch.zeros(ban.at.shape, dtype=torch.float32, device=logits.device)
+    return logp - log_kept, entropy, allowed
 
 
 def _allowed_at(logp_all: torch.Tensor, ban: TokenBan | None) -> torch.Tensor | None:
