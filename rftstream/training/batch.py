@@ -267,8 +267,11 @@ def collate(
         _put(returns_np, i, array_numpy(e, "returns"), nr)
         _put(rollout_np, i, array_numpy(e, "logprobs"), nr)
         rewards_np[i] = float(e.reward) if e.reward is not None else 0.0
+        # where the row was sampled under a ban: kept whether or not its rollout log-probs
+        # can serve as behaviour log-probs (rollout_logprob_mask says that), since the
+        # trainer's own log-probs there are the banned distribution's (logprobs_of)
         allowed = array_numpy(e, "allowed_logprobs")
-        if allowed is not None and has_rollout_logprobs(e, temperature):
+        if allowed is not None:
             banned = array_numpy(e, "banned_ids")
             if banned is not None and banned.shape[0]:
                 if allowed_np is None:
@@ -351,21 +354,6 @@ class TokenBan:
         """The per-row form's first ``width`` response columns (a forward's logits cover
         the response up to its longest row)."""
         return TokenBan(self.ids, self.at[:, :width], self.exclude)
-
-    def vocab_mask(self, vocab: int) -> torch.Tensor | None:
-        """The per-token form's (:meth:`for_tokens`) banned ids as a ``[..., vocab]`` bool
-        mask (True: banned at that token), or None where no token was sampled under the
-        ban."""
-        if not bool(self.at.any()):
-            return None
-        valid = (self.ids >= 0) & self.at[..., None]
-        ids = self.ids.long()
-        # a padding slot (-1) writes where the token's first banned id is (True again), or
-        # with no banned id at that token, False at id 0 (False already)
-        first = ids.gather(-1, valid.long().argmax(-1, keepdim=True))
-        slots = torch.where(valid, ids, first).clamp(min=0)
-        mask = torch.zeros((*self.at.shape, vocab), dtype=torch.bool, device=self.at.device)
-        return mask.scatter_(-1, slots, valid.any(-1, keepdim=True).expand_as(slots))
 
 
 def allowed_logprob(logp_all: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
@@ -457,31 +445,57 @@ def _sampler_logprobs(
     logits: torch.Tensor, targets: torch.Tensor, ban: TokenBan, *, with_entropy: bool
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
     """:func:`target_logprobs` under ``ban.exclude`` (``logits`` already scaled by the
-    temperature), without a second ``[..., vocab]`` tensor: the model's log-softmax, then
-    where ``ban.at`` holds ``log pi(a) - log(1 - pi(banned))`` with its gradient.
-
-    ``log(1 - pi(banned))`` is ``log1p(-pi(banned))`` from the banned ids' gathered
-    log-probs where they hold under half the mass, and where they hold more the
-    log-sum-exp of the other tokens' log-probs on those positions only (``1 - p`` would be
-    rounding there, as in :func:`allowed_logprob`). The entropy is the banned
-    distribution's: from the model's entropy and the banned terms where the banned mass is
-    under half (divided by at most 2), from the masked rows where it is more."""
+    temperature): the model's log-softmax, then :func:`_without_banned` where ``ban.at``
+    holds; the mass outside the banned ids is all of it (0)."""
     logp_all = torch.log_softmax(logits, dim=-1)
     logp = torch.gather(logp_all, -1, targets.unsqueeze(-1)).squeeze(-1)
     entropy = -(logp_all.exp() * logp_all).sum(-1) if with_entropy else None
-    if not bool(ban.at.any()):
-        return logp, entropy, torch.zeros(ban.at.shape, dtype=torch.float32, device=logits.device)
+    logp, entropy, _ = _without_banned(logp_all, logp, ban, entropy)
+    return logp, entropy, torch.zeros(ban.at.shape, dtype=torch.float32, device=logits.device)
+
+
+def _without_banned(
+    logp_all: torch.Tensor,
+    logp: torch.Tensor,
+    ban: TokenBan,
+    entropy: torch.Tensor | None,
+    squares: tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """The target log-prob, entropy and (with ``squares``, the model's ``sum(p^2)`` and
+    ``sum(p^2 log p)``) ``nec`` of the distribution without the banned ids where
+    ``ban.at`` holds, from the model's (``logp_all``, ``logp``, ``entropy``); the model's
+    elsewhere. Keeps the gradient; makes no second ``[..., vocab]`` tensor.
+
+    With ``q = 1 - p(banned)`` and sums over the kept ids: ``log p(a) - log q``; the
+    entropy ``-sum p log p / q + log q``; ``sum(p_b^2) = sum p^2 / q^2`` and ``sum(p_b^2
+    log p_b) = (sum p^2 log p - log q sum p^2) / q^2``; each kept sum the whole
+    vocabulary's less the banned ids' gathered terms, where those hold under half the
+    mass (``q`` at least a half). Where they hold more, ``1 - p`` would be rounding (as in
+    :func:`allowed_logprob`): those positions' rows alone are masked and measured
+    directly."""
     valid = (ban.ids >= 0) & ban.at[..., None]
-    gathered = logp_all.gather(-1, ban.ids.clamp(min=0).long())  # [..., K]
-    zero = torch.zeros_like(gathered)
-    p_banned = torch.where(valid, gathered.exp(), zero).sum(-1)  # 0 where nothing is banned
+    # padding slots gather id 0; zeroed so that no 0 * inf reaches a gradient
+    gathered = logp_all.gather(-1, ban.ids.clamp(min=0).long()).masked_fill(~valid, 0.0)
+    p_gathered = torch.where(valid, gathered.exp(), torch.zeros_like(gathered))
+    p_banned = p_gathered.sum(-1)  # 0 where nothing is banned
     big = p_banned > 0.5
-    # where the banned mass is over a half this gives 0 here and is replaced below (its
-    # gradient there is zero, never the infinite one of log1p(-1))
-    log_kept = torch.log1p(-torch.where(big, torch.zeros_like(p_banned), p_banned))
-    if entropy is not None:  # -sum over the kept ids of p log p, then of the banned distribution
-        kept_terms = entropy + torch.where(valid, gathered.exp() * gathered, zero).sum(-1)
-        entropy = torch.where(ban.at, kept_terms / log_kept.exp() + log_kept, entropy)
+    # where the banned mass is over a half this is replaced below; 0 here keeps its
+    # gradient zero, never the infinite one of log1p(-1)
+    small = torch.where(big, torch.zeros_like(p_banned), p_banned)
+    log_q, q = torch.log1p(-small), 1.0 - small
+    nec = None
+    if entropy is not None:
+        kept_entropy = entropy + (p_gathered * gathered).sum(-1)  # -sum over kept of p log p
+        entropy_b = kept_entropy / q + log_q
+        if squares is not None:
+            sum_p2, sum_p2_logp = squares
+            kept_p2 = sum_p2 - (p_gathered * p_gathered).sum(-1)
+            kept_p2_logp = sum_p2_logp - (p_gathered * p_gathered * gathered).sum(-1)
+            p2_b = kept_p2 / (q * q)
+            p2_logp_b = (kept_p2_logp - log_q * kept_p2) / (q * q)
+            nec_full = entropy * sum_p2 + sum_p2_logp
+            nec = torch.where(ban.at, entropy_b * p2_b + p2_logp_b, nec_full)
+        entropy = torch.where(ban.at, entropy_b, entropy)
     if bool(big.any()):
         where = big.nonzero(as_tuple=True)
         rows = logp_all[where]  # [n, vocab]: these positions only
@@ -489,13 +503,17 @@ def _sampler_logprobs(
         first = ids.gather(-1, ok.long().argmax(-1, keepdim=True))  # a banned id of the row
         masked = rows.scatter(-1, torch.where(ok, ids, first), -torch.inf)
         kept = torch.logsumexp(masked, dim=-1)
-        log_kept = log_kept.index_put(where, kept)
+        log_q = log_q.index_put(where, kept)
         if entropy is not None:
             lp = masked - kept[:, None]
             finite = lp.masked_fill(torch.isinf(lp), 0.0)
-            entropy = entropy.index_put(where, -(lp.exp() * finite).sum(-1))
-    allowed = torch.zeros(ban.at.shape, dtype=torch.float32, device=logits.device)
-    return logp - log_kept, entropy, allowed
+            p_b = lp.exp()
+            entropy_rows = -(p_b * finite).sum(-1)
+            entropy = entropy.index_put(where, entropy_rows)
+            if nec is not None:
+                p2 = p_b * p_b
+                nec = nec.index_put(where, entropy_rows * p2.sum(-1) + (p2 * finite).sum(-1))
+    return logp - log_q, entropy, nec
 
 
 def _allowed_at(logp_all: torch.Tensor, ban: TokenBan | None) -> torch.Tensor | None:
@@ -564,23 +582,23 @@ def response_token_stats(
     lg = logits[:, first : first + R, :].float()
     if temperature and temperature != 1.0:
         lg = lg / temperature
-    token_ban = None if ban is None else ban.leading(R).for_tokens()
-    mask = None
-    if token_ban is not None and token_ban.exclude:
-        mask = token_ban.vocab_mask(lg.shape[-1])
-        if mask is not None:  # the sampler's distribution (see target_logprobs)
-            lg = lg.masked_fill(mask, -torch.inf)
     logp_all = torch.log_softmax(lg, dim=-1)
     p = logp_all.exp()
-    finite = logp_all if mask is None else logp_all.masked_fill(mask, 0.0)
     targets = input_ids[:, prompt_width : prompt_width + R]
     logp = torch.gather(logp_all, -1, targets.unsqueeze(-1)).squeeze(-1)
-    entropy = -(p * finite).sum(-1)
+    entropy = -(p * logp_all).sum(-1)
     nec = None
+    squares = None
     if with_nec:
         p2 = p * p
-        nec = entropy * p2.sum(-1) + (p2 * finite).sum(-1)
-    if token_ban is not None and token_ban.exclude:
+        squares = (p2.sum(-1), (p2 * logp_all).sum(-1))
+        nec = entropy * squares[0] + squares[1]
+    token_ban = None if ban is None else ban.leading(R).for_tokens()
+    if token_ban is not None and token_ban.exclude:  # the sampler's distribution
+        if bool(token_ban.at.any()):
+            logp, banned_entropy, nec = _without_banned(logp_all, logp, token_ban, entropy, squares)
+            assert banned_entropy is not None
+            entropy = banned_entropy
         allowed = torch.zeros(token_ban.at.shape, dtype=torch.float32, device=lg.device)
     else:
         allowed = _allowed_at(logp_all, token_ban)

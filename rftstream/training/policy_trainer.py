@@ -746,7 +746,7 @@ class PolicyTrainer:
         ids = tokens.numpy() if tokens.device.type == "cpu" else tokens.cpu().numpy()
         if n and (int(ids.min()) < 0 or int(ids.max()) >= vocab):
             return f"experience {exp.eid.uid}: token ids outside the model's vocabulary (0..{vocab - 1})"
-        return None
+        return _ban_problem(exp, ids, vocab)
 
     # ------------------------------------------------------------ step
     def _whole_batch_statistics(self, rank_scale: float) -> contextlib.AbstractContextManager[None]:
@@ -1295,6 +1295,31 @@ def _advantage_inputs(algorithm: ResolvedAlgorithmProtocol) -> tuple[str, ...]:
             value=algorithm.config.advantage_fn,
         )
     return tuple(sorted(declared))
+
+
+def _ban_problem(exp: Experience, ids: Any, vocab: int) -> str | None:
+    """Why ``exp``'s ban (``banned_ids`` where ``allowed_logprobs`` < 0) cannot be trained,
+    or None: ids outside the vocabulary or repeated, or a response token drawn where its
+    own id was banned (its banned-distribution log-prob would be -inf)."""
+    if exp.allowed_logprobs is None or exp.banned_ids is None:
+        return None
+    banned = exp.banned_ids.cpu().numpy()
+    if banned.size == 0:
+        return None
+    uid = exp.eid.uid
+    if int(banned.min()) < 0 or int(banned.max()) >= vocab:
+        return f"experience {uid}: banned_ids outside the model's vocabulary (0..{vocab - 1})"
+    if len(set(banned.tolist())) != banned.size:
+        return f"experience {uid}: banned_ids repeats an id ({banned.tolist()})"
+    response = ids[exp.prompt_length :]
+    at = exp.allowed_logprobs.cpu().numpy()[: response.shape[0]] < 0
+    drawn = set(response[: at.shape[0]][at].tolist()) & set(banned.tolist())
+    if drawn:
+        return (
+            f"experience {uid}: response tokens {sorted(drawn)} were drawn where "
+            "allowed_logprobs says they were banned"
+        )
+    return None
 
 
 def _advantage_kwargs(

@@ -24,78 +24,84 @@ from tests.unit.test_trainer_fast_paths import grpo as decoupled  # decoupled_pp
 PROMPTS = [[5, 6, 8], [9, 10], [11, 12, 13, 14]]
 
 
-def masked_reference(
-    logits: torch.Tensor, ids: torch.Tensor, at: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Log-probs over the vocabulary and entropy of the sampler's distribution, one position
-    at a time: the banned ids set to -inf where ``at`` holds."""
-    flat, ban_ids, where = (
-        logits.reshape(-1, logits.shape[-1]),
-        ids.reshape(-1, ids.shape[-1]),
-        at.reshape(-1),
-    )
-    rows, entropies = [], []
-    for i in range(flat.shape[0]):
-        row = flat[i].clone()
-        if bool(where[i]):
-            for t in ban_ids[i].tolist():
-                if t >= 0:
-                    row[t] = -torch.inf
-        lp = torch.log_softmax(row, -1)
-        rows.append(lp)
-        p = lp.exp()
-        entropies.append(-(p * torch.where(p > 0, lp, torch.zeros_like(lp))).sum())
-    return torch.stack(rows).view(logits.shape), torch.stack(entropies).view(at.shape)
+def masked_stats(logits: torch.Tensor, ids: torch.Tensor, at: torch.Tensor) -> dict:
+    """The sampler's distribution built the plain way: the banned ids set to -inf where
+    ``at`` holds, then the log-softmax; its log-probs over the vocabulary, entropy and
+    ``nec`` per position (differentiable)."""
+    ban = torch.zeros(logits.shape, dtype=torch.bool)
+    for index in at.nonzero().tolist():
+        for t in ids[tuple(index)].tolist():
+            if t >= 0:
+                ban[(*index, t)] = True
+    lp = torch.log_softmax(logits.masked_fill(ban, -torch.inf), -1)
+    p = lp.exp()
+    finite = lp.masked_fill(ban, 0.0)
+    entropy = -(p * finite).sum(-1)
+    p2 = p * p
+    return {"all": lp, "entropy": entropy, "nec": entropy * p2.sum(-1) + (p2 * finite).sum(-1)}
 
 
 def test_the_sampler_distribution_leaves_the_banned_ids_out() -> None:
-    """Per token: the log-prob and entropy of the distribution without the banned ids where
-    the token was sampled under the ban, the model's elsewhere; no gradient reaches a
-    banned id's logit there; the mass outside the banned ids is all of it (0)."""
+    """Per token: the log-prob, entropy, ``nec`` and their gradients are those of the
+    distribution without the banned ids where the token was sampled under the ban, the
+    model's elsewhere (both ways of measuring the kept mass: under and over half banned,
+    one and two banned ids); the mass outside the banned ids is all of it (0)."""
     gen = torch.Generator().manual_seed(3)
     logits = torch.randn(3, 5, 11, generator=gen, dtype=torch.float64)
     logits[0, :, 2] += 6.0  # the end token holds most of the mass in row 0
     logits[2, :3, 2] += 6.0  # and at row 2's first three tokens; elsewhere a little
+    logits[1, 0, 2] += 3.0  # row 1 bans 2 and 7: together over half at its first token
+    logits[1, 0, 7] += 3.0
     logits.requires_grad_(True)
     targets = torch.randint(3, 11, (3, 5), generator=gen)
     ids = torch.tensor([[2, -1], [2, 7], [-1, 2]])[:, None, :].expand(-1, 5, -1)
     at = torch.tensor([[1, 1, 1, 0, 0], [1, 1, 0, 0, 0], [1, 1, 1, 1, 1]], dtype=torch.bool)
-    ban = TokenBan(ids, at, exclude=True)
-    p_banned = (
-        torch.softmax(logits.detach(), -1).gather(-1, ids.clamp(min=0)).mul(ids >= 0).sum(-1)[at]
-    )
-    # both ways of measuring the kept mass run: log1p(-p) and the masked rows' log-sum-exp
+    probs = torch.softmax(logits.detach(), -1).gather(-1, ids.clamp(min=0))
+    p_banned = probs.mul(ids >= 0).sum(-1)[at]
     assert bool((p_banned > 0.5).any()) and bool((p_banned < 0.5).any())
+    assert float(p_banned[3]) > 0.5  # row 1, token 0: two ids, over half
+    want = masked_stats(logits, ids, at)
+    want_logp = want["all"].gather(-1, targets[..., None]).squeeze(-1)
+
+    ban = TokenBan(ids, at, exclude=True)
     logp, entropy, allowed = target_logprobs(logits, targets, 1.0, with_entropy=True, ban=ban)
-    lp_all, want_entropy = masked_reference(logits.detach(), ids, at)
-    want = lp_all.gather(-1, targets[..., None]).squeeze(-1)
-    assert torch.allclose(logp.detach(), want, atol=1e-12)
-    assert entropy is not None and torch.allclose(entropy, want_entropy, atol=1e-12)
-    assert allowed is not None and allowed.abs().sum() == 0.0
-    model_logp, _, model_allowed = target_logprobs(
-        logits, targets, 1.0, with_entropy=False, ban=TokenBan(ids, at)
-    )
-    # unbanned positions: the model's log-probs; banned ones: minus the model's allowed mass
-    assert torch.allclose(logp.detach()[~at], model_logp.detach()[~at], atol=1e-12)
-    assert model_allowed is not None
-    assert torch.allclose(logp.detach()[at], (model_logp - model_allowed).detach()[at], atol=1e-10)
-    (grad,) = torch.autograd.grad(logp.sum(), logits)
+    assert entropy is not None and allowed is not None and allowed.abs().sum() == 0.0
+    assert torch.allclose(logp, want_logp, atol=1e-12)
+    assert torch.allclose(entropy, want["entropy"], atol=1e-12)
+    # the gradients too (a weighted sum, so each position's share counts), to the logits
+    weights = torch.randn(3, 5, generator=gen, dtype=torch.float64)
+    (got,) = torch.autograd.grad((weights * (logp + 0.3 * entropy)).sum(), logits)
+    (ref,) = torch.autograd.grad((weights * (want_logp + 0.3 * want["entropy"])).sum(), logits)
+    assert torch.allclose(got, ref, atol=1e-12)
+    # where banned, no gradient reaches the banned ids' logits
     for b, r in at.nonzero().tolist():
         for t in ids[b, r].tolist():
             if t >= 0:
-                assert abs(float(grad[b, r, t])) < 1e-12  # zero, to rounding
+                assert abs(float(got[b, r, t])) < 1e-12
+
+    model_logp, _, model_allowed = target_logprobs(
+        logits, targets, 1.0, with_entropy=False, ban=TokenBan(ids, at)
+    )
+    assert model_allowed is not None
+    assert torch.allclose(logp[~at], model_logp[~at], atol=1e-12)
+    assert torch.allclose(logp[at], (model_logp - model_allowed)[at], atol=1e-10)
     (model_grad,) = torch.autograd.grad(model_logp.sum(), logits)
     assert model_grad[0, 0, 2] < -0.5  # the model's log-probs push the end token down
-    # the no-grad statistics pass (rows, per-row ban ids) gives the same values
+
+    # the no-grad statistics pass (rows, per-row ban ids) gives the same values, nec too
     stats = response_token_stats(
         torch.cat([logits.detach(), torch.zeros(3, 1, 11, dtype=torch.float64)], 1),  # t: t + 1
         torch.cat([torch.ones(3, 1, dtype=torch.long), targets], 1),
         1,
         1.0,
+        with_nec=True,
         ban=TokenBan(ids[:, 0], at, exclude=True),
     )
-    assert torch.allclose(stats.logprob.double(), want, atol=1e-6)
-    assert torch.allclose(stats.entropy.double(), want_entropy, atol=1e-6)
+    # (float32: the pass casts its logits)
+    assert torch.allclose(stats.logprob.double(), want_logp.detach(), atol=1e-5)
+    assert torch.allclose(stats.entropy.double(), want["entropy"].detach(), atol=1e-5)
+    assert stats.nec is not None
+    assert torch.allclose(stats.nec.double(), want["nec"].detach(), atol=1e-5)
     assert stats.allowed is not None and stats.allowed.abs().sum() == 0.0
 
 
@@ -123,19 +129,21 @@ def banned_rollouts(trainer: PolicyTrainer, banned_tokens: int) -> list[Experien
     return out
 
 
-@pytest.mark.parametrize("path", ["lean_shared", "lean", "hf"])
+@pytest.mark.parametrize("path", ["lean_shared", "lean", "hf_shared", "hf"])
 @pytest.mark.parametrize("logprobs_of", ["sampler", "model"])
-def test_every_forward_path_trains_the_chosen_distribution(
+def test_every_pass_of_every_path_measures_the_chosen_distribution(
     tmp_path: Path, tiny_model_path: str, path: str, logprobs_of: str
 ) -> None:
-    """The gradient pass's log-probs of every path equal the HF model's log-softmax with the
-    end token masked where it was banned (``sampler``) or not (``model``); with every
-    token sampled under the ban, ``sampler`` sends no gradient to the end token's row."""
+    """The gradient pass's log-probs and entropies, the reference pass's log-probs and the
+    token-statistics pass of every path equal the HF model's log-softmax with the end token
+    masked where it was banned (``sampler``) or not (``model``); with every token sampled
+    under the ban, ``sampler`` sends no gradient to the end token's row."""
+    lean = path.startswith("lean")
     trainer = decoupled(
-        tmp_path, tiny_model_path, lean_forward=path != "hf", share_prompts=path == "lean_shared"
+        tmp_path, tiny_model_path, lean_forward=lean, share_prompts=path.endswith("shared")
     )
     trainer.sampler_logprobs = logprobs_of == "sampler"
-    assert bool(trainer._lean) == (path != "hf")
+    assert bool(trainer._lean) == lean
     end = int(trainer.tokenizer.eos_token_id)
     exps = banned_rollouts(trainer, banned_tokens=99)
     batch = collate(exps, trainer.pad_token_id, temperature=trainer.temperature)
@@ -144,6 +152,8 @@ def test_every_forward_path_trains_the_chosen_distribution(
     assert entropy is not None
     embeddings = model.get_input_embeddings().weight
     (grad,) = torch.autograd.grad(logp.sum(), embeddings)
+    reference = trainer._logprobs_no_grad(model, batch)  # as for a reference model
+    stats = trainer._token_stats_no_grad(batch, with_nec=False)
     for row, e in enumerate(exps):
         prompt, response = e.tokens[: e.prompt_length], e.tokens[e.prompt_length :]
         with torch.no_grad():
@@ -151,9 +161,21 @@ def test_every_forward_path_trains_the_chosen_distribution(
         if logprobs_of == "sampler":
             logits = logits.clone()
             logits[:, end] = -torch.inf
-        lp = torch.log_softmax(logits, -1).gather(-1, response[:, None].long()).squeeze(-1)
-        got = logp[row, : len(response)].detach()
-        assert torch.allclose(got, lp, atol=1e-4), (row, got, lp)
+        lp_all = torch.log_softmax(logits, -1)
+        lp = lp_all.gather(-1, response[:, None].long()).squeeze(-1)
+        ent = -(lp_all.exp() * lp_all.masked_fill(torch.isinf(lp_all), 0.0)).sum(-1)
+        n = len(response)
+        for name, got in [
+            ("logprob", logp[row, :n].detach()),
+            ("reference", reference[row, :n]),
+            ("stats", stats.logprob[row, :n]),
+        ]:
+            assert torch.allclose(got, lp, atol=1e-4), (name, row, got, lp)
+        for name, got in [
+            ("entropy", entropy[row, :n].detach()),
+            ("stats", stats.entropy[row, :n]),
+        ]:
+            assert torch.allclose(got, ent, atol=1e-4), (name, row, got, ent)
     # the end token is never an input here: its row's gradient comes from the softmax only
     assert all(end not in e.tokens.tolist() for e in exps)
     if logprobs_of == "sampler":
@@ -162,29 +184,43 @@ def test_every_forward_path_trains_the_chosen_distribution(
         assert grad[end].abs().max() > 1e-3
 
 
-@pytest.mark.parametrize("logprobs_of", ["sampler", "model"])
-def test_a_training_step_keeps_the_behaviour_weights_at_one(
-    tmp_path: Path, tiny_model_path: str, logprobs_of: str
+def test_rows_whose_rollout_logprobs_cannot_serve_keep_their_ban(tiny_model_path: str) -> None:
+    """A row flagged inexact (or sampled at another temperature) gets no behaviour weight,
+    but its tokens were still drawn under the ban: the batch keeps where."""
+    inexact = Experience(
+        tokens=[1, 2, 3, 4, 5],
+        prompt_length=2,
+        logprobs=[-1.0, -2.0, -3.0],
+        allowed_logprobs=[-9.5, -0.25, 0.0],
+        banned_ids=[4],
+        info={"logprobs_exact": False},
+    )
+    batch = collate([inexact], pad_token_id=0, temperature=1.0)
+    assert batch.rollout_logprob_mask.sum() == 0.0
+    ban = batch.token_ban()
+    assert ban is not None and ban.at.tolist() == [[True, True, False]]
+
+
+def test_a_ban_the_trainer_cannot_train_is_refused_by_name(
+    tmp_path: Path, tiny_model_path: str
 ) -> None:
-    """Rollout log-probs that are the policy's own under the ban give ``w`` = 1 in either
-    mode (each compares like with like), and a step runs."""
+    """``check_experience`` (the trainer's dead-letter check) names bad ``banned_ids``."""
     trainer = decoupled(tmp_path, tiny_model_path)
-    trainer.sampler_logprobs = logprobs_of == "sampler"
-    end = int(trainer.tokenizer.eos_token_id)
-    exps = banned_rollouts(trainer, banned_tokens=4)
-    model = trainer.engine.module
-    for e in exps:  # the policy's own log-probs, as the sampler under the ban records them
-        p = e.prompt_length
-        with torch.no_grad():
-            lp_all = torch.log_softmax(
-                model(input_ids=e.tokens[None].long()).logits[0, p - 1 : -1], -1
-            )
-        response = e.tokens[p:].long()
-        raw = lp_all.gather(-1, response[:, None]).squeeze(-1)
-        allowed = torch.log1p(-lp_all[:, end].exp())
-        allowed[4:] = 0.0
-        e.logprobs, e.allowed_logprobs = raw.float(), allowed.float()
-    out = trainer.train_step(exps)
-    assert out["actor/behav_imp_weight_max"] == pytest.approx(1.0, abs=2e-3)
-    assert out["actor/behav_imp_weight_capped_frac"] == 0.0
-    assert torch.isfinite(torch.tensor(out["actor/loss"]))
+
+    def exp(banned: list[int], tokens: list[int] | None = None) -> Experience:
+        return Experience(
+            tokens=tokens or [5, 6, 20, 21, 22],
+            prompt_length=2,
+            logprobs=[-1.0, -1.0, -1.0],
+            allowed_logprobs=[-0.5, -0.5, 0.0],
+            banned_ids=banned,
+            eid=EID(0, "t", 0),
+        )
+
+    assert trainer.check_experience(exp([2])) is None
+    assert "banned_ids outside" in (trainer.check_experience(exp([trainer.vocab_size])) or "")
+    assert "repeats an id" in (trainer.check_experience(exp([2, 2])) or "")
+    # token 21 drawn at the second response position, where 21 was banned
+    assert "[21] were drawn" in (trainer.check_experience(exp([2, 21])) or "")
+    # token 22 at the third position, after the ban: fine
+    assert trainer.check_experience(exp([2, 22])) is None
