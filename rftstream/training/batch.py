@@ -431,27 +431,15 @@ def target_logprobs(
     (0)."""
     if temperature and temperature != 1.0:
         logits = logits / temperature
-    if ban is not None and ban.exclude:
-        return _sampler_logprobs(logits, targets, ban, with_entropy=with_entropy)
     logp_all = torch.log_softmax(logits, dim=-1)
     logp = torch.gather(logp_all, -1, targets.unsqueeze(-1)).squeeze(-1)
     entropy = None
     if with_entropy:
         entropy = -(logp_all.exp() * logp_all).sum(-1)
+    if ban is not None and ban.exclude:  # the sampler's distribution: _without_banned
+        logp, entropy, _ = _without_banned(logp_all, logp, ban, entropy)
+        return logp, entropy, torch.zeros(ban.at.shape, dtype=torch.float32, device=logits.device)
     return logp, entropy, _allowed_at(logp_all, ban)
-
-
-def _sampler_logprobs(
-    logits: torch.Tensor, targets: torch.Tensor, ban: TokenBan, *, with_entropy: bool
-) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
-    """:func:`target_logprobs` under ``ban.exclude`` (``logits`` already scaled by the
-    temperature): the model's log-softmax, then :func:`_without_banned` where ``ban.at``
-    holds; the mass outside the banned ids is all of it (0)."""
-    logp_all = torch.log_softmax(logits, dim=-1)
-    logp = torch.gather(logp_all, -1, targets.unsqueeze(-1)).squeeze(-1)
-    entropy = -(logp_all.exp() * logp_all).sum(-1) if with_entropy else None
-    logp, entropy, _ = _without_banned(logp_all, logp, ban, entropy)
-    return logp, entropy, torch.zeros(ban.at.shape, dtype=torch.float32, device=logits.device)
 
 
 def _without_banned(

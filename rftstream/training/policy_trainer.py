@@ -30,7 +30,7 @@ from rftstream.config.resolved import ResolvedAlgorithmProtocol
 from rftstream.config.schema import Config
 from rftstream.engines.light_model import LightCausalLM, load_light_causal_lm
 from rftstream.errors import ConfigError
-from rftstream.experience import Experience
+from rftstream.experience import Experience, array_numpy
 from rftstream.model_loading import (
     HF_LOAD_LOCK,
     forward_kwargs,
@@ -1301,19 +1301,19 @@ def _ban_problem(exp: Experience, ids: Any, vocab: int) -> str | None:
     """Why ``exp``'s ban (``banned_ids`` where ``allowed_logprobs`` < 0) cannot be trained,
     or None: ids outside the vocabulary or repeated, or a response token drawn where its
     own id was banned (its banned-distribution log-prob would be -inf)."""
-    if exp.allowed_logprobs is None or exp.banned_ids is None:
-        return None
-    banned = exp.banned_ids.cpu().numpy()
-    if banned.size == 0:
+    allowed = array_numpy(exp, "allowed_logprobs")  # no tensor made off the wire
+    banned = array_numpy(exp, "banned_ids")
+    if allowed is None or banned is None or banned.size == 0:
         return None
     uid = exp.eid.uid
     if int(banned.min()) < 0 or int(banned.max()) >= vocab:
         return f"experience {uid}: banned_ids outside the model's vocabulary (0..{vocab - 1})"
-    if len(set(banned.tolist())) != banned.size:
+    banned_set = set(banned.tolist())
+    if len(banned_set) != banned.size:
         return f"experience {uid}: banned_ids repeats an id ({banned.tolist()})"
     response = ids[exp.prompt_length :]
-    at = exp.allowed_logprobs.cpu().numpy()[: response.shape[0]] < 0
-    drawn = set(response[: at.shape[0]][at].tolist()) & set(banned.tolist())
+    at = allowed[: response.shape[0]] < 0
+    drawn = set(response[: at.shape[0]][at].tolist()) & banned_set
     if drawn:
         return (
             f"experience {uid}: response tokens {sorted(drawn)} were drawn where "

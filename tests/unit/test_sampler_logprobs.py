@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from rftstream.experience import EID, Experience
+from rftstream.experience import EID, Experience, decode_group, encode_group
 from rftstream.training.batch import TokenBan, collate, response_token_stats, target_logprobs
 from rftstream.training.policy_trainer import PolicyTrainer
 from tests.unit.test_trainer_fast_paths import grpo as decoupled  # decoupled_ppo, batch 12
@@ -222,5 +222,8 @@ def test_a_ban_the_trainer_cannot_train_is_refused_by_name(
     assert "repeats an id" in (trainer.check_experience(exp([2, 2])) or "")
     # token 21 drawn at the second response position, where 21 was banned
     assert "[21] were drawn" in (trainer.check_experience(exp([2, 21])) or "")
+    # the same read off the wire, as the trainer's feed gets it
+    (wired,) = decode_group(encode_group([exp([2, 21])]))
+    assert "[21] were drawn" in (trainer.check_experience(wired) or "")
     # token 22 at the third position, after the ban: fine
     assert trainer.check_experience(exp([2, 22])) is None
